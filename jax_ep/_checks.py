@@ -1,0 +1,85 @@
+"""Bad-input checks (ARCHITECTURE.md §3): clear errors naming the argument and the expected value,
+raised while tracing, before anything runs."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ep.config import FP8_GROUP, HIDDEN_ALIGNMENT
+
+
+def _desc(x) -> str:
+    return f"{jnp.dtype(x.dtype).name}{list(x.shape)}"
+
+
+def axis_size(op: str, axis_name: str) -> int:
+    """The EP axis size, or an error explaining that the op belongs inside shard_map over that axis."""
+    try:
+        return int(jax.lax.axis_size(axis_name))
+    except (NameError, KeyError, ValueError) as err:
+        raise ValueError(
+            f"jax_ep.{op}: call it inside jax.shard_map over the Buffer's axis {axis_name!r} ({err})"
+        ) from None
+
+
+def topk_idx(op: str, idx, num_experts: int, num_tokens: int | None = None) -> None:
+    if idx.ndim != 2 or idx.dtype != jnp.int32:
+        raise TypeError(f"jax_ep.{op}: topk_idx must be int32 [num_tokens, num_topk], got {_desc(idx)}")
+    if num_tokens is not None and idx.shape[0] != num_tokens:
+        raise ValueError(f"jax_ep.{op}: topk_idx has {idx.shape[0]} tokens, x has {num_tokens}")
+    if not isinstance(idx, jax.core.Tracer):  # concrete values can be checked before launch
+        values = np.asarray(idx)
+        bad = values[(values < -1) | (values >= num_experts)]
+        if bad.size:
+            raise ValueError(f"jax_ep.{op}: topk_idx holds ids outside [-1, {num_experts}): {bad[:8].tolist()}")
+
+
+def topk_weights(op: str, weights, idx) -> None:
+    if weights is None:
+        return
+    if weights.dtype != jnp.float32 or weights.shape != idx.shape:
+        raise TypeError(f"jax_ep.{op}: topk_weights must be float32 {list(idx.shape)} like topk_idx, got {_desc(weights)}")
+
+
+def num_experts(op: str, value, num_ranks: int) -> int:
+    if value is None:
+        raise ValueError(f"jax_ep.{op}: num_experts is required (pass it or set it on the Buffer)")
+    if int(value) <= 0 or int(value) % num_ranks:
+        raise ValueError(f"jax_ep.{op}: num_experts must be a positive multiple of the {num_ranks} EP ranks, got {value}")
+    return int(value)
+
+
+def hidden(op: str, name: str, h: int) -> None:
+    if h <= 0 or h % HIDDEN_ALIGNMENT:
+        raise ValueError(f"jax_ep.{op}: {name} hidden size must be a positive multiple of {HIDDEN_ALIGNMENT}, got {h}")
+
+
+def payload(op: str, x) -> tuple[int, int]:
+    """x [T, H] floating, or the FP8 pair (e4m3 [T, H], float32 scales [T, H/128]); returns (T, H)."""
+    if isinstance(x, (tuple, list)):
+        if len(x) != 2:
+            raise TypeError(f"jax_ep.{op}: an FP8 x is the pair (x_e4m3, scales), got {len(x)} arrays")
+        values, scales = x
+        if values.ndim != 2 or values.dtype != jnp.float8_e4m3fn:
+            raise TypeError(f"jax_ep.{op}: x_e4m3 must be float8_e4m3fn [T, H], got {_desc(values)}")
+        hidden(op, "x", values.shape[1])
+        expected = (values.shape[0], values.shape[1] // FP8_GROUP)
+        if scales.dtype != jnp.float32 or scales.shape != expected:
+            raise TypeError(f"jax_ep.{op}: FP8 scales must be float32 {list(expected)}, got {_desc(scales)}")
+        return values.shape
+    if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"jax_ep.{op}: x must be a floating [num_tokens, hidden] array, got {_desc(x)}")
+    hidden(op, "x", x.shape[1])
+    return x.shape
+
+
+def positive(op: str, name: str, value) -> int:
+    if value is None or int(value) < 1:
+        raise ValueError(f"jax_ep.{op}: {name} must be a positive integer, got {value}")
+    return int(value)
+
+
+def exact(op: str, name: str, array, dtype, shape) -> None:
+    if array.dtype != jnp.dtype(dtype) or tuple(array.shape) != tuple(shape):
+        raise TypeError(f"jax_ep.{op}: {name} must be {jnp.dtype(dtype).name}{list(shape)}, got {_desc(array)}")

@@ -1,0 +1,60 @@
+"""Loads the native extension and registers its XLA FFI targets with JAX (once, at import)."""
+from __future__ import annotations
+
+import jax
+
+try:
+    from jax_ep import _C
+except ImportError as err:  # pragma: no cover - exercised only on a broken install
+    _C = None
+    _IMPORT_ERROR = err
+else:
+    _IMPORT_ERROR = None
+
+# Platforms (as XLA names them) for which each FFI target has a handler.
+_TARGET_PLATFORMS: dict[str, set[str]] = {}
+
+
+def _register_targets() -> None:
+    if _C is None:
+        return
+    for target, handlers in _C.registrations().items():
+        for platform, capsule in handlers.items():
+            jax.ffi.register_ffi_target(target, capsule, platform=platform)
+            _TARGET_PLATFORMS.setdefault(target, set()).add(platform.lower())
+
+
+_register_targets()
+
+
+def available() -> bool:
+    """Whether the native extension (jax_ep._C) loaded."""
+    return _C is not None
+
+
+def with_cuda() -> bool:
+    """Whether the extension was built with the CUDA kernels."""
+    return _C is not None and bool(_C.with_cuda)
+
+
+def with_nvshmem() -> bool:
+    """Whether the extension was built and linked against NVSHMEM."""
+    return _C is not None and bool(_C.with_nvshmem)
+
+
+def has_target(target: str, platform: str) -> bool:
+    """Whether `target` has a handler for `platform` ("cpu" or "cuda")."""
+    return platform.lower() in _TARGET_PLATFORMS.get(target, set())
+
+
+def require_nvshmem(feature: str) -> None:
+    """Raises a clear error when an NVSHMEM feature is asked for and the build has none."""
+    if not with_nvshmem():
+        raise RuntimeError(
+            f"jax_ep: {feature} needs NVSHMEM, but this jax_ep was built without it. Install the NVSHMEM wheel "
+            "(pip install 'jax_ep[cuda13]' or '[cuda12]') and rebuild jax_ep with nvcc on the PATH."
+        )
+
+
+def import_error() -> Exception | None:
+    return _IMPORT_ERROR

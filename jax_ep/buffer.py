@@ -1,0 +1,116 @@
+"""`Buffer`: the per-EP-group communication state, created outside `jit` from a mesh and its EP axis."""
+from __future__ import annotations
+
+import itertools
+from typing import Literal
+
+import jax
+from jax.sharding import Mesh
+
+from jax_ep import _native
+from jax_ep.config import HIDDEN_ALIGNMENT, Config
+
+Backend = Literal["auto", "cuda", "xla"]
+_BACKENDS = ("auto", "cuda", "xla")
+# FFI target whose presence means the CUDA normal-mode kernels were built.
+CUDA_DISPATCH_TARGET = "jax_ep_dispatch"
+
+_buffer_ids = itertools.count(1)
+
+
+def _platform_of(mesh: Mesh) -> str:
+    platforms = {d.platform for d in mesh.devices.flat}
+    if len(platforms) != 1:
+        raise ValueError(f"jax_ep.Buffer: the mesh mixes device platforms {sorted(platforms)}")
+    return platforms.pop()
+
+
+def resolve_backend(requested: str, platform: str) -> str:
+    """`auto` takes the CUDA kernels on CUDA devices when they were built, else the portable `xla` backend."""
+    if requested not in _BACKENDS:
+        raise ValueError(f"jax_ep: backend must be one of {_BACKENDS}, got {requested!r}")
+    cuda_kernels = _native.has_target(CUDA_DISPATCH_TARGET, "cuda")
+    if requested == "xla":
+        return "xla"
+    if requested == "cuda":
+        if platform != "gpu":
+            raise ValueError(f"jax_ep: backend='cuda' needs CUDA devices, the mesh is on {platform!r}")
+        if not cuda_kernels:
+            raise RuntimeError(
+                "jax_ep: backend='cuda' asked for, but this build has no CUDA dispatch/combine kernels "
+                "(see the feature table in README.md); use backend='xla' or 'auto'"
+            )
+        return "cuda"
+    return "cuda" if platform == "gpu" and cuda_kernels else "xla"
+
+
+class Buffer:
+    """Communication state for expert parallelism over one mesh axis.
+
+    Create it outside `jit`; pass it to `jax_ep.dispatch`, `combine`, ... inside a `shard_map` over
+    `axis_name`. Low-latency ops need `num_max_dispatch_tokens_per_rank`, `hidden` and `num_experts`
+    (the buffer is sized for them and every call is checked against them).
+    Use as a context manager or call `destroy()` to release device memory.
+    """
+
+    def __init__(
+        self,
+        mesh: Mesh,
+        axis_name: str = "ep",
+        *,
+        config: Config | None = None,
+        backend: Backend = "auto",
+        num_max_dispatch_tokens_per_rank: int | None = None,
+        hidden: int | None = None,
+        num_experts: int | None = None,
+    ):
+        if not isinstance(mesh, Mesh):
+            raise TypeError(f"jax_ep.Buffer: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+        if axis_name not in mesh.shape:
+            raise ValueError(f"jax_ep.Buffer: axis_name {axis_name!r} is not an axis of the mesh {dict(mesh.shape)}")
+        self.mesh = mesh
+        self.axis_name = axis_name
+        self.num_ranks = int(mesh.shape[axis_name])
+        self.config = config if config is not None else Config()
+        self.platform = _platform_of(mesh)
+        self.backend = resolve_backend(backend, self.platform)
+        if hidden is not None and (hidden <= 0 or hidden % HIDDEN_ALIGNMENT):
+            raise ValueError(f"jax_ep.Buffer: hidden must be a positive multiple of {HIDDEN_ALIGNMENT}, got {hidden}")
+        if num_experts is not None and (num_experts <= 0 or num_experts % self.num_ranks):
+            raise ValueError(
+                f"jax_ep.Buffer: num_experts must be a positive multiple of the {self.num_ranks} ranks on "
+                f"axis {axis_name!r}, got {num_experts}"
+            )
+        if num_max_dispatch_tokens_per_rank is not None and num_max_dispatch_tokens_per_rank <= 0:
+            raise ValueError(
+                f"jax_ep.Buffer: num_max_dispatch_tokens_per_rank must be positive, got {num_max_dispatch_tokens_per_rank}"
+            )
+        self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank
+        self.hidden = hidden
+        self.num_experts = num_experts
+        self.buffer_id = next(_buffer_ids)
+        self._alive = True
+
+    @property
+    def alive(self) -> bool:
+        return self._alive
+
+    def check_alive(self) -> None:
+        if not self._alive:
+            raise RuntimeError("jax_ep: this Buffer was destroyed; create a new one")
+
+    def destroy(self) -> None:
+        """Releases the buffer's device memory. Idempotent."""
+        self._alive = False
+
+    def __enter__(self) -> "Buffer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.destroy()
+
+    def __repr__(self) -> str:
+        return (
+            f"Buffer(axis={self.axis_name!r}, ranks={self.num_ranks}, backend={self.backend!r}, "
+            f"platform={self.platform!r})"
+        )

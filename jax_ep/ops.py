@@ -1,0 +1,376 @@
+"""The public ops, for use inside `jax.shard_map` over a Buffer's EP axis (ARCHITECTURE.md §3).
+
+Each op checks its inputs while tracing, then runs the backend the Buffer resolved (`cuda` kernels through
+`jax.ffi.ffi_call`, or the portable `xla` backend). Normal-mode dispatch and combine carry `custom_vjp`
+rules: d dispatch = combine of the cotangents, d combine = cached dispatch of the cotangent.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ep import _checks, _native, xla_backend
+from jax_ep.buffer import Buffer
+from jax_ep.types import (
+    CombineResult,
+    DispatchLayout,
+    DispatchResult,
+    LowLatencyDispatchResult,
+    LowLatencyHandle,
+)
+
+LAYOUT_TARGET = "jax_ep_layout"
+
+
+def _zero_cotangent(tree):
+    """Cotangent for non-differentiable (integer / bool) inputs."""
+    return jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), tree)
+
+
+def _is_fp8_pair(x) -> bool:
+    return isinstance(x, (tuple, list))
+
+
+def _leaves(x) -> tuple:
+    return tuple(x) if _is_fp8_pair(x) else (x,)
+
+
+def _like(x, leaves):
+    return tuple(leaves) if _is_fp8_pair(x) else leaves[0]
+
+
+def _raise_on_count(op: str, what: str, count) -> None:
+    """Turns a positive device-side count (dropped tokens, invalid ids) into an error (`strict`)."""
+
+    def check(value):
+        if int(value) > 0:
+            raise RuntimeError(f"jax_ep.{op}(strict=True): {int(value)} {what}")
+
+    jax.debug.callback(check, count)
+
+
+# ---- layout ---------------------------------------------------------------------------------------------
+
+def _layout_ffi(topk_idx, num_experts: int, num_ranks: int) -> DispatchLayout:
+    aval = jax.typeof(topk_idx)
+    result_types = (
+        aval.update(shape=(num_ranks,), dtype=jnp.int32),
+        aval.update(shape=(num_experts,), dtype=jnp.int32),
+        aval.update(shape=(topk_idx.shape[0], num_ranks), dtype=jnp.bool_),
+        aval.update(shape=(), dtype=jnp.int32),
+    )
+    outs = jax.ffi.ffi_call(LAYOUT_TARGET, result_types)(
+        topk_idx, num_experts=np.int64(num_experts), num_ranks=np.int64(num_ranks)
+    )
+    return DispatchLayout(*outs)
+
+
+def get_dispatch_layout(buffer: Buffer, topk_idx, num_experts: int | None = None) -> DispatchLayout:
+    """Per-rank routing summary of `topk_idx` [T, K] (int32): tokens per rank and per expert (each counted
+    once however many of its entries point there), `is_token_in_rank` [T, R] and `invalid_ids`.
+    Runs the native FFI handler on platforms that have one (CPU, CUDA), else the `xla` implementation."""
+    buffer.check_alive()
+    num_ranks = _checks.axis_size("get_dispatch_layout", buffer.axis_name)
+    num_experts = _checks.num_experts("get_dispatch_layout", num_experts or buffer.num_experts, num_ranks)
+    _checks.topk_idx("get_dispatch_layout", topk_idx, num_experts)
+    portable = functools.partial(xla_backend.layout, num_experts=num_experts, num_ranks=num_ranks)
+    native = functools.partial(_layout_ffi, num_experts=num_experts, num_ranks=num_ranks)
+    branches = {p: native for p in ("cpu", "cuda") if _native.has_target(LAYOUT_TARGET, p)}
+    if not branches:
+        return portable(topk_idx)
+    return jax.lax.platform_dependent(topk_idx, default=portable, **branches)
+
+
+# ---- normal dispatch / combine ---------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _NormalSpec:
+    """Static parameters of one normal-mode call (hashable: a nondiff argument of the custom_vjp)."""
+
+    backend: str
+    axis_name: str
+    num_ranks: int
+    num_experts: int
+    capacity: int
+    expert_alignment: int
+
+
+def _backend_dispatch(spec: _NormalSpec, x, topk_idx, topk_weights):
+    if spec.backend == "xla":
+        return xla_backend.dispatch(
+            _leaves(x), topk_idx, topk_weights, axis_name=spec.axis_name, num_ranks=spec.num_ranks,
+            num_experts=spec.num_experts, capacity=spec.capacity, expert_alignment=spec.expert_alignment,
+        )
+    raise NotImplementedError(f"jax_ep: no {spec.backend!r} dispatch kernel in this build")
+
+
+def _backend_cached_dispatch(spec: _NormalSpec, leaf, handle):
+    if spec.backend == "xla":
+        return xla_backend.cached_dispatch(leaf, handle, axis_name=spec.axis_name)
+    raise NotImplementedError(f"jax_ep: no {spec.backend!r} cached dispatch kernel in this build")
+
+
+def _backend_combine(spec: _NormalSpec, leaf, handle):
+    """float32 [T, ...]: rows summed over the ranks that received each token, in rank order."""
+    if spec.backend == "xla":
+        return xla_backend.combine(leaf, handle, axis_name=spec.axis_name, num_ranks=spec.num_ranks)
+    raise NotImplementedError(f"jax_ep: no {spec.backend!r} combine kernel in this build")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _dispatch(spec, x, topk_idx, topk_weights):
+    recv, recv_idx, recv_w, num_recv, per_expert, dropped, invalid, handle = _backend_dispatch(spec, x, topk_idx, topk_weights)
+    return DispatchResult(_like(x, recv), recv_idx, recv_w, num_recv, per_expert, dropped, invalid, handle)
+
+
+def _dispatch_fwd(spec, x, topk_idx, topk_weights):
+    out = _dispatch(spec, x, topk_idx, topk_weights)
+    return out, (out.handle, out.recv_topk_idx, topk_idx)
+
+
+def _dispatch_bwd(spec, residual, cotangent):
+    handle, recv_topk_idx, topk_idx = residual
+    d_x = jax.tree.map(lambda g: _backend_combine(spec, g, handle).astype(g.dtype), cotangent.recv_x)
+    d_weights = None
+    if cotangent.recv_topk_weights is not None:
+        # Only entries whose expert lives on the receiving rank carry the weight; the others are constant 0.
+        kept = jnp.where(recv_topk_idx >= 0, cotangent.recv_topk_weights, 0.0)
+        d_weights = _backend_combine(spec, kept, handle)
+    return d_x, _zero_cotangent(topk_idx), d_weights
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _cached_dispatch(spec, x, handle):
+    return jax.tree.map(lambda leaf: _backend_cached_dispatch(spec, leaf, handle), x)
+
+
+def _cached_dispatch_fwd(spec, x, handle):
+    return _cached_dispatch(spec, x, handle), handle
+
+
+def _cached_dispatch_bwd(spec, handle, cotangent):
+    d_x = jax.tree.map(lambda g: _backend_combine(spec, g, handle).astype(g.dtype), cotangent)
+    return d_x, _zero_cotangent(handle)
+
+
+_cached_dispatch.defvjp(_cached_dispatch_fwd, _cached_dispatch_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _combine(spec, y, handle, topk_weights, bias):
+    out = _backend_combine(spec, y, handle)
+    if bias is not None:
+        out = out + bias.astype(jnp.float32)
+    weights = None if topk_weights is None else _backend_combine(spec, topk_weights, handle)
+    return CombineResult(out.astype(y.dtype), weights)
+
+
+def _combine_fwd(spec, y, handle, topk_weights, bias):
+    return _combine(spec, y, handle, topk_weights, bias), (handle, bias)
+
+
+def _combine_bwd(spec, residual, cotangent):
+    handle, bias = residual
+    d_y = _backend_cached_dispatch(spec, cotangent.x, handle)
+    d_weights = None if cotangent.topk_weights is None else _backend_cached_dispatch(spec, cotangent.topk_weights, handle)
+    d_bias = None if bias is None else cotangent.x.astype(bias.dtype)
+    return d_y, _zero_cotangent(handle), d_weights, d_bias
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)
+
+
+def _normal_spec(op: str, buffer: Buffer, num_experts, capacity=None, expert_alignment=1) -> _NormalSpec:
+    buffer.check_alive()
+    num_ranks = _checks.axis_size(op, buffer.axis_name)
+    return _NormalSpec(
+        backend=buffer.backend, axis_name=buffer.axis_name, num_ranks=num_ranks,
+        num_experts=0 if num_experts is None else _checks.num_experts(op, num_experts, num_ranks),
+        capacity=0 if capacity is None else _checks.positive(op, "max_recv_tokens", capacity),
+        expert_alignment=_checks.positive(op, "expert_alignment", expert_alignment),
+    )
+
+
+def dispatch(
+    buffer: Buffer,
+    x,
+    topk_idx=None,
+    topk_weights=None,
+    *,
+    num_experts: int | None = None,
+    max_recv_tokens: int | None = None,
+    expert_alignment: int = 1,
+    strict: bool = False,
+    handle: Any = None,
+) -> DispatchResult:
+    """Sends token `t` to every rank that holds one of its top-k experts (once per rank).
+
+    x: [T, H] floating, or the FP8 pair (x_e4m3 [T, H], scales float32 [T, H/128]), passed through.
+    topk_idx: int32 [T, K] global expert ids, -1 for none. topk_weights: optional float32 [T, K].
+    max_recv_tokens: the capacity C of the outputs (default R*T, which never drops).
+    strict: raise at run time when tokens were dropped or ids were outside [-1, E).
+    handle: the handle of an earlier dispatch: a cached dispatch of new data along the same routing
+    (returns recv_x and the handle; other fields None).
+    """
+    if handle is not None:
+        spec = _normal_spec("dispatch", buffer, None)
+        num_tokens, _ = _checks.payload("dispatch", x)
+        if num_tokens != handle_num_tokens(handle):
+            raise ValueError(f"jax_ep.dispatch: x has {num_tokens} tokens, the handle routes {handle_num_tokens(handle)}")
+        recv_x = _like(x, _cached_dispatch(spec, _leaves(x), handle))
+        return DispatchResult(recv_x, None, None, None, None, None, None, handle)
+    if topk_idx is None:
+        raise ValueError("jax_ep.dispatch: topk_idx is required (or pass handle= for a cached dispatch)")
+    num_experts = num_experts or buffer.num_experts
+    num_tokens, _ = _checks.payload("dispatch", x)
+    spec = _normal_spec("dispatch", buffer, num_experts, None, expert_alignment)
+    _checks.topk_idx("dispatch", topk_idx, spec.num_experts, num_tokens)
+    _checks.topk_weights("dispatch", topk_weights, topk_idx)
+    capacity = spec.num_ranks * num_tokens if max_recv_tokens is None else _checks.positive("dispatch", "max_recv_tokens", max_recv_tokens)
+    spec = dataclasses.replace(spec, capacity=capacity)
+    out = _dispatch(spec, _leaves(x) if _is_fp8_pair(x) else x, topk_idx, topk_weights)
+    if strict:
+        _raise_on_count("dispatch", "received tokens did not fit max_recv_tokens (raise it)", out.num_dropped)
+        _raise_on_count("dispatch", "top-k ids were outside [-1, num_experts)", out.invalid_ids)
+    return out
+
+
+def handle_num_tokens(handle) -> int:
+    """The number of tokens per rank a normal-mode handle routes."""
+    return handle.is_token_in_rank.shape[0]
+
+
+def handle_capacity(handle) -> int:
+    return handle.recv_src_index.shape[0]
+
+
+def combine(buffer: Buffer, y, handle, topk_weights=None, bias=None) -> CombineResult:
+    """Brings rows back to their home rank and sums them: out[t] = sum over the ranks r that received t of
+    y_r[row of t], unweighted, in float32 in rank order, cast to y's dtype. Padding rows are ignored.
+    topk_weights [C, K] float32 are summed the same way; bias [T, H] is added in float32."""
+    spec = _normal_spec("combine", buffer, None)
+    capacity, num_tokens = handle_capacity(handle), handle_num_tokens(handle)
+    if y.ndim != 2 or y.shape[0] != capacity or not jnp.issubdtype(y.dtype, jnp.floating):
+        raise TypeError(f"jax_ep.combine: y must be floating [{capacity}, hidden] (the dispatch capacity), got "
+                        f"{jnp.dtype(y.dtype).name}{list(y.shape)}")
+    _checks.hidden("combine", "y", y.shape[1])
+    if topk_weights is not None and (topk_weights.ndim != 2 or topk_weights.shape[0] != capacity):
+        raise TypeError(f"jax_ep.combine: topk_weights must be float32 [{capacity}, num_topk], got {list(topk_weights.shape)}")
+    if topk_weights is not None:
+        _checks.exact("combine", "topk_weights", topk_weights, jnp.float32, (capacity, topk_weights.shape[1]))
+    if bias is not None and tuple(bias.shape) != (num_tokens, y.shape[1]):
+        raise TypeError(f"jax_ep.combine: bias must be [{num_tokens}, {y.shape[1]}], got {list(bias.shape)}")
+    return _combine(spec, y, handle, topk_weights, bias)
+
+
+# ---- low latency -----------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _LowLatencySpec:
+    backend: str
+    axis_name: str
+    num_ranks: int
+    num_experts: int
+    num_max_tokens: int
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LowLatencyPending:
+    """The in-flight half of a split low-latency op: pass it to the matching `*_recv`."""
+
+    state: Any
+    spec: _LowLatencySpec = dataclasses.field(metadata=dict(static=True))
+    extra: Any = dataclasses.field(default=None, metadata=dict(static=True))
+
+
+def _low_latency_spec(op: str, buffer: Buffer, num_tokens: int, hidden: int) -> _LowLatencySpec:
+    buffer.check_alive()
+    num_ranks = _checks.axis_size(op, buffer.axis_name)
+    missing = [n for n in ("num_max_dispatch_tokens_per_rank", "hidden", "num_experts") if getattr(buffer, n) is None]
+    if missing:
+        raise ValueError(f"jax_ep.{op}: create the Buffer with {', '.join(missing)} for low-latency ops")
+    if num_tokens > buffer.num_max_dispatch_tokens_per_rank:
+        raise ValueError(f"jax_ep.{op}: {num_tokens} tokens exceed the Buffer's num_max_dispatch_tokens_per_rank="
+                         f"{buffer.num_max_dispatch_tokens_per_rank}")
+    if hidden != buffer.hidden:
+        raise ValueError(f"jax_ep.{op}: hidden {hidden} differs from the Buffer's hidden={buffer.hidden}")
+    return _LowLatencySpec(buffer.backend if buffer.backend == "xla" else "xla", buffer.axis_name, num_ranks,
+                           _checks.num_experts(op, buffer.num_experts, num_ranks), buffer.num_max_dispatch_tokens_per_rank)
+
+
+def low_latency_dispatch_send(buffer: Buffer, x, topk_idx, *, use_fp8: bool = True, round_scale: bool = False,
+                              use_ue8m0: bool = False, cumulative_local_expert_recv_stats=None) -> LowLatencyPending:
+    """Send half of `low_latency_dispatch`; computation can be scheduled before `low_latency_dispatch_recv`."""
+    op = "low_latency_dispatch"
+    if x.ndim != 2:
+        raise TypeError(f"jax_ep.{op}: x must be bfloat16 [num_tokens, hidden], got {_checks._desc(x)}")
+    _checks.exact(op, "x", x, jnp.bfloat16, x.shape)
+    spec = _low_latency_spec(op, buffer, x.shape[0], x.shape[1])
+    _checks.topk_idx(op, topk_idx, spec.num_experts, x.shape[0])
+    if use_ue8m0 and not round_scale:
+        raise ValueError(f"jax_ep.{op}: use_ue8m0=True needs round_scale=True")
+    if cumulative_local_expert_recv_stats is not None:
+        _checks.exact(op, "cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, jnp.int32,
+                      (spec.num_experts // spec.num_ranks,))
+    state = xla_backend.low_latency_dispatch_send(
+        x, topk_idx, axis_name=spec.axis_name, num_experts=spec.num_experts, use_fp8=use_fp8,
+        round_scale=round_scale, use_ue8m0=use_ue8m0)
+    return LowLatencyPending((state, cumulative_local_expert_recv_stats), spec, extra=use_fp8)
+
+
+def low_latency_dispatch_recv(buffer: Buffer, pending: LowLatencyPending) -> LowLatencyDispatchResult:
+    """Receive half of `low_latency_dispatch`."""
+    state, stats = pending.state
+    spec, use_fp8 = pending.spec, pending.extra
+    recv, recv_count, handle, invalid = xla_backend.low_latency_dispatch_recv(
+        state, axis_name=spec.axis_name, num_ranks=spec.num_ranks, num_experts=spec.num_experts,
+        num_max_tokens=spec.num_max_tokens)
+    stats = None if stats is None else stats + recv_count
+    return LowLatencyDispatchResult(tuple(recv) if use_fp8 else recv[0], recv_count, handle, stats, invalid)
+
+
+def low_latency_dispatch(buffer: Buffer, x, topk_idx, *, use_fp8: bool = True, round_scale: bool = False,
+                         use_ue8m0: bool = False, cumulative_local_expert_recv_stats=None) -> LowLatencyDispatchResult:
+    """Decode-time dispatch: each local expert receives its tokens packed by (source rank, source token).
+
+    x: bfloat16 [T, H] with T <= the Buffer's num_max_dispatch_tokens_per_rank (M). Returns recv_x
+    [L, R*M, H] (BF16, or with use_fp8 the pair (e4m3, scales)), recv_count [L], the handle for combine and,
+    when given, the statistics plus this call's counts."""
+    pending = low_latency_dispatch_send(buffer, x, topk_idx, use_fp8=use_fp8, round_scale=round_scale,
+                                        use_ue8m0=use_ue8m0,
+                                        cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats)
+    return low_latency_dispatch_recv(buffer, pending)
+
+
+def low_latency_combine_send(buffer: Buffer, y, topk_idx, topk_weights, handle: LowLatencyHandle) -> LowLatencyPending:
+    """Send half of `low_latency_combine`."""
+    op = "low_latency_combine"
+    spec = _low_latency_spec(op, buffer, topk_idx.shape[0], y.shape[-1])
+    experts_per_rank = spec.num_experts // spec.num_ranks
+    _checks.exact(op, "y", y, jnp.bfloat16, (experts_per_rank, spec.num_ranks * spec.num_max_tokens, buffer.hidden))
+    _checks.topk_idx(op, topk_idx, spec.num_experts)
+    _checks.exact(op, "topk_weights", topk_weights, jnp.float32, topk_idx.shape)
+    _checks.exact(op, "handle.src_token_index", handle.src_token_index, jnp.int32, y.shape[:2])
+    returned = xla_backend.low_latency_combine_send(y, handle, topk_idx.shape[0], axis_name=spec.axis_name,
+                                                    num_ranks=spec.num_ranks)
+    return LowLatencyPending((returned, topk_idx, topk_weights), spec)
+
+
+def low_latency_combine_recv(buffer: Buffer, pending: LowLatencyPending):
+    """Receive half of `low_latency_combine`: bfloat16 [T, H]."""
+    returned, topk_idx, topk_weights = pending.state
+    return xla_backend.low_latency_combine_recv(returned, topk_idx, topk_weights, num_experts=pending.spec.num_experts)
+
+
+def low_latency_combine(buffer: Buffer, y, topk_idx, topk_weights, handle: LowLatencyHandle):
+    """out[t] = sum_k topk_weights[t, k] * (expert k's output row for t), float32 in k order, bfloat16 [T, H]."""
+    return low_latency_combine_recv(buffer, low_latency_combine_send(buffer, y, topk_idx, topk_weights, handle))
