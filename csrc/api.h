@@ -28,3 +28,101 @@ cudaError_t layout_cuda(const int32_t* topk_idx, int64_t num_tokens, int64_t num
 
 }  // namespace jax_ep
 #endif
+
+#if defined(JAX_EP_WITH_CUDA)
+#include <string>
+#include <vector>
+
+namespace jax_ep {
+
+// ---- Intranode normal mode, one process driving every GPU of the group ------------------------------
+// "Pull" model: every op publishes the pointers of its own inputs in its rank's device state, waits until
+// every rank of the group has published (arrival barrier), reads peers' inputs through NVLink peer
+// pointers, and before its kernel exits waits until every peer has finished reading its inputs (release
+// barrier). The call sequence number lives on the device, so the ops replay correctly as CUDA graphs.
+
+inline constexpr int kMaxIntranodeRanks = 8;
+
+struct IntranodeState;  // device memory of one rank (intranode_state.h)
+struct IntranodeError;  // host-mapped timeout record of one rank (intranode_state.h)
+
+// One rank of an intranode group, as a kernel launch needs it (copied into the kernel's parameters).
+struct IntranodeRank {
+  int32_t rank = 0;
+  int32_t num_ranks = 0;
+  int32_t device_sms = 0;                              // multiprocessors of this rank's device
+  IntranodeState* states[kMaxIntranodeRanks] = {};     // every rank's state by rank, peer-accessible
+  IntranodeError* error = nullptr;                     // this rank's record (pinned host memory, mapped)
+};
+
+// Runtime (runtime.cu). Failures throw std::runtime_error with the CUDA call and device named.
+// Creates one group: device_ordinals[r] is the CUDA ordinal of EP rank r. Several groups (one per EP
+// axis row of a larger mesh) may share a buffer_id; a device belongs to at most one group per buffer_id.
+void intranode_create(int64_t buffer_id, const std::vector<int>& device_ordinals);
+// Waits for every device of every group of `buffer_id` and frees their state; returns "" or the CUDA
+// errors met on the way (a device whose context a timed-out kernel killed cannot free anything).
+std::string intranode_destroy(int64_t buffer_id);
+// The launch view of (buffer_id, device_ordinal); false when no such group exists.
+bool intranode_lookup(int64_t buffer_id, int device_ordinal, IntranodeRank* out);
+// One line per rank of `buffer_id` whose kernel timed out (read from host memory: works after the
+// CUDA context died), naming the op, the rank and the peer it waited for.
+std::vector<std::string> intranode_errors(int64_t buffer_id);
+
+// Per launch: the rank, the grid size (clamped to the device) and the spin-wait bound.
+struct IntranodeCall {
+  IntranodeRank group;
+  int32_t num_sms = 0;
+  int64_t timeout_ns = 0;
+  cudaStream_t stream = nullptr;
+};
+
+// Normal dispatch (ARCHITECTURE.md §3); every array is this rank's. Payload rows are moved as bytes.
+struct DispatchArgs {
+  int32_t num_payloads = 0;  // 1, or 2 for the FP8 pair (values, scales)
+  const void* x[2] = {};     // [num_tokens, row_bytes] each
+  int64_t x_row_bytes[2] = {};
+  const int32_t* topk_idx = nullptr;     // [num_tokens, num_topk]
+  const float* topk_weights = nullptr;   // [num_tokens, num_topk], or null
+  int64_t num_tokens = 0, num_topk = 0, num_experts = 0, capacity = 0, expert_alignment = 1;
+  void* recv_x[2] = {};                  // [capacity, row_bytes] each
+  int32_t* recv_topk_idx = nullptr;      // [capacity, num_topk]
+  float* recv_topk_weights = nullptr;    // [capacity, num_topk], null iff topk_weights is
+  int32_t* num_recv_tokens = nullptr;    // scalar
+  int32_t* num_recv_tokens_per_expert = nullptr;  // [num_experts / num_ranks]
+  int32_t* num_dropped = nullptr;        // scalar
+  int32_t* invalid_ids = nullptr;        // scalar
+  int32_t* recv_src_index = nullptr;     // [capacity]: source rank * num_tokens + source token; padding R*T
+  bool* is_token_in_rank = nullptr;      // [num_tokens, num_ranks]
+  int32_t* send_offset = nullptr;        // [num_tokens, num_ranks] scratch: rank of token t among this
+                                         // rank's tokens sent to r, -1 if not sent (peers read it)
+  int32_t* send_row = nullptr;           // [num_tokens, num_ranks]: row of token t on rank r, -1 if none
+};
+cudaError_t intranode_dispatch(const IntranodeCall& call, const DispatchArgs& args);
+
+// Dispatch of new data [num_tokens, row_bytes] along an earlier dispatch's recv_src_index.
+struct CachedDispatchArgs {
+  const void* x = nullptr;
+  int64_t row_bytes = 0, num_tokens = 0, capacity = 0;
+  const int32_t* recv_src_index = nullptr;  // [capacity]
+  void* recv_x = nullptr;                   // [capacity, row_bytes]
+};
+cudaError_t intranode_cached_dispatch(const IntranodeCall& call, const CachedDispatchArgs& args);
+
+enum class FloatType : int32_t { kF32, kBF16, kF16 };
+
+// Normal combine: out[t] = (sum over r in rank order of y_r[send_row[t, r]] in float32) + bias[t], cast
+// to out_type. bias is null or [num_tokens, row_elements] of bias_type (y's type or f32).
+struct CombineArgs {
+  const void* y = nullptr;  // [capacity, row_elements]
+  FloatType y_type = FloatType::kF32;
+  int64_t row_elements = 0, capacity = 0, num_tokens = 0;
+  const int32_t* send_row = nullptr;  // [num_tokens, num_ranks] from this rank's dispatch handle
+  const void* bias = nullptr;
+  FloatType bias_type = FloatType::kF32;
+  void* out = nullptr;  // [num_tokens, row_elements]
+  FloatType out_type = FloatType::kF32;  // y's type or f32
+};
+cudaError_t intranode_combine(const IntranodeCall& call, const CombineArgs& args);
+
+}  // namespace jax_ep
+#endif

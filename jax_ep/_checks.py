@@ -13,19 +13,28 @@ def _desc(x) -> str:
     return f"{jnp.dtype(x.dtype).name}{list(x.shape)}"
 
 
-def axis_size(op: str, axis_name: str) -> int:
-    """The EP axis size, or an error explaining that the op belongs inside shard_map over that axis."""
+def is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def num_ranks(op: str, axis_name: str, buffer_ranks: int) -> int:
+    """The EP axis size (checked against the Buffer's), or an error explaining that the op belongs inside
+    shard_map over that axis."""
     try:
-        return int(jax.lax.axis_size(axis_name))
+        size = int(jax.lax.axis_size(axis_name))
     except (NameError, KeyError, ValueError) as err:
         raise ValueError(
             f"jax_ep.{op}: call it inside jax.shard_map over the Buffer's axis {axis_name!r} ({err})"
         ) from None
+    if size != buffer_ranks:
+        raise ValueError(f"jax_ep.{op}: the shard_map axis {axis_name!r} has {size} ranks, the Buffer was made "
+                         f"for {buffer_ranks}")
+    return size
 
 
 def topk_idx(op: str, idx, num_experts: int, num_tokens: int | None = None) -> None:
-    if idx.ndim != 2 or idx.dtype != jnp.int32:
-        raise TypeError(f"jax_ep.{op}: topk_idx must be int32 [num_tokens, num_topk], got {_desc(idx)}")
+    if idx.ndim != 2 or idx.dtype != jnp.int32 or idx.shape[1] < 1:
+        raise TypeError(f"jax_ep.{op}: topk_idx must be int32 [num_tokens, num_topk >= 1], got {_desc(idx)}")
     if num_tokens is not None and idx.shape[0] != num_tokens:
         raise ValueError(f"jax_ep.{op}: topk_idx has {idx.shape[0]} tokens, x has {num_tokens}")
     if not isinstance(idx, jax.core.Tracer):  # concrete values can be checked before launch
@@ -45,7 +54,7 @@ def topk_weights(op: str, weights, idx) -> None:
 def num_experts(op: str, value, num_ranks: int) -> int:
     if value is None:
         raise ValueError(f"jax_ep.{op}: num_experts is required (pass it or set it on the Buffer)")
-    if int(value) <= 0 or int(value) % num_ranks:
+    if not is_int(value) or value <= 0 or value % num_ranks:
         raise ValueError(f"jax_ep.{op}: num_experts must be a positive multiple of the {num_ranks} EP ranks, got {value}")
     return int(value)
 
@@ -75,7 +84,7 @@ def payload(op: str, x) -> tuple[int, int]:
 
 
 def positive(op: str, name: str, value) -> int:
-    if value is None or int(value) < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"jax_ep.{op}: {name} must be a positive integer, got {value}")
     return int(value)
 
@@ -83,3 +92,11 @@ def positive(op: str, name: str, value) -> int:
 def exact(op: str, name: str, array, dtype, shape) -> None:
     if array.dtype != jnp.dtype(dtype) or tuple(array.shape) != tuple(shape):
         raise TypeError(f"jax_ep.{op}: {name} must be {jnp.dtype(dtype).name}{list(shape)}, got {_desc(array)}")
+
+
+def fp8_groups(op: str, hidden_size: int, use_ue8m0: bool) -> None:
+    """FP8 casts need whole 128-channel groups; UE8M0 packs four groups per int32."""
+    group = 4 * FP8_GROUP if use_ue8m0 else FP8_GROUP
+    if hidden_size % group:
+        what = "use_ue8m0=True (four 128-channel scales per int32)" if use_ue8m0 else "an FP8 cast"
+        raise ValueError(f"jax_ep.{op}: {what} needs hidden to be a multiple of {group}, got {hidden_size}")

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import itertools
+import warnings
 from typing import Literal
 
-import jax
+import numpy as np
 from jax.sharding import Mesh
 
-from jax_ep import _native
+from jax_ep import _native, cuda_backend
 from jax_ep.config import HIDDEN_ALIGNMENT, Config
 
 Backend = Literal["auto", "cuda", "xla"]
@@ -71,7 +72,13 @@ class Buffer:
         self.mesh = mesh
         self.axis_name = axis_name
         self.num_ranks = int(mesh.shape[axis_name])
+        if config is not None and not isinstance(config, Config):
+            raise TypeError(f"jax_ep.Buffer: config must be a jax_ep.Config, got {type(config).__name__}")
         self.config = config if config is not None else Config()
+        for name, value in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank), ("hidden", hidden),
+                            ("num_experts", num_experts)):
+            if value is not None and not (isinstance(value, (int, np.integer)) and not isinstance(value, bool)):
+                raise TypeError(f"jax_ep.Buffer: {name} must be an integer, got {value!r}")
         self.platform = _platform_of(mesh)
         self.backend = resolve_backend(backend, self.platform)
         if hidden is not None and (hidden <= 0 or hidden % HIDDEN_ALIGNMENT):
@@ -89,6 +96,11 @@ class Buffer:
         self.hidden = hidden
         self.num_experts = num_experts
         self.buffer_id = next(_buffer_ids)
+        if self.backend == "cuda":
+            if backend == "auto" and cuda_backend.unsupported_reason(mesh, axis_name):
+                self.backend = "xla"  # e.g. one process per GPU: the portable backend serves it
+            else:
+                cuda_backend.create(self)
         self._alive = True
 
     @property
@@ -101,6 +113,10 @@ class Buffer:
 
     def destroy(self) -> None:
         """Releases the buffer's device memory. Idempotent."""
+        if self._alive and self.backend == "cuda":
+            problems = cuda_backend.destroy(self)
+            if problems:
+                warnings.warn(f"jax_ep.Buffer.destroy: {problems}", RuntimeWarning, stacklevel=2)
         self._alive = False
 
     def __enter__(self) -> "Buffer":

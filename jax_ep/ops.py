@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import _checks, _native, xla_backend
+from jax_ep import _checks, _native, cuda_backend, xla_backend
 from jax_ep.buffer import Buffer
 from jax_ep.types import (
     CombineResult,
@@ -44,12 +44,17 @@ def _like(x, leaves):
     return tuple(leaves) if _is_fp8_pair(x) else leaves[0]
 
 
-def _raise_on_count(op: str, what: str, count) -> None:
-    """Turns a positive device-side count (dropped tokens, invalid ids) into an error (`strict`)."""
+def _given(value, default):
+    """An argument when given (0 included), else the Buffer's setting."""
+    return default if value is None else value
+
+
+def _raise_on_count(op: str, count, describe) -> None:
+    """Turns a positive device-side count (dropped tokens, invalid ids) into a run-time error (`strict`)."""
 
     def check(value):
         if int(value) > 0:
-            raise RuntimeError(f"jax_ep.{op}(strict=True): {int(value)} {what}")
+            raise RuntimeError(f"jax_ep.{op}(strict=True): {describe(int(value))}")
 
     jax.debug.callback(check, count)
 
@@ -75,8 +80,8 @@ def get_dispatch_layout(buffer: Buffer, topk_idx, num_experts: int | None = None
     once however many of its entries point there), `is_token_in_rank` [T, R] and `invalid_ids`.
     Runs the native FFI handler on platforms that have one (CPU, CUDA), else the `xla` implementation."""
     buffer.check_alive()
-    num_ranks = _checks.axis_size("get_dispatch_layout", buffer.axis_name)
-    num_experts = _checks.num_experts("get_dispatch_layout", num_experts or buffer.num_experts, num_ranks)
+    num_ranks = _checks.num_ranks("get_dispatch_layout", buffer.axis_name, buffer.num_ranks)
+    num_experts = _checks.num_experts("get_dispatch_layout", _given(num_experts, buffer.num_experts), num_ranks)
     _checks.topk_idx("get_dispatch_layout", topk_idx, num_experts)
     portable = functools.partial(xla_backend.layout, num_experts=num_experts, num_ranks=num_ranks)
     native = functools.partial(_layout_ffi, num_experts=num_experts, num_ranks=num_ranks)
@@ -98,6 +103,7 @@ class _NormalSpec:
     num_experts: int
     capacity: int
     expert_alignment: int
+    kernel: cuda_backend.KernelParams | None = None  # the cuda backend's buffer id, SM count and timeout
 
 
 def _backend_dispatch(spec: _NormalSpec, x, topk_idx, topk_weights):
@@ -106,12 +112,19 @@ def _backend_dispatch(spec: _NormalSpec, x, topk_idx, topk_weights):
             _leaves(x), topk_idx, topk_weights, axis_name=spec.axis_name, num_ranks=spec.num_ranks,
             num_experts=spec.num_experts, capacity=spec.capacity, expert_alignment=spec.expert_alignment,
         )
+    if spec.backend == "cuda":
+        return cuda_backend.dispatch(
+            _leaves(x), topk_idx, topk_weights, params=spec.kernel, num_ranks=spec.num_ranks,
+            num_experts=spec.num_experts, capacity=spec.capacity, expert_alignment=spec.expert_alignment,
+        )
     raise NotImplementedError(f"jax_ep: no {spec.backend!r} dispatch kernel in this build")
 
 
 def _backend_cached_dispatch(spec: _NormalSpec, leaf, handle):
     if spec.backend == "xla":
         return xla_backend.cached_dispatch(leaf, handle, axis_name=spec.axis_name)
+    if spec.backend == "cuda":
+        return cuda_backend.cached_dispatch(leaf, handle, params=spec.kernel)
     raise NotImplementedError(f"jax_ep: no {spec.backend!r} cached dispatch kernel in this build")
 
 
@@ -119,6 +132,8 @@ def _backend_combine(spec: _NormalSpec, leaf, handle):
     """float32 [T, ...]: rows summed over the ranks that received each token, in rank order."""
     if spec.backend == "xla":
         return xla_backend.combine(leaf, handle, axis_name=spec.axis_name, num_ranks=spec.num_ranks)
+    if spec.backend == "cuda":
+        return cuda_backend.combine(leaf, handle, params=spec.kernel)
     raise NotImplementedError(f"jax_ep: no {spec.backend!r} combine kernel in this build")
 
 
@@ -166,11 +181,15 @@ _cached_dispatch.defvjp(_cached_dispatch_fwd, _cached_dispatch_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _combine(spec, y, handle, topk_weights, bias):
-    out = _backend_combine(spec, y, handle)
-    if bias is not None:
-        out = out + bias.astype(jnp.float32)
+    if spec.backend == "cuda":  # the kernel adds the bias and casts (one pass over [T, H])
+        out = cuda_backend.combine(y, handle, params=spec.kernel, bias=bias, out_dtype=y.dtype)
+    else:
+        out = _backend_combine(spec, y, handle)
+        if bias is not None:
+            out = out + bias.astype(jnp.float32)
+        out = out.astype(y.dtype)
     weights = None if topk_weights is None else _backend_combine(spec, topk_weights, handle)
-    return CombineResult(out.astype(y.dtype), weights)
+    return CombineResult(out, weights)
 
 
 def _combine_fwd(spec, y, handle, topk_weights, bias):
@@ -190,12 +209,13 @@ _combine.defvjp(_combine_fwd, _combine_bwd)
 
 def _normal_spec(op: str, buffer: Buffer, num_experts, capacity=None, expert_alignment=1) -> _NormalSpec:
     buffer.check_alive()
-    num_ranks = _checks.axis_size(op, buffer.axis_name)
+    num_ranks = _checks.num_ranks(op, buffer.axis_name, buffer.num_ranks)
     return _NormalSpec(
         backend=buffer.backend, axis_name=buffer.axis_name, num_ranks=num_ranks,
         num_experts=0 if num_experts is None else _checks.num_experts(op, num_experts, num_ranks),
         capacity=0 if capacity is None else _checks.positive(op, "max_recv_tokens", capacity),
         expert_alignment=_checks.positive(op, "expert_alignment", expert_alignment),
+        kernel=cuda_backend.kernel_params(buffer) if buffer.backend == "cuda" else None,
     )
 
 
@@ -229,8 +249,10 @@ def dispatch(
         return DispatchResult(recv_x, None, None, None, None, None, None, handle)
     if topk_idx is None:
         raise ValueError("jax_ep.dispatch: topk_idx is required (or pass handle= for a cached dispatch)")
-    num_experts = num_experts or buffer.num_experts
     num_tokens, _ = _checks.payload("dispatch", x)
+    num_experts = _given(num_experts, buffer.num_experts)
+    if num_experts is None:
+        raise ValueError("jax_ep.dispatch: num_experts is required (pass it or set it on the Buffer)")
     spec = _normal_spec("dispatch", buffer, num_experts, None, expert_alignment)
     _checks.topk_idx("dispatch", topk_idx, spec.num_experts, num_tokens)
     _checks.topk_weights("dispatch", topk_weights, topk_idx)
@@ -238,8 +260,10 @@ def dispatch(
     spec = dataclasses.replace(spec, capacity=capacity)
     out = _dispatch(spec, _leaves(x) if _is_fp8_pair(x) else x, topk_idx, topk_weights)
     if strict:
-        _raise_on_count("dispatch", "received tokens did not fit max_recv_tokens (raise it)", out.num_dropped)
-        _raise_on_count("dispatch", "top-k ids were outside [-1, num_experts)", out.invalid_ids)
+        _raise_on_count("dispatch", out.num_dropped, lambda n: f"{n} received tokens did not fit max_recv_tokens="
+                        f"{capacity}; this rank needs max_recv_tokens >= {capacity + n}")
+        _raise_on_count("dispatch", out.invalid_ids,
+                        lambda n: f"{n} top-k ids were outside [-1, {spec.num_experts}) (treated as -1)")
     return out
 
 
@@ -276,6 +300,7 @@ def combine(buffer: Buffer, y, handle, topk_weights=None, bias=None) -> CombineR
 @dataclasses.dataclass(frozen=True)
 class _LowLatencySpec:
     backend: str
+    buffer_id: int  # the Buffer a pending half belongs to: its receive half must use the same one
     axis_name: str
     num_ranks: int
     num_experts: int
@@ -289,21 +314,26 @@ class LowLatencyPending:
 
     state: Any
     spec: _LowLatencySpec = dataclasses.field(metadata=dict(static=True))
-    extra: Any = dataclasses.field(default=None, metadata=dict(static=True))
+    use_fp8: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
 def _low_latency_spec(op: str, buffer: Buffer, num_tokens: int, hidden: int) -> _LowLatencySpec:
     buffer.check_alive()
-    num_ranks = _checks.axis_size(op, buffer.axis_name)
+    num_ranks = _checks.num_ranks(op, buffer.axis_name, buffer.num_ranks)
     missing = [n for n in ("num_max_dispatch_tokens_per_rank", "hidden", "num_experts") if getattr(buffer, n) is None]
     if missing:
         raise ValueError(f"jax_ep.{op}: create the Buffer with {', '.join(missing)} for low-latency ops")
+    if num_tokens < 1:
+        # T is static and equal on all ranks, so T = 0 means no tokens anywhere (and XLA's sharding pass
+        # rejects a shard_map whose only operands are empty).
+        raise ValueError(f"jax_ep.{op}: low-latency ops need at least one token per rank, got {num_tokens}")
     if num_tokens > buffer.num_max_dispatch_tokens_per_rank:
         raise ValueError(f"jax_ep.{op}: {num_tokens} tokens exceed the Buffer's num_max_dispatch_tokens_per_rank="
                          f"{buffer.num_max_dispatch_tokens_per_rank}")
     if hidden != buffer.hidden:
         raise ValueError(f"jax_ep.{op}: hidden {hidden} differs from the Buffer's hidden={buffer.hidden}")
-    return _LowLatencySpec(buffer.backend if buffer.backend == "xla" else "xla", buffer.axis_name, num_ranks,
+    # No CUDA low-latency kernels are built yet: the xla implementation serves every Buffer.
+    return _LowLatencySpec("xla", buffer.buffer_id, buffer.axis_name, num_ranks,
                            _checks.num_experts(op, buffer.num_experts, num_ranks), buffer.num_max_dispatch_tokens_per_rank)
 
 
@@ -318,24 +348,33 @@ def low_latency_dispatch_send(buffer: Buffer, x, topk_idx, *, use_fp8: bool = Tr
     _checks.topk_idx(op, topk_idx, spec.num_experts, x.shape[0])
     if use_ue8m0 and not round_scale:
         raise ValueError(f"jax_ep.{op}: use_ue8m0=True needs round_scale=True")
+    if use_fp8:
+        _checks.fp8_groups(op, x.shape[1], use_ue8m0)
     if cumulative_local_expert_recv_stats is not None:
         _checks.exact(op, "cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, jnp.int32,
                       (spec.num_experts // spec.num_ranks,))
     state = xla_backend.low_latency_dispatch_send(
         x, topk_idx, axis_name=spec.axis_name, num_experts=spec.num_experts, use_fp8=use_fp8,
         round_scale=round_scale, use_ue8m0=use_ue8m0)
-    return LowLatencyPending((state, cumulative_local_expert_recv_stats), spec, extra=use_fp8)
+    return LowLatencyPending((state, cumulative_local_expert_recv_stats), spec, use_fp8=use_fp8)
+
+
+def _check_pending(op: str, buffer: Buffer, pending: LowLatencyPending) -> None:
+    buffer.check_alive()
+    if not isinstance(pending, LowLatencyPending) or pending.spec.buffer_id != buffer.buffer_id:
+        raise ValueError(f"jax_ep.{op}: pass the LowLatencyPending that the send half returned for this Buffer")
 
 
 def low_latency_dispatch_recv(buffer: Buffer, pending: LowLatencyPending) -> LowLatencyDispatchResult:
     """Receive half of `low_latency_dispatch`."""
+    _check_pending("low_latency_dispatch_recv", buffer, pending)
     state, stats = pending.state
-    spec, use_fp8 = pending.spec, pending.extra
+    spec = pending.spec
     recv, recv_count, handle, invalid = xla_backend.low_latency_dispatch_recv(
         state, axis_name=spec.axis_name, num_ranks=spec.num_ranks, num_experts=spec.num_experts,
         num_max_tokens=spec.num_max_tokens)
     stats = None if stats is None else stats + recv_count
-    return LowLatencyDispatchResult(tuple(recv) if use_fp8 else recv[0], recv_count, handle, stats, invalid)
+    return LowLatencyDispatchResult(tuple(recv) if pending.use_fp8 else recv[0], recv_count, handle, stats, invalid)
 
 
 def low_latency_dispatch(buffer: Buffer, x, topk_idx, *, use_fp8: bool = True, round_scale: bool = False,
@@ -367,6 +406,7 @@ def low_latency_combine_send(buffer: Buffer, y, topk_idx, topk_weights, handle: 
 
 def low_latency_combine_recv(buffer: Buffer, pending: LowLatencyPending):
     """Receive half of `low_latency_combine`: bfloat16 [T, H]."""
+    _check_pending("low_latency_combine_recv", buffer, pending)
     returned, topk_idx, topk_weights = pending.state
     return xla_backend.low_latency_combine_recv(returned, topk_idx, topk_weights, num_experts=pending.spec.num_experts)
 

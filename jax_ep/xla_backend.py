@@ -45,13 +45,13 @@ def _gather_rows(table: jax.Array, index: jax.Array, fill=0) -> jax.Array:
 def _gather_from_all_ranks(x: jax.Array, axis_name: str) -> jax.Array:
     """[T, ...] per rank -> [R*T, ...] ordered by (source rank, source token)."""
     gathered = jax.lax.all_gather(x, axis_name)
-    return gathered.reshape(-1, *x.shape[1:])
+    return gathered.reshape(gathered.shape[0] * x.shape[0], *x.shape[1:])
 
 
 def layout(topk_idx: jax.Array, num_experts: int, num_ranks: int) -> DispatchLayout:
     ids, invalid = sanitize_ids(topk_idx, num_experts)
     token_in_expert = _any_equal(ids, num_experts)  # [T, E]
-    is_token_in_rank = token_in_expert.reshape(ids.shape[0], num_ranks, -1).any(axis=-1)
+    is_token_in_rank = token_in_expert.reshape(ids.shape[0], num_ranks, num_experts // num_ranks).any(axis=-1)
     return DispatchLayout(
         num_tokens_per_rank=jnp.sum(is_token_in_rank, axis=0, dtype=int32),
         num_tokens_per_expert=jnp.sum(token_in_expert, axis=0, dtype=int32),
@@ -158,7 +158,7 @@ def low_latency_combine_send(y, handle: LowLatencyHandle, num_tokens, *, axis_na
     slots = num_ranks * num_tokens * experts_per_rank
     slot = jnp.where(valid, (src_rank * num_tokens + handle.src_token_index) * experts_per_rank
                      + jnp.arange(experts_per_rank)[:, None], slots)
-    send = jnp.zeros((slots + 1, hidden), y.dtype).at[slot.reshape(-1)].set(y.reshape(-1, hidden))
+    send = jnp.zeros((slots + 1, hidden), y.dtype).at[slot.reshape(-1)].set(y.reshape(experts_per_rank * rows, hidden))
     send = send[:slots].reshape(num_ranks, num_tokens, experts_per_rank, hidden)
     return jax.lax.all_to_all(send, axis_name, 0, 0)
 

@@ -1,0 +1,587 @@
+// Intranode normal-mode kernels (one process driving every GPU of the group): dispatch, cached dispatch and
+// combine, each one kernel launch that pulls peers' rows through NVLink peer pointers.
+//
+// Protocol of one call (all three ops share it and the per-rank state in intranode_state.h):
+//  1. Every block reads the call number n = calls_completed + 1 from this rank's device state (device
+//     resident, so CUDA-graph replay advances it; the handler's host code does not run per call).
+//  2. Block 0 writes this rank's view (pointers of its inputs, dispatch's per-rank token counts) and
+//     release-stores n into arrived[this rank] on every rank, itself included.
+//  3. Every block waits (acquire, bounded) until arrived[p] >= n for every p, then reads the views.
+//  4. The blocks read peers' rows and write this rank's outputs.
+//  5. The last block to finish (a counter) release-stores n into released[this rank] on every rank and
+//     waits until released[p] >= n for every p: no peer still reads our inputs when the kernel exits
+//     (XLA may reuse them right after). It then advances calls_completed. This also bounds the skew:
+//     no rank starts call n+1 before every rank finished reading in call n, so views are never
+//     overwritten while being read and flags only grow.
+// Kernel parameters are __grid_constant__: indexed by rank at run time without a copy to local memory.
+// Blocks wait on block 0 of their own rank, so the grid must be co-resident: at most one block per SM.
+// A wait that exceeds timeout_ns fills the rank's host-mapped error record and traps (see api.h).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "api.h"
+#include "intranode_state.h"
+
+namespace jax_ep {
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// ---- memory access ---------------------------------------------------------------------------------------
+
+__device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* ptr) {
+  uint64_t value;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(ptr) : "memory");
+  return value;
+}
+
+__device__ __forceinline__ void store_release_sys(uint64_t* ptr, uint64_t value) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
+}
+
+__device__ __forceinline__ uint64_t now_ns() {
+  uint64_t ns;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+  return ns;
+}
+
+// Load of data that does not change while the kernel reads it (inputs published by a peer), bypassing L1
+// allocation: rows are read once.
+template <typename T>
+__device__ __forceinline__ T load_nc(const T* ptr) {
+  static_assert(sizeof(T) == 16 || sizeof(T) == 8 || sizeof(T) == 4 || sizeof(T) == 2 || sizeof(T) == 1);
+  T out;
+  if constexpr (sizeof(T) == 16) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(ptr));
+    memcpy(&out, &v, 16);
+  } else if constexpr (sizeof(T) == 8) {
+    const uint2 v = __ldg(reinterpret_cast<const uint2*>(ptr));
+    memcpy(&out, &v, 8);
+  } else if constexpr (sizeof(T) == 4) {
+    const unsigned v = __ldg(reinterpret_cast<const unsigned*>(ptr));
+    memcpy(&out, &v, 4);
+  } else if constexpr (sizeof(T) == 2) {
+    const unsigned short v = __ldg(reinterpret_cast<const unsigned short*>(ptr));
+    memcpy(&out, &v, 2);
+  } else {
+    const unsigned char v = __ldg(reinterpret_cast<const unsigned char*>(ptr));
+    memcpy(&out, &v, 1);
+  }
+  return out;
+}
+
+// A warp copies (or zeroes) n units; every lane keeps kUnroll loads in flight.
+template <typename Unit>
+__device__ __forceinline__ void warp_copy_units(Unit* dst, const Unit* src, int64_t n, int lane) {
+  constexpr int kUnroll = 4;
+  int64_t i = lane;
+  for (; i + 32 * (kUnroll - 1) < n; i += 32 * kUnroll) {
+    Unit v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = load_nc(src + i + 32 * u);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) dst[i + 32 * u] = v[u];
+  }
+  for (; i < n; i += 32) dst[i] = load_nc(src + i);
+}
+
+template <typename Unit>
+__device__ __forceinline__ void warp_zero_units(Unit* dst, int64_t n, int lane) {
+  Unit zero;
+  memset(&zero, 0, sizeof(Unit));
+  for (int64_t i = lane; i < n; i += 32) dst[i] = zero;
+}
+
+// Widest unit (16 bytes down to 1) that divides the row size and both addresses.
+__device__ __forceinline__ int unit_bytes(uintptr_t bits) {
+  return bits % 16 == 0 ? 16 : bits % 8 == 0 ? 8 : bits % 4 == 0 ? 4 : bits % 2 == 0 ? 2 : 1;
+}
+
+__device__ void warp_copy_row(void* dst, const void* src, int64_t bytes, int lane) {
+  switch (unit_bytes(reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | bytes)) {
+    case 16: return warp_copy_units(static_cast<uint4*>(dst), static_cast<const uint4*>(src), bytes / 16, lane);
+    case 8: return warp_copy_units(static_cast<uint2*>(dst), static_cast<const uint2*>(src), bytes / 8, lane);
+    case 4: return warp_copy_units(static_cast<uint32_t*>(dst), static_cast<const uint32_t*>(src), bytes / 4, lane);
+    case 2: return warp_copy_units(static_cast<uint16_t*>(dst), static_cast<const uint16_t*>(src), bytes / 2, lane);
+    default: return warp_copy_units(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), bytes, lane);
+  }
+}
+
+__device__ void warp_zero_row(void* dst, int64_t bytes, int lane) {
+  switch (unit_bytes(reinterpret_cast<uintptr_t>(dst) | bytes)) {
+    case 16: return warp_zero_units(static_cast<uint4*>(dst), bytes / 16, lane);
+    case 8: return warp_zero_units(static_cast<uint2*>(dst), bytes / 8, lane);
+    case 4: return warp_zero_units(static_cast<uint32_t*>(dst), bytes / 4, lane);
+    case 2: return warp_zero_units(static_cast<uint16_t*>(dst), bytes / 2, lane);
+    default: return warp_zero_units(static_cast<uint8_t*>(dst), bytes, lane);
+  }
+}
+
+__device__ __forceinline__ const char* row_of(const void* base, int64_t row, int64_t row_bytes) {
+  return static_cast<const char*>(base) + row * row_bytes;
+}
+
+__device__ __forceinline__ char* row_of(void* base, int64_t row, int64_t row_bytes) {
+  return static_cast<char*>(base) + row * row_bytes;
+}
+
+// ---- call synchronisation ----------------------------------------------------------------------------------
+
+struct CallContext {  // per block, in shared memory
+  uint64_t call;
+  IntranodeView views[kMaxIntranodeRanks];
+  bool last_block;
+};
+
+// Kept out of line (it is cold); takes scalars so the caller's kernel parameters stay in constant memory.
+__device__ __noinline__ void fail_on_timeout(unsigned* error_claimed, IntranodeError* error, int rank, IntranodeOp op,
+                                             IntranodeWait wait, int peer, uint64_t call, uint64_t seen,
+                                             int64_t waited_ns) {
+  if (atomicCAS(error_claimed, 0u, 1u) == 0u) {
+    volatile IntranodeError* record = error;
+    record->wait = static_cast<int32_t>(wait);
+    record->rank = rank;
+    record->peer = peer;
+    record->call = call;
+    record->seen = seen;
+    record->waited_ns = waited_ns;
+    __threadfence_system();
+    record->op = static_cast<int32_t>(op);  // last: marks the record complete
+    __threadfence_system();
+  }
+  __trap();
+}
+
+__device__ __forceinline__ void wait_for_flag(const IntranodeRank& g, const uint64_t* flag, uint64_t call,
+                                              IntranodeOp op, IntranodeWait wait, int peer, int64_t timeout_ns) {
+  uint64_t seen = load_acquire_sys(flag);
+  if (seen >= call) return;
+  const uint64_t start = now_ns();
+  while ((seen = load_acquire_sys(flag)) < call) {
+    const int64_t waited = static_cast<int64_t>(now_ns() - start);
+    if (waited > timeout_ns)
+      fail_on_timeout(&g.states[g.rank]->error_claimed, g.error, g.rank, op, wait, peer, call, seen, waited);
+  }
+}
+
+// Step 1 (every block).
+__device__ __forceinline__ void begin_call(const IntranodeRank& g, CallContext& ctx) {
+  if (threadIdx.x == 0) {
+    ctx.call = *reinterpret_cast<volatile uint64_t*>(&g.states[g.rank]->calls_completed) + 1;
+  }
+  __syncthreads();
+}
+
+// Step 2 (block 0, once this rank's view is written and every thread of the block passed a barrier).
+__device__ __forceinline__ void signal_arrival(const IntranodeRank& g, const CallContext& ctx) {
+  if (threadIdx.x < g.num_ranks) {
+    __threadfence_system();
+    store_release_sys(&g.states[threadIdx.x]->arrived[g.rank], ctx.call);
+  }
+}
+
+// Step 3 (every block): afterwards ctx.views holds every rank's view.
+__device__ __forceinline__ void wait_for_arrivals(const IntranodeRank& g, CallContext& ctx, IntranodeOp op,
+                                                  int64_t timeout_ns) {
+  if (threadIdx.x < g.num_ranks) {
+    const int peer = threadIdx.x;
+    wait_for_flag(g, &g.states[g.rank]->arrived[peer], ctx.call, op, IntranodeWait::kArrival, peer, timeout_ns);
+    const volatile IntranodeView& view = g.states[peer]->view;
+    for (int i = 0; i < kMaxPublishedPointers; ++i) ctx.views[peer].pointers[i] = view.pointers[i];
+    for (int r = 0; r < kMaxIntranodeRanks; ++r) ctx.views[peer].counts[r] = view.counts[r];
+  }
+  __syncthreads();
+}
+
+// Step 5 (every block, after its work). The last block runs `epilogue` (with every other block's writes
+// visible) before the release barrier.
+template <typename Epilogue>
+__device__ __forceinline__ void finish_call(const IntranodeRank& g, CallContext& ctx, IntranodeOp op,
+                                            int64_t timeout_ns, Epilogue epilogue) {
+  IntranodeState* own = g.states[g.rank];
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    ctx.last_block = atomicAdd(&own->blocks_finished, 1u) == gridDim.x - 1;
+    __threadfence();
+  }
+  __syncthreads();
+  if (!ctx.last_block) return;
+  epilogue();
+  __syncthreads();
+  if (threadIdx.x < g.num_ranks) {
+    const int peer = threadIdx.x;
+    __threadfence_system();
+    store_release_sys(&g.states[peer]->released[g.rank], ctx.call);
+    wait_for_flag(g, &own->released[peer], ctx.call, op, IntranodeWait::kRelease, peer, timeout_ns);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    own->blocks_finished = 0;
+    own->calls_completed = ctx.call;
+  }
+}
+
+__device__ __forceinline__ int global_warp() { return blockIdx.x * kWarps + threadIdx.x / 32; }
+__device__ __forceinline__ int num_global_warps() { return gridDim.x * kWarps; }
+
+// ---- dispatch ----------------------------------------------------------------------------------------------
+
+// Block 0 of dispatch, before it publishes: where this rank's tokens go. Writes is_token_in_rank,
+// send_offset (token t's index among this rank's tokens sent to r, in token order) and invalid_ids;
+// totals[r] = this rank's tokens sent to rank r.
+__device__ __forceinline__ void route_own_tokens(const DispatchArgs& a, int num_ranks, int32_t* totals) {
+  __shared__ int32_t warp_base[kWarps][kMaxIntranodeRanks];
+  __shared__ int32_t invalid;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (threadIdx.x < kMaxIntranodeRanks) totals[threadIdx.x] = 0;
+  if (threadIdx.x == 0) invalid = 0;
+  __syncthreads();
+  const int64_t num_tokens = a.num_tokens;
+  const int num_topk = static_cast<int>(a.num_topk);
+  const int32_t num_experts = static_cast<int32_t>(a.num_experts);
+  const int32_t experts_per_rank = num_experts / num_ranks;
+  int32_t own_invalid = 0;
+  for (int64_t tile = 0; tile < num_tokens; tile += kThreads) {
+    const int64_t t = tile + threadIdx.x;
+    uint32_t ranks = 0;  // bit r: the token goes to rank r
+    if (t < num_tokens) {
+      for (int k = 0; k < num_topk; ++k) {
+        const int32_t e = a.topk_idx[t * num_topk + k];
+        if (e == -1) continue;
+        if (e < -1 || e >= num_experts) {
+          ++own_invalid;
+          continue;
+        }
+        ranks |= 1u << (e / experts_per_rank);
+      }
+    }
+    int32_t lane_offset[kMaxIntranodeRanks];
+#pragma unroll
+    for (int r = 0; r < kMaxIntranodeRanks; ++r) {
+      const uint32_t ballot = __ballot_sync(kFullMask, (ranks >> r) & 1u);
+      lane_offset[r] = __popc(ballot & ((1u << lane) - 1u));
+      if (lane == 0) warp_base[warp][r] = __popc(ballot);
+    }
+    __syncthreads();
+    if (threadIdx.x < num_ranks) {  // exclusive scan of the warps' counts, continuing the running total
+      const int r = threadIdx.x;
+      int32_t running = totals[r];
+      for (int w = 0; w < kWarps; ++w) {
+        const int32_t count = warp_base[w][r];
+        warp_base[w][r] = running;
+        running += count;
+      }
+      totals[r] = running;
+    }
+    __syncthreads();
+    if (t < num_tokens) {
+#pragma unroll
+      for (int r = 0; r < kMaxIntranodeRanks; ++r) {
+        if (r < num_ranks) {
+          const bool sent = (ranks >> r) & 1u;
+          a.is_token_in_rank[t * num_ranks + r] = sent;
+          a.send_offset[t * num_ranks + r] = sent ? warp_base[warp][r] + lane_offset[r] : -1;
+        }
+      }
+    }
+    __syncthreads();
+  }
+  if (own_invalid) atomicAdd(&invalid, own_invalid);
+  __syncthreads();
+  if (threadIdx.x == 0) *a.invalid_ids = invalid;
+}
+
+// A warp receives token t of rank src_rank into `row`: payload rows, top-k ids remapped to local ids,
+// weights where kept, the source index, and this row's (distinct) local experts in the per-expert counts.
+__device__ __forceinline__ void receive_token(const DispatchArgs& a, const IntranodeView& src, int src_rank, int me,
+                                              int num_ranks, int64_t t, int32_t row, int lane) {
+  const int num_topk = static_cast<int>(a.num_topk);
+  const int32_t experts_per_rank = static_cast<int32_t>(a.num_experts / num_ranks);
+  const int32_t* src_idx = static_cast<const int32_t*>(src.pointers[2]);
+  const float* src_weights = static_cast<const float*>(src.pointers[3]);
+  int32_t expert = -1;
+  float weight = 0.f;
+  if (lane < num_topk) {  // issued before the row copy so their latency overlaps it
+    expert = load_nc(src_idx + t * num_topk + lane);
+    if (src_weights) weight = load_nc(src_weights + t * num_topk + lane);
+  }
+  for (int p = 0; p < a.num_payloads; ++p)
+    warp_copy_row(row_of(a.recv_x[p], row, a.x_row_bytes[p]), row_of(src.pointers[p], t, a.x_row_bytes[p]),
+                  a.x_row_bytes[p], lane);
+  const bool here = expert >= 0 && expert < a.num_experts && expert / experts_per_rank == me;
+  const int32_t local = here ? expert - me * experts_per_rank : -1;
+  if (lane < num_topk) {
+    a.recv_topk_idx[static_cast<int64_t>(row) * num_topk + lane] = local;
+    if (a.recv_topk_weights) a.recv_topk_weights[static_cast<int64_t>(row) * num_topk + lane] = here ? weight : 0.f;
+  }
+  const uint32_t same = __match_any_sync(kFullMask, local);
+  if (local >= 0 && lane == __ffs(same) - 1) atomicAdd(&a.num_recv_tokens_per_expert[local], 1);
+  if (lane == 0) a.recv_src_index[row] = static_cast<int32_t>(src_rank * a.num_tokens + t);
+}
+
+__global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_constant__ IntranodeRank g,
+                                                               const __grid_constant__ DispatchArgs a,
+                                                               int64_t timeout_ns) {
+  __shared__ CallContext ctx;
+  __shared__ int32_t own_totals[kMaxIntranodeRanks];   // this rank's tokens sent to each rank
+  __shared__ int32_t source_base[kMaxIntranodeRanks];  // first row here of each source rank's tokens
+  __shared__ int32_t own_base[kMaxIntranodeRanks];     // first row of this rank's tokens on each rank
+  __shared__ int32_t num_recv;
+  const int num_ranks = g.num_ranks, me = g.rank, lane = threadIdx.x % 32;
+  const int64_t num_tokens = a.num_tokens, capacity = a.capacity;
+  const int64_t experts_per_rank = a.num_experts / num_ranks;
+
+  begin_call(g, ctx);
+  if (blockIdx.x == 0) {
+    route_own_tokens(a, num_ranks, own_totals);
+    for (int64_t j = threadIdx.x; j < experts_per_rank; j += kThreads) a.num_recv_tokens_per_expert[j] = 0;
+    if (threadIdx.x == 0) {
+      IntranodeView& view = g.states[me]->view;
+      view.pointers[0] = a.x[0];
+      view.pointers[1] = a.x[1];
+      view.pointers[2] = a.topk_idx;
+      view.pointers[3] = a.topk_weights;
+      view.pointers[4] = a.send_offset;
+      for (int r = 0; r < kMaxIntranodeRanks; ++r) view.counts[r] = own_totals[r];
+    }
+    __syncthreads();
+    signal_arrival(g, ctx);
+  }
+  wait_for_arrivals(g, ctx, IntranodeOp::kDispatch, timeout_ns);
+
+  if (threadIdx.x == 0) {
+    int32_t need = 0;
+    for (int s = 0; s < num_ranks; ++s) {
+      source_base[s] = need;
+      need += ctx.views[s].counts[me];
+    }
+    for (int r = 0; r < num_ranks; ++r) {
+      own_base[r] = 0;
+      for (int s = 0; s < me; ++s) own_base[r] += ctx.views[s].counts[r];
+    }
+    num_recv = static_cast<int32_t>(min(static_cast<int64_t>(need), capacity));
+    if (blockIdx.x == 0) {
+      *a.num_recv_tokens = num_recv;
+      *a.num_dropped = need - num_recv;
+    }
+  }
+  __syncthreads();
+
+  // Received rows: warps take the (source rank, source token) pairs in a strided order, 32 at a time
+  // (one lane each reads where the pair lands), then copy the pairs that land here one after another.
+  const int warp_id = global_warp(), num_warps = num_global_warps();
+  const int64_t num_pairs = num_ranks * num_tokens;
+  for (int64_t first = warp_id; first < num_pairs; first += 32LL * num_warps) {
+    const int64_t pair = first + static_cast<int64_t>(lane) * num_warps;
+    int32_t row = -1;
+    if (pair < num_pairs) {
+      const int s = static_cast<int>(pair / num_tokens);
+      const int64_t t = pair % num_tokens;
+      const volatile int32_t* offsets = static_cast<const int32_t*>(ctx.views[s].pointers[4]);
+      const int32_t offset = offsets[t * num_ranks + me];
+      if (offset >= 0 && source_base[s] + offset < capacity) row = source_base[s] + offset;
+    }
+    for (uint32_t todo = __ballot_sync(kFullMask, row >= 0); todo; todo &= todo - 1) {
+      const int src_lane = __ffs(todo) - 1;
+      const int64_t src_pair = __shfl_sync(kFullMask, pair, src_lane);
+      const int32_t src_row = __shfl_sync(kFullMask, row, src_lane);
+      const int s = static_cast<int>(src_pair / num_tokens);
+      receive_token(a, ctx.views[s], s, me, num_ranks, src_pair % num_tokens, src_row, lane);
+    }
+  }
+
+  // Padding rows.
+  for (int64_t row = num_recv + warp_id; row < capacity; row += num_warps) {
+    for (int p = 0; p < a.num_payloads; ++p)
+      warp_zero_row(row_of(a.recv_x[p], row, a.x_row_bytes[p]), a.x_row_bytes[p], lane);
+    for (int64_t k = lane; k < a.num_topk; k += 32) {
+      a.recv_topk_idx[row * a.num_topk + k] = -1;
+      if (a.recv_topk_weights) a.recv_topk_weights[row * a.num_topk + k] = 0.f;
+    }
+    if (lane == 0) a.recv_src_index[row] = static_cast<int32_t>(num_pairs);
+  }
+
+  // Handle: the row of each of this rank's tokens on each rank (-1 where not sent or dropped).
+  for (int64_t j = blockIdx.x * kThreads + threadIdx.x; j < num_tokens * num_ranks; j += gridDim.x * kThreads) {
+    const int32_t offset = __ldcg(a.send_offset + j);  // written by block 0 during this kernel
+    const int64_t row = offset >= 0 ? own_base[j % num_ranks] + offset : -1;
+    a.send_row[j] = row < capacity ? static_cast<int32_t>(row) : -1;
+  }
+
+  finish_call(g, ctx, IntranodeOp::kDispatch, timeout_ns, [&] {
+    if (a.expert_alignment <= 1) return;
+    for (int64_t j = threadIdx.x; j < experts_per_rank; j += kThreads) {
+      const int64_t count = __ldcg(a.num_recv_tokens_per_expert + j);
+      a.num_recv_tokens_per_expert[j] =
+          static_cast<int32_t>((count + a.expert_alignment - 1) / a.expert_alignment * a.expert_alignment);
+    }
+  });
+}
+
+// ---- cached dispatch ---------------------------------------------------------------------------------------
+
+__global__ void __launch_bounds__(kThreads, 1)
+    cached_dispatch_kernel(const __grid_constant__ IntranodeRank g, const __grid_constant__ CachedDispatchArgs a,
+                           int64_t timeout_ns) {
+  __shared__ CallContext ctx;
+  const int lane = threadIdx.x % 32;
+  begin_call(g, ctx);
+  if (blockIdx.x == 0) {
+    if (threadIdx.x == 0) g.states[g.rank]->view.pointers[0] = a.x;
+    __syncthreads();
+    signal_arrival(g, ctx);
+  }
+  wait_for_arrivals(g, ctx, IntranodeOp::kCachedDispatch, timeout_ns);
+
+  const int64_t num_pairs = g.num_ranks * a.num_tokens;
+  for (int64_t row = global_warp(); row < a.capacity; row += num_global_warps()) {
+    const int32_t src = a.recv_src_index[row];
+    void* dst = row_of(a.recv_x, row, a.row_bytes);
+    if (src >= 0 && src < num_pairs)
+      warp_copy_row(dst, row_of(ctx.views[src / a.num_tokens].pointers[0], src % a.num_tokens, a.row_bytes),
+                    a.row_bytes, lane);
+    else
+      warp_zero_row(dst, a.row_bytes, lane);
+  }
+  finish_call(g, ctx, IntranodeOp::kCachedDispatch, timeout_ns, [] {});
+}
+
+// ---- combine -----------------------------------------------------------------------------------------------
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N < 16 ? sizeof(T) * N : 16) Pack {
+  T v[N];
+};
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+
+// out[t] = (acc = 0; acc += y_r[row of t on r] for r = 0..R-1 where kept) + bias[t], cast to Out: the
+// float32 rank-order sum of ARCHITECTURE.md §3. A warp reduces one token; lanes take kVec elements each.
+template <typename In, typename Bias, typename Out, int kVec>
+__global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_constant__ IntranodeRank g,
+                                                           const __grid_constant__ CombineArgs a, int64_t timeout_ns) {
+  __shared__ CallContext ctx;
+  const int num_ranks = g.num_ranks, lane = threadIdx.x % 32;
+  begin_call(g, ctx);
+  if (blockIdx.x == 0) {
+    if (threadIdx.x == 0) g.states[g.rank]->view.pointers[0] = a.y;
+    __syncthreads();
+    signal_arrival(g, ctx);
+  }
+  wait_for_arrivals(g, ctx, IntranodeOp::kCombine, timeout_ns);
+
+  const int64_t vecs = a.row_elements / kVec;
+  const Bias* bias = static_cast<const Bias*>(a.bias);
+  Out* out = static_cast<Out*>(a.out);
+  for (int64_t t = global_warp(); t < a.num_tokens; t += num_global_warps()) {
+    int32_t row = -1;
+    if (lane < num_ranks) {
+      row = a.send_row[t * num_ranks + lane];
+      if (row < 0 || row >= a.capacity) row = -1;
+    }
+    const Pack<In, kVec>* rows[kMaxIntranodeRanks];
+#pragma unroll
+    for (int r = 0; r < kMaxIntranodeRanks; ++r) {
+      const int32_t rank_row = __shfl_sync(kFullMask, row, r);
+      rows[r] = r < num_ranks && rank_row >= 0
+                    ? reinterpret_cast<const Pack<In, kVec>*>(static_cast<const In*>(ctx.views[r].pointers[0]) +
+                                                              rank_row * a.row_elements)
+                    : nullptr;
+    }
+    for (int64_t v = lane; v < vecs; v += 32) {
+      Pack<In, kVec> packs[kMaxIntranodeRanks];
+#pragma unroll
+      for (int r = 0; r < kMaxIntranodeRanks; ++r)
+        if (rows[r]) packs[r] = load_nc(rows[r] + v);
+      float acc[kVec];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) acc[e] = 0.f;
+#pragma unroll
+      for (int r = 0; r < kMaxIntranodeRanks; ++r)
+        if (rows[r])
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) acc[e] += to_float(packs[r].v[e]);
+      if (bias) {
+        const Pack<Bias, kVec> b = *reinterpret_cast<const Pack<Bias, kVec>*>(bias + t * a.row_elements + v * kVec);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) acc[e] += to_float(b.v[e]);
+      }
+      Pack<Out, kVec> result;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) result.v[e] = from_float<Out>(acc[e]);
+      *reinterpret_cast<Pack<Out, kVec>*>(out + t * a.row_elements + v * kVec) = result;
+    }
+  }
+  finish_call(g, ctx, IntranodeOp::kCombine, timeout_ns, [] {});
+}
+
+// ---- launches ----------------------------------------------------------------------------------------------
+
+int grid_size(const IntranodeCall& call) { return std::max(1, std::min(call.num_sms, call.group.device_sms)); }
+
+template <typename In, typename Bias, typename Out>
+cudaError_t launch_combine(const IntranodeCall& call, const CombineArgs& args) {
+  constexpr int kVec = 16 / sizeof(In);  // 16-byte loads where the row allows (XLA buffers are 16-byte aligned)
+  if (args.row_elements % kVec == 0)
+    combine_kernel<In, Bias, Out, kVec>
+        <<<grid_size(call), kThreads, 0, call.stream>>>(call.group, args, call.timeout_ns);
+  else
+    combine_kernel<In, Bias, Out, 1><<<grid_size(call), kThreads, 0, call.stream>>>(call.group, args, call.timeout_ns);
+  return cudaGetLastError();
+}
+
+// Out and Bias are either y's type In or float32.
+template <typename In>
+cudaError_t launch_combine_from(const IntranodeCall& call, const CombineArgs& args) {
+  const bool float_out = args.out_type == FloatType::kF32;
+  if (args.bias != nullptr && args.bias_type == FloatType::kF32)
+    return float_out ? launch_combine<In, float, float>(call, args) : launch_combine<In, float, In>(call, args);
+  return float_out ? launch_combine<In, In, float>(call, args) : launch_combine<In, In, In>(call, args);
+}
+
+}  // namespace
+
+cudaError_t intranode_dispatch(const IntranodeCall& call, const DispatchArgs& args) {
+  if (args.num_topk > 32 || args.num_payloads < 1 || args.num_payloads > 2) return cudaErrorInvalidValue;
+  dispatch_kernel<<<grid_size(call), kThreads, 0, call.stream>>>(call.group, args, call.timeout_ns);
+  return cudaGetLastError();
+}
+
+cudaError_t intranode_cached_dispatch(const IntranodeCall& call, const CachedDispatchArgs& args) {
+  cached_dispatch_kernel<<<grid_size(call), kThreads, 0, call.stream>>>(call.group, args, call.timeout_ns);
+  return cudaGetLastError();
+}
+
+cudaError_t intranode_combine(const IntranodeCall& call, const CombineArgs& args) {
+  const bool out_ok = args.out_type == args.y_type || args.out_type == FloatType::kF32;
+  const bool bias_ok = args.bias == nullptr || args.bias_type == args.y_type || args.bias_type == FloatType::kF32;
+  if (!out_ok || !bias_ok) return cudaErrorInvalidValue;
+  switch (args.y_type) {
+    case FloatType::kF32: return launch_combine_from<float>(call, args);
+    case FloatType::kBF16: return launch_combine_from<__nv_bfloat16>(call, args);
+    case FloatType::kF16: return launch_combine_from<__half>(call, args);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace jax_ep

@@ -1,0 +1,46 @@
+// Device-resident state of one rank of an intranode group and its timeout record: the layout shared by the
+// runtime (runtime.cu allocates and zeroes it) and the kernels (intranode.cu).
+#pragma once
+#include <cstdint>
+
+#include "api.h"
+
+namespace jax_ep {
+
+// Most pointers one op publishes (dispatch: two payloads, topk_idx, topk_weights, send_offset).
+inline constexpr int kMaxPublishedPointers = 5;
+
+// What a rank publishes for one call; peers read it through its peer pointer once its arrival flag
+// reached the call's sequence number, and it is rewritten only after every peer released the call.
+struct IntranodeView {
+  const void* pointers[kMaxPublishedPointers];
+  int32_t counts[kMaxIntranodeRanks];  // dispatch: this rank's tokens that go to each rank
+};
+
+struct IntranodeState {
+  // Calls this rank completed; the running call is number calls_completed + 1 on every rank (all ranks
+  // run the same ops in the same order). Written only by the last block of a call, read at kernel start.
+  uint64_t calls_completed;
+  uint32_t blocks_finished;  // blocks of the running call that finished their work
+  unsigned error_claimed;    // the first block that fails fills the error record
+  uint64_t arrived[kMaxIntranodeRanks];   // [p]: latest call for which rank p published its view
+  uint64_t released[kMaxIntranodeRanks];  // [p]: latest call after which rank p reads nothing of ours
+  IntranodeView view;
+};
+
+enum class IntranodeOp : int32_t { kDispatch = 1, kCachedDispatch = 2, kCombine = 3 };
+enum class IntranodeWait : int32_t { kArrival = 1, kRelease = 2 };
+
+// Written by a kernel just before it traps; lives in pinned host memory so the host can read it after the
+// trap destroyed the CUDA context. `op` is written last: nonzero means the record is complete.
+struct IntranodeError {
+  int32_t op;     // IntranodeOp
+  int32_t wait;   // IntranodeWait
+  int32_t rank;   // the rank that waited
+  int32_t peer;   // the rank it waited for
+  uint64_t call;  // the call's sequence number
+  uint64_t seen;  // the peer's flag when time ran out
+  int64_t waited_ns;
+};
+
+}  // namespace jax_ep

@@ -1,0 +1,407 @@
+"""The CUDA intranode normal mode (Buffer(backend="cuda"), one process driving all GPUs) against the NumPy
+oracle and the `xla` backend: bit for bit for dispatch (every output, the FP8 pair, the handle), cached dispatch
+and combine (float32 rank-order sums), gradients, determinism, capacity drops, T=0, DeepEP hidden sizes, and
+a jitted loop with command buffers (default flags, and forced in a subprocess), and the bounded wait of a
+rank whose peers never join.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import oracle as O
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+from gpu.conftest import cuda_devices
+from jax_ep import cuda_backend
+
+RANKS = [2, 4]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Harness
+# ----------------------------------------------------------------------------------------------------------------
+@functools.cache
+def mesh(R: int) -> Mesh:
+    devices = cuda_devices()
+    if len(devices) < R:
+        pytest.skip(f"needs {R} GPUs, {len(devices)} present")
+    return Mesh(np.array(devices[:R]), ("ep",))
+
+
+@functools.cache
+def buffer(R: int, backend: str) -> jax_ep.Buffer:
+    return jax_ep.Buffer(mesh(R), "ep", backend=backend)
+
+
+def spmd(R: int, body):
+    """jit(shard_map(body)): every argument and result split along its leading axis over the R ranks."""
+    return jax.jit(jax.shard_map(body, mesh=mesh(R), in_specs=P("ep"), out_specs=P("ep")))
+
+
+def flat(a):
+    """Global [R*N, ...] input from a per-rank [R, N, ...] array (None and tuples pass through)."""
+    if a is None or isinstance(a, tuple):
+        return a if a is None else tuple(flat(c) for c in a)
+    a = np.asarray(a)
+    return a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:])
+
+
+def ranks(a, R: int):
+    """Per-rank [R, N, ...] numpy view of a global [R*N, ...] output."""
+    a = np.asarray(a)
+    return a.reshape((R, a.shape[0] // R) + a.shape[1:])
+
+
+def assert_bits(actual, expected, what: str):
+    """Same shape, dtype and bytes (so -0.0 and NaN payloads count too)."""
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    same = actual.view(np.uint8) == expected.view(np.uint8)
+    if not same.all():
+        bad = np.argwhere(actual != expected)[:5].tolist()
+        pytest.fail(f"{what}: {np.count_nonzero(~same)} bytes differ, first elements {bad}")
+
+
+def make_case(R, T, H, K, E, seed=0, mode="distinct", dtype=O.BF16, p_neg=0.1, p_invalid=0.0):
+    rng = np.random.default_rng(seed)
+    idx = O.make_topk_idx(rng, R, T, K, E, mode, p_neg=p_neg, p_invalid=p_invalid)
+    x = O.make_fp8_pair(rng, (R, T, H)) if dtype == "fp8" else O.make_x(rng, (R, T, H), dtype)
+    w = rng.standard_normal((R, T, K), dtype=np.float32)
+    return x, idx, w
+
+
+@functools.cache
+def dispatch_fn(R: int, backend: str, E: int, C, alignment: int):
+    buf = buffer(R, backend)
+
+    def body(x, idx, w):
+        d = jax_ep.dispatch(buf, x, idx, w, num_experts=E, max_recv_tokens=C, expert_alignment=alignment)
+        scalars = (d.num_recv_tokens[None], d.num_dropped[None], d.invalid_ids[None])
+        return d.recv_x, d.recv_topk_idx, d.recv_topk_weights, d.num_recv_tokens_per_expert[None], scalars, d.handle
+
+    return spmd(R, body)
+
+
+def run_dispatch(R, backend, x, idx, w, E, C=None, alignment=1):
+    recv_x, recv_idx, recv_w, per_expert, scalars, handle = jax.device_get(
+        dispatch_fn(R, backend, E, C, alignment)(flat(x), flat(idx), flat(w)))
+    recv_x = [ranks(c, R) for c in (recv_x if isinstance(recv_x, tuple) else (recv_x,))]
+    num_recv, dropped, invalid = (np.asarray(s) for s in scalars)
+    return dict(recv_x=recv_x, recv_topk_idx=ranks(recv_idx, R),
+                recv_topk_weights=None if recv_w is None else ranks(recv_w, R),
+                num_recv_tokens=num_recv, num_recv_tokens_per_expert=np.asarray(per_expert), num_dropped=dropped,
+                invalid_ids=invalid, handle=type(handle)(*(ranks(f, R) for f in handle)))
+
+
+def check_send_row(handle, R: int, T: int):
+    """send_row[s][t, r] is the row of (s, t) on rank r (as recv_src_index says), or -1."""
+    expected = np.full((R, T, R), -1, np.int32)
+    for r in range(R):
+        for row, src in enumerate(handle.recv_src_index[r]):
+            if src < R * T:
+                expected[src // T, src % T, r] = row
+    assert_bits(handle.send_row, expected, "handle.send_row")
+
+
+def check_dispatch(R, x, idx, w, E, C=None, alignment=1):
+    """CUDA dispatch == oracle == xla backend, every output bit for bit; returns the CUDA result."""
+    got = run_dispatch(R, "cuda", x, idx, w, E, C, alignment)
+    ref = O.dispatch(x, idx, w, E, C, alignment)
+    xla = run_dispatch(R, "xla", x, idx, w, E, C, alignment)
+    for i, (comp, exp) in enumerate(zip(got["recv_x"], ref.recv_x)):
+        assert_bits(comp, exp, f"recv_x[{i}] vs oracle")
+    for name in ("recv_topk_idx", "recv_topk_weights", "num_recv_tokens", "num_recv_tokens_per_expert",
+                 "num_dropped", "invalid_ids"):
+        if getattr(ref, name) is not None:
+            assert_bits(got[name], getattr(ref, name), f"{name} vs oracle")
+    for i, (comp, exp) in enumerate(zip(got["recv_x"], xla["recv_x"])):
+        assert_bits(comp, exp, f"recv_x[{i}] vs xla")
+    assert_bits(got["handle"].recv_src_index, xla["handle"].recv_src_index, "handle.recv_src_index vs xla")
+    assert_bits(got["handle"].is_token_in_rank, xla["handle"].is_token_in_rank, "handle.is_token_in_rank vs xla")
+    assert_bits(got["handle"].is_token_in_rank, O.layout(idx, E).is_token_in_rank, "is_token_in_rank vs oracle")
+    check_send_row(got["handle"], R, idx.shape[1])
+    return got, ref
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Dispatch
+# ----------------------------------------------------------------------------------------------------------------
+# Every routing mode in BF16, every payload type with DeepEP-style routing (each case compiles two programs).
+DISPATCH_CASES = [(O.BF16, mode) for mode in O.ROUTING_MODES] + [(d, "distinct") for d in (np.float32, np.float16, "fp8")]
+
+
+@pytest.mark.parametrize("R", RANKS)
+@pytest.mark.parametrize("dtype,mode", DISPATCH_CASES, ids=lambda v: v if isinstance(v, str) else np.dtype(v).name)
+def test_dispatch_matches_oracle_and_xla(R, dtype, mode):
+    T, H, K, E = 96, 256, 8, 32
+    x, idx, w = make_case(R, T, H, K, E, seed=len(mode), mode=mode, dtype=dtype, p_invalid=0.02)
+    check_dispatch(R, x, idx, w, E, alignment=4)
+
+
+@pytest.mark.parametrize("R", RANKS)
+def test_dispatch_without_weights_and_odd_shapes(R):
+    """No weights; K not a power of two; T not a multiple of the warp size; E/R = 3."""
+    T, H, K, E = 37, 384, 5, 3 * R
+    x, idx, _ = make_case(R, T, H, K, E, seed=5, dtype=np.float32)
+    check_dispatch(R, x, idx, None, E)
+
+
+@pytest.mark.parametrize("R", RANKS)
+@pytest.mark.parametrize("C", [1, 7, 50])
+def test_capacity_below_need_drops(R, C):
+    T, H, K, E = 64, 128, 4, 16
+    x, idx, w = make_case(R, T, H, K, E, seed=C)
+    got, ref = check_dispatch(R, x, idx, w, E, C=C)
+    assert got["num_dropped"].sum() > 0, "the case should drop tokens"
+    need = O.routing(idx, E)[1]
+    assert_bits(got["num_dropped"], np.maximum(need - C, 0).astype(np.int32), "num_dropped = need - C")
+
+
+@pytest.mark.parametrize("R", RANKS)
+def test_strict_raises_on_drops(R):
+    T, H, K, E = 32, 128, 4, 16
+    x, idx, _ = make_case(R, T, H, K, E, seed=1, p_neg=0.0)
+    buf = buffer(R, "cuda")
+    body = lambda x, idx: jax_ep.dispatch(buf, x, idx, num_experts=E, max_recv_tokens=1, strict=True).recv_x
+    with pytest.raises(Exception, match="(?i)drop|fit|max_recv_tokens"):
+        jax.block_until_ready(spmd(R, body)(flat(x), flat(idx)))
+
+
+@pytest.mark.parametrize("R", RANKS)
+def test_zero_tokens(R):
+    # (T=0 with max_recv_tokens > 0 is not tested: shard_map over only zero-sized operands fails to lower in
+    # jax 0.10 (Shardy: "expected at least one operand ... GlobalToLocalShape"), for the xla backend as well.)
+    x, idx, w = make_case(R, 0, 256, 8, 32)
+    check_dispatch(R, x, idx, w, 32)
+    check_combine(R, 0, 256, 8, 32, np.float32, with_bias=True)
+
+
+@pytest.mark.parametrize("R", RANKS)
+@pytest.mark.parametrize("H", [1536, 2048, 2560, 4096, 5120, 7168, 8192])
+def test_deepep_hidden_sizes(R, H):
+    T, K, E = 24, 8, 64
+    for dtype in (O.BF16, "fp8"):
+        x, idx, w = make_case(R, T, H, K, E, seed=H, dtype=dtype)
+        check_dispatch(R, x, idx, w, E)
+    check_combine(R, T, H, K, E, O.BF16, with_bias=False)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Cached dispatch and combine
+# ----------------------------------------------------------------------------------------------------------------
+@functools.cache
+def combine_fn(R: int, backend: str, E: int, with_bias: bool):
+    buf = buffer(R, backend)
+
+    def body(x, idx, w, x2, y, bias):
+        d = jax_ep.dispatch(buf, x, idx, w, num_experts=E)
+        cached = jax_ep.dispatch(buf, x2, handle=d.handle).recv_x
+        c = jax_ep.combine(buf, y, d.handle, topk_weights=d.recv_topk_weights, bias=bias if with_bias else None)
+        return cached, c.x, c.topk_weights
+
+    return spmd(R, body)
+
+
+def run_combine(R, backend, E, x, idx, w, x2, y, bias):
+    out = combine_fn(R, backend, E, bias is not None)(flat(x), flat(idx), flat(w), flat(x2), flat(y), flat(bias))
+    return [ranks(a, R) for a in jax.device_get(out)]
+
+
+def check_combine(R, T, H, K, E, dtype, with_bias, seed=0):
+    x, idx, w = make_case(R, T, H, K, E, seed=seed, dtype=dtype)
+    rng = np.random.default_rng(seed + 1)
+    x2 = O.make_x(rng, (R, T, 2 * H), np.float32)  # cached dispatch of another width and dtype
+    y = O.make_x(rng, (R, R * T, H), dtype)
+    bias = O.make_x(rng, (R, T, H), np.float32) if with_bias else None
+    cached, out, weights = run_combine(R, "cuda", E, x, idx, w, x2, y, bias)
+    ref = O.dispatch(x, idx, w, E)
+    assert_bits(cached, O.cached_dispatch(x2, ref.routing)[0], "cached dispatch vs oracle")
+    exp_out, exp_w = O.combine(y, ref.routing, ref.recv_topk_weights, bias)
+    assert_bits(out, exp_out, "combine vs oracle")
+    assert_bits(weights, exp_w, "combined topk_weights vs oracle")
+    xla = run_combine(R, "xla", E, x, idx, w, x2, y, bias)
+    for name, a, b in zip(("cached dispatch", "combine", "combined weights"), (cached, out, weights), xla):
+        assert_bits(a, b, f"{name} vs xla")
+
+
+@pytest.mark.parametrize("R", RANKS)
+@pytest.mark.parametrize("dtype", [O.BF16, np.float32, np.float16], ids=["bf16", "f32", "f16"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+def test_cached_dispatch_and_combine(R, dtype, with_bias):
+    check_combine(R, 80, 512, 6, 8 * R, dtype, with_bias, seed=R)
+
+
+@pytest.mark.parametrize("R", RANKS)
+def test_handles_swap_between_backends(R):
+    """The xla backend combines along a cuda handle; the cuda backend's cached dispatch follows an xla handle."""
+    T, H, K, E = 40, 256, 4, 16
+    x, idx, w = make_case(R, T, H, K, E, seed=11, dtype=np.float32)
+    y = O.make_x(np.random.default_rng(2), (R, R * T, H), np.float32)
+    cuda, xla = buffer(R, "cuda"), buffer(R, "xla")
+
+    def body(x, idx, y):
+        cuda_handle = jax_ep.dispatch(cuda, x, idx, num_experts=E).handle
+        xla_handle = jax_ep.dispatch(xla, x, idx, num_experts=E).handle
+        return jax_ep.combine(xla, y, cuda_handle).x, jax_ep.dispatch(cuda, x, handle=xla_handle).recv_x
+
+    out, cached = (ranks(a, R) for a in jax.device_get(spmd(R, body)(flat(x), flat(idx), flat(y))))
+    ref = O.dispatch(x, idx, None, E)
+    assert_bits(out, O.combine(y, ref.routing)[0], "xla combine along the cuda handle")
+    assert_bits(cached, ref.recv_x[0], "cuda cached dispatch along the xla handle")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Gradients, determinism, loops
+# ----------------------------------------------------------------------------------------------------------------
+@functools.cache
+def grad_fn(R: int, backend: str, E: int):
+    buf = buffer(R, backend)
+
+    def loss(x, w, bias, idx, g_out, g_w):
+        d = jax_ep.dispatch(buf, x, idx, w, num_experts=E)
+        c = jax_ep.combine(buf, d.recv_x * 3, d.handle, topk_weights=d.recv_topk_weights * 2, bias=bias)
+        return jnp.sum(c.x.astype(jnp.float32) * g_out) + jnp.sum(c.topk_weights * g_w)
+
+    def body(x, w, bias, idx, g_out, g_w):
+        return jax.grad(loss, argnums=(0, 1, 2))(x, w, bias, idx, g_out, g_w)
+
+    return spmd(R, body)
+
+
+@pytest.mark.parametrize("R", RANKS)
+@pytest.mark.parametrize("dtype", [O.BF16, np.float32], ids=["bf16", "f32"])
+def test_gradients_match_xla(R, dtype):
+    T, H, K, E = 48, 256, 8, 32
+    x, idx, w = make_case(R, T, H, K, E, seed=3, dtype=dtype)
+    rng = np.random.default_rng(4)
+    bias = O.make_x(rng, (R, T, H), dtype)
+    g_out, g_w = O.make_x(rng, (R, T, H), np.float32), O.make_x(rng, (R, T, K), np.float32)
+    args = tuple(flat(a) for a in (x, w, bias, idx, g_out, g_w))
+    got = jax.device_get(grad_fn(R, "cuda", E)(*args))
+    ref = jax.device_get(grad_fn(R, "xla", E)(*args))
+    for name, a, b in zip(("d x", "d topk_weights", "d bias"), got, ref):
+        assert_bits(a, b, f"{name} vs xla")
+
+
+@pytest.mark.parametrize("R", RANKS)
+def test_repeated_runs_identical(R):
+    T, H, K, E = 128, 1024, 8, 64
+    x, idx, w = make_case(R, T, H, K, E, seed=9)
+    y = O.make_x(np.random.default_rng(1), (R, R * T, H), O.BF16)
+    fn = combine_fn(R, "cuda", E, False)
+    args = tuple(flat(a) for a in (x, idx, w, x, y, None))
+    first = jax.device_get(fn(*args))
+    for i in range(10):
+        for name, a, b in zip(("cached", "combine", "weights"), jax.device_get(fn(*args)), first):
+            assert_bits(a, b, f"run {i}: {name}")
+    assert cuda_backend.errors(buffer(R, "cuda")) == []
+
+
+def loop_fn(R: int, backend: str, E: int, steps: int):
+    """`steps` dispatch + combine rounds inside one jitted lax.fori_loop (combine(recv_x / 2) feeds the next)."""
+    buf = buffer(R, backend)
+
+    def body(x, idx, w):
+        def step(_, x):
+            d = jax_ep.dispatch(buf, x, idx, w, num_experts=E)
+            return jax_ep.combine(buf, d.recv_x * 0.5, d.handle).x
+
+        return jax.lax.fori_loop(0, steps, step, x)
+
+    return spmd(R, body)
+
+
+def check_loop(R: int, steps: int = 20):
+    T, H, K, E = 64, 256, 4, 16
+    x, idx, w = make_case(R, T, H, K, E, seed=21, dtype=np.float32, p_neg=0.3)
+    got = jax.device_get(loop_fn(R, "cuda", E, steps)(flat(x), flat(idx), flat(w)))
+    expected = x
+    for _ in range(steps):
+        ref = O.dispatch(expected, idx, w, E)
+        expected = O.combine(ref.recv_x[0] * np.float32(0.5), ref.routing)[0]
+    assert_bits(ranks(got, R), expected, f"{steps} jitted dispatch+combine steps vs oracle")
+    assert cuda_backend.errors(buffer(R, "cuda")) == []
+
+
+@pytest.mark.parametrize("R", RANKS)
+def test_jitted_loop_default_flags(R):
+    check_loop(R)
+
+
+def run_worker(mode: str, R: int, xla_flags: str | None = None) -> subprocess.CompletedProcess:
+    """This file as a script in a fresh process (XLA_FLAGS apply at backend start; a trap kills the CUDA context)."""
+    mesh(R)  # skips without R GPUs
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    if xla_flags is not None:
+        env["XLA_FLAGS"] = xla_flags
+    return subprocess.run([sys.executable, __file__, mode, str(R)], env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("R", RANKS)
+def test_jitted_loop_forced_command_buffers(R):
+    """Every op captured into CUDA graphs (min graph size 1, loops included): the call sequence lives on the
+    device, so replay stays correct."""
+    flags = "--xla_gpu_graph_min_graph_size=1 --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,WHILE,CONDITIONAL"
+    proc = run_worker("loop", R, flags)
+    assert proc.returncode == 0 and "LOOP OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("R", RANKS)
+def test_rank_that_never_joins_times_out(R):
+    """Only rank 0 calls dispatch: it waits TIMEOUT_S for the others, records which op and peer, and traps;
+    the error reaches Python and the record names the op and the ranks."""
+    proc = run_worker("timeout", R)
+    assert "RAISED" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = [line for line in proc.stdout.splitlines() if line.startswith("RECORD")]
+    assert record and "dispatch timed out on rank 0" in record[0] and "waiting for rank" in record[0], proc.stdout
+
+
+TIMEOUT_S = 2.0
+
+
+def timeout_worker(R: int):
+    """Prints RAISED when the op fails within a bounded time, then the timeout records; exits without teardown
+    (the trapped GPU's context is dead)."""
+    buf = jax_ep.Buffer(mesh(R), "ep", backend="cuda", config=jax_ep.Config(timeout_s=TIMEOUT_S))
+    x, idx, _ = make_case(R, 16, 128, 2, 2 * R)
+
+    def body(x, idx):
+        # A while loop with a rank-dependent trip count (1 on rank 0, else 0): unlike a cond, XLA cannot turn it
+        # into a select that runs the op everywhere; the op's input depends on the carry so it is not hoisted.
+        def step(_, total):
+            dependent_idx = idx + (total.astype(jnp.float32) * 0).astype(jnp.int32)
+            return total + jax_ep.dispatch(buf, x, dependent_idx, num_experts=2 * R).num_recv_tokens
+
+        trips = (jax.lax.axis_index("ep") == 0).astype(jnp.int32)
+        return jax.lax.fori_loop(0, trips, step, idx[0, 0] * 0)[None]
+
+    start = time.perf_counter()
+    try:
+        jax.block_until_ready(spmd(R, body)(flat(x), flat(idx)))
+        print("NO ERROR", flush=True)
+    except Exception as err:  # noqa: BLE001 - any XLA runtime error is the expected outcome
+        print(f"RAISED after {time.perf_counter() - start:.1f} s: {str(err)[:300]}", flush=True)
+    for line in cuda_backend.errors(buf):
+        print("RECORD", line, flush=True)
+    os._exit(0)
+
+
+if __name__ == "__main__":  # run_worker's subprocess
+    mode, num_ranks = sys.argv[1], int(sys.argv[2])
+    if mode == "loop":
+        check_loop(num_ranks)
+        print("LOOP OK")
+    else:
+        timeout_worker(num_ranks)

@@ -1,0 +1,455 @@
+"""Independent NumPy oracle of ARCHITECTURE.md §3 (normative semantics), plus test-input generators.
+
+Written from the text of §3 and the team's choices where §3 is silent, never from jax_ep code:
+- an id outside [-1, E) is treated as -1 and counted in `invalid_ids` (per rank);
+- a top-k row may repeat an expert: counts are per distinct (token, expert), recv_topk_idx keeps every entry;
+- normal dispatch below capacity keeps the first C rows in (source rank, source token) order, drops the rest;
+- combine accumulates in float32 as `acc = 0; for r in 0..R-1: acc = acc + y_r[row]`, then `+ bias`, then casts;
+- low-latency rows of a local expert are the distinct (source rank, source token) pairs in that order;
+- FP8: per row and 128 channels, scale = max(amax, 1e-4) / 448 (optionally rounded up to a power of two),
+  value = x / scale as float8_e4m3fn; UE8M0 packs the biased exponents of four scales per int32, little-endian.
+
+Every function takes global inputs with a leading rank axis ([R, T, ...]) and returns per-rank expected outputs
+with the same leading axis. Nothing here imports jax.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+F32 = np.dtype(np.float32)
+
+FP8_GROUP = 128  # channels per FP8 scale
+FP8_MAX = np.float32(448.0)
+FP8_AMAX_MIN = np.float32(1e-4)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Routing basics
+# ----------------------------------------------------------------------------------------------------------------
+def sanitize_ids(topk_idx: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids with every entry outside [-1, E) replaced by -1 as int64 [R, T, K], invalid count per rank int32 [R])."""
+    idx = np.asarray(topk_idx).astype(np.int64)
+    bad = (idx < -1) | (idx >= num_experts)
+    return np.where(bad, -1, idx), bad.sum(axis=(1, 2)).astype(np.int32)
+
+
+def token_experts(ids_row: np.ndarray) -> list[int]:
+    """Distinct valid experts of one token's (sanitized) top-k row, ascending."""
+    return sorted({int(e) for e in ids_row if e >= 0})
+
+
+def _local_experts(num_experts: int, num_ranks: int) -> int:
+    assert num_experts % num_ranks == 0, (num_experts, num_ranks)
+    return num_experts // num_ranks
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Layout
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class Layout:
+    num_tokens_per_rank: np.ndarray  # int32 [R, R]: [home rank s, destination r]
+    num_tokens_per_expert: np.ndarray  # int32 [R, E]
+    is_token_in_rank: np.ndarray  # bool [R, T, R]
+    invalid_ids: np.ndarray  # int32 [R]
+
+
+def layout(topk_idx: np.ndarray, num_experts: int) -> Layout:
+    idx, invalid = sanitize_ids(topk_idx, num_experts)
+    R, T, _ = idx.shape
+    L = _local_experts(num_experts, R)
+    in_rank = np.zeros((R, T, R), dtype=bool)
+    per_expert = np.zeros((R, num_experts), dtype=np.int32)
+    for s in range(R):
+        for t in range(T):
+            for e in token_experts(idx[s, t]):
+                per_expert[s, e] += 1
+                in_rank[s, t, e // L] = True
+    per_rank = in_rank.sum(axis=1).astype(np.int32)
+    return Layout(per_rank, per_expert, in_rank, invalid)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Normal dispatch / combine
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class Routing:
+    """Which (home rank, token) each kept row of each receiving rank holds."""
+
+    num_ranks: int
+    num_tokens: int
+    capacity: int
+    rows: list[np.ndarray]  # rows[r]: int64 [n_r, 2] of (source rank, source token), in row order
+
+
+@dataclass
+class Dispatch:
+    recv_x: list[np.ndarray]  # one array [R, C, ...] per payload component (one, or two for the FP8 pair)
+    recv_topk_idx: np.ndarray  # int32 [R, C, K]
+    recv_topk_weights: np.ndarray | None  # f32 [R, C, K]
+    num_recv_tokens: np.ndarray  # int32 [R]
+    num_recv_tokens_per_expert: np.ndarray  # int32 [R, L]
+    num_dropped: np.ndarray  # int32 [R]
+    invalid_ids: np.ndarray  # int32 [R]
+    routing: Routing
+
+
+def _as_components(x) -> list[np.ndarray]:
+    return [np.asarray(c) for c in x] if isinstance(x, (tuple, list)) else [np.asarray(x)]
+
+
+def routing(topk_idx: np.ndarray, num_experts: int, max_recv_tokens: int | None = None) -> tuple[Routing, np.ndarray]:
+    """(kept rows per receiving rank, need per receiving rank int64 [R])."""
+    lay = layout(topk_idx, num_experts)
+    R, T, _ = lay.is_token_in_rank.shape
+    C = R * T if max_recv_tokens is None else int(max_recv_tokens)
+    rows, need = [], np.zeros(R, dtype=np.int64)
+    for r in range(R):
+        wanted = [(s, t) for s in range(R) for t in range(T) if lay.is_token_in_rank[s, t, r]]
+        need[r] = len(wanted)
+        rows.append(np.array(wanted[:C], dtype=np.int64).reshape(-1, 2))
+    return Routing(R, T, C, rows), need
+
+
+def dispatch(
+    x,
+    topk_idx: np.ndarray,
+    topk_weights: np.ndarray | None,
+    num_experts: int,
+    max_recv_tokens: int | None = None,
+    expert_alignment: int = 1,
+) -> Dispatch:
+    """x: [R, T, H] or a tuple of per-rank components (the FP8 pair), each passed through row-wise."""
+    idx, invalid = sanitize_ids(topk_idx, num_experts)
+    R, T, K = idx.shape
+    L = _local_experts(num_experts, R)
+    route, need = routing(topk_idx, num_experts, max_recv_tokens)
+    C = route.capacity
+
+    recv_x = cached_dispatch(x, route)
+    recv_idx = np.full((R, C, K), -1, dtype=np.int32)
+    recv_w = None if topk_weights is None else np.zeros((R, C, K), dtype=F32)
+    per_expert = np.zeros((R, L), dtype=np.int64)
+    for r in range(R):
+        for i, (s, t) in enumerate(route.rows[r]):
+            for k in range(K):
+                e = idx[s, t, k]
+                if e >= 0 and e // L == r:
+                    recv_idx[r, i, k] = e - r * L
+                    if recv_w is not None:
+                        recv_w[r, i, k] = np.asarray(topk_weights)[s, t, k]
+            for j in {int(v) for v in recv_idx[r, i] if v >= 0}:
+                per_expert[r, j] += 1
+    a = int(expert_alignment)
+    per_expert = (per_expert + a - 1) // a * a
+    n = np.array([len(rw) for rw in route.rows], dtype=np.int32)
+    dropped = np.maximum(need - C, 0).astype(np.int32)
+    return Dispatch(recv_x, recv_idx, recv_w, n, per_expert.astype(np.int32), dropped, invalid, route)
+
+
+def cached_dispatch(x, route: Routing) -> list[np.ndarray]:
+    """Rows of x (each payload component) placed as `route` says; padding rows zero."""
+    out = []
+    for comp in _as_components(x):
+        R, T = comp.shape[:2]
+        assert (R, T) == (route.num_ranks, route.num_tokens), (comp.shape, route.num_ranks, route.num_tokens)
+        recv = np.zeros((R, route.capacity) + comp.shape[2:], dtype=comp.dtype)
+        for r, rw in enumerate(route.rows):
+            if len(rw):
+                recv[r, : len(rw)] = comp[rw[:, 0], rw[:, 1]]
+        out.append(recv)
+    return out
+
+
+def _sum_back_f32(v: np.ndarray, route: Routing) -> np.ndarray:
+    """f32 [R, T, ...]: for every home token, acc = 0; for r = 0..R-1 (rank order): acc = acc + v_r[row]."""
+    R, T = route.num_ranks, route.num_tokens
+    acc = np.zeros((R, T) + v.shape[2:], dtype=F32)
+    for r, rw in enumerate(route.rows):  # each (s, t) appears at most once per r: one vectorized add per rank
+        if len(rw):
+            acc[rw[:, 0], rw[:, 1]] = acc[rw[:, 0], rw[:, 1]] + v[r, : len(rw)].astype(F32)
+    return acc
+
+
+def combine(
+    y: np.ndarray,
+    route: Routing,
+    topk_weights: np.ndarray | None = None,
+    bias: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """(out [R, T, H] dtype of y, combined weights f32 [R, T, K] or None). Padding / unused rows are ignored."""
+    y = np.asarray(y)
+    acc = _sum_back_f32(y, route)
+    if bias is not None:
+        acc = acc + np.asarray(bias).astype(F32)
+    w = None if topk_weights is None else _sum_back_f32(np.asarray(topk_weights), route)
+    return acc.astype(y.dtype), w
+
+
+# --- normal-mode VJPs ---------------------------------------------------------------------------------------------
+def dispatch_vjp(
+    route: Routing,
+    recv_topk_idx: np.ndarray,
+    g_recv_x: np.ndarray,
+    g_recv_topk_weights: np.ndarray | None,
+    x_dtype,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """(dx [R, T, H] in x's dtype, d topk_weights f32 [R, T, K]).
+
+    recv_x rows are copies of x rows: dx[t] = Σ over ranks that kept t of the cotangent row. recv_topk_weights[k]
+    is the weight where the expert is on that rank, else the constant 0: only those entries carry a cotangent."""
+    dx = _sum_back_f32(np.asarray(g_recv_x), route).astype(x_dtype)
+    dw = None
+    if g_recv_topk_weights is not None:
+        masked = np.where(np.asarray(recv_topk_idx) >= 0, np.asarray(g_recv_topk_weights, dtype=F32), np.float32(0))
+        dw = _sum_back_f32(masked, route)
+    return dx, dw
+
+
+def combine_vjp(
+    route: Routing,
+    g_out: np.ndarray,
+    g_topk_weights: np.ndarray | None,
+    y_dtype,
+    bias_dtype=None,
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """(dy [R, C, H] in y's dtype, d topk_weights f32 [R, C, K], d bias [R, T, H] in bias's dtype).
+
+    Every kept row of y enters its home token's sum once: dy is the cached dispatch of the output cotangent
+    (padding rows 0); likewise the weights (all K entries are summed); the bias is added once."""
+    (dy,) = cached_dispatch(np.asarray(g_out), route)
+    dw = None if g_topk_weights is None else cached_dispatch(np.asarray(g_topk_weights, dtype=F32), route)[0]
+    db = None if bias_dtype is None else np.asarray(g_out).astype(bias_dtype)
+    return dy.astype(y_dtype), dw, db
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# FP8 per-128-channel cast
+# ----------------------------------------------------------------------------------------------------------------
+def _pow2_ceil(v: np.ndarray) -> np.ndarray:
+    """2**ceil(log2(v)) for positive finite float32 v, exactly (from the bits, no log rounding)."""
+    v = np.asarray(v, dtype=F32)
+    mant, exp = np.frexp(v)  # v = mant * 2**exp, mant in [0.5, 1)
+    exp = np.where(mant == 0.5, exp - 1, exp)
+    return np.ldexp(np.ones_like(v), exp).astype(F32)
+
+
+def fp8_scales(x: np.ndarray, round_scale: bool = False) -> np.ndarray:
+    """f32 [..., H/128] scale per 128 channels of the rows of x [..., H]."""
+    xf = np.asarray(x).astype(F32)
+    H = xf.shape[-1]
+    assert H % FP8_GROUP == 0, H
+    groups = xf.reshape(xf.shape[:-1] + (H // FP8_GROUP, FP8_GROUP))
+    amax = np.maximum(np.abs(groups).max(axis=-1, initial=np.float32(0)), FP8_AMAX_MIN).astype(F32)
+    # Team rule (as DeepEP): scale = amax * float32(1/448), a multiplication by the rounded reciprocal.
+    scale = (amax * np.float32(1.0 / FP8_MAX)).astype(F32)
+    return _pow2_ceil(scale) if round_scale else scale
+
+
+def fp8_cast(x: np.ndarray, round_scale: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(e4m3 [..., H], scales f32 [..., H/128]) with value = x / scale."""
+    xf = np.asarray(x).astype(F32)
+    scale = fp8_scales(x, round_scale)
+    q = (xf / np.repeat(scale, FP8_GROUP, axis=-1)).astype(F32).astype(E4M3)
+    return q, scale
+
+
+def ue8m0_pack(scale: np.ndarray) -> np.ndarray:
+    """int32 [..., G/4]: byte i (little-endian) of word w = biased exponent of the scale of group 4w+i."""
+    scale = np.asarray(scale, dtype=F32)
+    G = scale.shape[-1]
+    assert G % 4 == 0, G
+    exps = ((scale.view(np.uint32) >> 23) & 0xFF).astype(np.uint32)
+    exps = exps.reshape(scale.shape[:-1] + (G // 4, 4))
+    words = exps[..., 0] | (exps[..., 1] << 8) | (exps[..., 2] << 16) | (exps[..., 3] << 24)
+    return words.astype(np.uint32).view(np.int32)
+
+
+def ue8m0_unpack(words: np.ndarray) -> np.ndarray:
+    """f32 [..., 4W] scales 2**(byte - 127) from packed int32 [..., W]."""
+    w = np.asarray(words).astype(np.int32).view(np.uint32)
+    exps = np.stack([(w >> (8 * i)) & 0xFF for i in range(4)], axis=-1).reshape(w.shape[:-1] + (4 * w.shape[-1],))
+    return (exps.astype(np.uint32) << 23).view(F32)
+
+
+def fp8_dequant(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    return (np.asarray(q).astype(F32) * np.repeat(np.asarray(scale, dtype=F32), FP8_GROUP, axis=-1)).astype(F32)
+
+
+def deepep_diff(x: np.ndarray, y: np.ndarray) -> float:
+    """DeepEP's calc_diff: 1 - 2 Σab / Σ(a² + b²) with a = x + 1, b = y + 1 (float64)."""
+    a = np.asarray(x, dtype=np.float64) + 1.0
+    b = np.asarray(y, dtype=np.float64) + 1.0
+    den = float((a * a + b * b).sum())
+    return 0.0 if den == 0.0 else 1.0 - 2.0 * float((a * b).sum()) / den
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Low-latency dispatch / combine
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class LowLatencyDispatch:
+    rows: list[list[np.ndarray]]  # rows[r][j]: int64 [recv_count, 2] of (source rank, source token), in row order
+    recv_count: np.ndarray  # int32 [R, L]
+    valid: np.ndarray  # bool [R, L, R*M]: rows < recv_count (only these are specified)
+    recv_x: np.ndarray  # bf16 [R, L, R*M, H] (valid rows only are meaningful; the rest are 0 here)
+    recv_x_fp8: np.ndarray | None  # e4m3 [R, L, R*M, H]
+    recv_scales: np.ndarray | None  # f32 [R, L, R*M, H/128]
+    recv_scales_ue8m0: np.ndarray | None  # int32 [R, L, R*M, H/512]
+    src_token_index: np.ndarray  # int32 [R, L, R*M], -1 beyond recv_count
+    layout_range: np.ndarray  # int32 [R, L, R, 2]: (first row, count) per source rank
+    cumulative_stats: np.ndarray | None  # int32 [R, L]
+    invalid_ids: np.ndarray  # int32 [R]
+
+
+def low_latency_dispatch(
+    x: np.ndarray,
+    topk_idx: np.ndarray,
+    num_experts: int,
+    num_max_dispatch_tokens_per_rank: int,
+    use_fp8: bool = False,
+    round_scale: bool = False,
+    use_ue8m0: bool = False,
+    cumulative_stats: np.ndarray | None = None,
+) -> LowLatencyDispatch:
+    x = np.asarray(x)
+    idx, invalid = sanitize_ids(topk_idx, num_experts)
+    R, T, _ = idx.shape
+    H = x.shape[-1]
+    M = int(num_max_dispatch_tokens_per_rank)
+    assert T <= M, (T, M)
+    L = _local_experts(num_experts, R)
+
+    lists: list[list[list[tuple[int, int]]]] = [[[] for _ in range(L)] for _ in range(R)]
+    for s in range(R):  # (s, t) ascending: rows come out ordered by source rank, then source token
+        for t in range(T):
+            for e in token_experts(idx[s, t]):
+                lists[e // L][e % L].append((s, t))
+    rows = [[np.array(lists[r][j], dtype=np.int64).reshape(-1, 2) for j in range(L)] for r in range(R)]
+
+    count = np.array([[len(rows[r][j]) for j in range(L)] for r in range(R)], dtype=np.int32).reshape(R, L)
+    valid = np.arange(R * M)[None, None, :] < count[:, :, None]
+    recv_x = np.zeros((R, L, R * M, H), dtype=x.dtype)
+    src = np.full((R, L, R * M), -1, dtype=np.int32)
+    rng_ = np.zeros((R, L, R, 2), dtype=np.int32)
+    for r in range(R):
+        for j in range(L):
+            rw = rows[r][j]
+            if len(rw):
+                recv_x[r, j, : len(rw)] = x[rw[:, 0], rw[:, 1]]
+                src[r, j, : len(rw)] = rw[:, 1]
+            start = 0
+            for s in range(R):
+                c = int((rw[:, 0] == s).sum())
+                rng_[r, j, s] = (start, c)
+                start += c
+
+    q = sc = packed = None
+    if use_fp8:
+        if use_ue8m0:
+            assert round_scale, "use_ue8m0 requires round_scale"
+        q, sc = fp8_cast(recv_x, round_scale)
+        if use_ue8m0:
+            packed = ue8m0_pack(sc)
+    stats = None
+    if cumulative_stats is not None:
+        stats = (np.asarray(cumulative_stats).astype(np.int64) + count).astype(np.int32)
+    return LowLatencyDispatch(rows, count, valid, recv_x, q, sc, packed, src, rng_, stats, invalid)
+
+
+def low_latency_combine(
+    y: np.ndarray,
+    topk_idx: np.ndarray,
+    topk_weights: np.ndarray,
+    num_experts: int,
+    ll: LowLatencyDispatch,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(out f32 [R, T, H] before the final bf16 cast, Σ_k |w·y| f32 [R, T, H] for error bounds).
+
+    out[t] = Σ over k in order of w[t,k] · y[expert k's local j on its rank][row of (t, e_k)], acc = 0 in f32,
+    invalid / -1 entries skipped; a repeated expert contributes once per k entry."""
+    y = np.asarray(y)
+    w = np.asarray(topk_weights, dtype=F32)
+    idx, _ = sanitize_ids(topk_idx, num_experts)
+    R, T, K = idx.shape
+    H = y.shape[-1]
+    L = _local_experts(num_experts, R)
+    where = {}
+    for r in range(R):
+        for j in range(L):
+            for i, (s, t) in enumerate(ll.rows[r][j]):
+                where[(r * L + j, int(s), int(t))] = (r, j, i)
+    acc = np.zeros((R, T, H), dtype=F32)
+    mag = np.zeros((R, T, H), dtype=F32)
+    for s in range(R):
+        for t in range(T):
+            for k in range(K):
+                e = int(idx[s, t, k])
+                if e < 0:
+                    continue
+                r, j, i = where[(e, s, t)]
+                term = (w[s, t, k] * y[r, j, i].astype(F32)).astype(F32)
+                acc[s, t] = acc[s, t] + term
+                mag[s, t] += np.abs(term)
+    return acc, mag
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Test-input generators (NumPy only)
+# ----------------------------------------------------------------------------------------------------------------
+ROUTING_MODES = ("uniform", "distinct", "skewed", "one_rank", "empty", "dense_dups")
+_INVALID_VALUES = (-2, -7, -(2**31), 2**31 - 1)
+
+
+def make_topk_idx(
+    rng: np.random.Generator,
+    R: int,
+    T: int,
+    K: int,
+    E: int,
+    mode: str = "uniform",
+    p_neg: float = 0.1,
+    p_invalid: float = 0.0,
+) -> np.ndarray:
+    """int32 [R, T, K] expert ids for the routing `mode`, with -1 entries (prob. p_neg) and out-of-range ids
+    (prob. p_invalid: >= E or < -1) sprinkled in."""
+    L = E // R
+    if mode == "uniform":  # repeats possible
+        idx = rng.integers(0, E, size=(R, T, K))
+    elif mode == "distinct":  # DeepEP-style top-k: distinct experts per token where K <= E
+        idx = np.argsort(rng.random((R, T, max(E, K))), axis=-1)[..., :K] % E
+    elif mode == "skewed":  # every token to one expert (in every k slot)
+        idx = np.full((R, T, K), int(rng.integers(0, E)))
+    elif mode == "one_rank":  # only the experts of one rank: every other rank receives nothing
+        r0 = int(rng.integers(0, R))
+        idx = rng.integers(r0 * L, (r0 + 1) * L, size=(R, T, K))
+    elif mode == "empty":
+        idx = np.full((R, T, K), -1)
+    elif mode == "dense_dups":  # few experts, many repeats
+        idx = rng.integers(0, min(E, 2), size=(R, T, K))
+    else:
+        raise ValueError(mode)
+    idx = idx.astype(np.int64)
+    if mode != "empty":
+        idx = np.where(rng.random(idx.shape) < p_neg, -1, idx)
+    if p_invalid > 0:
+        bad = rng.random(idx.shape) < p_invalid
+        choices = np.array(list(_INVALID_VALUES) + [E, E + 1, E + 1000], dtype=np.int64)
+        idx = np.where(bad, rng.choice(choices, size=idx.shape), idx)
+    return idx.astype(np.int32)
+
+
+def make_x(rng: np.random.Generator, shape, dtype) -> np.ndarray:
+    return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+
+
+def make_fp8_pair(rng: np.random.Generator, shape) -> tuple[np.ndarray, np.ndarray]:
+    """A random FP8 payload (e4m3 [..., H], scales f32 [..., H/128]) (any bit patterns that are not NaN)."""
+    q = rng.standard_normal(shape, dtype=np.float32).astype(E4M3)
+    scales = rng.uniform(0.01, 4.0, size=tuple(shape[:-1]) + (shape[-1] // FP8_GROUP,)).astype(F32)
+    return q, scales

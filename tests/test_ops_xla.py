@@ -1,0 +1,585 @@
+"""Property tests of the public ops on the portable `xla` backend against the NumPy oracle (tests/oracle.py).
+
+Every op runs inside `jax.jit(jax.shard_map(...))` over an 8-virtual-device CPU mesh cut to R ranks. Dispatch
+outputs and normal combine (float32 accumulation in rank order) are compared bit for bit; low-latency combine
+with an error bound that a wrong row cannot meet; FP8 casts by exact scales plus DeepEP's diff metric.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import functools  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import oracle as O  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jax_ep  # noqa: E402
+
+SETTINGS = dict(deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+RANKS = [1, 2, 4, 8]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Harness
+# ----------------------------------------------------------------------------------------------------------------
+@functools.cache
+def mesh(R: int) -> Mesh:
+    devices = jax.devices()
+    if len(devices) < R:
+        pytest.skip(f"needs {R} devices, {len(devices)} present")
+    return Mesh(np.array(devices[:R]), ("ep",))
+
+
+@functools.cache
+def buffer(R: int) -> jax_ep.Buffer:
+    return jax_ep.Buffer(mesh(R), "ep", backend="xla")
+
+
+@functools.cache
+def ll_buffer(R: int, M: int, H: int, E: int) -> jax_ep.Buffer:
+    return jax_ep.Buffer(mesh(R), "ep", backend="xla", num_max_dispatch_tokens_per_rank=M, hidden=H, num_experts=E)
+
+
+def spmd(R: int, body):
+    """jit(shard_map(body)): every argument and result split along its leading axis over the R ranks."""
+    return jax.jit(jax.shard_map(body, mesh=mesh(R), in_specs=P("ep"), out_specs=P("ep")))
+
+
+def flat(a):
+    """Global [R*N, ...] input from a per-rank [R, N, ...] array (None and tuples pass through)."""
+    if a is None:
+        return None
+    if isinstance(a, tuple):
+        return tuple(flat(c) for c in a)
+    a = np.asarray(a)
+    return a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:])
+
+
+def ranks(a, R: int):
+    """Per-rank [R, N, ...] numpy view of a global [R*N, ...] output."""
+    a = np.asarray(a)
+    return a.reshape((R, a.shape[0] // R) + a.shape[1:])
+
+
+def as_f32(a):
+    a = np.asarray(a)
+    return a.astype(np.float32) if a.dtype.kind == "f" or a.dtype in (O.BF16, O.E4M3) else a
+
+
+def assert_same(actual, expected, what: str):
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    np.testing.assert_array_equal(as_f32(actual), as_f32(expected), err_msg=what)
+
+
+@dataclass(frozen=True)
+class Case:
+    R: int
+    T: int
+    H: int
+    K: int
+    E: int
+    mode: str
+    p_neg: float
+    p_invalid: float
+    seed: int
+
+    @property
+    def L(self) -> int:
+        return self.E // self.R
+
+    def rng(self, salt: int = 0) -> np.random.Generator:
+        return np.random.default_rng([self.seed, salt])
+
+    def topk_idx(self) -> np.ndarray:
+        return O.make_topk_idx(self.rng(1), self.R, self.T, self.K, self.E, self.mode, self.p_neg, self.p_invalid)
+
+    def topk_weights(self) -> np.ndarray:
+        return self.rng(2).standard_normal((self.R, self.T, self.K), dtype=np.float32)
+
+
+@st.composite
+def cases(draw, max_T: int = 200, Hs=(128, 256), Ks=(1, 8), max_L: int = 4, p_invalid=(0.0, 0.0, 0.05), min_T: int = 0):
+    R = draw(st.sampled_from(RANKS))
+    return Case(
+        R=R,
+        T=draw(st.one_of(st.just(min_T), st.integers(max(min_T, 1), 16), st.integers(17, max_T))),
+        H=draw(st.sampled_from(Hs)),
+        K=draw(st.integers(*Ks)),
+        E=R * draw(st.integers(1, max_L)),
+        mode=draw(st.sampled_from(O.ROUTING_MODES)),
+        p_neg=draw(st.sampled_from([0.0, 0.2, 0.6])),
+        p_invalid=draw(st.sampled_from(p_invalid)),
+        seed=draw(st.integers(0, 2**32 - 1)),
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Oracle self-check on a worked example (hand-computed, so the oracle is not only checked against itself)
+# ----------------------------------------------------------------------------------------------------------------
+def test_oracle_worked_example():
+    # R=2, E=4 (L=2), T=2, K=2. rank 0: t0 -> {1, 2}, t1 -> {3, 3}; rank 1: t0 -> {-1, 9 (invalid)}, t1 -> {0, 1}
+    idx = np.array([[[1, 2], [3, 3]], [[-1, 9], [0, 1]]], dtype=np.int32)
+    w = np.array([[[0.5, 0.25], [1.0, 2.0]], [[3.0, 4.0], [5.0, 6.0]]], dtype=np.float32)
+    x = np.arange(2 * 2 * 128, dtype=np.float32).reshape(2, 2, 128)
+    lay = O.layout(idx, 4)
+    np.testing.assert_array_equal(lay.num_tokens_per_rank, [[1, 2], [1, 0]])
+    np.testing.assert_array_equal(lay.num_tokens_per_expert, [[0, 1, 1, 1], [1, 1, 0, 0]])
+    np.testing.assert_array_equal(lay.invalid_ids, [0, 1])
+    d = O.dispatch(x, idx, w, 4, expert_alignment=2)
+    # rank 0 gets (0, t0) and (1, t1); rank 1 gets (0, t0) and (0, t1)
+    np.testing.assert_array_equal(d.num_recv_tokens, [2, 2])
+    np.testing.assert_array_equal(d.recv_x[0][0, :2], x[[0, 1], [0, 1]])
+    np.testing.assert_array_equal(d.recv_x[0][1, :2], x[[0, 0], [0, 1]])
+    np.testing.assert_array_equal(d.recv_x[0][:, 2:], 0)
+    np.testing.assert_array_equal(d.recv_topk_idx[0, :2], [[1, -1], [0, 1]])
+    np.testing.assert_array_equal(d.recv_topk_idx[1, :2], [[-1, 0], [1, 1]])
+    np.testing.assert_array_equal(d.recv_topk_weights[1, :2], [[0, 0.25], [1.0, 2.0]])
+    np.testing.assert_array_equal(d.num_recv_tokens_per_expert, [[2, 2], [2, 2]])  # [1,1] and [1,1] aligned to 2
+    d1 = O.dispatch(x, idx, w, 4, max_recv_tokens=1)
+    np.testing.assert_array_equal(d1.num_dropped, [1, 1])
+    np.testing.assert_array_equal(d1.recv_x[0][1, 0], x[0, 0])
+    out, wout = O.combine(d.recv_x[0], d.routing, d.recv_topk_weights)
+    np.testing.assert_array_equal(out[0, 0], 2 * x[0, 0])  # t0 of rank 0 was received by both ranks
+    np.testing.assert_array_equal(out[1, 0], 0)  # sent nowhere
+    np.testing.assert_array_equal(wout[0], w[0])
+    np.testing.assert_array_equal(wout[1], [[0, 0], [5.0, 6.0]])
+    ll = O.low_latency_dispatch(x.astype(O.BF16), idx, 4, 2)
+    np.testing.assert_array_equal(ll.recv_count, [[1, 2], [1, 1]])  # expert 1 gets (0, t0) and (1, t1)
+    np.testing.assert_array_equal(ll.src_token_index[0, 1, :3], [0, 1, -1])
+    np.testing.assert_array_equal(ll.layout_range[0, 1], [[0, 1], [1, 1]])
+    np.testing.assert_array_equal(ll.layout_range[1, 1], [[0, 1], [1, 0]])
+    y = np.ones((2, 2, 4, 128), dtype=O.BF16)
+    acc, _ = O.low_latency_combine(y, idx, w, 4, ll)
+    np.testing.assert_array_equal(acc[0, 1], 3.0)  # expert 3 twice: 1.0 + 2.0
+    np.testing.assert_array_equal(acc[1, 0], 0.0)
+    q, s = O.fp8_cast(np.full((1, 128), 3.0, dtype=O.BF16), round_scale=True)
+    assert s[0, 0] == np.float32(2.0**-7) and np.all(q.astype(np.float32) == 384.0)
+    assert O.ue8m0_pack(np.array([1.0, 2.0, 0.5, 2.0**-7], np.float32))[0] == np.int32(
+        127 | (128 << 8) | (126 << 16) | (120 << 24)
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Normal dispatch
+# ----------------------------------------------------------------------------------------------------------------
+@functools.cache
+def dispatch_fn(R: int, E: int, C, alignment: int, fp8: bool, with_weights: bool):
+    buf = buffer(R)
+
+    def body(x, idx, w):
+        res = jax_ep.dispatch(buf, x, idx, w if with_weights else None, num_experts=E, max_recv_tokens=C,
+                              expert_alignment=alignment)
+        return (res.recv_x, res.recv_topk_idx, res.recv_topk_weights, res.num_recv_tokens[None],
+                res.num_recv_tokens_per_expert, res.num_dropped[None], res.invalid_ids[None])
+
+    return spmd(R, body)
+
+
+def run_dispatch(c: Case, x, idx, w, C=None, alignment=1):
+    fp8 = isinstance(x, tuple)
+    out = dispatch_fn(c.R, c.E, C, alignment, fp8, w is not None)(flat(x), flat(idx), flat(w))
+    recv_x, ridx, rw, n, per_expert, dropped, invalid = out
+    recv_x = tuple(ranks(a, c.R) for a in recv_x) if fp8 else (ranks(recv_x, c.R),)
+    return dict(recv_x=recv_x, recv_topk_idx=ranks(ridx, c.R), recv_topk_weights=None if rw is None else ranks(rw, c.R),
+                num_recv_tokens=np.asarray(n), num_recv_tokens_per_expert=ranks(per_expert, c.R),
+                num_dropped=np.asarray(dropped), invalid_ids=np.asarray(invalid))
+
+
+def check_dispatch(got: dict, exp: O.Dispatch):
+    assert len(got["recv_x"]) == len(exp.recv_x)
+    for i, (a, b) in enumerate(zip(got["recv_x"], exp.recv_x)):
+        assert_same(a, b, f"recv_x[{i}]")
+    assert_same(got["recv_topk_idx"], exp.recv_topk_idx, "recv_topk_idx")
+    if exp.recv_topk_weights is None:
+        assert got["recv_topk_weights"] is None
+    else:
+        assert_same(got["recv_topk_weights"], exp.recv_topk_weights, "recv_topk_weights")
+    assert_same(got["num_recv_tokens"], exp.num_recv_tokens, "num_recv_tokens")
+    assert_same(got["num_recv_tokens_per_expert"], exp.num_recv_tokens_per_expert, "num_recv_tokens_per_expert")
+    assert_same(got["num_dropped"], exp.num_dropped, "num_dropped")
+    assert_same(got["invalid_ids"], exp.invalid_ids, "invalid_ids")
+
+
+def capacity_for(c: Case, idx, choice: str):
+    """A static capacity: default (None), above R*T, exactly the largest need, or below it (drops)."""
+    _, need = O.routing(idx, c.E)
+    top = int(need.max(initial=0))
+    if choice == "default" or c.T == 0:
+        return None
+    if choice == "over":
+        return c.R * c.T + 3
+    if choice == "exact":
+        return max(top, 1)
+    return max(top // 2, 1) if choice == "half" else max(top - 1, 1)
+
+
+@settings(max_examples=25, **SETTINGS)
+@given(c=cases(), dtype=st.sampled_from(["bfloat16", "float32"]), weights=st.booleans(),
+       cap=st.sampled_from(["default", "default", "over", "exact", "half", "minus1"]), alignment=st.sampled_from([1, 1, 4, 128]))
+def test_dispatch(c, dtype, weights, cap, alignment):
+    idx = c.topk_idx()
+    x = O.make_x(c.rng(3), (c.R, c.T, c.H), np.dtype(O.BF16 if dtype == "bfloat16" else np.float32))
+    w = c.topk_weights() if weights else None
+    C = capacity_for(c, idx, cap)
+    exp = O.dispatch(x, idx, w, c.E, max_recv_tokens=C, expert_alignment=alignment)
+    check_dispatch(run_dispatch(c, x, idx, w, C, alignment), exp)
+
+
+@pytest.mark.parametrize("R", RANKS)
+def test_dispatch_skewed_empty_and_big(R):
+    """Explicit edges: every token to one expert, a rank that receives nothing, a few hundred tokens."""
+    E, K, H = 4 * R, 8, 128
+    for T, mode in [(300, "skewed"), (257, "one_rank"), (64, "empty"), (0, "uniform")]:
+        c = Case(R, T, H, K, E, mode, 0.0, 0.0, seed=R * 1000 + T)
+        idx, w = c.topk_idx(), c.topk_weights()
+        x = O.make_x(c.rng(3), (R, T, H), O.BF16)
+        exp = O.dispatch(x, idx, w, E)
+        check_dispatch(run_dispatch(c, x, idx, w), exp)
+        if mode == "one_rank" and R > 1:
+            assert (exp.num_recv_tokens == 0).sum() == R - 1
+
+
+@pytest.mark.parametrize("R", [2, 8])
+def test_dispatch_drops(R):
+    """Capacity below the need: first C rows in (source rank, source token) order kept, num_dropped = need - C."""
+    c = Case(R, 40, 128, 4, 2 * R, "uniform", 0.1, 0.0, seed=7)
+    idx, w = c.topk_idx(), c.topk_weights()
+    x = O.make_x(c.rng(3), (R, c.T, c.H), np.float32)
+    _, need = O.routing(idx, c.E)
+    for C in (1, 13, int(need.max()) // 2, int(need.max()) - 1):
+        exp = O.dispatch(x, idx, w, c.E, max_recv_tokens=C)
+        assert exp.num_dropped.sum() > 0
+        check_dispatch(run_dispatch(c, x, idx, w, C), exp)
+
+
+@pytest.mark.parametrize("R", [1, 4])
+def test_dispatch_invalid_ids(R):
+    c = Case(R, 33, 128, 6, 3 * R, "uniform", 0.2, 0.3, seed=11)
+    idx, w = c.topk_idx(), c.topk_weights()
+    idx[0, 0] = [c.E, -2, 2**31 - 1, -(2**31), c.E + 5, 0]  # every kind of bad id, and one good one
+    x = O.make_x(c.rng(3), (R, c.T, c.H), O.BF16)
+    exp = O.dispatch(x, idx, w, c.E)
+    assert exp.invalid_ids[0] >= 5
+    check_dispatch(run_dispatch(c, x, idx, w), exp)
+
+
+@settings(max_examples=10, **SETTINGS)
+@given(c=cases(max_T=96), cap=st.sampled_from(["default", "half"]))
+def test_dispatch_fp8_pair_passthrough(c, cap):
+    idx, w = c.topk_idx(), c.topk_weights()
+    x = O.make_fp8_pair(c.rng(3), (c.R, c.T, c.H))
+    C = capacity_for(c, idx, cap)
+    exp = O.dispatch(x, idx, w, c.E, max_recv_tokens=C)
+    got = run_dispatch(c, x, idx, w, C)
+    assert got["recv_x"][0].dtype == O.E4M3 and got["recv_x"][1].dtype == np.float32
+    np.testing.assert_array_equal(got["recv_x"][0].view(np.uint8), exp.recv_x[0].view(np.uint8))
+    check_dispatch(got, exp)
+
+
+def test_dispatch_strict():
+    """strict=True: silent when nothing is dropped and every id is valid, an error when tokens are dropped."""
+    R, E, T, H, K = 2, 4, 8, 128, 2
+    buf = buffer(R)
+    c = Case(R, T, H, K, E, "distinct", 0.0, 0.0, seed=3)
+    idx, x = c.topk_idx(), O.make_x(c.rng(3), (R, T, H), np.float32)
+
+    def run(C):
+        body = lambda x, idx: jax_ep.dispatch(buf, x, idx, None, num_experts=E, max_recv_tokens=C, strict=True).recv_x
+        return jax.block_until_ready(spmd(R, body)(flat(x), flat(idx)))
+
+    assert_same(ranks(run(None), R), O.dispatch(x, idx, None, E).recv_x[0], "strict recv_x")
+    with pytest.raises(Exception, match="(?i)drop|fit|capacity|max_recv_tokens"):
+        run(1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Cached dispatch and normal combine
+# ----------------------------------------------------------------------------------------------------------------
+@functools.cache
+def combine_fn(R: int, E: int, C, with_wc: bool, with_bias: bool):
+    buf = buffer(R)
+
+    def body(x, idx, x2, y, wc, bias):
+        res = jax_ep.dispatch(buf, x, idx, None, num_experts=E, max_recv_tokens=C)
+        cached = jax_ep.dispatch(buf, x2, handle=res.handle)
+        assert cached.recv_topk_idx is None and cached.num_recv_tokens is None
+        out = jax_ep.combine(buf, y, res.handle, topk_weights=wc if with_wc else None, bias=bias if with_bias else None)
+        return cached.recv_x, out.x, out.topk_weights
+
+    return spmd(R, body)
+
+
+@settings(max_examples=20, **SETTINGS)
+@given(c=cases(), dtype=st.sampled_from(["bfloat16", "float32"]), with_wc=st.booleans(),
+       bias=st.sampled_from(["none", "same", "float32"]), cap=st.sampled_from(["default", "default", "half"]))
+def test_cached_dispatch_and_combine(c, dtype, with_wc, bias, cap):
+    dt = np.dtype(O.BF16 if dtype == "bfloat16" else np.float32)
+    idx = c.topk_idx()
+    C = capacity_for(c, idx, cap)
+    Cn = c.R * c.T if C is None else C
+    rng = c.rng(4)
+    x = O.make_x(rng, (c.R, c.T, c.H), dt)
+    x2 = O.make_x(rng, (c.R, c.T, c.H), dt)
+    y = O.make_x(rng, (c.R, Cn, c.H), dt)  # padding rows hold garbage: combine must ignore them
+    wc = rng.standard_normal((c.R, Cn, c.K), dtype=np.float32)
+    b = None if bias == "none" else O.make_x(rng, (c.R, c.T, c.H), dt if bias == "same" else np.float32)
+
+    route, _ = O.routing(idx, c.E, C)
+    cached, out, wout = combine_fn(c.R, c.E, C, with_wc, b is not None)(
+        flat(x), flat(idx), flat(x2), flat(y), flat(wc), flat(b))
+    assert_same(ranks(cached, c.R), O.cached_dispatch(x2, route)[0], "cached recv_x")
+    exp_out, exp_w = O.combine(y, route, wc if with_wc else None, b)
+    assert_same(ranks(out, c.R), exp_out, "combine x")
+    if with_wc:
+        assert_same(ranks(wout, c.R), exp_w, "combine topk_weights")
+    else:
+        assert wout is None
+
+
+@pytest.mark.parametrize("R", [2, 8])
+def test_combine_of_dispatch_roundtrip(R):
+    """combine(dispatch(x)) = (number of ranks holding t) * x, and the weights come back whole (DeepEP's check)."""
+    E, T, H, K = 2 * R, 150, 256, 8
+    c = Case(R, T, H, K, E, "uniform", 0.2, 0.0, seed=5)
+    idx, w = c.topk_idx(), c.topk_weights()
+    x = O.make_x(c.rng(3), (R, T, H), O.BF16)
+    buf = buffer(R)
+
+    def body(x, idx, w):
+        res = jax_ep.dispatch(buf, x, idx, w, num_experts=E)
+        out = jax_ep.combine(buf, res.recv_x, res.handle, topk_weights=res.recv_topk_weights)
+        return out.x, out.topk_weights
+
+    out, wout = spmd(R, body)(flat(x), flat(idx), flat(w))
+    lay = O.layout(idx, E)
+    n = lay.is_token_in_rank.sum(-1)
+    np.testing.assert_array_equal(ranks(out, R).astype(np.float32), (n[..., None] * x.astype(np.float32)).astype(O.BF16).astype(np.float32))
+    valid = O.sanitize_ids(idx, E)[0] >= 0
+    np.testing.assert_array_equal(ranks(wout, R), np.where(valid, w, 0))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Low-latency dispatch and combine
+# ----------------------------------------------------------------------------------------------------------------
+@functools.cache
+def ll_fn(R: int, M: int, H: int, E: int, use_fp8: bool, round_scale: bool, ue8m0: bool, with_stats: bool, split: bool):
+    buf = ll_buffer(R, M, H, E)
+    kw = dict(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=ue8m0)
+
+    def body(x, idx, stats, y, w):
+        stats = stats if with_stats else None
+        if split:
+            res = jax_ep.low_latency_dispatch_recv(
+                buf, jax_ep.low_latency_dispatch_send(buf, x, idx, cumulative_local_expert_recv_stats=stats, **kw))
+            out = jax_ep.low_latency_combine_recv(buf, jax_ep.low_latency_combine_send(buf, y, idx, w, res.handle))
+        else:
+            res = jax_ep.low_latency_dispatch(buf, x, idx, cumulative_local_expert_recv_stats=stats, **kw)
+            out = jax_ep.low_latency_combine(buf, y, idx, w, res.handle)
+        return (res.recv_x, res.recv_count, res.handle.src_token_index, res.handle.layout_range,
+                res.cumulative_local_expert_recv_stats, res.invalid_ids[None], out)
+
+    return spmd(R, body)
+
+
+def run_ll(c: Case, M: int, x, idx, stats, y, w, use_fp8=False, round_scale=False, ue8m0=False, split=False):
+    fn = ll_fn(c.R, M, c.H, c.E, use_fp8, round_scale, ue8m0, stats is not None, split)
+    recv_x, count, src, rng_, st_out, invalid, out = fn(flat(x), flat(idx), flat(stats), flat(y), flat(w))
+    split_ranks = lambda a: np.asarray(a).reshape((c.R, c.L) + np.asarray(a).shape[1:])
+    recv_x = tuple(split_ranks(a) for a in recv_x) if use_fp8 else split_ranks(recv_x)
+    return dict(recv_x=recv_x, recv_count=ranks(count, c.R), src_token_index=split_ranks(src),
+                layout_range=split_ranks(rng_), stats=None if st_out is None else ranks(st_out, c.R),
+                invalid_ids=np.asarray(invalid), out=ranks(out, c.R))
+
+
+def check_ll_common(got, exp: O.LowLatencyDispatch):
+    assert_same(got["recv_count"], exp.recv_count, "recv_count")
+    assert_same(got["src_token_index"], exp.src_token_index, "handle.src_token_index")
+    assert_same(got["invalid_ids"], exp.invalid_ids, "invalid_ids")
+    lr = got["layout_range"]
+    assert lr.shape == exp.layout_range.shape and lr.dtype == np.int32, (lr.shape, lr.dtype)
+    assert_same(lr[..., 1], exp.layout_range[..., 1], "layout_range counts")
+    nonempty = exp.layout_range[..., 1] > 0  # an empty range has no first row to check
+    np.testing.assert_array_equal(lr[..., 0][nonempty], exp.layout_range[..., 0][nonempty], "layout_range starts")
+    if exp.cumulative_stats is None:
+        assert got["stats"] is None
+    else:
+        assert_same(got["stats"], exp.cumulative_stats, "cumulative_local_expert_recv_stats")
+
+
+def check_ll_combine(got_out, y, idx, w, c: Case, exp: O.LowLatencyDispatch):
+    acc, mag = O.low_latency_combine(y, idx, w, c.E, exp)
+    assert got_out.shape == acc.shape and got_out.dtype == O.BF16, (got_out.shape, got_out.dtype)
+    got = got_out.astype(np.float32)
+    # bf16 rounding of the f32 sum (<= 2^-8 relative) plus any fused multiply-add / reassociation slack,
+    # far below the size of one wrong row (|w*y| ~ 1).
+    bound = 2.0**-8 * np.abs(acc) * 1.01 + 1e-5 * mag + 1e-30
+    err = np.abs(got - acc)
+    bad = err > bound
+    assert not bad.any(), (f"low_latency_combine: {bad.sum()} of {bad.size} elements off, e.g. at "
+                           f"{np.argwhere(bad)[0]} got {got[bad][0]} want {acc[bad][0]}")
+    # and in almost every element exactly the bf16 rounding of the float32 k-order sum
+    if acc.size:
+        assert (got == acc.astype(O.BF16).astype(np.float32)).mean() > 0.95
+
+
+def ll_inputs(c: Case, M: int, with_stats: bool):
+    idx, w = c.topk_idx(), c.topk_weights()
+    rng = c.rng(5)
+    x = O.make_x(rng, (c.R, c.T, c.H), O.BF16)
+    y = O.make_x(rng, (c.R, c.L, c.R * M, c.H), O.BF16)  # rows past recv_count hold garbage
+    stats = rng.integers(0, 1000, size=(c.R, c.L)).astype(np.int32) if with_stats else None
+    return idx, w, x, y, stats
+
+
+@st.composite
+def ll_cases(draw, Hs=(128, 256)):
+    c = draw(cases(max_T=48, Hs=Hs, max_L=3, min_T=1))  # low-latency ops need T >= 1
+    M = c.T + draw(st.sampled_from([0, 0, 1, 7]))
+    return c, max(M, 1)
+
+
+@settings(max_examples=20, **SETTINGS)
+@given(cm=ll_cases(), with_stats=st.booleans())
+def test_low_latency_bf16(cm, with_stats):
+    c, M = cm
+    idx, w, x, y, stats = ll_inputs(c, M, with_stats)
+    exp = O.low_latency_dispatch(x, idx, c.E, M, cumulative_stats=stats)
+    got = run_ll(c, M, x, idx, stats, y, w)
+    check_ll_common(got, exp)
+    rx = got["recv_x"]
+    assert rx.shape == (c.R, c.L, c.R * M, c.H) and rx.dtype == O.BF16, (rx.shape, rx.dtype)
+    np.testing.assert_array_equal(rx[exp.valid].astype(np.float32), exp.recv_x[exp.valid].astype(np.float32))
+    check_ll_combine(got["out"], y, idx, w, c, exp)
+
+
+def check_fp8(got, exp: O.LowLatencyDispatch, c: Case, M: int, ue8m0: bool):
+    q, sc = got["recv_x"]
+    assert q.shape == (c.R, c.L, c.R * M, c.H) and q.dtype == O.E4M3, (q.shape, q.dtype)
+    v = exp.valid
+    if ue8m0:
+        assert sc.shape == (c.R, c.L, c.R * M, c.H // 512) and sc.dtype == np.int32, (sc.shape, sc.dtype)
+        assert_same(sc[v], exp.recv_scales_ue8m0[v], "ue8m0 scales")
+        scale = O.ue8m0_unpack(sc[v])
+        np.testing.assert_array_equal(scale, exp.recv_scales[v])
+    else:
+        assert sc.shape == (c.R, c.L, c.R * M, c.H // 128) and sc.dtype == np.float32, (sc.shape, sc.dtype)
+        assert_same(sc[v], exp.recv_scales[v], "fp8 scales")
+        scale = sc[v]
+    deq = O.fp8_dequant(q[v], scale)
+    ref = exp.recv_x[v].astype(np.float32)
+    if ref.size:
+        assert O.deepep_diff(deq, ref) < 1e-3
+        # elementwise: within one e4m3 step of the input (relative 2^-3, subnormal step 2^-9 * scale)
+        step = np.repeat(scale, 128, axis=-1)
+        assert np.all(np.abs(deq - ref) <= 2.0**-3 * np.abs(ref) + 2.0**-9 * step), "fp8 values off by more than a step"
+
+
+@settings(max_examples=15, **SETTINGS)
+@given(cm=ll_cases(Hs=(512, 1024)), scale_mode=st.sampled_from(["plain", "round", "ue8m0"]), split=st.booleans(),
+       magnitude=st.sampled_from([1.0, 1.0, 3e-2, 1e-4, 50.0]))
+def test_low_latency_fp8(cm, scale_mode, split, magnitude):
+    c, M = cm
+    round_scale, ue8m0 = scale_mode != "plain", scale_mode == "ue8m0"
+    idx, w, x, y, stats = ll_inputs(c, M, True)
+    x = (x.astype(np.float32) * np.float32(magnitude)).astype(O.BF16)  # small activations: scales far below 1
+    exp = O.low_latency_dispatch(x, idx, c.E, M, use_fp8=True, round_scale=round_scale, use_ue8m0=ue8m0,
+                                 cumulative_stats=stats)
+    got = run_ll(c, M, x, idx, stats, y, w, use_fp8=True, round_scale=round_scale, ue8m0=ue8m0, split=split)
+    check_ll_common(got, exp)
+    check_fp8(got, exp, c, M, ue8m0)
+    check_ll_combine(got["out"], y, idx, w, c, exp)
+
+
+@pytest.mark.parametrize("round_scale,ue8m0", [(False, False), (True, False), (True, True)])
+def test_low_latency_fp8_extreme_rows(round_scale, ue8m0):
+    """Zero rows (amax clamp 1e-4), tiny and huge magnitudes, one outlier per group, amax = 448 * 2^k."""
+    R, T, H, K, E, M = 2, 6, 512, 2, 4, 8
+    c = Case(R, T, H, K, E, "uniform", 0.0, 0.0, seed=9)
+    idx, w, x, y, stats = ll_inputs(c, M, False)
+    xf = x.astype(np.float32)
+    xf[0, 0] = 0
+    xf[0, 1] *= 1e-6
+    xf[1, 2] *= 3e4
+    xf[1, 3, 5] = 1000.0
+    # amax = 448 * 2^k: the scale is exactly a power of two, which round_scale must keep (not double)
+    for t, amax in enumerate([3.5, 448.0, 0.4375, 7.0]):
+        xf[1, 4, 128 * t] = amax if t % 2 else -amax
+        xf[1, 4, 128 * t + 1 : 128 * (t + 1)] = np.clip(xf[1, 4, 128 * t + 1 : 128 * (t + 1)], -0.4, 0.4)
+    x = xf.astype(O.BF16)
+    exp = O.low_latency_dispatch(x, idx, E, M, use_fp8=True, round_scale=round_scale, use_ue8m0=ue8m0)
+    got = run_ll(c, M, x, idx, None, y, w, use_fp8=True, round_scale=round_scale, ue8m0=ue8m0)
+    check_ll_common(got, exp)
+    check_fp8(got, exp, c, M, ue8m0)
+
+
+@pytest.mark.parametrize("use_fp8", [False, True])
+def test_low_latency_split_equals_fused(use_fp8):
+    R, T, H, K, E, M = 4, 20, 512, 4, 8, 24
+    c = Case(R, T, H, K, E, "uniform", 0.2, 0.05, seed=13)
+    idx, w, x, y, stats = ll_inputs(c, M, True)
+    kw = dict(use_fp8=use_fp8, round_scale=use_fp8, ue8m0=use_fp8)
+    fused = run_ll(c, M, x, idx, stats, y, w, split=False, **kw)
+    split = run_ll(c, M, x, idx, stats, y, w, split=True, **kw)
+    exp = O.low_latency_dispatch(x, idx, E, M, use_fp8=use_fp8, round_scale=use_fp8, use_ue8m0=use_fp8,
+                                 cumulative_stats=stats)
+    for name in ("recv_count", "src_token_index", "layout_range", "stats", "invalid_ids", "out"):
+        assert_same(split[name], fused[name], name)
+    v = exp.valid
+    for a, b in zip(*((r["recv_x"] if use_fp8 else (r["recv_x"],)) for r in (split, fused))):
+        assert_same(a[v], b[v], "recv_x (valid rows)")
+    check_ll_common(split, exp)
+    check_ll_combine(split["out"], y, idx, w, c, exp)
+
+
+@pytest.mark.parametrize("R", [1, 8])
+def test_low_latency_skewed_and_empty(R):
+    H, K, E = 128, 8, 2 * R
+    for T, mode in [(32, "skewed"), (32, "one_rank"), (16, "empty")]:
+        M = T
+        c = Case(R, T, H, K, E, mode, 0.0, 0.0, seed=R + T)
+        idx, w, x, y, stats = ll_inputs(c, M, True)
+        exp = O.low_latency_dispatch(x, idx, E, M, cumulative_stats=stats)
+        got = run_ll(c, M, x, idx, stats, y, w)
+        check_ll_common(got, exp)
+        np.testing.assert_array_equal(got["recv_x"][exp.valid].astype(np.float32),
+                                      exp.recv_x[exp.valid].astype(np.float32))
+        check_ll_combine(got["out"], y, idx, w, c, exp)
+    # T = 0 (no tokens on any rank) is rejected before anything runs.
+    c = Case(R, 0, H, K, E, "uniform", 0.0, 0.0, seed=R)
+    idx, w, x, y, stats = ll_inputs(c, 1, True)
+    with pytest.raises(ValueError, match="low-latency ops need at least one token per rank, got 0"):
+        run_ll(c, 1, x, idx, stats, y, w)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Bad input: clear Python errors before anything runs
+# ----------------------------------------------------------------------------------------------------------------
+def test_bad_input_errors():
+    R = 2
+    x = np.zeros((R * 4, 128), np.float32)
+    idx = np.zeros((R * 4, 2), np.int32)
+    with pytest.raises((ValueError, TypeError)):  # E % R != 0
+        spmd(R, lambda x, idx: jax_ep.dispatch(buffer(R), x, idx, None, num_experts=3).recv_x)(x, idx)
+    buf = ll_buffer(R, 4, 128, 4)
+    with pytest.raises(ValueError):  # T > M
+        xb = np.zeros((R * 5, 128), O.BF16)
+        spmd(R, lambda x, idx: jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=False).recv_count)(
+            xb, np.zeros((R * 5, 2), np.int32))
+    with pytest.raises(ValueError):  # hidden differs from the buffer's
+        xb = np.zeros((R * 4, 256), O.BF16)
+        spmd(R, lambda x, idx: jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=False).recv_count)(xb, idx)
+    with pytest.raises(ValueError):  # ue8m0 without round_scale
+        xb = np.zeros((R * 4, 128), O.BF16)
+        spmd(R, lambda x, idx: jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=True, use_ue8m0=True).recv_count)(
+            xb, idx)

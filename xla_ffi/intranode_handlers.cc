@@ -1,0 +1,232 @@
+// CUDA XLA FFI handlers of the intranode normal mode (one process driving every GPU of the group): decode
+// buffers and attributes, find this device's rank by (buffer_id, DeviceOrdinal), call csrc/api.h.
+// Command-buffer compatible: under graph replay only the kernels run, and they keep their own state.
+#include <string>
+#include <vector>
+
+#include "api.h"
+#include "handlers.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_ep::ffi_handlers {
+namespace {
+
+ffi::Error Invalid(const char* op, const std::string& message) {
+  return ffi::Error::InvalidArgument(std::string("jax_ep ") + op + ": " + message);
+}
+
+ffi::Error Launched(const char* op, cudaError_t err) {
+  if (err == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string("jax_ep ") + op + ": kernel launch failed: " + cudaGetErrorString(err));
+}
+
+ffi::Error Collect(const ffi::RemainingArgs& args, std::vector<ffi::AnyBuffer>* out) {
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto buffer = args.get<ffi::AnyBuffer>(i);
+    if (!buffer.has_value()) return buffer.error();
+    out->push_back(*buffer);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Collect(const ffi::RemainingRets& rets, std::vector<ffi::AnyBuffer>* out) {
+  for (size_t i = 0; i < rets.size(); ++i) {
+    auto buffer = rets.get<ffi::AnyBuffer>(i);
+    if (!buffer.has_value()) return buffer.error();
+    out->push_back(**buffer);
+  }
+  return ffi::Error::Success();
+}
+
+int64_t LeadingDim(const ffi::AnyBuffer& buffer) {
+  const auto dims = buffer.dimensions();
+  return dims.size() == 0 ? 1 : dims[0];
+}
+
+// Bytes of one row: everything after the leading axis.
+int64_t RowBytes(const ffi::AnyBuffer& buffer) {
+  const auto dims = buffer.dimensions();
+  int64_t elements = 1;
+  for (size_t i = 1; i < dims.size(); ++i) elements *= dims[i];
+  return elements * static_cast<int64_t>(ffi::ByteWidth(buffer.element_type()));
+}
+
+bool AsFloatType(ffi::DataType dtype, FloatType* out) {
+  switch (dtype) {
+    case ffi::DataType::F32: *out = FloatType::kF32; return true;
+    case ffi::DataType::BF16: *out = FloatType::kBF16; return true;
+    case ffi::DataType::F16: *out = FloatType::kF16; return true;
+    default: return false;
+  }
+}
+
+ffi::Error MakeCall(const char* op, cudaStream_t stream, int32_t device, int64_t buffer_id, int64_t num_sms,
+                    int64_t timeout_ns, IntranodeCall* call) {
+  if (!intranode_lookup(buffer_id, device, &call->group))
+    return Invalid(op, "no intranode state of buffer " + std::to_string(buffer_id) + " on CUDA device " +
+                           std::to_string(device) + " (create the Buffer with backend='cuda' over a mesh holding "
+                           "this device and keep it alive while programs that use it run)");
+  if (num_sms < 1 || timeout_ns < 1) return Invalid(op, "num_sms and timeout_ns must be positive");
+  call->num_sms = static_cast<int32_t>(num_sms);
+  call->timeout_ns = timeout_ns;
+  call->stream = stream;
+  return ffi::Error::Success();
+}
+
+// args: x payloads (num_payloads: 1, or 2 for the FP8 pair), topk_idx, [topk_weights].
+// rets: recv payloads, recv_topk_idx, [recv_topk_weights], num_recv_tokens, num_recv_tokens_per_expert,
+//       num_dropped, invalid_ids, recv_src_index, is_token_in_rank, send_offset (scratch), send_row.
+ffi::Error DispatchImpl(cudaStream_t stream, int32_t device, ffi::RemainingArgs remaining_args,
+                        ffi::RemainingRets remaining_rets, int64_t buffer_id, int64_t num_payloads,
+                        int64_t num_experts, int64_t expert_alignment, int64_t num_sms, int64_t timeout_ns) {
+  constexpr const char* kOp = "dispatch";
+  IntranodeCall call;
+  if (auto err = MakeCall(kOp, stream, device, buffer_id, num_sms, timeout_ns, &call); err.failure()) return err;
+  std::vector<ffi::AnyBuffer> args, rets;
+  if (auto err = Collect(remaining_args, &args); err.failure()) return err;
+  if (auto err = Collect(remaining_rets, &rets); err.failure()) return err;
+  if (num_payloads < 1 || num_payloads > 2) return Invalid(kOp, "num_payloads must be 1 or 2");
+  const size_t payloads = static_cast<size_t>(num_payloads);
+  if (args.size() != payloads + 1 && args.size() != payloads + 2) return Invalid(kOp, "wrong number of operands");
+  const bool has_weights = args.size() == payloads + 2;
+  if (rets.size() != payloads + (has_weights ? 10 : 9)) return Invalid(kOp, "wrong number of results");
+
+  const ffi::AnyBuffer& topk_idx = args[payloads];
+  const auto idx_dims = topk_idx.dimensions();
+  if (topk_idx.element_type() != ffi::DataType::S32 || idx_dims.size() != 2)
+    return Invalid(kOp, "topk_idx must be int32 [num_tokens, num_topk]");
+  const int num_ranks = call.group.num_ranks;
+  if (num_experts < num_ranks || num_experts % num_ranks)
+    return Invalid(kOp, "num_experts must be a multiple of the ranks");
+  if (idx_dims[1] > 32) return Invalid(kOp, "at most 32 top-k entries per token");
+
+  DispatchArgs a;
+  a.num_payloads = static_cast<int32_t>(payloads);
+  a.num_tokens = idx_dims[0];
+  a.num_topk = idx_dims[1];
+  a.num_experts = num_experts;
+  a.capacity = LeadingDim(rets[0]);
+  a.expert_alignment = expert_alignment;
+  for (size_t p = 0; p < payloads; ++p) {
+    if (LeadingDim(args[p]) != a.num_tokens || LeadingDim(rets[p]) != a.capacity ||
+        RowBytes(args[p]) != RowBytes(rets[p]))
+      return Invalid(kOp, "payload shapes disagree with topk_idx or the capacity");
+    a.x[p] = args[p].untyped_data();
+    a.x_row_bytes[p] = RowBytes(args[p]);
+    a.recv_x[p] = rets[p].untyped_data();
+  }
+  a.topk_idx = static_cast<const int32_t*>(topk_idx.untyped_data());
+  size_t next = payloads;
+  a.recv_topk_idx = static_cast<int32_t*>(rets[next++].untyped_data());
+  if (has_weights) {
+    a.topk_weights = static_cast<const float*>(args[payloads + 1].untyped_data());
+    a.recv_topk_weights = static_cast<float*>(rets[next++].untyped_data());
+  }
+  a.num_recv_tokens = static_cast<int32_t*>(rets[next++].untyped_data());
+  a.num_recv_tokens_per_expert = static_cast<int32_t*>(rets[next++].untyped_data());
+  a.num_dropped = static_cast<int32_t*>(rets[next++].untyped_data());
+  a.invalid_ids = static_cast<int32_t*>(rets[next++].untyped_data());
+  a.recv_src_index = static_cast<int32_t*>(rets[next++].untyped_data());
+  a.is_token_in_rank = static_cast<bool*>(rets[next++].untyped_data());
+  a.send_offset = static_cast<int32_t*>(rets[next++].untyped_data());
+  a.send_row = static_cast<int32_t*>(rets[next++].untyped_data());
+  return Launched(kOp, intranode_dispatch(call, a));
+}
+
+ffi::Error CachedDispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                              ffi::Buffer<ffi::S32> recv_src_index, ffi::Result<ffi::AnyBuffer> recv_x,
+                              int64_t buffer_id, int64_t num_sms, int64_t timeout_ns) {
+  constexpr const char* kOp = "cached dispatch";
+  IntranodeCall call;
+  if (auto err = MakeCall(kOp, stream, device, buffer_id, num_sms, timeout_ns, &call); err.failure()) return err;
+  CachedDispatchArgs a;
+  a.x = x.untyped_data();
+  a.row_bytes = RowBytes(x);
+  a.num_tokens = LeadingDim(x);
+  a.capacity = LeadingDim(*recv_x);
+  if (recv_src_index.element_count() != static_cast<size_t>(a.capacity) || RowBytes(*recv_x) != a.row_bytes)
+    return Invalid(kOp, "recv_src_index, x and the result disagree in shape");
+  a.recv_src_index = recv_src_index.typed_data();
+  a.recv_x = recv_x->untyped_data();
+  return Launched(kOp, intranode_cached_dispatch(call, a));
+}
+
+// args: y [C, ...], send_row [T, R], [bias [T, ...]]; result [T, ...] of y's type or float32.
+ffi::Error CombineImpl(cudaStream_t stream, int32_t device, ffi::RemainingArgs remaining_args,
+                       ffi::Result<ffi::AnyBuffer> out, int64_t buffer_id, int64_t num_sms, int64_t timeout_ns) {
+  constexpr const char* kOp = "combine";
+  IntranodeCall call;
+  if (auto err = MakeCall(kOp, stream, device, buffer_id, num_sms, timeout_ns, &call); err.failure()) return err;
+  std::vector<ffi::AnyBuffer> args;
+  if (auto err = Collect(remaining_args, &args); err.failure()) return err;
+  if (args.size() != 2 && args.size() != 3) return Invalid(kOp, "expects y, send_row and optionally bias");
+  const ffi::AnyBuffer& y = args[0];
+  const ffi::AnyBuffer& send_row = args[1];
+  CombineArgs a;
+  if (!AsFloatType(y.element_type(), &a.y_type) || !AsFloatType(out->element_type(), &a.out_type))
+    return Invalid(kOp, "y and the result must be float32, bfloat16 or float16");
+  const int64_t item = static_cast<int64_t>(ffi::ByteWidth(y.element_type()));
+  a.row_elements = RowBytes(y) / item;
+  a.capacity = LeadingDim(y);
+  a.num_tokens = LeadingDim(*out);
+  const auto row_dims = send_row.dimensions();
+  if (send_row.element_type() != ffi::DataType::S32 || row_dims.size() != 2 || row_dims[0] != a.num_tokens ||
+      row_dims[1] != call.group.num_ranks)
+    return Invalid(kOp, "send_row must be int32 [num_tokens, num_ranks]");
+  if (RowBytes(*out) / static_cast<int64_t>(ffi::ByteWidth(out->element_type())) != a.row_elements)
+    return Invalid(kOp, "y and the result differ in row size");
+  a.send_row = static_cast<const int32_t*>(send_row.untyped_data());
+  if (args.size() == 3) {
+    const ffi::AnyBuffer& bias = args[2];
+    if (!AsFloatType(bias.element_type(), &a.bias_type) || LeadingDim(bias) != a.num_tokens ||
+        RowBytes(bias) / static_cast<int64_t>(ffi::ByteWidth(bias.element_type())) != a.row_elements)
+      return Invalid(kOp, "bias must be floating [num_tokens, ...] like the result");
+    a.bias = bias.untyped_data();
+  }
+  a.out = out->untyped_data();
+  const cudaError_t err = intranode_combine(call, a);
+  if (err == cudaErrorInvalidValue) return Invalid(kOp, "the result and bias must have y's dtype or float32");
+  return Launched(kOp, err);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(IntranodeDispatch, DispatchImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("buffer_id")
+                                  .Attr<int64_t>("num_payloads")
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("expert_alignment")
+                                  .Attr<int64_t>("num_sms")
+                                  .Attr<int64_t>("timeout_ns"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(IntranodeCachedDispatch, CachedDispatchImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("buffer_id")
+                                  .Attr<int64_t>("num_sms")
+                                  .Attr<int64_t>("timeout_ns"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(IntranodeCombine, CombineImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("buffer_id")
+                                  .Attr<int64_t>("num_sms")
+                                  .Attr<int64_t>("timeout_ns"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+}  // namespace jax_ep::ffi_handlers
