@@ -100,3 +100,10 @@ def fp8_groups(op: str, hidden_size: int, use_ue8m0: bool) -> None:
     if hidden_size % group:
         what = "use_ue8m0=True (four 128-channel scales per int32)" if use_ue8m0 else "an FP8 cast"
         raise ValueError(f"jax_ep.{op}: {what} needs hidden to be a multiple of {group}, got {hidden_size}")
+
+
+def some_tokens(op: str, num_tokens: int) -> None:
+    """T is static and equal on all ranks, so T = 0 means no tokens anywhere; XLA's sharding pass also rejects
+    a shard_map whose operands are all empty (jax 0.11)."""
+    if num_tokens < 1:
+        raise ValueError(f"jax_ep.{op}: {op} needs at least one token per rank, got {num_tokens}")

@@ -250,6 +250,7 @@ def dispatch(
     if topk_idx is None:
         raise ValueError("jax_ep.dispatch: topk_idx is required (or pass handle= for a cached dispatch)")
     num_tokens, _ = _checks.payload("dispatch", x)
+    _checks.some_tokens("dispatch", num_tokens)
     num_experts = _given(num_experts, buffer.num_experts)
     if num_experts is None:
         raise ValueError("jax_ep.dispatch: num_experts is required (pass it or set it on the Buffer)")
@@ -323,10 +324,7 @@ def _low_latency_spec(op: str, buffer: Buffer, num_tokens: int, hidden: int) -> 
     missing = [n for n in ("num_max_dispatch_tokens_per_rank", "hidden", "num_experts") if getattr(buffer, n) is None]
     if missing:
         raise ValueError(f"jax_ep.{op}: create the Buffer with {', '.join(missing)} for low-latency ops")
-    if num_tokens < 1:
-        # T is static and equal on all ranks, so T = 0 means no tokens anywhere (and XLA's sharding pass
-        # rejects a shard_map whose only operands are empty).
-        raise ValueError(f"jax_ep.{op}: low-latency ops need at least one token per rank, got {num_tokens}")
+    _checks.some_tokens(op, num_tokens)
     if num_tokens > buffer.num_max_dispatch_tokens_per_rank:
         raise ValueError(f"jax_ep.{op}: {num_tokens} tokens exceed the Buffer's num_max_dispatch_tokens_per_rank="
                          f"{buffer.num_max_dispatch_tokens_per_rank}")

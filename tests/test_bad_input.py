@@ -791,3 +791,10 @@ def test_strict_message_names_the_needed_capacity(mesh, buffer, reset_effects):
     with pytest.raises(Exception) as info:
         run_in_shard_map(mesh, strict_body(buffer, T - 2), x_global(), routing())
     assert re.search(rf"max_recv_tokens\D+{T}\b", str(info.value)), str(info.value)
+
+
+def test_dispatch_needs_tokens(mesh, buffer):
+    x = np.zeros((0, H), np.float32)
+    idx = np.zeros((0, K), np.int32)
+    with pytest.raises(ValueError, match=msg("jax_ep.dispatch: dispatch needs at least one token per rank, got 0")):
+        lower_in_shard_map(mesh, lambda x, i: jax_ep.dispatch(buffer, x, i, num_experts=E).recv_x, x, idx)

@@ -109,7 +109,7 @@ class Case:
 
 
 @st.composite
-def cases(draw, max_T: int = 200, Hs=(128, 256), Ks=(1, 8), max_L: int = 4, p_invalid=(0.0, 0.0, 0.05), min_T: int = 0):
+def cases(draw, max_T: int = 200, Hs=(128, 256), Ks=(1, 8), max_L: int = 4, p_invalid=(0.0, 0.0, 0.05), min_T: int = 1):
     R = draw(st.sampled_from(RANKS))
     return Case(
         R=R,
@@ -444,7 +444,7 @@ def ll_inputs(c: Case, M: int, with_stats: bool):
 
 @st.composite
 def ll_cases(draw, Hs=(128, 256)):
-    c = draw(cases(max_T=48, Hs=Hs, max_L=3, min_T=1))  # low-latency ops need T >= 1
+    c = draw(cases(max_T=48, Hs=Hs, max_L=3))
     M = c.T + draw(st.sampled_from([0, 0, 1, 7]))
     return c, max(M, 1)
 
@@ -558,7 +558,7 @@ def test_low_latency_skewed_and_empty(R):
     # T = 0 (no tokens on any rank) is rejected before anything runs.
     c = Case(R, 0, H, K, E, "uniform", 0.0, 0.0, seed=R)
     idx, w, x, y, stats = ll_inputs(c, 1, True)
-    with pytest.raises(ValueError, match="low-latency ops need at least one token per rank, got 0"):
+    with pytest.raises(ValueError, match="low_latency_dispatch needs at least one token per rank, got 0"):
         run_ll(c, 1, x, idx, stats, y, w)
 
 
