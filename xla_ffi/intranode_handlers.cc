@@ -176,6 +176,7 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t device, ffi::RemainingArgs r
     return Invalid(kOp, "send_row must be int32 [num_tokens, num_ranks]");
   if (RowBytes(*out) / static_cast<int64_t>(ffi::ByteWidth(out->element_type())) != a.row_elements)
     return Invalid(kOp, "y and the result differ in row size");
+  a.y = y.untyped_data();
   a.send_row = static_cast<const int32_t*>(send_row.untyped_data());
   if (args.size() == 3) {
     const ffi::AnyBuffer& bias = args[2];
