@@ -81,7 +81,9 @@ __device__ __forceinline__ T load_nc(const T* ptr) {
 // A warp copies (or zeroes) n units; every lane keeps kUnroll loads in flight.
 template <typename Unit>
 __device__ __forceinline__ void warp_copy_units(Unit* dst, const Unit* src, int64_t n, int lane) {
-  constexpr int kUnroll = 4;
+  // Loads in flight per lane: a 7168-wide BF16 row is 28 16-byte units per lane, so 8 covers it in 4
+  // round trips over NVLink (latency, not bandwidth, bounds one warp's copy).
+  constexpr int kUnroll = 8;
   int64_t i = lane;
   for (; i + 32 * (kUnroll - 1) < n; i += 32 * kUnroll) {
     Unit v[kUnroll];
@@ -378,24 +380,27 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
 
   // Received rows: warps take the (source rank, source token) pairs in a strided order, 32 at a time
   // (one lane each reads where the pair lands), then copy the pairs that land here one after another.
+  // Pair p is token p / R of source (p + me) % R: sources interleave, starting at a different rank on
+  // every receiver, so all ranks' outgoing links carry traffic at once (source-major order would make
+  // every receiver read from rank 0 first, then rank 1, ...). Rows still land in (source, token) order.
   const int warp_id = global_warp(), num_warps = num_global_warps();
   const int64_t num_pairs = num_ranks * num_tokens;
   for (int64_t first = warp_id; first < num_pairs; first += 32LL * num_warps) {
     const int64_t pair = first + static_cast<int64_t>(lane) * num_warps;
+    const int s = static_cast<int>((pair + me) % num_ranks);
+    const int64_t t = pair / num_ranks;
     int32_t row = -1;
     if (pair < num_pairs) {
-      const int s = static_cast<int>(pair / num_tokens);
-      const int64_t t = pair % num_tokens;
       const volatile int32_t* offsets = static_cast<const int32_t*>(ctx.views[s].pointers[4]);
       const int32_t offset = offsets[t * num_ranks + me];
       if (offset >= 0 && source_base[s] + offset < capacity) row = source_base[s] + offset;
     }
     for (uint32_t todo = __ballot_sync(kFullMask, row >= 0); todo; todo &= todo - 1) {
       const int src_lane = __ffs(todo) - 1;
-      const int64_t src_pair = __shfl_sync(kFullMask, pair, src_lane);
+      const int src = __shfl_sync(kFullMask, s, src_lane);
+      const int64_t src_token = __shfl_sync(kFullMask, t, src_lane);
       const int32_t src_row = __shfl_sync(kFullMask, row, src_lane);
-      const int s = static_cast<int>(src_pair / num_tokens);
-      receive_token(a, ctx.views[s], s, me, num_ranks, src_pair % num_tokens, src_row, lane);
+      receive_token(a, ctx.views[src], src, me, num_ranks, src_token, src_row, lane);
     }
   }
 
@@ -477,9 +482,12 @@ __device__ __forceinline__ __half from_float<__half>(float v) { return __float2h
 
 // out[t] = (acc = 0; acc += y_r[row of t on r] for r = 0..R-1 where kept) + bias[t], cast to Out: the
 // float32 rank-order sum of ARCHITECTURE.md §3. A warp reduces one token; lanes take kVec elements each.
-template <typename In, typename Bias, typename Out, int kVec>
+// kRanks (2, 4 or 8) >= the group's ranks sizes the per-lane arrays; each lane keeps kRanks * kUnroll = 8
+// 16-byte loads in flight, since NVLink latency, not bandwidth, bounds one warp.
+template <typename In, typename Bias, typename Out, int kVec, int kRanks>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_constant__ IntranodeRank g,
                                                            const __grid_constant__ CombineArgs a, int64_t timeout_ns) {
+  constexpr int kUnroll = 8 / kRanks;
   __shared__ CallContext ctx;
   const int num_ranks = g.num_ranks, lane = threadIdx.x % 32;
   begin_call(g, ctx);
@@ -499,37 +507,43 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
       row = a.send_row[t * num_ranks + lane];
       if (row < 0 || row >= a.capacity) row = -1;
     }
-    const Pack<In, kVec>* rows[kMaxIntranodeRanks];
+    const Pack<In, kVec>* rows[kRanks];
 #pragma unroll
-    for (int r = 0; r < kMaxIntranodeRanks; ++r) {
-      const int32_t rank_row = __shfl_sync(kFullMask, row, r);
-      rows[r] = r < num_ranks && rank_row >= 0
-                    ? reinterpret_cast<const Pack<In, kVec>*>(static_cast<const In*>(ctx.views[r].pointers[0]) +
-                                                              rank_row * a.row_elements)
-                    : nullptr;
+    for (int r = 0; r < kRanks; ++r) {
+      const int32_t rank_row = __shfl_sync(kFullMask, row, r);  // lanes >= num_ranks hold -1
+      rows[r] = rank_row >= 0 ? reinterpret_cast<const Pack<In, kVec>*>(
+                                    static_cast<const In*>(ctx.views[r].pointers[0]) + rank_row * a.row_elements)
+                              : nullptr;
     }
-    for (int64_t v = lane; v < vecs; v += 32) {
-      Pack<In, kVec> packs[kMaxIntranodeRanks];
+    for (int64_t first = lane; first < vecs; first += 32 * kUnroll) {
+      Pack<In, kVec> packs[kUnroll][kRanks];
 #pragma unroll
-      for (int r = 0; r < kMaxIntranodeRanks; ++r)
-        if (rows[r]) packs[r] = load_nc(rows[r] + v);
-      float acc[kVec];
+      for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) acc[e] = 0.f;
+        for (int r = 0; r < kRanks; ++r)
+          if (rows[r] && first + 32 * u < vecs) packs[u][r] = load_nc(rows[r] + first + 32 * u);
 #pragma unroll
-      for (int r = 0; r < kMaxIntranodeRanks; ++r)
-        if (rows[r])
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t v = first + 32 * u;
+        if (v >= vecs) break;
+        float acc[kVec];
 #pragma unroll
-          for (int e = 0; e < kVec; ++e) acc[e] += to_float(packs[r].v[e]);
-      if (bias) {
-        const Pack<Bias, kVec> b = *reinterpret_cast<const Pack<Bias, kVec>*>(bias + t * a.row_elements + v * kVec);
+        for (int e = 0; e < kVec; ++e) acc[e] = 0.f;
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) acc[e] += to_float(b.v[e]);
+        for (int r = 0; r < kRanks; ++r)
+          if (rows[r])
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) acc[e] += to_float(packs[u][r].v[e]);
+        if (bias) {
+          const Pack<Bias, kVec> b = *reinterpret_cast<const Pack<Bias, kVec>*>(bias + t * a.row_elements + v * kVec);
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) acc[e] += to_float(b.v[e]);
+        }
+        Pack<Out, kVec> result;
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) result.v[e] = from_float<Out>(acc[e]);
+        *reinterpret_cast<Pack<Out, kVec>*>(out + t * a.row_elements + v * kVec) = result;
       }
-      Pack<Out, kVec> result;
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) result.v[e] = from_float<Out>(acc[e]);
-      *reinterpret_cast<Pack<Out, kVec>*>(out + t * a.row_elements + v * kVec) = result;
     }
   }
   finish_call(g, ctx, IntranodeOp::kCombine, timeout_ns, [] {});
@@ -539,14 +553,26 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
 
 int grid_size(const IntranodeCall& call) { return std::max(1, std::min(call.num_sms, call.group.device_sms)); }
 
-template <typename In, typename Bias, typename Out>
-cudaError_t launch_combine(const IntranodeCall& call, const CombineArgs& args) {
+template <typename In, typename Bias, typename Out, int kRanks>
+void launch_combine_for_ranks(const IntranodeCall& call, const CombineArgs& args) {
   constexpr int kVec = 16 / sizeof(In);  // 16-byte loads where the row allows (XLA buffers are 16-byte aligned)
   if (args.row_elements % kVec == 0)
-    combine_kernel<In, Bias, Out, kVec>
+    combine_kernel<In, Bias, Out, kVec, kRanks>
         <<<grid_size(call), kThreads, 0, call.stream>>>(call.group, args, call.timeout_ns);
   else
-    combine_kernel<In, Bias, Out, 1><<<grid_size(call), kThreads, 0, call.stream>>>(call.group, args, call.timeout_ns);
+    combine_kernel<In, Bias, Out, 1, kRanks>
+        <<<grid_size(call), kThreads, 0, call.stream>>>(call.group, args, call.timeout_ns);
+}
+
+template <typename In, typename Bias, typename Out>
+cudaError_t launch_combine(const IntranodeCall& call, const CombineArgs& args) {
+  const int ranks = call.group.num_ranks;
+  if (ranks <= 2)
+    launch_combine_for_ranks<In, Bias, Out, 2>(call, args);
+  else if (ranks <= 4)
+    launch_combine_for_ranks<In, Bias, Out, 4>(call, args);
+  else
+    launch_combine_for_ranks<In, Bias, Out, 8>(call, args);
   return cudaGetLastError();
 }
 

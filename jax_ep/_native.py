@@ -1,6 +1,8 @@
 """Loads the native extension and registers its XLA FFI targets with JAX (once, at import)."""
 from __future__ import annotations
 
+import warnings
+
 import jax
 
 try:
@@ -8,6 +10,8 @@ try:
 except ImportError as err:  # pragma: no cover - exercised only on a broken install
     _C = None
     _IMPORT_ERROR = err
+    warnings.warn(f"jax_ep: the native extension jax_ep._C did not load ({err}); only the portable xla backend "
+                  "runs. Install jax_ep with pip (from a checkout: pip install -e .).", RuntimeWarning, stacklevel=2)
 else:
     _IMPORT_ERROR = None
 
