@@ -67,6 +67,9 @@ bool intranode_lookup(int64_t buffer_id, int device_ordinal, IntranodeRank* out)
 // One line per rank of `buffer_id` whose kernel timed out (read from host memory: works after the
 // CUDA context died), naming the op, the rank and the peer it waited for.
 std::vector<std::string> intranode_errors(int64_t buffer_id);
+// (calls, summed kernel nanoseconds) per device of buffer_id's groups, in rank order, since the last reset;
+// `reset` zeroes the sums. Call only while no kernel of the buffer runs.
+std::vector<std::pair<uint64_t, uint64_t>> intranode_kernel_times(int64_t buffer_id, bool reset);
 
 // Per launch: the rank, the grid size (clamped to the device) and the spin-wait bound.
 struct IntranodeCall {

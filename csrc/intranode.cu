@@ -178,6 +178,7 @@ __device__ __forceinline__ void wait_for_flag(const IntranodeRank& g, const uint
 __device__ __forceinline__ void begin_call(const IntranodeRank& g, CallContext& ctx) {
   if (threadIdx.x == 0) {
     ctx.call = *reinterpret_cast<volatile uint64_t*>(&g.states[g.rank]->calls_completed) + 1;
+    if (blockIdx.x == 0) g.states[g.rank]->call_start_ns = now_ns();
   }
   __syncthreads();
 }
@@ -227,6 +228,8 @@ __device__ __forceinline__ void finish_call(const IntranodeRank& g, CallContext&
   }
   __syncthreads();
   if (threadIdx.x == 0) {
+    own->timed_ns += now_ns() - *reinterpret_cast<volatile uint64_t*>(&own->call_start_ns);
+    own->timed_calls += 1;
     own->blocks_finished = 0;
     own->calls_completed = ctx.call;
   }

@@ -26,6 +26,11 @@ struct IntranodeState {
   uint64_t arrived[kMaxIntranodeRanks];   // [p]: latest call for which rank p published its view
   uint64_t released[kMaxIntranodeRanks];  // [p]: latest call after which rank p reads nothing of ours
   IntranodeView view;
+  // Kernel time of every call (%globaltimer from block 0's start to the last block's end), summed for the
+  // benchmark's "bare kernel" figure; read and reset by intranode_kernel_times().
+  uint64_t call_start_ns;
+  uint64_t timed_calls;
+  uint64_t timed_ns;
 };
 
 enum class IntranodeOp : int32_t { kDispatch = 1, kCachedDispatch = 2, kCombine = 3 };

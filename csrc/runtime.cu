@@ -163,6 +163,27 @@ bool intranode_lookup(int64_t buffer_id, int device_ordinal, IntranodeRank* out)
   return true;
 }
 
+std::vector<std::pair<uint64_t, uint64_t>> intranode_kernel_times(int64_t buffer_id, bool reset) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  std::vector<std::pair<uint64_t, uint64_t>> times;
+  auto it = g_groups.find(buffer_id);
+  if (it == g_groups.end()) return times;
+  CurrentDeviceGuard restore_device;
+  for (const auto& group : it->second) {
+    for (size_t r = 0; r < group->devices.size(); ++r) {
+      const int device = group->devices[r];
+      check(cudaSetDevice(device), "cudaSetDevice", device);
+      IntranodeState* state = group->states[r];
+      uint64_t calls_and_ns[2];
+      check(cudaMemcpy(calls_and_ns, &state->timed_calls, sizeof(calls_and_ns), cudaMemcpyDeviceToHost),
+            "cudaMemcpy (kernel times)", device);
+      times.emplace_back(calls_and_ns[0], calls_and_ns[1]);
+      if (reset) check(cudaMemset(&state->timed_calls, 0, sizeof(calls_and_ns)), "cudaMemset (kernel times)", device);
+    }
+  }
+  return times;
+}
+
 std::vector<std::string> intranode_errors(int64_t buffer_id) {
   static const char* const kOps[] = {"?", "dispatch", "cached dispatch", "combine"};
   static const char* const kWaits[] = {"?", "to publish its inputs (arrival)", "to finish reading (release)"};

@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
+from jax_ep import cuda_backend
 from jax_ep.config import FP8_GROUP
 
 
@@ -33,13 +34,35 @@ def _topk_idx(rng: np.random.Generator, num_ranks: int, num_tokens: int, num_top
 
 
 def _spmd(mesh: Mesh, body):
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    # check_vma off: the loop carries start as zeros, which are not varying over the EP axis.
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"), check_vma=False))
 
 
-def _depend(array, value):
-    """`array` made to depend on `value` (adds a run-time zero) so XLA cannot hoist loop-invariant ops."""
-    zero = (jnp.asarray(value, jnp.float32) * 0).astype(array.dtype)
-    return array + zero
+def _depend(tree, value):
+    """`tree` with a run-time zero derived from `value` added to its first integer leaf, so XLA can neither hoist
+    a loop-invariant op nor overlap iterations. Integer leaves are small (routing), unlike the payloads."""
+    leaves, treedef = jax.tree.flatten(tree)
+    i = next(i for i, leaf in enumerate(leaves) if jnp.issubdtype(leaf.dtype, jnp.integer))
+    leaves[i] = leaves[i] + (jnp.asarray(value, jnp.float32) * 0).astype(leaves[i].dtype)
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def _timed_loop(mesh, op, iters: int):
+    """jit(shard_map(fori_loop)) running `op(routing, *data)` `iters` times. Every output is carried out of the
+    loop (so XLA computes all of it, as the CUDA kernels do) and the next routing depends on it."""
+
+    def body(routing, *data):
+        def step(_, carry):
+            routing, _ = carry
+            out = op(routing, *data)
+            probe = jax.tree.leaves(out)[0].ravel()[0]
+            return _depend(routing, probe), out
+
+        initial = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(op, routing, *data))
+        out = jax.lax.fori_loop(0, iters, step, (routing, initial))[1]
+        return jax.tree.map(lambda a: a[None], out)  # a leading axis per rank, scalars included
+
+    return _spmd(mesh, body)
 
 
 def _median_time_per_iter(fn, args, iters: int, repeats: int) -> float:
@@ -52,38 +75,56 @@ def _median_time_per_iter(fn, args, iters: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _dispatch_once(buf, num_experts: int, x, topk_idx):
-    """One dispatch: the received row count (for the byte count), recv_x and handle (the combine's input)."""
-    d = jax_ep.dispatch(buf, x, topk_idx, num_experts=num_experts)
-    return d.num_recv_tokens[None], d.recv_x, d.handle
+# ---- pure-JAX baselines (per rank, inside shard_map) ----------------------------------------------------------
+
+def _ragged_routing(topk_idx, num_experts: int):
+    """MaxText-style routing: one row per (token, k), sorted by expert, and the ragged_all_to_all sizes."""
+    num_ranks, me = jax.lax.axis_size("ep"), jax.lax.axis_index("ep")
+    flat = topk_idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    send_sizes = jnp.bincount(flat // (num_experts // num_ranks), length=num_ranks).astype(jnp.int32)
+    sizes = jax.lax.all_gather(send_sizes, "ep")  # [source, destination]
+    return dict(order=order, send_sizes=send_sizes, recv_sizes=sizes[:, me],
+                input_offsets=jnp.cumsum(send_sizes) - send_sizes,  # where each destination's rows start here
+                output_offsets=(jnp.cumsum(sizes, axis=0) - sizes)[me],  # where they land on each destination
+                return_offsets=(jnp.cumsum(sizes, axis=1) - sizes)[:, me])  # where each source's rows started there
 
 
-def _dispatch_loop(mesh, buf, num_experts: int, iters: int):
-    def body(x, topk_idx):
-        def step(_, carry):
-            idx, total = carry
-            num_recv = jax_ep.dispatch(buf, x, idx, num_experts=num_experts).num_recv_tokens
-            return _depend(idx, num_recv), total + num_recv
-
-        total = topk_idx[0, 0] * 0  # varying over the EP axis, like the loop's output
-        return jax.lax.fori_loop(0, iters, step, (topk_idx, total))[1][None]
-
-    return _spmd(mesh, body)
+def _ragged_dispatch(topk_idx, x, *, num_experts):
+    routing = _ragged_routing(topk_idx, num_experts)
+    rows = topk_idx.size
+    sent = jnp.take(x, routing["order"] // topk_idx.shape[1], axis=0)
+    out = jnp.zeros((jax.lax.axis_size("ep") * rows, x.shape[1]), x.dtype)
+    return jax.lax.ragged_all_to_all(sent, out, routing["input_offsets"], routing["send_sizes"],
+                                     routing["output_offsets"], routing["recv_sizes"], axis_name="ep")
 
 
-def _combine_loop(mesh, buf, iters: int):
-    def body(y, handle):
-        def step(_, carry):
-            handle, total = carry
-            out = jax_ep.combine(buf, y, handle).x
-            probe = out[0, 0].astype(jnp.float32)
-            handle = jax.tree.map(lambda a: _depend(a, probe) if a.dtype == jnp.int32 else a, handle)
-            return handle, total + probe
+def _ragged_combine(routing, y):
+    """Reverse exchange of the received rows, unsort, unweighted sum over k."""
+    num_tokens_k = routing["order"].shape[0]
+    recv_offsets = jnp.cumsum(routing["recv_sizes"]) - routing["recv_sizes"]
+    back = jax.lax.ragged_all_to_all(y, jnp.zeros((num_tokens_k, y.shape[1]), y.dtype), recv_offsets,
+                                     routing["recv_sizes"], routing["return_offsets"], routing["send_sizes"],
+                                     axis_name="ep")
+    unsorted = jnp.zeros_like(back).at[routing["order"]].set(back)
+    num_topk = routing["num_topk"].shape[0]
+    return jnp.sum(unsorted.reshape(-1, num_topk, y.shape[1]).astype(jnp.float32), axis=1).astype(y.dtype)
 
-        total = y[0, 0].astype(jnp.float32) * 0  # varying over the EP axis, like the loop's output
-        return jax.lax.fori_loop(0, iters, step, (handle, total))[1][None]
 
-    return _spmd(mesh, body)
+def _dense_dispatch(topk_idx, x, *, num_experts):
+    """Every token to every rank that holds one of its experts, in a dense [R, T, H] all_to_all."""
+    num_ranks = jax.lax.axis_size("ep")
+    in_rank = jnp.any(topk_idx[:, :, None] // (num_experts // num_ranks) == jnp.arange(num_ranks), axis=1)
+    send = jnp.where(in_rank.T[:, :, None], x[None], jnp.zeros((), x.dtype))
+    return jax.lax.all_to_all(send, "ep", 0, 0)
+
+
+def _dense_combine(in_rank, y):
+    back = jax.lax.all_to_all(jnp.where(in_rank.T[:, :, None] >= 0, y, 0), "ep", 0, 0)
+    out = jnp.zeros(back.shape[1:], jnp.float32)
+    for r in range(back.shape[0]):
+        out = out + back[r].astype(jnp.float32)
+    return out.astype(y.dtype)
 
 
 def intranode(args) -> list[dict]:
@@ -97,32 +138,111 @@ def intranode(args) -> list[dict]:
     x_fp8 = jax.jit(jax_ep.per_token_cast_to_fp8)(x)
     print(f"[intranode] {num_ranks} ranks ({devices[0].device_kind}), T={T} H={H} K={K} E={E}, "
           f"{args.iters} ops per timed loop, median of {args.repeats}", flush=True)
+    records = []
+
+    def report(backend, op, payload, sms, seconds, nbytes, kernel_seconds=None):
+        record = dict(backend=backend, op=op, payload=payload, num_sms=sms, num_ranks=num_ranks, tokens=T, hidden=H,
+                      topk=K, experts=E, recv_rows=recv_rows, t_us=seconds * 1e6, gbps=nbytes / seconds / 1e9,
+                      nvl_gbps=nbytes * remote_fraction / seconds / 1e9)
+        sm_text = "" if sms is None else f", SMs {sms}"
+        line = (f"[intranode] {backend} {op} ({payload}{sm_text}): {record['gbps']:.2f} GB/s (logical), "
+                f"{record['nvl_gbps']:.2f} GB/s (NVL), t: {record['t_us']:.2f} us")
+        if kernel_seconds:
+            record.update(kernel_us=kernel_seconds * 1e6, in_jit_overhead=seconds / kernel_seconds - 1)
+            line += f", kernel t: {record['kernel_us']:.2f} us (in-jit overhead {100 * record['in_jit_overhead']:+.1f}%)"
+        records.append(record)
+        print(line, flush=True)
+
+    # DeepEP's byte count: received rows (one per (token, destination rank)) of the BF16 / FP8 payload.
+    with jax_ep.Buffer(mesh, "ep", backend="xla") as buf:
+        num_recv = _spmd(mesh, lambda i: jax_ep.get_dispatch_layout(buf, i, E).num_tokens_per_rank)(topk_idx)
+    per_pair = np.asarray(jax.device_get(num_recv)).reshape(num_ranks, num_ranks)  # [source, destination]
+    recv_rows = float(np.mean(per_pair.sum(axis=0)))
+    # NVLink figure: self traffic (a rank's tokens to itself) excluded.
+    remote_fraction = 1.0 - float(np.trace(per_pair)) / float(per_pair.sum())
+    bf16_bytes, fp8_bytes = recv_rows * H * 2, recv_rows * H * (1 + 4 / FP8_GROUP)
+
+    if args.baselines and devices[0].platform == "cpu":
+        print("[intranode] jax ragged_all_to_all: not run (XLA:CPU has no ragged-all-to-all)", flush=True)
+    elif args.baselines:
+        ragged = _timed_loop(mesh, functools.partial(_ragged_dispatch, num_experts=E), args.iters)
+        report("jax ragged_all_to_all", "dispatch", "BF16", None,
+               _median_time_per_iter(ragged, (topk_idx, x), args.iters, args.repeats), bf16_bytes)
+        routing = _spmd(mesh, lambda i: {**_ragged_routing(i, E), "num_topk": jnp.zeros((K,), jnp.int32)})(topk_idx)
+        y_ragged = _spmd(mesh, functools.partial(_ragged_dispatch, num_experts=E))(topk_idx, x)
+        report("jax ragged_all_to_all", "combine", "BF16", None, _median_time_per_iter(
+            _timed_loop(mesh, _ragged_combine, args.iters), (routing, y_ragged), args.iters, args.repeats), bf16_bytes)
+    if args.baselines:
+        dense = _timed_loop(mesh, functools.partial(_dense_dispatch, num_experts=E), args.iters)
+        report("jax all_to_all", "dispatch", "BF16", None,
+               _median_time_per_iter(dense, (topk_idx, x), args.iters, args.repeats), bf16_bytes)
+        y_dense = _spmd(mesh, functools.partial(_dense_dispatch, num_experts=E))(topk_idx, x).reshape(-1, H)
+        in_rank = _spmd(mesh, lambda i: jnp.any(i[:, :, None] // (E // num_ranks) == jnp.arange(num_ranks), axis=1)
+                        .astype(jnp.int32) - 1)(topk_idx)
+        report("jax all_to_all", "combine", "BF16", None, _median_time_per_iter(
+            _timed_loop(mesh, lambda r, y: _dense_combine(r, y.reshape(num_ranks, T, H)), args.iters),
+            (in_rank, y_dense), args.iters, args.repeats), bf16_bytes)
 
     runs = [("xla", None)] if args.xla else []
     runs += [("cuda", sms) for sms in args.sms]
-    records = []
     for backend, sms in runs:
         config = jax_ep.Config() if sms is None else jax_ep.Config(num_sms=sms)
         with jax_ep.Buffer(mesh, "ep", backend=backend, config=config) as buf:
-            num_recv, recv_x, handle = _spmd(mesh, functools.partial(_dispatch_once, buf, E))(x, topk_idx)
-            recv_rows = float(np.mean(jax.device_get(num_recv)))
-            bf16_bytes = recv_rows * H * 2
-            cases = [
-                ("dispatch", "BF16", _dispatch_loop(mesh, buf, E, args.iters), (x, topk_idx), bf16_bytes),
-                ("dispatch", "FP8", _dispatch_loop(mesh, buf, E, args.iters), (x_fp8, topk_idx),
-                 recv_rows * H * (1 + 4 / FP8_GROUP)),
-                ("combine", "BF16", _combine_loop(mesh, buf, args.iters), (recv_x, handle), bf16_bytes),
-            ]
-            for op, payload, fn, fn_args, nbytes in cases:
+            def dispatch(idx, payload):
+                return jax_ep.dispatch(buf, payload, idx, num_experts=E)
+
+            def combine(handle, y):
+                return jax_ep.combine(buf, y, handle).x
+
+            def timed(fn, fn_args):
+                """(in-jit seconds per op, bare kernel seconds per op or None)."""
+                jax.block_until_ready(fn(*fn_args))  # compile and warm up outside the kernel-time window
+                if backend == "cuda":
+                    cuda_backend.kernel_times(buf, reset=True)
                 seconds = _median_time_per_iter(fn, fn_args, args.iters, args.repeats)
-                record = dict(backend=backend, op=op, payload=payload, num_sms=sms, num_ranks=num_ranks, tokens=T,
-                              hidden=H, topk=K, experts=E, recv_rows=recv_rows, t_us=seconds * 1e6,
-                              gbps=nbytes / seconds / 1e9)
-                records.append(record)
-                sm_text = "" if sms is None else f", SMs {sms}"
-                print(f"[intranode] {backend} {op} ({payload}{sm_text}): {record['gbps']:.2f} GB/s (NVL), "
-                      f"t: {record['t_us']:.2f} us", flush=True)
+                if backend != "cuda":
+                    return seconds, None
+                times = cuda_backend.kernel_times(buf)
+                return seconds, float(np.mean([ns / calls for calls, ns in times])) * 1e-9
+
+            d = _spmd(mesh, lambda i, p: (lambda r: (r.recv_x, r.handle))(dispatch(i, p)))(topk_idx, x)
+            for payload, data, nbytes in (("BF16", x, bf16_bytes), ("FP8", x_fp8, fp8_bytes)):
+                seconds, kernel_seconds = timed(_timed_loop(mesh, dispatch, args.iters), (topk_idx, data))
+                report(backend, "dispatch", payload, sms, seconds, nbytes, kernel_seconds)
+            seconds, kernel_seconds = timed(_timed_loop(mesh, combine, args.iters), (d[1], d[0]))
+            report(backend, "combine", "BF16", sms, seconds, bf16_bytes, kernel_seconds)
     return records
+
+
+def plot_sm_sweep(records: list[dict], path: str) -> None:
+    """PNG: logical GB/s of the cuda backend against Config.num_sms, one line per (op, payload), with the
+    pure-JAX baselines as horizontal lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series: dict[str, list[tuple[int, float]]] = {}
+    for r in records:
+        if r["backend"] == "cuda":
+            series.setdefault(f"{r['op']} {r['payload']}", []).append((r["num_sms"], r["gbps"]))
+    for label, points in sorted(series.items()):
+        points.sort()
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"jax_ep cuda {label}")
+    for r in records:
+        if r["backend"] != "cuda":
+            ax.axhline(r["gbps"], linestyle=":", linewidth=1, color="gray")
+            ax.annotate(f"{r['backend']} {r['op']} {r['payload']}", (0, r["gbps"]), fontsize=6,
+                        xycoords=("axes fraction", "data"), va="bottom")
+    first = records[0]
+    ax.set(xlabel="SMs (Config.num_sms)", ylabel="GB/s (DeepEP count)",
+           title=f"jax_ep intranode, {first['num_ranks']} ranks, T={first['tokens']} H={first['hidden']} "
+                 f"K={first['topk']} E={first['experts']}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main(argv=None) -> int:
@@ -138,13 +258,18 @@ def main(argv=None) -> int:
                         help="Config.num_sms values for the cuda backend (none: skip the cuda backend)")
     parser.add_argument("--iters", type=int, default=20, help="ops per timed jitted loop")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--no-xla", dest="xla", action="store_false", help="skip the xla backend baseline")
+    parser.add_argument("--no-xla", dest="xla", action="store_false", help="skip the jax_ep xla backend")
+    parser.add_argument("--no-baselines", dest="baselines", action="store_false",
+                        help="skip the pure-JAX baselines (ragged_all_to_all MaxText-style, dense all_to_all)")
     parser.add_argument("--json", help="write every figure to this file")
+    parser.add_argument("--plot", help="write a PNG of GB/s against the SM count to this file")
     args = parser.parse_args(argv)
     records = intranode(args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)
+    if args.plot:
+        plot_sm_sweep(records, args.plot)
     return 0
 
 

@@ -102,6 +102,12 @@ def destroy(buffer) -> str:
     return _native._C.destroy_intranode(buffer.buffer_id)
 
 
+def kernel_times(buffer, reset: bool = False) -> list[tuple[int, int]]:
+    """(calls, summed kernel nanoseconds) per device in rank order: the bare kernel time of each op, as
+    %globaltimer sees it from the kernel's first block starting to its last block leaving."""
+    return [tuple(t) for t in _native._C.intranode_kernel_times(buffer.buffer_id, reset)]
+
+
 def errors(buffer) -> list[str]:
     """One line per rank whose kernel timed out waiting for a peer (op, rank, peer, call number)."""
     return list(_native._C.intranode_errors(buffer.buffer_id))

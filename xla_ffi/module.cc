@@ -1,6 +1,7 @@
 // The nanobind module jax_ep._C: FFI handler capsules per (target, platform), build facts and the intranode
 // runtime entry points (C++ exceptions from the runtime become Python exceptions).
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -51,6 +52,8 @@ NB_MODULE(_C, m) {
         "Waits for and frees every group of buffer_id; returns '' or the CUDA errors met.");
   m.def("intranode_errors", &jax_ep::intranode_errors, nb::arg("buffer_id"),
         "One line per rank of buffer_id whose kernel timed out waiting for a peer (readable after the trap).");
+  m.def("intranode_kernel_times", &jax_ep::intranode_kernel_times, nb::arg("buffer_id"), nb::arg("reset") = false,
+        "[(calls, summed kernel ns)] per device of buffer_id in rank order since the last reset (benchmark figure).");
   m.attr("with_cuda") = true;
 #else
   m.attr("with_cuda") = false;

@@ -31,7 +31,7 @@ if [ "$mode" != rest ]; then
 fi
 if [ "$mode" != quick ]; then
   step xla_on_gpus 240 python3 -m pytest -q -rs -x tests --ignore=tests/gpu
-  step bench 240 python3 -m jax_ep.bench intranode --sms ${BENCH_SMS:-24 64 132} --json "$OUT/bench.json"
+  step bench 240 python3 -m jax_ep.bench intranode --sms ${BENCH_SMS:-24 64 132} --json "$OUT/bench.json" --plot "$OUT/bench.png"
 fi
 grep -hE "^(FAILED|ERROR)" "$OUT"/*.log | head -20
 [ -f "$OUT/bench.log" ] && tail -25 "$OUT/bench.log"
