@@ -3,7 +3,7 @@
 intranode: normal-mode dispatch (BF16 and the FP8 pair) and combine (BF16) over every local GPU of this
 process, DeepEP's shape by default (T=4096, H=7168, K=8, E=256), for the `cuda` backend at each `--sms` value
 and the pure-JAX `xla` backend as the baseline. Each op runs `--iters` times inside one jitted
-`lax.fori_loop`; time per op = wall time / iters after a warm-up, median over `--repeats` runs. Bandwidth is
+loop (unrolled); time per op = wall time / iters after a warm-up, median over `--repeats` runs. Bandwidth is
 counted as DeepEP counts it (ARCHITECTURE.md §5): received rows × H × 2 bytes for BF16 (dispatch and combine),
 × (1 + 4/128) / 2 of that for FP8, per rank, averaged over ranks.
 """
@@ -48,9 +48,10 @@ def _depend(tree, value):
 
 
 def _timed_loop(mesh, op, iters: int):
-    """jit(shard_map(fori_loop)) running `op(routing, *data)` `iters` times. Every output goes through an
-    optimization barrier, so XLA computes all of it (as the CUDA kernels always do) without copying it into
-    the loop carry; one element of it feeds the next iteration's routing."""
+    """jit(shard_map(...)) running `op(routing, *data)` `iters` times in a row, unrolled (an XLA while loop
+    would add a host round trip per iteration, which is the loop's cost, not the op's). Every output goes
+    through an optimization barrier, so XLA computes all of it (as the CUDA kernels always do); one element
+    of it feeds the next op's routing, so no op can be hoisted or overlapped with the next."""
 
     def body(routing, *data):
         def step(_, carry):
@@ -59,7 +60,7 @@ def _timed_loop(mesh, op, iters: int):
             probe = jax.tree.leaves(out)[0].ravel()[0].astype(jnp.float32)
             return _depend(routing, probe), total + probe
 
-        return jax.lax.fori_loop(0, iters, step, (routing, jnp.float32(0)))[1][None]
+        return jax.lax.fori_loop(0, iters, step, (routing, jnp.float32(0)), unroll=True)[1][None]
 
     return _spmd(mesh, body)
 
