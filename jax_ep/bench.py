@@ -47,9 +47,10 @@ def _depend(tree, value):
     return jax.tree.unflatten(treedef, leaves)
 
 
-def _timed_loop(mesh, op, iters: int):
+def _timed_loop(mesh, op, iters: int, unroll: bool = True):
     """jit(shard_map(...)) running `op(routing, *data)` `iters` times in a row, unrolled (an XLA while loop
-    would add a host round trip per iteration, which is the loop's cost, not the op's). Every output goes
+    adds a host round trip per iteration, which is the loop's cost, not the op's; the slow pure-JAX baselines
+    keep the loop: unrolled, XLA reserves collective memory for every ragged_all_to_all). Every output goes
     through an optimization barrier, so XLA computes all of it (as the CUDA kernels always do); one element
     of it feeds the next op's routing, so no op can be hoisted or overlapped with the next."""
 
@@ -60,7 +61,7 @@ def _timed_loop(mesh, op, iters: int):
             probe = jax.tree.leaves(out)[0].ravel()[0].astype(jnp.float32)
             return _depend(routing, probe), total + probe
 
-        return jax.lax.fori_loop(0, iters, step, (routing, jnp.float32(0)), unroll=True)[1][None]
+        return jax.lax.fori_loop(0, iters, step, (routing, jnp.float32(0)), unroll=unroll)[1][None]
 
     return _spmd(mesh, body)
 
@@ -165,22 +166,22 @@ def intranode(args) -> list[dict]:
     if args.baselines and devices[0].platform == "cpu":
         print("[intranode] jax ragged_all_to_all: not run (XLA:CPU has no ragged-all-to-all)", flush=True)
     elif args.baselines:
-        ragged = _timed_loop(mesh, functools.partial(_ragged_dispatch, num_experts=E), args.iters)
+        ragged = _timed_loop(mesh, functools.partial(_ragged_dispatch, num_experts=E), args.iters, unroll=False)
         report("jax ragged_all_to_all", "dispatch", "BF16", None,
                _median_time_per_iter(ragged, (topk_idx, x), args.iters, args.repeats), bf16_bytes)
         routing = _spmd(mesh, lambda i: {**_ragged_routing(i, E), "num_topk": jnp.zeros((K,), jnp.int32)})(topk_idx)
         y_ragged = _spmd(mesh, functools.partial(_ragged_dispatch, num_experts=E))(topk_idx, x)
         report("jax ragged_all_to_all", "combine", "BF16", None, _median_time_per_iter(
-            _timed_loop(mesh, _ragged_combine, args.iters), (routing, y_ragged), args.iters, args.repeats), bf16_bytes)
+            _timed_loop(mesh, _ragged_combine, args.iters, unroll=False), (routing, y_ragged), args.iters, args.repeats), bf16_bytes)
     if args.baselines:
-        dense = _timed_loop(mesh, functools.partial(_dense_dispatch, num_experts=E), args.iters)
+        dense = _timed_loop(mesh, functools.partial(_dense_dispatch, num_experts=E), args.iters, unroll=False)
         report("jax all_to_all", "dispatch", "BF16", None,
                _median_time_per_iter(dense, (topk_idx, x), args.iters, args.repeats), bf16_bytes)
         y_dense = _spmd(mesh, functools.partial(_dense_dispatch, num_experts=E))(topk_idx, x).reshape(-1, H)
         in_rank = _spmd(mesh, lambda i: jnp.any(i[:, :, None] // (E // num_ranks) == jnp.arange(num_ranks), axis=1)
                         .astype(jnp.int32) - 1)(topk_idx)
         report("jax all_to_all", "combine", "BF16", None, _median_time_per_iter(
-            _timed_loop(mesh, lambda r, y: _dense_combine(r, y.reshape(num_ranks, T, H)), args.iters),
+            _timed_loop(mesh, lambda r, y: _dense_combine(r, y.reshape(num_ranks, T, H)), args.iters, unroll=False),
             (in_rank, y_dense), args.iters, args.repeats), bf16_bytes)
 
     runs = [("xla", None)] if args.xla else []
