@@ -50,7 +50,7 @@ def _depend(tree, value):
 def _timed_loop(mesh, op, iters: int, unroll: bool = True):
     """jit(shard_map(...)) running `op(routing, *data)` `iters` times in a row, unrolled (an XLA while loop
     adds a host round trip per iteration, which is the loop's cost, not the op's; the slow pure-JAX baselines
-    keep the loop: unrolled, XLA reserves collective memory for every ragged_all_to_all). Every output goes
+    ragged_all_to_all baseline keeps the loop: unrolled, XLA reserves collective memory for every call). Every output goes
     through an optimization barrier, so XLA computes all of it (as the CUDA kernels always do); one element
     of it feeds the next op's routing, so no op can be hoisted or overlapped with the next."""
 
@@ -174,14 +174,14 @@ def intranode(args) -> list[dict]:
         report("jax ragged_all_to_all", "combine", "BF16", None, _median_time_per_iter(
             _timed_loop(mesh, _ragged_combine, args.iters, unroll=False), (routing, y_ragged), args.iters, args.repeats), bf16_bytes)
     if args.baselines:
-        dense = _timed_loop(mesh, functools.partial(_dense_dispatch, num_experts=E), args.iters, unroll=False)
+        dense = _timed_loop(mesh, functools.partial(_dense_dispatch, num_experts=E), args.iters)
         report("jax all_to_all", "dispatch", "BF16", None,
                _median_time_per_iter(dense, (topk_idx, x), args.iters, args.repeats), bf16_bytes)
         y_dense = _spmd(mesh, functools.partial(_dense_dispatch, num_experts=E))(topk_idx, x).reshape(-1, H)
         in_rank = _spmd(mesh, lambda i: jnp.any(i[:, :, None] // (E // num_ranks) == jnp.arange(num_ranks), axis=1)
                         .astype(jnp.int32) - 1)(topk_idx)
         report("jax all_to_all", "combine", "BF16", None, _median_time_per_iter(
-            _timed_loop(mesh, lambda r, y: _dense_combine(r, y.reshape(num_ranks, T, H)), args.iters, unroll=False),
+            _timed_loop(mesh, lambda r, y: _dense_combine(r, y.reshape(num_ranks, T, H)), args.iters),
             (in_rank, y_dense), args.iters, args.repeats), bf16_bytes)
 
     runs = [("xla", None)] if args.xla else []
