@@ -46,12 +46,12 @@ def _depend(tree, value):
 
 
 def _timed_loop(mesh, op, iters: int, unroll: bool = True):
-    """jit(shard_map(...)) running `op(routing, *data)` `iters` times in a row, unrolled (an XLA while loop
-    adds a host round trip per iteration, which is the loop's cost, not the op's; the slow pure-JAX baselines
-    ragged_all_to_all baseline keeps the loop: unrolled, XLA reserves collective memory for every call). Every output goes
-    one element of each op's output feeds the next op's routing. A custom call always writes all its outputs;
-    for the pure-JAX baselines XLA may skip local work after the collective that the probe does not need
-    (which only flatters them)."""
+    """jit(shard_map(...)) running `op(routing, *data)` `iters` times in a row, unrolled: an XLA while loop
+    adds a host round trip per iteration, which is the loop's cost, not the op's (the ragged_all_to_all
+    baseline keeps the loop: unrolled, XLA reserves collective memory for every call). One element of each
+    op's output feeds the next op's routing. A custom call always writes all its outputs; for the pure-JAX
+    baselines XLA may skip local work after the collective that the probe does not need (which only
+    flatters them)."""
 
     def body(routing, *data):
         def step(_, carry):
