@@ -2,8 +2,8 @@
 
 intranode: normal-mode dispatch (BF16 and the FP8 pair) and combine (BF16) over every local GPU of this
 process, DeepEP's shape by default (T=4096, H=7168, K=8, E=256), for the `cuda` backend at each `--sms` value
-and the pure-JAX `xla` backend as the baseline. Each op runs `--iters` times inside one jitted
-loop (unrolled); time per op = wall time / iters after a warm-up, median over `--repeats` runs. Bandwidth is
+and the pure-JAX baselines. Each op runs in jitted sequences of `--iters` and 2×`--iters` ops; time per op =
+the difference of their wall times / iters after a warm-up, median over `--repeats` runs. Bandwidth is
 counted as DeepEP counts it (ARCHITECTURE.md §5): received rows × H × 2 bytes for BF16 (dispatch and combine),
 × (1 + 4/128) / 2 of that for FP8, per rank, averaged over ranks.
 """
@@ -65,14 +65,21 @@ def _timed_loop(mesh, op, iters: int, unroll: bool = True):
     return _spmd(mesh, body)
 
 
-def _median_time_per_iter(fn, args, iters: int, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile and warm up
-    times = []
-    for _ in range(repeats):
+def _time_per_op(mesh, op, fn_args, args, unroll: bool = True, before_timing=None) -> float:
+    """Seconds per op: (time of a sequence of 2n ops - time of n ops) / n, median over repeats. The fixed
+    cost of launching a program on every device and waiting for it cancels out."""
+    short, long = (_timed_loop(mesh, op, n, unroll) for n in (args.iters, 2 * args.iters))
+    for fn in (short, long):
+        jax.block_until_ready(fn(*fn_args))  # compile and warm up
+    if before_timing:
+        before_timing()
+
+    def wall(fn):
         start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - start) / iters)
-    return statistics.median(times)
+        jax.block_until_ready(fn(*fn_args))
+        return time.perf_counter() - start
+
+    return statistics.median((wall(long) - wall(short)) / args.iters for _ in range(args.repeats))
 
 
 # ---- pure-JAX baselines (per rank, inside shard_map) ----------------------------------------------------------
@@ -165,23 +172,20 @@ def intranode(args) -> list[dict]:
     if args.baselines and devices[0].platform == "cpu":
         print("[intranode] jax ragged_all_to_all: not run (XLA:CPU has no ragged-all-to-all)", flush=True)
     elif args.baselines:
-        ragged = _timed_loop(mesh, functools.partial(_ragged_dispatch, num_experts=E), args.iters, unroll=False)
-        report("jax ragged_all_to_all", "dispatch", "BF16", None,
-               _median_time_per_iter(ragged, (topk_idx, x), args.iters, args.repeats), bf16_bytes)
+        report("jax ragged_all_to_all", "dispatch", "BF16", None, _time_per_op(
+            mesh, functools.partial(_ragged_dispatch, num_experts=E), (topk_idx, x), args, unroll=False), bf16_bytes)
         routing = _spmd(mesh, lambda i: {**_ragged_routing(i, E), "num_topk": jnp.zeros((K,), jnp.int32)})(topk_idx)
         y_ragged = _spmd(mesh, functools.partial(_ragged_dispatch, num_experts=E))(topk_idx, x)
-        report("jax ragged_all_to_all", "combine", "BF16", None, _median_time_per_iter(
-            _timed_loop(mesh, _ragged_combine, args.iters, unroll=False), (routing, y_ragged), args.iters, args.repeats), bf16_bytes)
+        report("jax ragged_all_to_all", "combine", "BF16", None,
+               _time_per_op(mesh, _ragged_combine, (routing, y_ragged), args, unroll=False), bf16_bytes)
     if args.baselines:
-        dense = _timed_loop(mesh, functools.partial(_dense_dispatch, num_experts=E), args.iters)
         report("jax all_to_all", "dispatch", "BF16", None,
-               _median_time_per_iter(dense, (topk_idx, x), args.iters, args.repeats), bf16_bytes)
+               _time_per_op(mesh, functools.partial(_dense_dispatch, num_experts=E), (topk_idx, x), args), bf16_bytes)
         y_dense = _spmd(mesh, functools.partial(_dense_dispatch, num_experts=E))(topk_idx, x).reshape(-1, H)
         in_rank = _spmd(mesh, lambda i: jnp.any(i[:, :, None] // (E // num_ranks) == jnp.arange(num_ranks), axis=1)
                         .astype(jnp.int32) - 1)(topk_idx)
-        report("jax all_to_all", "combine", "BF16", None, _median_time_per_iter(
-            _timed_loop(mesh, lambda r, y: _dense_combine(r, y.reshape(num_ranks, T, H)), args.iters),
-            (in_rank, y_dense), args.iters, args.repeats), bf16_bytes)
+        report("jax all_to_all", "combine", "BF16", None, _time_per_op(
+            mesh, lambda r, y: _dense_combine(r, y.reshape(num_ranks, T, H)), (in_rank, y_dense), args), bf16_bytes)
 
     runs = [("xla", None)] if args.xla else []
     runs += [("cuda", sms) for sms in args.sms]
@@ -194,22 +198,19 @@ def intranode(args) -> list[dict]:
             def combine(handle, y):
                 return jax_ep.combine(buf, y, handle).x
 
-            def timed(fn, fn_args):
+            def timed(op, fn_args):
                 """(in-jit seconds per op, bare kernel seconds per op or None)."""
-                jax.block_until_ready(fn(*fn_args))  # compile and warm up outside the kernel-time window
-                if backend == "cuda":
-                    cuda_backend.kernel_times(buf, reset=True)
-                seconds = _median_time_per_iter(fn, fn_args, args.iters, args.repeats)
                 if backend != "cuda":
-                    return seconds, None
+                    return _time_per_op(mesh, op, fn_args, args), None
+                seconds = _time_per_op(mesh, op, fn_args, args, before_timing=lambda: cuda_backend.kernel_times(buf, reset=True))
                 times = cuda_backend.kernel_times(buf)
                 return seconds, float(np.mean([ns / calls for calls, ns in times])) * 1e-9
 
             d = _spmd(mesh, lambda i, p: (lambda r: (r.recv_x, r.handle))(dispatch(i, p)))(topk_idx, x)
             for payload, data, nbytes in (("BF16", x, bf16_bytes), ("FP8", x_fp8, fp8_bytes)):
-                seconds, kernel_seconds = timed(_timed_loop(mesh, dispatch, args.iters), (topk_idx, data))
+                seconds, kernel_seconds = timed(dispatch, (topk_idx, data))
                 report(backend, "dispatch", payload, sms, seconds, nbytes, kernel_seconds)
-            seconds, kernel_seconds = timed(_timed_loop(mesh, combine, args.iters), (d[1], d[0]))
+            seconds, kernel_seconds = timed(combine, (d[1], d[0]))
             report(backend, "combine", "BF16", sms, seconds, bf16_bytes, kernel_seconds)
     return records
 
