@@ -5,10 +5,10 @@ import itertools
 import warnings
 from typing import Literal
 
-import numpy as np
 from jax.sharding import Mesh
 
 from jax_ep import _native, cuda_backend
+from jax_ep._checks import is_int
 from jax_ep.config import HIDDEN_ALIGNMENT, Config
 
 Backend = Literal["auto", "cuda", "xla"]
@@ -77,7 +77,7 @@ class Buffer:
         self.config = config if config is not None else Config()
         for name, value in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank), ("hidden", hidden),
                             ("num_experts", num_experts)):
-            if value is not None and not (isinstance(value, (int, np.integer)) and not isinstance(value, bool)):
+            if value is not None and not is_int(value):
                 raise TypeError(f"jax_ep.Buffer: {name} must be an integer, got {value!r}")
         self.platform = _platform_of(mesh)
         self.backend = resolve_backend(backend, self.platform)
