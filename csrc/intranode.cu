@@ -528,12 +528,20 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
   const int64_t vecs = a.row_elements / kVec;
   const Bias* bias = static_cast<const Bias*>(a.bias);
   Out* out = static_cast<Out*>(a.out);
-  for (int64_t t = global_warp(); t < a.num_tokens; t += num_global_warps()) {
+  // Lane r < num_ranks holds the row of the warp's token on rank r, loaded one token ahead so that the
+  // load's latency hides behind the previous token's reduction.
+  auto load_row = [&](int64_t t) {
     int32_t row = -1;
-    if (lane < num_ranks) {
+    if (lane < num_ranks && t < a.num_tokens) {
       row = a.send_row[t * num_ranks + lane];
       if (row < 0 || row >= a.capacity) row = -1;
     }
+    return row;
+  };
+  int32_t next_row = load_row(global_warp());
+  for (int64_t t = global_warp(); t < a.num_tokens; t += num_global_warps()) {
+    const int32_t row = next_row;
+    next_row = load_row(t + num_global_warps());
     const Pack<In, kVec>* rows[kRanks];
 #pragma unroll
     for (int r = 0; r < kRanks; ++r) {
