@@ -1,0 +1,205 @@
+"""`MoE`: an expert-parallel mixture-of-experts block (flax.nnx) on jax_ep's dispatch and combine."""
+from __future__ import annotations
+
+import math
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+from jax_ep.flax.experts import dense_gates, grouped_swiglu, swiglu
+from jax_ep.flax.routing import RouterConfig, route, router_statistics
+
+Dispatcher = Literal["normal", "low_latency", "xla", "none"]
+DISPATCHERS = ("normal", "low_latency", "xla", "none")
+EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")  # [E, D, F], [E, D, F], [E, F, D]: sharded over the EP axis
+SHARED_WEIGHTS = ("shared_w_gate", "shared_w_up", "shared_w_down")  # [D, Fs], [D, Fs], [Fs, D]: replicated
+
+
+class ExpertBias(nnx.Variable):
+    """Per-expert bias added to the router scores for the top-k selection only (DeepSeek-V3). Not an
+    `nnx.Param`: optimizers over Params leave it alone; `MoE.update_expert_bias` moves it with the load."""
+
+
+class MoEAux(NamedTuple):
+    load_balancing_loss: jax.Array  # float32: E/(K T) sum_e count_e P_e over all tokens; 1 when balanced
+    router_z_loss: jax.Array  # float32: mean logsumexp(logits)^2
+    tokens_per_expert: jax.Array  # int32 [E]: (token, expert) assignments over all tokens
+    num_dropped: jax.Array  # int32: received tokens that did not fit the capacity, summed over the ranks
+
+
+def _axis_bound(axis_name: str) -> bool:
+    """Whether we are inside a shard_map (or another map) over `axis_name`."""
+    try:
+        jax.lax.axis_size(axis_name)
+    except NameError:
+        return False
+    return True
+
+
+def _expert_init():
+    # fan-in scaling per expert: the input axis is -2, the expert axis a batch axis.
+    return nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1,
+                                             batch_axis=(0,))
+
+
+class MoE(nnx.Module):
+    """A mixture-of-experts block: router, SwiGLU experts (optionally plus shared experts), returning
+    `(y, MoEAux)` with y shaped like x ([..., d_model]).
+
+    dispatcher:
+      "normal"       jax_ep.dispatch / combine on a Buffer with `backend` ("auto": the CUDA kernels where built)
+      "xla"          the same ops on a backend="xla" Buffer (portable; the reference of the kernels)
+      "low_latency"  jax_ep.low_latency_dispatch / combine (BF16 on the wire); needs max_tokens_per_rank
+      "none"         no communication: every token through its top-k experts densely (E x the expert
+                     FLOPs); the single-device reference
+    Weights: router_kernel [D, E], w_gate / w_up [E, D, F] and w_down [E, F, D] (sharded over `axis_name`
+    when a mesh is given), shared_w_* when shared_d_ff is set, expert_bias [E] (`ExpertBias`) when asked.
+
+    Two ways to call it:
+      global view: x holds every token (leading axes flattened, their count a multiple of the EP size);
+        the block opens its own jax.shard_map over `mesh` with the tokens sharded over `axis_name`.
+      inside your shard_map over `axis_name` (detected): x holds this rank's tokens, and the expert weights
+        must be this rank's slice [E/R, ...]. Pass the module's state in with its partition specs:
+            graphdef, state = nnx.split(moe)
+            def body(state, x):
+                return nnx.merge(graphdef, state)(x)
+            jax.shard_map(body, mesh=mesh, in_specs=(nnx.get_partition_spec(state), P("ep")),
+                          out_specs=(P("ep"), P()))
+      Either way the losses and counts in MoEAux cover the tokens of every rank on the EP axis.
+
+    Router options (see RouterConfig): score_function "softmax" | "sigmoid", expert_bias (selection-only
+    bias, DeepSeek-V3), n_groups / topk_groups (grouped top-k), norm_topk_prob, routed_scaling_factor.
+    capacity_factor c (normal / xla): each rank receives at most ceil(c * T * min(K, R)) tokens (the mean
+    number a rank receives under uniform routing is at most T * min(K, R)); tokens beyond it are dropped and
+    counted in MoEAux.num_dropped. None: R * T, which never drops.
+    buffer: an existing jax_ep.Buffer to use (share one among layers; pass one to the Linen wrapper, which
+    builds the module again at every apply); by default the block makes its own from mesh and axis_name.
+    dtype: computation dtype of the experts and of the tokens on the wire (None: that of x); the router runs
+    in float32. param_dtype: dtype of the weights.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, num_experts: int, num_experts_per_tok: int, *,
+                 mesh: Mesh | None = None, axis_name: str = "ep", dispatcher: Dispatcher = "normal",
+                 backend: str = "auto", buffer: jax_ep.Buffer | None = None, max_tokens_per_rank: int | None = None,
+                 score_function: Literal["softmax", "sigmoid"] = "softmax", expert_bias: bool = False,
+                 n_groups: int = 1, topk_groups: int = 1, norm_topk_prob: bool = True,
+                 routed_scaling_factor: float = 1.0, shared_d_ff: int | None = None,
+                 capacity_factor: float | None = None, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        if dispatcher not in DISPATCHERS:
+            raise ValueError(f"jax_ep.flax.MoE: dispatcher must be one of {DISPATCHERS}, got {dispatcher!r}")
+        self.router = RouterConfig(num_experts, num_experts_per_tok, score_function, n_groups, topk_groups,
+                                   norm_topk_prob, routed_scaling_factor)
+        self.d_model, self.num_experts, self.dispatcher = d_model, num_experts, dispatcher
+        self.capacity_factor, self.dtype = capacity_factor, dtype
+        self.buffer = None if dispatcher == "none" else self._make_buffer(
+            buffer, mesh, axis_name, backend, max_tokens_per_rank)
+        self.mesh = self.buffer.mesh if self.buffer is not None else mesh
+        self.axis_name = self.buffer.axis_name if self.buffer is not None else axis_name
+
+        def param(init, shape, sharding):
+            if self.mesh is not None:
+                init = nnx.with_partitioning(init, sharding, mesh=self.mesh)
+            return nnx.Param(init(rngs.params(), shape, param_dtype))
+
+        replicated = (None, None)
+        by_expert = (self.axis_name, None, None)
+        self.router_kernel = param(nnx.initializers.lecun_normal(), (d_model, num_experts), replicated)
+        self.expert_bias = ExpertBias(jnp.zeros((num_experts,), jnp.float32)) if expert_bias else None
+        self.w_gate = param(_expert_init(), (num_experts, d_model, d_ff), by_expert)
+        self.w_up = param(_expert_init(), (num_experts, d_model, d_ff), by_expert)
+        self.w_down = param(_expert_init(), (num_experts, d_ff, d_model), by_expert)
+        self.shared_d_ff = shared_d_ff
+        if shared_d_ff:
+            self.shared_w_gate = param(nnx.initializers.lecun_normal(), (d_model, shared_d_ff), replicated)
+            self.shared_w_up = param(nnx.initializers.lecun_normal(), (d_model, shared_d_ff), replicated)
+            self.shared_w_down = param(nnx.initializers.lecun_normal(), (shared_d_ff, d_model), replicated)
+
+    def _make_buffer(self, buffer, mesh, axis_name, backend, max_tokens_per_rank) -> jax_ep.Buffer:
+        if buffer is not None:
+            if self.dispatcher == "xla" and buffer.backend != "xla":
+                raise ValueError(f"jax_ep.flax.MoE: dispatcher='xla' needs a backend='xla' Buffer, got {buffer!r}")
+            return buffer
+        if mesh is None:
+            raise ValueError(f"jax_ep.flax.MoE: dispatcher={self.dispatcher!r} needs a mesh (or a buffer)")
+        if self.dispatcher != "low_latency":
+            return jax_ep.Buffer(mesh, axis_name, backend="xla" if self.dispatcher == "xla" else backend)
+        if max_tokens_per_rank is None:
+            raise ValueError("jax_ep.flax.MoE: dispatcher='low_latency' needs max_tokens_per_rank (the most tokens "
+                             "one rank sends per call; it sizes the receive buffers)")
+        return jax_ep.Buffer(mesh, axis_name, backend=backend, num_max_dispatch_tokens_per_rank=max_tokens_per_rank,
+                             hidden=self.d_model, num_experts=self.num_experts)
+
+    def _weights(self) -> dict:
+        names = ("router_kernel", *EXPERT_WEIGHTS) + (SHARED_WEIGHTS if self.shared_d_ff else ())
+        weights = {name: getattr(self, name)[...] for name in names}
+        weights["expert_bias"] = None if self.expert_bias is None else self.expert_bias[...]
+        return weights
+
+    def __call__(self, x) -> tuple[jax.Array, MoEAux]:
+        tokens = x.reshape(-1, self.d_model)
+        weights = self._weights()
+        if self.dispatcher == "none":
+            y, aux = self._forward(weights, tokens, axis_name=None)
+        elif _axis_bound(self.axis_name):
+            y, aux = self._forward(weights, tokens, axis_name=self.axis_name)
+        else:
+            specs = {name: P(self.axis_name) if name in EXPERT_WEIGHTS else P() for name in weights}
+            y, aux = jax.shard_map(
+                lambda w, t: self._forward(w, t, axis_name=self.axis_name), mesh=self.mesh,
+                in_specs=(specs, P(self.axis_name)), out_specs=(P(self.axis_name), MoEAux(P(), P(), P(), P())),
+            )(weights, tokens)
+        return y.reshape(x.shape[:-1] + (self.d_model,)), aux
+
+    def _forward(self, weights: dict, x, axis_name: str | None):
+        """The block on the tokens x [T, D] given; with axis_name, per rank inside a shard_map over it."""
+        num_ranks = 1 if axis_name is None else jax.lax.axis_size(axis_name)
+        expected = self.num_experts // num_ranks
+        if weights["w_gate"].shape[0] != expected:
+            raise ValueError(
+                f"jax_ep.flax.MoE: expected the expert weights of {expected} experts here, got "
+                f"{weights['w_gate'].shape[0]}; inside a shard_map pass the module state with "
+                f"in_specs=nnx.get_partition_spec(state) (each rank holds its slice of the experts)")
+        dtype = self.dtype or x.dtype
+        routing = route(x, weights["router_kernel"], weights["expert_bias"], self.router)
+        x = x.astype(dtype)
+        experts = [weights[name].astype(dtype) for name in EXPERT_WEIGHTS]
+        num_dropped = jnp.zeros((), jnp.int32)
+        if self.dispatcher == "none":
+            gates = dense_gates(routing.topk_idx, routing.topk_weights, self.num_experts)
+            y = jnp.einsum("te,etd->td", gates, swiglu(x[None], *experts))
+        elif self.dispatcher == "low_latency":
+            # Low-latency ops move BF16 and return the gate-weighted sum over the top-k experts.
+            ll = jax_ep.low_latency_dispatch(self.buffer, x.astype(jnp.bfloat16), routing.topk_idx, use_fp8=False)
+            expert_out = swiglu(ll.recv_x, *experts)  # [L, R*M, D]: rows past recv_count are zero and unread
+            y = jax_ep.low_latency_combine(self.buffer, expert_out.astype(jnp.bfloat16), routing.topk_idx,
+                                           routing.topk_weights, ll.handle)
+        else:
+            d = jax_ep.dispatch(self.buffer, x, routing.topk_idx, routing.topk_weights, num_experts=self.num_experts,
+                                max_recv_tokens=self._capacity(x.shape[0], num_ranks))
+            # Gate weights are applied before combine, which sums the ranks' rows unweighted.
+            expert_out = grouped_swiglu(d.recv_x, d.recv_topk_idx, d.recv_topk_weights, *experts)
+            y = jax_ep.combine(self.buffer, expert_out.astype(dtype), d.handle).x
+            num_dropped = jax.lax.psum(d.num_dropped, axis_name)
+        if self.shared_d_ff:
+            y = y + swiglu(x, *(weights[name].astype(dtype) for name in SHARED_WEIGHTS))
+        statistics = router_statistics(routing, self.router, axis_name)
+        return y.astype(dtype), MoEAux(*statistics, num_dropped)
+
+    def _capacity(self, num_tokens: int, num_ranks: int) -> int | None:
+        if self.capacity_factor is None:
+            return None
+        mean_need = num_tokens * min(self.router.num_experts_per_tok, num_ranks)
+        return max(1, min(num_ranks * num_tokens, math.ceil(self.capacity_factor * mean_need)))
+
+    def update_expert_bias(self, tokens_per_expert, rate: float) -> None:
+        """DeepSeek-V3's auxiliary-loss-free balancing step: raise the bias of experts that got fewer than
+        the mean number of tokens, lower the others', by `rate` (tokens_per_expert from MoEAux)."""
+        if self.expert_bias is None:
+            raise ValueError("jax_ep.flax.MoE.update_expert_bias: create the block with expert_bias=True")
+        load = tokens_per_expert.astype(jnp.float32)
+        self.expert_bias[...] = self.expert_bias[...] + rate * jnp.sign(jnp.mean(load) - load)
