@@ -92,8 +92,8 @@ class MoE(nnx.Module):
                  capacity_factor: float | None = None, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
         if dispatcher not in DISPATCHERS:
             raise ValueError(f"jax_ep.flax.MoE: dispatcher must be one of {DISPATCHERS}, got {dispatcher!r}")
-        self.router = RouterConfig(num_experts, num_experts_per_tok, score_function, n_groups, topk_groups,
-                                   norm_topk_prob, routed_scaling_factor)
+        self.router_config = RouterConfig(num_experts, num_experts_per_tok, score_function, n_groups,
+                                          topk_groups, norm_topk_prob, routed_scaling_factor)
         self.d_model, self.num_experts, self.dispatcher = d_model, num_experts, dispatcher
         self.capacity_factor, self.dtype = capacity_factor, dtype
         self.buffer = None if dispatcher == "none" else self._make_buffer(
@@ -165,7 +165,7 @@ class MoE(nnx.Module):
                 f"{weights['w_gate'].shape[0]}; inside a shard_map pass the module state with "
                 f"in_specs=nnx.get_partition_spec(state) (each rank holds its slice of the experts)")
         dtype = self.dtype or x.dtype
-        routing = route(x, weights["router_kernel"], weights["expert_bias"], self.router)
+        routing = route(x, weights["router_kernel"], weights["expert_bias"], self.router_config)
         x = x.astype(dtype)
         experts = [weights[name].astype(dtype) for name in EXPERT_WEIGHTS]
         num_dropped = jnp.zeros((), jnp.int32)
@@ -187,13 +187,13 @@ class MoE(nnx.Module):
             num_dropped = jax.lax.psum(d.num_dropped, axis_name)
         if self.shared_d_ff:
             y = y + swiglu(x, *(weights[name].astype(dtype) for name in SHARED_WEIGHTS))
-        statistics = router_statistics(routing, self.router, axis_name)
+        statistics = router_statistics(routing, self.router_config, axis_name)
         return y.astype(dtype), MoEAux(*statistics, num_dropped)
 
     def _capacity(self, num_tokens: int, num_ranks: int) -> int | None:
         if self.capacity_factor is None:
             return None
-        mean_need = num_tokens * min(self.router.num_experts_per_tok, num_ranks)
+        mean_need = num_tokens * min(self.router_config.num_experts_per_tok, num_ranks)
         return max(1, min(num_ranks * num_tokens, math.ceil(self.capacity_factor * mean_need)))
 
     def update_expert_bias(self, tokens_per_expert, rate: float) -> None:

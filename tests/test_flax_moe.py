@@ -1,0 +1,291 @@
+"""jax_ep.flax.MoE: every dispatcher against the dense `none` reference (outputs, losses, counts and gradients),
+the router variants, the block inside the caller's shard_map, jit + grad + jax.checkpoint, the Linen wrapper,
+the swap-in of a plain Flax dense MoE block, capacity drops and the expert-bias update."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import functools  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from conftest import mesh_of  # noqa: E402
+from flax import nnx  # noqa: E402
+from flax.linen import meta  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jax_ep  # noqa: E402
+from jax_ep.flax import MoE, RouterConfig, from_dense, moe_linen  # noqa: E402
+from jax_ep.flax.routing import route  # noqa: E402
+
+RANKS, TOKENS, D_MODEL, D_FF, EXPERTS, TOPK, SHARED_D_FF = 4, 8, 128, 32, 8, 2, 16
+# Router variants: DeepSeek-V3 (sigmoid, selection bias, grouped top-k, scaled weights) and a grouped softmax
+# router without renormalisation (DeepSeek-V2 / Qwen-MoE style).
+ROUTERS = {
+    "softmax": dict(),
+    "sigmoid_bias_grouped": dict(score_function="sigmoid", expert_bias=True, n_groups=4, topk_groups=2,
+                                 routed_scaling_factor=2.5),
+    "softmax_grouped_unnormalised": dict(n_groups=2, topk_groups=1, norm_topk_prob=False),
+}
+
+
+def mesh():
+    return mesh_of(RANKS)
+
+
+def make_moe(dispatcher: str, router: str = "softmax", **options) -> MoE:
+    """The same weights for every dispatcher (seeded init; a nonzero expert bias where there is one)."""
+    moe = MoE(D_MODEL, D_FF, EXPERTS, TOPK, mesh=mesh(), dispatcher=dispatcher, shared_d_ff=SHARED_D_FF,
+              max_tokens_per_rank=TOKENS, **ROUTERS[router], **options, rngs=nnx.Rngs(0))
+    if moe.expert_bias is not None:
+        moe.expert_bias[...] = jnp.linspace(-0.05, 0.05, EXPERTS)
+    return moe
+
+
+def inputs(seed: int = 1):
+    """Tokens of every rank [R*T, D] and a random output cotangent."""
+    x_key, cotangent_key = jax.random.split(jax.random.key(seed))
+    shape = (RANKS * TOKENS, D_MODEL)
+    return jax.random.normal(x_key, shape), jax.random.normal(cotangent_key, shape)
+
+
+def objective(moe, x, cotangent, axis_name=None):
+    """A scalar that reaches every output: y against a random cotangent plus both router losses (which cover
+    every rank's tokens already); with axis_name, inside a shard_map, y's part is summed over the ranks."""
+    y, aux = moe(x)
+    fit = jnp.sum(y * cotangent)
+    if axis_name is not None:
+        fit = jax.lax.psum(fit, axis_name)
+    return fit + 0.3 * aux.load_balancing_loss + 0.1 * aux.router_z_loss, (y, aux)
+
+
+@nnx.jit
+def forward_and_grads(moe, x, cotangent):
+    """(y, aux, d params, d x)."""
+    (_, (y, aux)), (d_params, d_x) = nnx.value_and_grad(objective, argnums=(0, 1), has_aux=True)(moe, x, cotangent)
+    return y, aux, d_params, d_x
+
+
+def run(moe):
+    """forward_and_grads in float32 matmul precision everywhere (GPUs otherwise use TF32), as numpy."""
+    with jax.default_matmul_precision("highest"):
+        y, aux, d_params, d_x = forward_and_grads(moe, *inputs())
+    return jax.tree.map(np.asarray, (y, aux, nnx.to_pure_dict(d_params), d_x))
+
+
+@functools.cache
+def reference(router: str):
+    return run(make_moe("none", router))
+
+
+def assert_close(actual, expected, rtol: float, what: str):
+    """Relative L2 error of every leaf of two pytrees below rtol."""
+    flat_actual, flat_expected = jax.tree_util.tree_flatten_with_path(actual)[0], jax.tree.leaves(expected)
+    assert len(flat_actual) == len(flat_expected), what
+    for (path, a), b in zip(flat_actual, flat_expected):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        error = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+        assert error <= rtol, f"{what}{jax.tree_util.keystr(path)}: relative error {error:.2e} > {rtol:.0e}"
+
+
+def assert_matches_reference(result, expected, rtol: float):
+    y, aux, d_params, d_x = result
+    ref_y, ref_aux, ref_d_params, ref_d_x = expected
+    assert_close(y, ref_y, rtol, "y")
+    assert_close((aux.load_balancing_loss, aux.router_z_loss), (ref_aux.load_balancing_loss, ref_aux.router_z_loss),
+                 1e-5, "losses")
+    np.testing.assert_array_equal(aux.tokens_per_expert, ref_aux.tokens_per_expert)
+    assert int(aux.num_dropped) == 0
+    assert_close(d_params, ref_d_params, rtol, "d params")
+    assert_close(d_x, ref_d_x, rtol, "d x")
+
+
+# "normal" takes the Buffer's auto backend: xla on CPU, the CUDA kernels on GPUs. low_latency moves BF16.
+@pytest.mark.parametrize("dispatcher, rtol", [("xla", 1e-5), ("normal", 1e-5), ("low_latency", 2e-2)])
+def test_dispatcher_matches_dense_reference(dispatcher, rtol):
+    assert_matches_reference(run(make_moe(dispatcher)), reference("softmax"), rtol)
+
+
+@pytest.mark.parametrize("router", ["sigmoid_bias_grouped", "softmax_grouped_unnormalised"])
+def test_router_variant_matches_dense_reference(router):
+    assert_matches_reference(run(make_moe("xla", router)), reference(router), 1e-5)
+
+
+def test_router_selection_rules():
+    """Grouped top-k picks inside the best groups; the bias moves the selection but not the weights."""
+    config = RouterConfig(EXPERTS, TOPK, "sigmoid", n_groups=4, topk_groups=2, routed_scaling_factor=2.5)
+    x, _ = inputs()
+    kernel = jax.random.normal(jax.random.key(2), (D_MODEL, EXPERTS)) * D_MODEL ** -0.5
+    bias = jnp.zeros(EXPERTS).at[3].set(10.0)  # expert 3 wins every selection, on its unbiased score
+    routing = route(x, kernel, bias, config)
+    idx, weights, scores = map(np.asarray, (routing.topk_idx, routing.topk_weights, routing.scores))
+    assert (idx == 3).any(axis=1).all()
+    picked = np.take_along_axis(scores, idx, axis=1)
+    np.testing.assert_allclose(weights, 2.5 * picked / picked.sum(axis=1, keepdims=True), rtol=1e-6)
+    unbiased = np.asarray(route(x, kernel, None, config).topk_idx)
+    group_size = EXPERTS // 4
+    grouped = scores.reshape(len(x), 4, group_size)
+    group_scores = np.sort(grouped, axis=-1)[..., -2:].sum(-1)  # DeepSeek-V3: sum of a group's best two
+    best_groups = np.argsort(-group_scores, axis=1)[:, :2]
+    assert all(set(row // group_size) <= set(groups) for row, groups in zip(unbiased, best_groups))
+
+
+def test_inside_callers_shard_map():
+    """The module merged inside the caller's shard_map, its state passed with its partition specs, gives the
+    global view's outputs, statistics and gradients; whole (unsliced) expert weights there are refused."""
+    moe = make_moe("xla")
+    graphdef, state = nnx.split(moe)
+    x, cotangent = inputs()
+
+    def sharded(in_specs):
+        return jax.shard_map(lambda s, x, c: objective(nnx.merge(graphdef, s), x, c, axis_name="ep"), mesh=mesh(),
+                             in_specs=(in_specs, P("ep"), P("ep")), out_specs=(P(), (P("ep"), P())))
+
+    step = jax.jit(jax.value_and_grad(sharded(nnx.get_partition_spec(state)), argnums=(0, 1), has_aux=True))
+    with jax.default_matmul_precision("highest"):
+        (_, (y, aux)), (d_state, d_x) = step(state, x, cotangent)
+    assert_close((y, aux, nnx.to_pure_dict(d_state), d_x), run(moe), 1e-5, "shard_map vs global view")
+    with pytest.raises(ValueError, match="nnx.get_partition_spec"):
+        sharded(P())(state, x, cotangent)
+
+
+def test_jit_grad_checkpoint():
+    """Gradients through jax.checkpoint of the functional form and through nnx.remat equal the plain ones."""
+    moe = make_moe("xla")
+    graphdef, state = nnx.split(moe)
+    x, cotangent = inputs()
+    _, _, expected_d_params, expected_d_x = run(moe)
+
+    def rematerialised(state, x, cotangent):
+        return jax.checkpoint(lambda s, x: objective(nnx.merge(graphdef, s), x, cotangent)[0])(state, x)
+
+    with jax.default_matmul_precision("highest"):
+        d_state, d_x = jax.jit(jax.grad(rematerialised, argnums=(0, 1)))(state, x, cotangent)
+        nnx_d_params = nnx.jit(nnx.grad(lambda m, x, c: nnx.remat(objective)(m, x, c)[0]))(moe, x, cotangent)
+    assert_close((nnx.to_pure_dict(d_state), d_x), (expected_d_params, expected_d_x), 1e-5, "jax.checkpoint")
+    assert_close(nnx.to_pure_dict(nnx_d_params), expected_d_params, 1e-5, "nnx.remat")
+
+
+def test_linen_wrapper():
+    """moe_linen: init and apply under jit; the result equals the dense reference built from its params."""
+    buffer = jax_ep.Buffer(mesh(), "ep", backend="xla")
+    block = moe_linen(D_MODEL, D_FF, EXPERTS, TOPK, buffer=buffer, shared_d_ff=SHARED_D_FF)
+    x, cotangent = inputs()
+    variables = jax.jit(block.init)(jax.random.key(3), x)
+    y, aux = jax.jit(block.apply)(variables, x)
+    params = meta.unbox(variables["params"])
+    reference_block = from_dense(params["router_kernel"], params["w_gate"], params["w_up"], params["w_down"],
+                                 num_experts_per_tok=TOPK, shared_w_gate=params["shared_w_gate"],
+                                 shared_w_up=params["shared_w_up"], shared_w_down=params["shared_w_down"],
+                                 dispatcher="none")
+    assert_close((y, aux), reference_block(x), 1e-5, "linen vs reference")
+    d_params = jax.jit(jax.grad(lambda v: jnp.sum(block.apply(v, x)[0] * cotangent)))(variables)
+    assert jax.tree.map(jnp.shape, d_params) == jax.tree.map(jnp.shape, variables)
+
+
+class DenseExpert(nnx.Module):
+    def __init__(self, d_model, d_ff, *, rngs):
+        self.gate = nnx.Linear(d_model, d_ff, use_bias=False, rngs=rngs)
+        self.up = nnx.Linear(d_model, d_ff, use_bias=False, rngs=rngs)
+        self.down = nnx.Linear(d_ff, d_model, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+class DenseMoE(nnx.Module):
+    """A dense MoE block as plain Flax model code writes one (Mixtral's router, a shared expert as in
+    Qwen-MoE): every expert runs on every token, masked by its gate weight."""
+
+    def __init__(self, *, rngs):
+        self.router = nnx.Linear(D_MODEL, EXPERTS, use_bias=False, rngs=rngs)
+        self.experts = nnx.List([DenseExpert(D_MODEL, D_FF, rngs=rngs) for _ in range(EXPERTS)])
+        self.shared_expert = DenseExpert(D_MODEL, SHARED_D_FF, rngs=rngs)
+
+    def __call__(self, x):
+        probs = jax.nn.softmax(self.router(x), axis=-1)
+        weights, chosen = jax.lax.top_k(probs, TOPK)
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+        out = self.shared_expert(x)
+        for e, expert in enumerate(self.experts):
+            gate = jnp.sum(jnp.where(chosen == e, weights, 0.0), axis=-1, keepdims=True)
+            out = out + gate * expert(x)
+        return out
+
+
+def test_swap_in_dense_flax_block():
+    """from_dense turns the dense block's trained weights into the expert-parallel block: same outputs."""
+    dense = DenseMoE(rngs=nnx.Rngs(5))
+
+    def stacked(name):
+        return jnp.stack([getattr(expert, name).kernel[...] for expert in dense.experts])
+
+    shared = dense.shared_expert
+    moe = from_dense(dense.router.kernel[...], stacked("gate"), stacked("up"), stacked("down"),
+                     num_experts_per_tok=TOPK, shared_w_gate=shared.gate.kernel[...], shared_w_up=shared.up.kernel[...],
+                     shared_w_down=shared.down.kernel[...], mesh=mesh(), dispatcher="normal")
+    assert moe.w_gate[...].sharding.spec == P("ep", None, None)
+    x, _ = inputs()
+    with jax.default_matmul_precision("highest"):
+        y, _ = nnx.jit(lambda m, x: m(x))(moe, x)
+        expected = dense(x)
+    assert_close(y, expected, 1e-5, "swapped-in vs dense block")
+
+
+def test_capacity_drops_are_counted():
+    check_capacity_drops("xla")
+
+
+def check_capacity_drops(dispatcher: str, **options):
+    """capacity_factor below the need: num_dropped counts the tokens that did not fit (the first rows in
+    (source rank, token) order are kept), and tokens kept everywhere still get the reference output."""
+    capacity_factor = 0.25
+    moe = make_moe(dispatcher, capacity_factor=capacity_factor, **options)
+    x, _ = inputs()
+    with jax.default_matmul_precision("highest"):
+        y, aux = nnx.jit(lambda m, x: m(x))(moe, x)
+    topk_idx = np.asarray(route(x, moe.router_kernel[...], None, moe.router_config).topk_idx)
+    capacity = int(np.ceil(capacity_factor * TOKENS * min(TOPK, RANKS)))
+    goes_to = np.stack([(topk_idx // (EXPERTS // RANKS) == r).any(axis=1) for r in range(RANKS)], axis=1)  # [RT, R]
+    kept = goes_to & (np.cumsum(goes_to, axis=0) <= capacity)
+    assert int(aux.num_dropped) == int((goes_to & ~kept).sum()) > 0
+    whole = (kept == goes_to).all(axis=1)
+    assert whole.any()
+    assert_close(np.asarray(y)[whole], reference("softmax")[0][whole], 1e-5, "tokens that were not dropped")
+
+
+def test_update_expert_bias():
+    moe = make_moe("none", "sigmoid_bias_grouped")
+    before = np.asarray(moe.expert_bias[...])
+    load = jnp.array([4, 0, 2, 2, 1, 3, 2, 2], jnp.int32)  # mean 2
+    moe.update_expert_bias(load, 0.01)
+    step = np.asarray(moe.expert_bias[...]) - before
+    np.testing.assert_allclose(step, 0.01 * np.sign(2 - np.asarray(load)), atol=1e-7)
+    with pytest.raises(ValueError, match="expert_bias=True"):
+        make_moe("none").update_expert_bias(load, 0.01)
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: make_moe("ragged"), "dispatcher must be one of"),
+    (lambda: MoE(D_MODEL, D_FF, EXPERTS, TOPK, dispatcher="xla", rngs=nnx.Rngs(0)), "needs a mesh"),
+    (lambda: MoE(D_MODEL, D_FF, EXPERTS, TOPK, mesh=mesh(), dispatcher="low_latency", rngs=nnx.Rngs(0)),
+     "needs max_tokens_per_rank"),
+    (lambda: RouterConfig(EXPERTS, TOPK, n_groups=3), "n_groups=3 must divide"),
+    (lambda: RouterConfig(EXPERTS, 3, n_groups=4, topk_groups=1), "num_experts_per_tok=3 must be in"),
+    (lambda: from_dense(jnp.zeros((D_MODEL, EXPERTS + 1)), *dense_shaped_experts(), num_experts_per_tok=TOPK,
+                        dispatcher="none"), "router_kernel has shape"),
+    (lambda: from_dense(jnp.zeros((D_MODEL, EXPERTS)), *dense_shaped_experts(), num_experts_per_tok=TOPK,
+                        shared_w_gate=jnp.zeros((D_MODEL, SHARED_D_FF)), dispatcher="none"),
+     "all three shared expert weights"),
+])
+def test_bad_arguments(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+def dense_shaped_experts():
+    return jnp.zeros((EXPERTS, D_MODEL, D_FF)), jnp.zeros((EXPERTS, D_MODEL, D_FF)), jnp.zeros((EXPERTS, D_FF, D_MODEL))
