@@ -1,0 +1,1 @@
+"""Runnable examples: `python -m jax_ep.examples.train_moe`."""

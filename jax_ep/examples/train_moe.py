@@ -1,0 +1,271 @@
+"""`python -m jax_ep.examples.train_moe`: a small decoder-only MoE language model trained with optax on
+generated data, once per dispatcher of jax_ep.flax.MoE, on every device present (8 virtual CPU devices
+without a GPU); prints the loss of every step and, with --plot, draws the loss curves.
+
+The data: each sequence starts with a rule token that names one of a few fixed random permutations of the
+other tokens; then comes a random token and, after it, each token is the rule's permutation of the one
+before. The model must learn the permutations and look back at the rule token (attention), so the loss falls
+from log(vocab) towards the one unpredictable token per sequence.
+
+--bench-block instead times forward + backward of one MoE block per dispatcher (default shape: D=2048,
+F=1408, E=64, K=6, 4096 tokens per rank, bfloat16)."""
+from __future__ import annotations
+
+import os
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    # Read when JAX creates its CPU client (at first use), so setting it here still takes effect.
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+
+import argparse  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from jax_ep.flax import MoE, MoEAux  # noqa: E402
+
+NUM_RULES = 4  # rule tokens 0..3; the other tokens are data
+
+
+class Block(nnx.Module):
+    """Pre-norm decoder block: causal self-attention, then the expert-parallel MoE."""
+
+    def __init__(self, args, moe_kwargs: dict, *, rngs: nnx.Rngs):
+        self.attention_norm = nnx.RMSNorm(args.d_model, rngs=rngs)
+        self.attention = nnx.MultiHeadAttention(args.heads, args.d_model, use_bias=False, decode=False, rngs=rngs)
+        self.moe_norm = nnx.RMSNorm(args.d_model, rngs=rngs)
+        self.moe = MoE(args.d_model, args.d_ff, args.experts, args.topk, **moe_kwargs, rngs=rngs)
+
+    def __call__(self, x, mask):
+        x = x + self.attention(self.attention_norm(x), mask=mask)
+        y, aux = self.moe(self.moe_norm(x))
+        return x + y, aux
+
+
+class LanguageModel(nnx.Module):
+    def __init__(self, args, moe_kwargs: dict, *, rngs: nnx.Rngs):
+        self.token_embedding = nnx.Embed(args.vocab, args.d_model, rngs=rngs)
+        self.position_embedding = nnx.Embed(args.seq, args.d_model, rngs=rngs)
+        self.blocks = nnx.List([Block(args, moe_kwargs, rngs=rngs) for _ in range(args.layers)])
+        self.final_norm = nnx.RMSNorm(args.d_model, rngs=rngs)
+        self.lm_head = nnx.Linear(args.d_model, args.vocab, use_bias=False, rngs=rngs)
+        self.remat = args.remat
+
+    def __call__(self, tokens) -> tuple[jax.Array, MoEAux]:
+        """tokens int32 [B, S] -> logits [B, S, vocab] and the MoE statistics summed over the blocks."""
+        x = self.token_embedding(tokens) + self.position_embedding(jnp.arange(tokens.shape[1]))
+        mask = nnx.make_causal_mask(tokens)
+        block_call = nnx.remat(Block.__call__) if self.remat else Block.__call__
+        totals = None
+        for block in self.blocks:
+            x, aux = block_call(block, x, mask)
+            totals = aux if totals is None else jax.tree.map(jnp.add, totals, aux)
+        return self.lm_head(self.final_norm(x)), totals
+
+
+def make_rules(vocab: int, seed: int) -> np.ndarray:
+    """int32 [NUM_RULES, vocab]: each rule a random permutation of the data tokens (rule tokens map to 0)."""
+    rng = np.random.default_rng(seed)
+    rules = np.zeros((NUM_RULES, vocab), np.int32)
+    for rule in rules:
+        rule[NUM_RULES:] = NUM_RULES + rng.permutation(vocab - NUM_RULES)
+    return rules
+
+
+def make_batch(rules: np.ndarray, batch: int, seq: int, step: int) -> np.ndarray:
+    """int32 [batch, seq], the same for a given step in every run."""
+    rng = np.random.default_rng(step)
+    rule = rng.integers(0, NUM_RULES, batch)
+    tokens = np.empty((batch, seq), np.int32)
+    tokens[:, 0] = rule
+    tokens[:, 1] = rng.integers(NUM_RULES, rules.shape[1], batch)
+    for t in range(2, seq):
+        tokens[:, t] = rules[rule, tokens[:, t - 1]]
+    return tokens
+
+
+class Progress:
+    """A progress bar that shows the loss of every step: tqdm's when installed, else a text line per step."""
+
+    def __init__(self, total: int, desc: str):
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            tqdm = None
+        self.total, self.desc = total, desc
+        self.bar = tqdm(total=total, desc=desc) if tqdm is not None else None
+
+    def update(self, step: int, loss: float) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.4f}")
+            self.bar.write(f"{self.desc} step {step + 1} loss {loss:.4f}")
+            return
+        width = 30
+        filled = width * (step + 1) // self.total
+        print(f"{self.desc:12s} [{'#' * filled}{'.' * (width - filled)}] {step + 1:4d}/{self.total} loss {loss:.4f}",
+              flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def moe_options(args, dispatcher: str, mesh: Mesh, tokens_per_rank: int) -> dict:
+    return dict(mesh=mesh, dispatcher=dispatcher, backend=args.backend, max_tokens_per_rank=tokens_per_rank,
+                capacity_factor=args.capacity_factor)
+
+
+def train(args, dispatcher: str, mesh: Mesh) -> list[float]:
+    """Trains a fresh model (the same initial weights and data for every dispatcher); returns the losses."""
+    num_ranks = mesh.shape["ep"]
+    model = LanguageModel(args, moe_options(args, dispatcher, mesh, args.batch * args.seq // num_ranks),
+                          rngs=nnx.Rngs(args.seed))
+    optimizer = nnx.Optimizer(model, optax.adamw(args.lr), wrt=nnx.Param)
+    # Experts (and their optimizer moments) sharded over "ep" by their partition metadata, everything else
+    # replicated: the shardings the train step returns, so that its second call does not compile again.
+    state = nnx.state((model, optimizer))
+    nnx.update((model, optimizer), jax.device_put(state, nnx.get_named_sharding(state, mesh)))
+
+    def loss_fn(model, tokens):
+        logits, aux = model(tokens)
+        cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:]).mean()
+        return cross_entropy + args.balance_coef * aux.load_balancing_loss + args.z_coef * aux.router_z_loss
+
+    @nnx.jit
+    def train_step(model, optimizer, tokens):
+        loss, grads = nnx.value_and_grad(loss_fn)(model, tokens)
+        optimizer.update(model, grads)
+        return loss
+
+    rules = make_rules(args.vocab, args.seed)
+    batch_sharding = NamedSharding(mesh, P("ep"))
+    progress = Progress(args.steps, dispatcher)
+    losses, start = [], None
+    for step in range(args.steps):
+        tokens = jax.device_put(make_batch(rules, args.batch, args.seq, step), batch_sharding)
+        losses.append(float(train_step(model, optimizer, tokens)))
+        progress.update(step, losses[-1])
+        if step == 0:
+            start = time.perf_counter()  # time the steps after the first, which compiles
+    progress.close()
+    if args.steps > 1:
+        print(f"{dispatcher}: {(time.perf_counter() - start) / (args.steps - 1) * 1e3:.1f} ms/step after compilation, "
+              f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    return losses
+
+
+def plot(losses: dict[str, list[float]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for dispatcher, curve in losses.items():
+        ax.plot(np.arange(1, len(curve) + 1), curve, label=dispatcher)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title("MoE language model, jax_ep.flax.MoE dispatchers")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def bench_block(args, dispatchers: list[str], mesh: Mesh) -> dict[str, float]:
+    """Median time (ms) of forward + backward of one MoE block per dispatcher, bfloat16."""
+    num_ranks = mesh.shape["ep"]
+    tokens = args.bench_tokens
+    print(f"MoE block: D={args.d_model} F={args.d_ff} E={args.experts} K={args.topk}, {tokens} tokens per rank, "
+          f"{num_ranks} ranks, bfloat16, forward + backward")
+    x = jax.random.normal(jax.random.key(1), (num_ranks * tokens, args.d_model), jnp.bfloat16)
+    x = jax.device_put(x, NamedSharding(mesh, P("ep")))
+    times = {}
+    for dispatcher in dispatchers:
+        moe = MoE(args.d_model, args.d_ff, args.experts, args.topk, **moe_options(args, dispatcher, mesh, tokens),
+                  dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        graphdef, state = nnx.split(moe)
+
+        def loss(state, x):
+            y, _ = nnx.merge(graphdef, state)(x)
+            return jnp.sum(y.astype(jnp.float32))
+
+        step = jax.jit(jax.grad(loss, argnums=(0, 1)))
+        for _ in range(3):  # compile and warm up
+            jax.block_until_ready(step(state, x))
+        runs = []
+        for _ in range(args.bench_runs):
+            start = time.perf_counter()
+            jax.block_until_ready(step(state, x))
+            runs.append(time.perf_counter() - start)
+        times[dispatcher] = float(np.median(runs)) * 1e3
+        backend = "" if moe.buffer is None else f" (jax_ep backend {moe.buffer.backend})"
+        print(f"  {dispatcher:12s} {times[dispatcher]:9.2f} ms{backend}", flush=True)
+    return times
+
+
+def parse_args(argv=None):
+    on_gpu = jax.devices()[0].platform == "gpu"
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--dispatchers", default="normal,xla,none" if on_gpu else "xla,none",
+                        help="comma list of normal, xla, low_latency, none")
+    parser.add_argument("--backend", default="auto", choices=["auto", "cuda", "xla"],
+                        help="the jax_ep backend of the 'normal' dispatcher")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG of the loss curves")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per step (a multiple of the device count)")
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--vocab", type=int, default=64)
+    parser.add_argument("--d-model", type=int, help="a multiple of 128 (default 128; 2048 with --bench-block)")
+    parser.add_argument("--d-ff", type=int, help="expert FFN width (default 128; 1408 with --bench-block)")
+    parser.add_argument("--experts", type=int,
+                        help="a multiple of the device count (default 16; 64 with --bench-block)")
+    parser.add_argument("--topk", type=int, help="experts per token (default 2; 6 with --bench-block)")
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--capacity-factor", type=float, help="default: no capacity limit")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--balance-coef", type=float, default=1e-2, help="weight of the load-balancing loss")
+    parser.add_argument("--z-coef", type=float, default=1e-3, help="weight of the router z-loss")
+    parser.add_argument("--remat", action="store_true", help="rematerialise each block in the backward pass")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bench-block", action="store_true", help="time one MoE block instead of training")
+    parser.add_argument("--bench-tokens", type=int, default=4096, help="tokens per rank for --bench-block")
+    parser.add_argument("--bench-runs", type=int, default=10)
+    args = parser.parse_args(argv)
+    shape_defaults = (2048, 1408, 64, 6) if args.bench_block else (128, 128, 16, 2)
+    for name, default in zip(("d_model", "d_ff", "experts", "topk"), shape_defaults):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    args.dispatchers = [d for d in args.dispatchers.split(",") if d]
+    return args
+
+
+def main(argv=None) -> dict:
+    """Returns {dispatcher: losses} (or {dispatcher: ms} with --bench-block)."""
+    args = parse_args(argv)
+    devices = jax.devices()
+    mesh = Mesh(np.array(devices), ("ep",))
+    print(f"devices: {len(devices)} x {devices[0].platform} ({devices[0].device_kind})")
+    if args.bench_block:
+        return bench_block(args, args.dispatchers, mesh)
+    losses = {dispatcher: train(args, dispatcher, mesh) for dispatcher in args.dispatchers}
+    first, *others = args.dispatchers
+    for dispatcher in others:
+        gap = np.max(np.abs(np.subtract(losses[dispatcher], losses[first])))
+        print(f"{dispatcher} vs {first}: largest loss difference {gap:.2e} over {args.steps} steps")
+    if args.plot:
+        plot(losses, args.plot)
+    return losses
+
+
+if __name__ == "__main__":
+    main()
