@@ -175,7 +175,7 @@ class MoE(nnx.Module):
         elif self.dispatcher == "low_latency":
             # Low-latency ops move BF16 and return the gate-weighted sum over the top-k experts.
             ll = jax_ep.low_latency_dispatch(self.buffer, x.astype(jnp.bfloat16), routing.topk_idx, use_fp8=False)
-            expert_out = swiglu(ll.recv_x, *experts)  # [L, R*M, D]: rows past recv_count are zero and unread
+            expert_out = swiglu(ll.recv_x, *experts)  # [L, R*M, D]; combine reads only the recv_count valid rows
             y = jax_ep.low_latency_combine(self.buffer, expert_out.astype(jnp.bfloat16), routing.topk_idx,
                                            routing.topk_weights, ll.handle)
         else:
