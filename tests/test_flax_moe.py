@@ -176,13 +176,13 @@ def test_linen_wrapper():
     block = moe_linen(D_MODEL, D_FF, EXPERTS, TOPK, buffer=buffer, shared_d_ff=SHARED_D_FF)
     x, cotangent = inputs()
     variables = jax.jit(block.init)(jax.random.key(3), x)
-    y, aux = jax.jit(block.apply)(variables, x)
     params = meta.unbox(variables["params"])
     reference_block = from_dense(params["router_kernel"], params["w_gate"], params["w_up"], params["w_down"],
                                  num_experts_per_tok=TOPK, shared_w_gate=params["shared_w_gate"],
                                  shared_w_up=params["shared_w_up"], shared_w_down=params["shared_w_down"],
                                  dispatcher="none")
-    assert_close((y, aux), reference_block(x), 1e-5, "linen vs reference")
+    with jax.default_matmul_precision("highest"):
+        assert_close(jax.jit(block.apply)(variables, x), reference_block(x), 1e-5, "linen vs reference")
     d_params = jax.jit(jax.grad(lambda v: jnp.sum(block.apply(v, x)[0] * cotangent)))(variables)
     assert jax.tree.map(jnp.shape, d_params) == jax.tree.map(jnp.shape, variables)
 

@@ -21,7 +21,8 @@ def test_training_loss_falls(tmp_path):
     for dispatcher, curve in losses.items():
         assert len(curve) == 12 and np.isfinite(curve).all(), dispatcher
         assert curve[-1] < curve[0] - 1.0, f"{dispatcher}: {curve}"
-    np.testing.assert_allclose(losses["xla"], losses["none"], rtol=1e-3)
+    # Equal to float32 rounding on CPU; on GPUs float32 matmuls run in TF32, which the two programs round apart.
+    np.testing.assert_allclose(losses["xla"], losses["none"], rtol=1e-2)
     assert plot.read_bytes().startswith(b"\x89PNG")
 
 
