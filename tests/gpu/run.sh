@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One device call: build jax_ep, run the GPU tests, the CPU/xla suite on the GPUs, the demo and (when
 # present) the benchmark; logs under $OUT, a short summary table last.
-#   bash tests/gpu/run.sh [quick|rest|full]
+#   bash tests/gpu/run.sh [quick|rest|full|final]
 #     quick: build, GPU tests, demo; rest: build, xla suite on the GPUs, benchmarks, the Flax example;
 #     full: all of it, then the GPU tests again on the Ampere (sm_80) code path: built for sm_80 + PTX only,
-#     which the driver compiles for the Hopper GPU at load time.
+#     which the driver compiles for the Hopper GPU at load time; final: full without the xla suite (fits
+#     one 10-minute call).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # never NVLink multicast
@@ -32,19 +33,23 @@ if [ "$mode" != rest ]; then
   step gpu_tests 270 python3 -m pytest -q -rs tests/gpu
   step demo 90 python3 -m jax_ep.demo
 fi
-if [ "$mode" != quick ]; then
+if [ "$mode" = rest ] || [ "$mode" = full ]; then
   step xla_on_gpus 240 python3 -m pytest -q -rs -x tests --ignore=tests/gpu
+fi
+if [ "$mode" != quick ]; then
   step bench 240 python3 -m jax_ep.bench intranode --sms ${BENCH_SMS:-24 64 132} --json "$OUT/bench.json" --plot "$OUT/bench.png"
   if [ -d jax_ep/examples ]; then
     step train_moe 240 python3 -m jax_ep.examples.train_moe --steps 100 --dispatchers normal,xla --plot "$OUT/loss.png"
-    step moe_block 180 python3 -m jax_ep.examples.train_moe --bench-block
+    step moe_block 180 python3 -m jax_ep.examples.train_moe --bench-block --dispatchers normal,xla
   fi
 fi
-if [ "$mode" = full ]; then
+if [ "$mode" = full ] || [ "$mode" = final ]; then
   JAX_EP_CUDA_ARCHS=80 step build_sm80 240 python3 -m pip install --no-build-isolation --no-deps -v -e . &&
     step gpu_tests_sm80 270 python3 -m pytest -q -rs tests/gpu/test_intranode.py tests/gpu/test_layout_cuda.py
 fi
 grep -hE "^(FAILED|ERROR)" "$OUT"/*.log | head -20
 [ -f "$OUT/bench.log" ] && tail -25 "$OUT/bench.log"
 [ -f "$OUT/demo.log" ] && tail -8 "$OUT/demo.log"
+[ -f "$OUT/train_moe.log" ] && tail -6 "$OUT/train_moe.log"
+[ -f "$OUT/moe_block.log" ] && tail -6 "$OUT/moe_block.log"
 printf '\n== summary\n'; printf '%s\n' "${summary[@]}"
