@@ -3,6 +3,7 @@ against the dense `none` reference for every router variant, capacity drops, and
 losses track the `xla` dispatcher's."""
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 from test_flax_moe import ROUTERS, assert_matches_reference, check_capacity_drops, make_moe, reference, run
