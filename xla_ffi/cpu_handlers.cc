@@ -11,10 +11,8 @@ ffi::Error LayoutCpuImpl(ffi::Buffer<ffi::S32> topk_idx, int64_t num_experts, in
                          ffi::ResultBuffer<ffi::S32> num_tokens_per_rank,
                          ffi::ResultBuffer<ffi::S32> num_tokens_per_expert,
                          ffi::ResultBuffer<ffi::PRED> is_token_in_rank, ffi::ResultBuffer<ffi::S32> invalid_ids) {
+  if (auto err = CheckLayoutArgs(topk_idx, num_experts, num_ranks); err.failure()) return err;
   const auto dims = topk_idx.dimensions();
-  if (dims.size() != 2) return ffi::Error::InvalidArgument("jax_ep layout: topk_idx must be rank 2");
-  if (num_ranks <= 0 || num_experts % num_ranks != 0)
-    return ffi::Error::InvalidArgument("jax_ep layout: num_experts must be a positive multiple of num_ranks");
   layout_cpu(topk_idx.typed_data(), dims[0], dims[1], num_experts, num_ranks, num_tokens_per_rank->typed_data(),
              num_tokens_per_expert->typed_data(), is_token_in_rank->typed_data(), invalid_ids->typed_data());
   return ffi::Error::Success();

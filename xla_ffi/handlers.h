@@ -4,6 +4,16 @@
 
 namespace jax_ep::ffi_handlers {
 
+// The layout handlers' shared argument check (CPU and CUDA).
+inline xla::ffi::Error CheckLayoutArgs(const xla::ffi::Buffer<xla::ffi::S32>& topk_idx, int64_t num_experts,
+                                       int64_t num_ranks) {
+  if (topk_idx.dimensions().size() != 2)
+    return xla::ffi::Error::InvalidArgument("jax_ep layout: topk_idx must be rank 2");
+  if (num_ranks <= 0 || num_experts % num_ranks != 0)
+    return xla::ffi::Error::InvalidArgument("jax_ep layout: num_experts must be a positive multiple of num_ranks");
+  return xla::ffi::Error::Success();
+}
+
 XLA_FFI_DECLARE_HANDLER_SYMBOL(LayoutCpu);
 #if defined(JAX_EP_WITH_CUDA)
 XLA_FFI_DECLARE_HANDLER_SYMBOL(LayoutCuda);
