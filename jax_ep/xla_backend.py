@@ -90,7 +90,9 @@ def dispatch(x_leaves, topk_idx, topk_weights, *, axis_name, num_ranks, num_expe
 
     per_expert = jnp.sum(_any_equal(recv_topk_idx, experts_per_rank), axis=0, dtype=int32)
     per_expert = (per_expert + expert_alignment - 1) // expert_alignment * expert_alignment
-    handle = XlaHandle(recv_src_index=recv_src_index, is_token_in_rank=layout(topk_idx, num_experts, num_ranks).is_token_in_rank)
+    # This rank's tokens per destination, from the sanitized ids: ranks only, no per-expert layout needed.
+    is_token_in_rank = _any_equal(jnp.where(ids >= 0, ids // experts_per_rank, -1), num_ranks)
+    handle = XlaHandle(recv_src_index=recv_src_index, is_token_in_rank=is_token_in_rank)
     return (recv_leaves, recv_topk_idx, recv_topk_weights, num_recv, per_expert, num_needed - num_recv, invalid, handle)
 
 
