@@ -35,11 +35,18 @@ cudaError_t layout_cuda(const int32_t* topk_idx, int64_t num_tokens, int64_t num
 
 namespace jax_ep {
 
-// ---- Intranode normal mode, one process driving every GPU of the group ------------------------------
-// "Pull" model: every op publishes the pointers of its own inputs in its rank's device state, waits until
-// every rank of the group has published (arrival barrier), reads peers' inputs through NVLink peer
-// pointers, and before its kernel exits waits until every peer has finished reading its inputs (release
-// barrier). The call sequence number lives on the device, so the ops replay correctly as CUDA graphs.
+// ---- Intranode groups: the device memory every NVLink op of a Buffer shares ------------------------------
+// Each rank of a group owns one device allocation: its IntranodeState (call numbers, barrier flags, the
+// view it publishes) followed by a workspace of `workspace_bytes` that peers read and write through
+// NVLink. The ranks of a group live either in one process (peer access and raw peer pointers) or in
+// several (CUDA IPC handles, exchanged by the caller, e.g. through jax.distributed's key-value store).
+//
+// Normal mode "pull" model: every op publishes the addresses of its own inputs in its rank's state, waits
+// until every rank of the group has published (arrival barrier), reads peers' inputs through NVLink, and
+// before its kernel exits waits until every peer has finished reading its inputs (release barrier). The call
+// sequence number lives on the device, so the ops replay correctly as CUDA graphs. When the group spans
+// processes ("staged"), a peer cannot map XLA's buffers, so each op first copies the inputs its peers read
+// into the start of its own workspace and publishes offsets in it instead of pointers.
 
 inline constexpr int kMaxIntranodeRanks = 8;
 
@@ -51,24 +58,37 @@ struct IntranodeRank {
   int32_t rank = 0;
   int32_t num_ranks = 0;
   int32_t device_sms = 0;                              // multiprocessors of this rank's device
-  IntranodeState* states[kMaxIntranodeRanks] = {};     // every rank's state by rank, peer-accessible
+  int32_t staged = 0;                                  // 1: some rank lives in another process (see above)
+  IntranodeState* states[kMaxIntranodeRanks] = {};     // every rank's state by rank, mapped here
+  char* workspaces[kMaxIntranodeRanks] = {};           // every rank's workspace by rank, mapped here
+  int64_t workspace_bytes = 0;
   IntranodeError* error = nullptr;                     // this rank's record (pinned host memory, mapped)
 };
 
-// Runtime (runtime.cu). Failures throw std::runtime_error with the CUDA call and device named.
-// Creates one group: device_ordinals[r] is the CUDA ordinal of EP rank r. Several groups (one per EP
-// axis row of a larger mesh) may share a buffer_id; a device belongs to at most one group per buffer_id.
-void intranode_create(int64_t buffer_id, const std::vector<int>& device_ordinals);
-// Waits for every device of every group of `buffer_id` and frees their state; returns "" or the CUDA
-// errors met on the way (a device whose context a timed-out kernel killed cannot free anything).
+// Runtime (runtime.cu). Failures throw std::runtime_error / std::invalid_argument naming the CUDA call and
+// device. A device holds at most one rank per buffer_id; several groups (one per EP axis row of a larger
+// mesh) may share a buffer_id.
+//
+// One process driving the whole group: device_ordinals[r] is the CUDA ordinal of EP rank r.
+void intranode_create(int64_t buffer_id, const std::vector<int>& device_ordinals, int64_t workspace_bytes);
+// Groups spanning processes, in two collective steps. Step 1 allocates rank `rank` of the group on local
+// device `device_ordinal` and returns the CUDA IPC handle of its allocation (bytes to pass to every rank).
+std::string intranode_export(int64_t buffer_id, int device_ordinal, int rank, int num_ranks,
+                             int64_t workspace_bytes);
+// Step 2, once every rank exported: ipc_handles[p] is rank p's handle; local_ordinals[p] is the CUDA ordinal
+// of rank p when this process exported it (its memory is then reached by peer access), else -1.
+void intranode_connect(int64_t buffer_id, int device_ordinal, const std::vector<std::string>& ipc_handles,
+                       const std::vector<int>& local_ordinals);
+// Waits for every device of `buffer_id` in this process, unmaps peers and frees its memory; returns "" or
+// the CUDA errors met on the way (a device whose context a timed-out kernel killed cannot free anything).
 std::string intranode_destroy(int64_t buffer_id);
-// The launch view of (buffer_id, device_ordinal); false when no such group exists.
+// The launch view of (buffer_id, device_ordinal); false when no connected rank exists there.
 bool intranode_lookup(int64_t buffer_id, int device_ordinal, IntranodeRank* out);
-// One line per rank of `buffer_id` whose kernel timed out (read from host memory: works after the
-// CUDA context died), naming the op, the rank and the peer it waited for.
+// One line per rank of `buffer_id` in this process whose kernel timed out (read from host memory: works
+// after the CUDA context died), naming the op, the rank and the peer it waited for.
 std::vector<std::string> intranode_errors(int64_t buffer_id);
-// (calls, summed kernel nanoseconds) per device of buffer_id's groups, in rank order, since the last reset;
-// `reset` zeroes the sums. Call only while no kernel of the buffer runs.
+// (calls, summed kernel nanoseconds) per device of buffer_id in this process, by CUDA ordinal, since the
+// last reset; `reset` zeroes the sums. Call only while no kernel of the buffer runs.
 std::vector<std::pair<uint64_t, uint64_t>> intranode_kernel_times(int64_t buffer_id, bool reset);
 
 // Per launch: the rank, the grid size (clamped to the device) and the spin-wait bound.
@@ -120,6 +140,7 @@ struct CombineArgs {
   FloatType y_type = FloatType::kF32;
   int64_t row_elements = 0, capacity = 0, num_tokens = 0;
   const int32_t* send_row = nullptr;  // [num_tokens, num_ranks] from this rank's dispatch handle
+  const int32_t* recv_src_index = nullptr;  // [capacity] from the handle: staged groups copy only valid rows
   const void* bias = nullptr;
   FloatType bias_type = FloatType::kF32;
   void* out = nullptr;  // [num_tokens, row_elements]

@@ -4,8 +4,10 @@
 // Protocol of one call (all three ops share it and the per-rank state in intranode_state.h):
 //  1. Every block reads the call number n = calls_completed + 1 from this rank's device state (device
 //     resident, so CUDA-graph replay advances it; the handler's host code does not run per call).
-//  2. Block 0 writes this rank's view (pointers of its inputs, dispatch's per-rank token counts) and
-//     release-stores n into arrived[this rank] on every rank, itself included.
+//  2. Block 0 writes this rank's view (addresses of its inputs, dispatch's per-rank token counts) and
+//     release-stores n into arrived[this rank] on every rank, itself included. In a staged group (ranks in
+//     several processes) every block first copies its share of the inputs into this rank's workspace
+//     (StagePlan), and block 0 publishes once all blocks did; the view then holds workspace offsets.
 //  3. Every block waits (acquire, bounded) until arrived[p] >= n for every p, then reads the views.
 //  4. The blocks read peers' rows and write this rank's outputs.
 //  5. The last block to finish (a counter) release-stores n into released[this rank] on every rank and
@@ -194,6 +196,61 @@ __device__ __forceinline__ void wait_for_flag(const IntranodeRank& g, const uint
   }
 }
 
+// Staged groups: one input region copied into this rank's workspace before the arrival, row by row (a row of
+// an indexed region is copied only where valid_index[row] is in [0, valid_limit): combine's padding rows).
+struct StageRegion {
+  const void* src;
+  void* dst;
+  int64_t rows, row_bytes;
+  const int32_t* valid_index;
+  int64_t valid_limit;
+};
+
+struct StagePlan {
+  int32_t num_regions;  // 0 unless the group is staged
+  StageRegion regions[kMaxPublishedPointers];
+  const void* published[kMaxPublishedPointers];  // what block 0 publishes: pointers, or workspace offsets
+};
+
+// Every block, before the arrival: copy this block's share of the staged rows, then count the block staged.
+__device__ __forceinline__ void stage_inputs(const IntranodeRank& g, const StagePlan& plan) {
+  if (plan.num_regions == 0) return;
+  const int lane = threadIdx.x % 32;
+  for (int i = 0; i < plan.num_regions; ++i) {
+    const StageRegion& region = plan.regions[i];
+    for (int64_t row = blockIdx.x * (kThreads / 32) + threadIdx.x / 32; row < region.rows;
+         row += gridDim.x * (kThreads / 32)) {
+      if (region.valid_index) {
+        const int32_t index = region.valid_index[row];
+        if (index < 0 || index >= region.valid_limit) continue;
+      }
+      warp_copy_row(row_of(region.dst, row, region.row_bytes), row_of(region.src, row, region.row_bytes),
+                    region.row_bytes, lane);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(&g.states[g.rank]->blocks_staged, 1u);
+  }
+}
+
+// Block 0, before it publishes in a staged group: every block of this rank copied its share.
+__device__ __forceinline__ void wait_for_staging(const IntranodeRank& g, const StagePlan& plan, uint64_t call,
+                                                 IntranodeOp op, int64_t timeout_ns) {
+  if (plan.num_regions == 0 || threadIdx.x != 0) return;
+  const unsigned* staged = &g.states[g.rank]->blocks_staged;
+  const uint64_t start = now_ns();
+  unsigned seen;
+  while ((seen = atomicAdd(const_cast<unsigned*>(staged), 0u)) < gridDim.x) {
+    const int64_t waited = static_cast<int64_t>(now_ns() - start);
+    if (waited > timeout_ns)
+      fail_on_timeout(&g.states[g.rank]->error_claimed, g.error, g.rank, op, IntranodeWait::kStaging, g.rank, call,
+                      seen, waited);
+  }
+  __threadfence();
+}
+
 // Step 1 (every block).
 __device__ __forceinline__ void begin_call(const IntranodeRank& g, CallContext& ctx) {
   if (threadIdx.x == 0) {
@@ -218,7 +275,11 @@ __device__ __forceinline__ void wait_for_arrivals(const IntranodeRank& g, CallCo
     const int peer = threadIdx.x;
     wait_for_flag(g, &g.states[g.rank]->arrived[peer], ctx.call, op, IntranodeWait::kArrival, peer, timeout_ns);
     const volatile IntranodeView& view = g.states[peer]->view;
-    for (int i = 0; i < kMaxPublishedPointers; ++i) ctx.views[peer].pointers[i] = view.pointers[i];
+    for (int i = 0; i < kMaxPublishedPointers; ++i) {
+      const void* address = view.pointers[i];
+      ctx.views[peer].pointers[i] =
+          g.staged && address ? g.workspaces[peer] + reinterpret_cast<uintptr_t>(address) : address;
+    }
     for (int r = 0; r < kMaxIntranodeRanks; ++r) ctx.views[peer].counts[r] = view.counts[r];
   }
   __syncthreads();
@@ -251,8 +312,24 @@ __device__ __forceinline__ void finish_call(const IntranodeRank& g, CallContext&
     own->timed_ns += now_ns() - *reinterpret_cast<volatile uint64_t*>(&own->call_start_ns);
     own->timed_calls += 1;
     own->blocks_finished = 0;
+    own->blocks_staged = 0;
     own->calls_completed = ctx.call;
   }
+}
+
+// Steps 1-3 of an op whose view is only its published input addresses (cached dispatch, combine).
+__device__ __forceinline__ void publish_inputs_and_wait(const IntranodeRank& g, CallContext& ctx, const StagePlan& plan,
+                                                        IntranodeOp op, int64_t timeout_ns) {
+  begin_call(g, ctx);
+  stage_inputs(g, plan);
+  if (blockIdx.x == 0) {
+    wait_for_staging(g, plan, ctx.call, op, timeout_ns);
+    if (threadIdx.x == 0)
+      for (int i = 0; i < kMaxPublishedPointers; ++i) g.states[g.rank]->view.pointers[i] = plan.published[i];
+    __syncthreads();
+    signal_arrival(g, ctx);
+  }
+  wait_for_arrivals(g, ctx, op, timeout_ns);
 }
 
 __device__ __forceinline__ int global_warp() { return blockIdx.x * kWarps + threadIdx.x / 32; }
@@ -359,6 +436,7 @@ __device__ __forceinline__ void receive_token(const DispatchArgs& a, const Intra
 
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_constant__ IntranodeRank g,
                                                                const __grid_constant__ DispatchArgs a,
+                                                               const __grid_constant__ StagePlan plan,
                                                                int64_t timeout_ns) {
   __shared__ CallContext ctx;
   __shared__ int32_t own_totals[kMaxIntranodeRanks];   // this rank's tokens sent to each rank
@@ -370,16 +448,14 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
   const int64_t experts_per_rank = a.num_experts / num_ranks;
 
   begin_call(g, ctx);
+  stage_inputs(g, plan);
   if (blockIdx.x == 0) {
     route_own_tokens(a, num_ranks, own_totals);
     for (int64_t j = threadIdx.x; j < experts_per_rank; j += kThreads) a.num_recv_tokens_per_expert[j] = 0;
+    wait_for_staging(g, plan, ctx.call, IntranodeOp::kDispatch, timeout_ns);
     if (threadIdx.x == 0) {
       IntranodeView& view = g.states[me]->view;
-      view.pointers[0] = a.x[0];
-      view.pointers[1] = a.x[1];
-      view.pointers[2] = a.topk_idx;
-      view.pointers[3] = a.topk_weights;
-      view.pointers[4] = a.send_offset;
+      for (int i = 0; i < kMaxPublishedPointers; ++i) view.pointers[i] = plan.published[i];
       for (int r = 0; r < kMaxIntranodeRanks; ++r) view.counts[r] = own_totals[r];
     }
     __syncthreads();
@@ -463,16 +539,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
 
 __global__ void __launch_bounds__(kThreads, 1)
     cached_dispatch_kernel(const __grid_constant__ IntranodeRank g, const __grid_constant__ CachedDispatchArgs a,
-                           int64_t timeout_ns) {
+                           const __grid_constant__ StagePlan plan, int64_t timeout_ns) {
   __shared__ CallContext ctx;
   const int lane = threadIdx.x % 32;
-  begin_call(g, ctx);
-  if (blockIdx.x == 0) {
-    if (threadIdx.x == 0) g.states[g.rank]->view.pointers[0] = a.x;
-    __syncthreads();
-    signal_arrival(g, ctx);
-  }
-  wait_for_arrivals(g, ctx, IntranodeOp::kCachedDispatch, timeout_ns);
+  publish_inputs_and_wait(g, ctx, plan, IntranodeOp::kCachedDispatch, timeout_ns);
 
   const int64_t num_pairs = g.num_ranks * a.num_tokens;
   for (int64_t row = global_warp(); row < a.capacity; row += num_global_warps()) {
@@ -513,17 +583,12 @@ __device__ __forceinline__ __half from_float<__half>(float v) { return __float2h
 // 16-byte loads in flight, since NVLink latency, not bandwidth, bounds one warp.
 template <typename In, typename Bias, typename Out, int kVec, int kRanks>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_constant__ IntranodeRank g,
-                                                           const __grid_constant__ CombineArgs a, int64_t timeout_ns) {
+                                                           const __grid_constant__ CombineArgs a,
+                                                           const __grid_constant__ StagePlan plan, int64_t timeout_ns) {
   constexpr int kUnroll = 8 / kRanks;
   __shared__ CallContext ctx;
   const int num_ranks = g.num_ranks, lane = threadIdx.x % 32;
-  begin_call(g, ctx);
-  if (blockIdx.x == 0) {
-    if (threadIdx.x == 0) g.states[g.rank]->view.pointers[0] = a.y;
-    __syncthreads();
-    signal_arrival(g, ctx);
-  }
-  wait_for_arrivals(g, ctx, IntranodeOp::kCombine, timeout_ns);
+  publish_inputs_and_wait(g, ctx, plan, IntranodeOp::kCombine, timeout_ns);
 
   const int64_t vecs = a.row_elements / kVec;
   const Bias* bias = static_cast<const Bias*>(a.bias);
@@ -588,26 +653,82 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
 
 int grid_size(const IntranodeCall& call) { return std::max(1, std::min(call.num_sms, call.group.device_sms)); }
 
+// Host side of a StagePlan: in a single-process group every input is published as its pointer; in a staged
+// group each input gets a 256-byte aligned region of this rank's workspace (from kStagingOffset on, in the
+// order added: jax_ep/cuda_backend.py sizes Buffers with the same rule) and is published as its offset.
+class StagePlanBuilder {
+ public:
+  explicit StagePlanBuilder(const IntranodeRank& group) : group_(group) {}
+
+  // Publishes input `src` ([rows, row_bytes]; null stays null) as the next view address.
+  void publish(const void* src, int64_t rows, int64_t row_bytes, const int32_t* valid_index = nullptr,
+               int64_t valid_limit = 0) {
+    if (!group_.staged || src == nullptr) {
+      plan_.published[published_++] = src;
+      return;
+    }
+    const int64_t offset = take(rows * row_bytes);
+    plan_.regions[plan_.num_regions++] = {src, group_.workspaces[group_.rank] + offset, rows, row_bytes, valid_index,
+                                          valid_limit};
+    plan_.published[published_++] = reinterpret_cast<const void*>(offset);
+  }
+
+  // Publishes scratch the kernel writes (and peers read): in a staged group it moves into the workspace.
+  template <typename T>
+  T* publish_scratch(T* scratch, int64_t bytes) {
+    if (!group_.staged) {
+      plan_.published[published_++] = scratch;
+      return scratch;
+    }
+    const int64_t offset = take(bytes);
+    plan_.published[published_++] = reinterpret_cast<const void*>(offset);
+    return reinterpret_cast<T*>(group_.workspaces[group_.rank] + offset);
+  }
+
+  // The plan, or false when the staged regions do not fit the workspace.
+  bool finish(StagePlan* out) const {
+    *out = plan_;
+    return end_ <= group_.workspace_bytes;
+  }
+
+ private:
+  int64_t take(int64_t bytes) {
+    const int64_t offset = end_;
+    end_ += (bytes + 255) / 256 * 256;
+    return offset;
+  }
+
+  const IntranodeRank& group_;
+  StagePlan plan_ = {};
+  int published_ = 0;
+  int64_t end_ = kStagingOffset;
+};
+
 template <typename In, typename Bias, typename Out, int kRanks>
-void launch_combine_for_ranks(const IntranodeCall& call, const CombineArgs& args) {
+void launch_combine_for_ranks(const IntranodeCall& call, const CombineArgs& args, const StagePlan& plan) {
   constexpr int kVec = 16 / sizeof(In);  // 16-byte loads where the row allows (XLA buffers are 16-byte aligned)
   if (args.row_elements % kVec == 0)
     combine_kernel<In, Bias, Out, kVec, kRanks>
-        <<<grid_size(call), kThreads, 0, call.stream>>>(call.group, args, call.timeout_ns);
+        <<<grid_size(call), kThreads, 0, call.stream>>>(call.group, args, plan, call.timeout_ns);
   else
     combine_kernel<In, Bias, Out, 1, kRanks>
-        <<<grid_size(call), kThreads, 0, call.stream>>>(call.group, args, call.timeout_ns);
+        <<<grid_size(call), kThreads, 0, call.stream>>>(call.group, args, plan, call.timeout_ns);
 }
 
 template <typename In, typename Bias, typename Out>
 cudaError_t launch_combine(const IntranodeCall& call, const CombineArgs& args) {
+  StagePlanBuilder builder(call.group);
+  builder.publish(args.y, args.capacity, args.row_elements * static_cast<int64_t>(sizeof(In)), args.recv_src_index,
+                  call.group.num_ranks * args.num_tokens);
+  StagePlan plan;
+  if (!builder.finish(&plan)) return cudaErrorMemoryAllocation;
   const int ranks = call.group.num_ranks;
   if (ranks <= 2)
-    launch_combine_for_ranks<In, Bias, Out, 2>(call, args);
+    launch_combine_for_ranks<In, Bias, Out, 2>(call, args, plan);
   else if (ranks <= 4)
-    launch_combine_for_ranks<In, Bias, Out, 4>(call, args);
+    launch_combine_for_ranks<In, Bias, Out, 4>(call, args, plan);
   else
-    launch_combine_for_ranks<In, Bias, Out, 8>(call, args);
+    launch_combine_for_ranks<In, Bias, Out, 8>(call, args, plan);
   return cudaGetLastError();
 }
 
@@ -624,12 +745,26 @@ cudaError_t launch_combine_from(const IntranodeCall& call, const CombineArgs& ar
 
 cudaError_t intranode_dispatch(const IntranodeCall& call, const DispatchArgs& args) {
   if (args.num_topk > 32 || args.num_payloads < 1 || args.num_payloads > 2) return cudaErrorInvalidValue;
-  dispatch_kernel<<<grid_size(call), kThreads, 0, call.stream>>>(call.group, args, call.timeout_ns);
+  DispatchArgs staged_args = args;
+  StagePlanBuilder builder(call.group);  // view order: payloads, topk_idx, topk_weights, send_offset
+  builder.publish(args.x[0], args.num_tokens, args.x_row_bytes[0]);
+  builder.publish(args.num_payloads == 2 ? args.x[1] : nullptr, args.num_tokens, args.x_row_bytes[1]);
+  builder.publish(args.topk_idx, args.num_tokens, args.num_topk * 4);
+  builder.publish(args.topk_weights, args.num_tokens, args.num_topk * 4);
+  staged_args.send_offset =
+      builder.publish_scratch(args.send_offset, args.num_tokens * call.group.num_ranks * sizeof(int32_t));
+  StagePlan plan;
+  if (!builder.finish(&plan)) return cudaErrorMemoryAllocation;
+  dispatch_kernel<<<grid_size(call), kThreads, 0, call.stream>>>(call.group, staged_args, plan, call.timeout_ns);
   return cudaGetLastError();
 }
 
 cudaError_t intranode_cached_dispatch(const IntranodeCall& call, const CachedDispatchArgs& args) {
-  cached_dispatch_kernel<<<grid_size(call), kThreads, 0, call.stream>>>(call.group, args, call.timeout_ns);
+  StagePlanBuilder builder(call.group);
+  builder.publish(args.x, args.num_tokens, args.row_bytes);
+  StagePlan plan;
+  if (!builder.finish(&plan)) return cudaErrorMemoryAllocation;
+  cached_dispatch_kernel<<<grid_size(call), kThreads, 0, call.stream>>>(call.group, args, plan, call.timeout_ns);
   return cudaGetLastError();
 }
 

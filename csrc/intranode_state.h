@@ -10,9 +10,14 @@ namespace jax_ep {
 // Most pointers one op publishes (dispatch: two payloads, topk_idx, topk_weights, send_offset).
 inline constexpr int kMaxPublishedPointers = 5;
 
+// Staged groups (IntranodeRank::staged) copy inputs to their workspace from this offset on; offset 0 is never
+// a staged region, so a published 0 still means "no such input".
+inline constexpr int64_t kStagingOffset = 256;
+
 // What a rank publishes for one call; peers read it through its peer pointer once its arrival flag
 // reached the call's sequence number, and it is rewritten only after every peer released the call.
 struct IntranodeView {
+  // Addresses of the inputs peers read: pointers, or in a staged group offsets into the publisher's workspace.
   const void* pointers[kMaxPublishedPointers];
   int32_t counts[kMaxIntranodeRanks];  // dispatch: this rank's tokens that go to each rank
 };
@@ -22,6 +27,7 @@ struct IntranodeState {
   // run the same ops in the same order). Written only by the last block of a call, read at kernel start.
   uint64_t calls_completed;
   uint32_t blocks_finished;  // blocks of the running call that finished their work
+  uint32_t blocks_staged;    // staged groups: blocks of the running call that copied their share of the inputs
   unsigned error_claimed;    // the first block that fails fills the error record
   uint64_t arrived[kMaxIntranodeRanks];   // [p]: latest call for which rank p published its view
   uint64_t released[kMaxIntranodeRanks];  // [p]: latest call after which rank p reads nothing of ours
@@ -34,7 +40,7 @@ struct IntranodeState {
 };
 
 enum class IntranodeOp : int32_t { kDispatch = 1, kCachedDispatch = 2, kCombine = 3 };
-enum class IntranodeWait : int32_t { kArrival = 1, kRelease = 2 };
+enum class IntranodeWait : int32_t { kArrival = 1, kRelease = 2, kStaging = 3 };
 
 // Written by a kernel just before it traps; lives in pinned host memory so the host can read it after the
 // trap destroyed the CUDA context. `op` is written last: nonzero means the record is complete.

@@ -1,6 +1,6 @@
-// Intranode runtime: per-group device state, peer access and the process-global registry that the FFI
-// handlers query by (buffer id, device ordinal). Handlers of different devices run concurrently on
-// different threads, so every registry access holds one mutex.
+// Intranode runtime: per-rank device memory (state + workspace), peer access, CUDA IPC mappings and the
+// process-global registry that the FFI handlers query by (buffer id, device ordinal). Handlers of
+// different devices run concurrently on different threads, so every registry access holds one mutex.
 #include <cstring>
 #include <map>
 #include <memory>
@@ -17,20 +17,32 @@
 namespace jax_ep {
 namespace {
 
-struct Group {
-  std::vector<int> devices;               // CUDA ordinal by rank
-  std::vector<IntranodeState*> states;    // device memory by rank (null where allocation never happened)
-  IntranodeError* errors = nullptr;       // [num_ranks] pinned, mapped host memory
+// The state sits at the start of a rank's allocation; the workspace follows, 256-byte aligned.
+constexpr size_t kStateBytes = (sizeof(IntranodeState) + 255) / 256 * 256;
+
+// One rank of a group held by this process: its own allocation and the peers' memory it mapped.
+struct RankMemory {
+  int device = -1;
+  int rank = 0;
+  int num_ranks = 0;
+  int64_t workspace_bytes = 0;
+  char* memory = nullptr;                    // own allocation: state, then workspace
+  IntranodeError* error = nullptr;           // pinned, mapped host memory
+  std::vector<void*> ipc_mappings;           // peers' allocations opened through CUDA IPC
+  bool connected = false;
+  IntranodeRank view;                        // valid once connected
 };
 
 std::mutex g_mutex;
-std::map<int64_t, std::vector<std::unique_ptr<Group>>> g_groups;   // buffer id -> its groups
-std::map<std::pair<int64_t, int>, IntranodeRank> g_ranks;          // (buffer id, ordinal) -> launch view
+std::map<std::pair<int64_t, int>, std::unique_ptr<RankMemory>> g_ranks;  // (buffer id, ordinal) -> rank
+
+[[noreturn]] void fail(const std::string& what, int device, cudaError_t err) {
+  throw std::runtime_error("jax_ep intranode runtime: " + what + " on CUDA device " + std::to_string(device) +
+                           " failed: " + cudaGetErrorString(err));
+}
 
 void check(cudaError_t err, const char* what, int device) {
-  if (err == cudaSuccess) return;
-  throw std::runtime_error(std::string("jax_ep intranode runtime: ") + what + " on CUDA device " +
-                           std::to_string(device) + " failed: " + cudaGetErrorString(err));
+  if (err != cudaSuccess) fail(what, device, err);
 }
 
 // Restores the calling thread's current device (JAX's threads expect theirs unchanged).
@@ -43,27 +55,28 @@ class CurrentDeviceGuard {
   int device_ = 0;
 };
 
-// Frees what `group` holds, collecting (not throwing) errors: used for teardown and failed creation.
-std::string free_group(Group& group) {
+// Frees what `rank` holds, collecting (not throwing) errors: used for teardown and failed creation.
+std::string free_rank(RankMemory& rank) {
   std::string errors;
-  auto note = [&](cudaError_t err, const char* what, int device) {
+  auto note = [&](cudaError_t err, const char* what) {
     if (err != cudaSuccess)
-      errors += std::string(errors.empty() ? "" : "; ") + what + " on device " + std::to_string(device) + ": " +
+      errors += std::string(errors.empty() ? "" : "; ") + what + " on device " + std::to_string(rank.device) + ": " +
                 cudaGetErrorString(err);
   };
-  for (size_t r = 0; r < group.states.size(); ++r) {
-    if (!group.states[r]) continue;
-    note(cudaSetDevice(group.devices[r]), "cudaSetDevice", group.devices[r]);
-    note(cudaDeviceSynchronize(), "cudaDeviceSynchronize", group.devices[r]);
-    note(cudaFree(group.states[r]), "cudaFree", group.devices[r]);
-    group.states[r] = nullptr;
-  }
-  if (group.errors) note(cudaFreeHost(group.errors), "cudaFreeHost", group.devices.empty() ? -1 : group.devices[0]);
-  group.errors = nullptr;
+  note(cudaSetDevice(rank.device), "cudaSetDevice");
+  note(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  for (void* mapping : rank.ipc_mappings) note(cudaIpcCloseMemHandle(mapping), "cudaIpcCloseMemHandle");
+  rank.ipc_mappings.clear();
+  if (rank.memory) note(cudaFree(rank.memory), "cudaFree");
+  rank.memory = nullptr;
+  if (rank.error) note(cudaFreeHost(rank.error), "cudaFreeHost");
+  rank.error = nullptr;
+  rank.connected = false;
   return errors;
 }
 
 void enable_peer_access(int device, int peer) {
+  if (device == peer) return;
   int possible = 0;
   check(cudaDeviceCanAccessPeer(&possible, device, peer), "cudaDeviceCanAccessPeer", device);
   if (!possible)
@@ -78,131 +91,220 @@ void enable_peer_access(int device, int peer) {
   check(err, "cudaDeviceEnablePeerAccess", device);
 }
 
-void allocate_group(Group& group) {
-  const int num_ranks = static_cast<int>(group.devices.size());
-  check(cudaHostAlloc(&group.errors, num_ranks * sizeof(IntranodeError), cudaHostAllocMapped | cudaHostAllocPortable),
-        "cudaHostAlloc (error records)", group.devices[0]);
-  std::memset(group.errors, 0, num_ranks * sizeof(IntranodeError));
-  for (int r = 0; r < num_ranks; ++r) {
-    const int device = group.devices[r];
+void check_group_size(int num_ranks) {
+  if (num_ranks < 1 || num_ranks > kMaxIntranodeRanks)
+    throw std::invalid_argument("jax_ep intranode runtime: a group has 1 to " + std::to_string(kMaxIntranodeRanks) +
+                                " ranks, got " + std::to_string(num_ranks));
+}
+
+// Allocates and registers rank `rank` on `device` (caller holds g_mutex and a CurrentDeviceGuard).
+RankMemory& allocate_rank(int64_t buffer_id, int device, int rank, int num_ranks, int64_t workspace_bytes) {
+  check_group_size(num_ranks);
+  if (rank < 0 || rank >= num_ranks || workspace_bytes < 0)
+    throw std::invalid_argument("jax_ep intranode runtime: rank " + std::to_string(rank) + " of " +
+                                std::to_string(num_ranks) + " with workspace " + std::to_string(workspace_bytes) +
+                                " bytes is not valid");
+  if (g_ranks.count({buffer_id, device}))
+    throw std::invalid_argument("jax_ep intranode runtime: buffer " + std::to_string(buffer_id) +
+                                " already has a rank on CUDA device " + std::to_string(device));
+  auto memory = std::make_unique<RankMemory>();
+  memory->device = device;
+  memory->rank = rank;
+  memory->num_ranks = num_ranks;
+  memory->workspace_bytes = workspace_bytes;
+  try {
     check(cudaSetDevice(device), "cudaSetDevice", device);
-    for (int p = 0; p < num_ranks; ++p)
-      if (p != r) enable_peer_access(device, group.devices[p]);
-    check(cudaMalloc(&group.states[r], sizeof(IntranodeState)), "cudaMalloc (intranode state)", device);
-    check(cudaMemset(group.states[r], 0, sizeof(IntranodeState)), "cudaMemset (intranode state)", device);
+    check(cudaHostAlloc(&memory->error, sizeof(IntranodeError), cudaHostAllocMapped | cudaHostAllocPortable),
+          "cudaHostAlloc (error record)", device);
+    std::memset(memory->error, 0, sizeof(IntranodeError));
+    const size_t bytes = kStateBytes + static_cast<size_t>(workspace_bytes);
+    check(cudaMalloc(&memory->memory, bytes), ("cudaMalloc (" + std::to_string(bytes) + " bytes)").c_str(), device);
+    check(cudaMemset(memory->memory, 0, bytes), "cudaMemset (state and workspace)", device);
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize", device);
+  } catch (...) {
+    free_rank(*memory);
+    throw;
   }
-  for (int r = 0; r < num_ranks; ++r) {
-    check(cudaSetDevice(group.devices[r]), "cudaSetDevice", group.devices[r]);
-    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize", group.devices[r]);
+  RankMemory& out = *memory;
+  g_ranks[{buffer_id, device}] = std::move(memory);
+  return out;
+}
+
+// Fills the launch view of `self` from every rank's allocation mapped into this process.
+void connect_rank(RankMemory& self, const std::vector<char*>& memories, bool staged) {
+  IntranodeRank& view = self.view;
+  view.rank = self.rank;
+  view.num_ranks = self.num_ranks;
+  view.staged = staged ? 1 : 0;
+  view.workspace_bytes = self.workspace_bytes;
+  check(cudaDeviceGetAttribute(&view.device_sms, cudaDevAttrMultiProcessorCount, self.device),
+        "cudaDeviceGetAttribute", self.device);
+  for (int p = 0; p < self.num_ranks; ++p) {
+    view.states[p] = reinterpret_cast<IntranodeState*>(memories[p]);
+    view.workspaces[p] = memories[p] + kStateBytes;
   }
+  // With unified addressing the mapped host pointer is valid on the device.
+  check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&view.error), self.error, 0), "cudaHostGetDevicePointer",
+        self.device);
+  self.connected = true;
+}
+
+// Erases every rank of buffer_id whose device is in `devices` (failed creation), returning their errors.
+std::string erase_ranks(int64_t buffer_id, const std::vector<int>& devices) {
+  std::string errors;
+  for (int device : devices) {
+    auto it = g_ranks.find({buffer_id, device});
+    if (it == g_ranks.end()) continue;
+    const std::string rank_errors = free_rank(*it->second);
+    if (!rank_errors.empty()) errors += (errors.empty() ? "" : "; ") + rank_errors;
+    g_ranks.erase(it);
+  }
+  return errors;
 }
 
 }  // namespace
 
-void intranode_create(int64_t buffer_id, const std::vector<int>& device_ordinals) {
+void intranode_create(int64_t buffer_id, const std::vector<int>& device_ordinals, int64_t workspace_bytes) {
   const int num_ranks = static_cast<int>(device_ordinals.size());
-  if (num_ranks < 1 || num_ranks > kMaxIntranodeRanks)
-    throw std::invalid_argument("jax_ep intranode runtime: a group has 1 to " + std::to_string(kMaxIntranodeRanks) +
-                                " ranks, got " + std::to_string(num_ranks));
+  check_group_size(num_ranks);
   if (std::set<int>(device_ordinals.begin(), device_ordinals.end()).size() != device_ordinals.size())
     throw std::invalid_argument("jax_ep intranode runtime: a device appears twice in one group");
-
   std::lock_guard<std::mutex> lock(g_mutex);
   for (int device : device_ordinals)
     if (g_ranks.count({buffer_id, device}))
       throw std::invalid_argument("jax_ep intranode runtime: buffer " + std::to_string(buffer_id) +
-                                  " already has a group on CUDA device " + std::to_string(device));
-
+                                  " already has a rank on CUDA device " + std::to_string(device));
   CurrentDeviceGuard restore_device;
-  auto group = std::make_unique<Group>();
-  group->devices = device_ordinals;
-  group->states.assign(num_ranks, nullptr);
-  std::vector<IntranodeRank> views(num_ranks);
   try {
-    allocate_group(*group);
-    // With unified addressing the mapped host pointer is valid on every device.
-    IntranodeError* device_errors = nullptr;
-    check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_errors), group->errors, 0),
-          "cudaHostGetDevicePointer", group->devices[0]);
+    std::vector<char*> memories;
+    for (int r = 0; r < num_ranks; ++r)
+      memories.push_back(allocate_rank(buffer_id, device_ordinals[r], r, num_ranks, workspace_bytes).memory);
     for (int r = 0; r < num_ranks; ++r) {
-      views[r].rank = r;
-      views[r].num_ranks = num_ranks;
-      check(cudaDeviceGetAttribute(&views[r].device_sms, cudaDevAttrMultiProcessorCount, group->devices[r]),
-            "cudaDeviceGetAttribute", group->devices[r]);
-      for (int p = 0; p < num_ranks; ++p) views[r].states[p] = group->states[p];
-      views[r].error = device_errors + r;
+      const int device = device_ordinals[r];
+      check(cudaSetDevice(device), "cudaSetDevice", device);
+      for (int peer : device_ordinals) enable_peer_access(device, peer);
+      connect_rank(*g_ranks.at({buffer_id, device}), memories, /*staged=*/false);
     }
   } catch (...) {
-    free_group(*group);
+    erase_ranks(buffer_id, device_ordinals);
     throw;
   }
-  for (int r = 0; r < num_ranks; ++r) g_ranks[{buffer_id, group->devices[r]}] = views[r];
-  g_groups[buffer_id].push_back(std::move(group));
+}
+
+std::string intranode_export(int64_t buffer_id, int device_ordinal, int rank, int num_ranks, int64_t workspace_bytes) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  CurrentDeviceGuard restore_device;
+  RankMemory& memory = allocate_rank(buffer_id, device_ordinal, rank, num_ranks, workspace_bytes);
+  cudaIpcMemHandle_t handle;
+  const cudaError_t err = cudaIpcGetMemHandle(&handle, memory.memory);
+  if (err != cudaSuccess) {
+    erase_ranks(buffer_id, {device_ordinal});
+    fail("cudaIpcGetMemHandle", device_ordinal, err);
+  }
+  return std::string(reinterpret_cast<const char*>(&handle), sizeof(handle));
+}
+
+void intranode_connect(int64_t buffer_id, int device_ordinal, const std::vector<std::string>& ipc_handles,
+                       const std::vector<int>& local_ordinals) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto it = g_ranks.find({buffer_id, device_ordinal});
+  if (it == g_ranks.end() || it->second->connected)
+    throw std::invalid_argument("jax_ep intranode runtime: buffer " + std::to_string(buffer_id) +
+                                " has no exported, unconnected rank on CUDA device " + std::to_string(device_ordinal));
+  RankMemory& self = *it->second;
+  const int num_ranks = self.num_ranks;
+  if (static_cast<int>(ipc_handles.size()) != num_ranks || static_cast<int>(local_ordinals.size()) != num_ranks)
+    throw std::invalid_argument("jax_ep intranode runtime: connect needs one IPC handle and one local ordinal per "
+                                "rank (" + std::to_string(num_ranks) + ")");
+  CurrentDeviceGuard restore_device;
+  check(cudaSetDevice(self.device), "cudaSetDevice", self.device);
+  std::vector<char*> memories(num_ranks, nullptr);
+  bool staged = false;
+  try {
+    for (int p = 0; p < num_ranks; ++p) {
+      if (local_ordinals[p] >= 0) {  // exported by this process: reached through peer access
+        auto peer = g_ranks.find({buffer_id, local_ordinals[p]});
+        if (peer == g_ranks.end() || peer->second->rank != p || peer->second->num_ranks != num_ranks)
+          throw std::invalid_argument("jax_ep intranode runtime: rank " + std::to_string(p) + " of buffer " +
+                                      std::to_string(buffer_id) + " was not exported on CUDA device " +
+                                      std::to_string(local_ordinals[p]));
+        enable_peer_access(self.device, local_ordinals[p]);
+        memories[p] = peer->second->memory;
+        continue;
+      }
+      if (ipc_handles[p].size() != sizeof(cudaIpcMemHandle_t))
+        throw std::invalid_argument("jax_ep intranode runtime: the IPC handle of rank " + std::to_string(p) +
+                                    " has " + std::to_string(ipc_handles[p].size()) + " bytes, expected " +
+                                    std::to_string(sizeof(cudaIpcMemHandle_t)));
+      cudaIpcMemHandle_t handle;
+      std::memcpy(&handle, ipc_handles[p].data(), sizeof(handle));
+      void* mapped = nullptr;
+      const cudaError_t err = cudaIpcOpenMemHandle(&mapped, handle, cudaIpcMemLazyEnablePeerAccess);
+      if (err != cudaSuccess) fail("cudaIpcOpenMemHandle (rank " + std::to_string(p) + ")", self.device, err);
+      self.ipc_mappings.push_back(mapped);
+      memories[p] = static_cast<char*>(mapped);
+      staged = true;
+    }
+    connect_rank(self, memories, staged);
+  } catch (...) {
+    for (void* mapping : self.ipc_mappings) cudaIpcCloseMemHandle(mapping);
+    self.ipc_mappings.clear();
+    throw;
+  }
 }
 
 std::string intranode_destroy(int64_t buffer_id) {
   std::lock_guard<std::mutex> lock(g_mutex);
-  auto it = g_groups.find(buffer_id);
-  if (it == g_groups.end()) return "";
   CurrentDeviceGuard restore_device;
-  std::string errors;
-  for (auto& group : it->second) {
-    for (int device : group->devices) g_ranks.erase({buffer_id, device});
-    const std::string group_errors = free_group(*group);
-    if (!group_errors.empty()) errors += (errors.empty() ? "" : "; ") + group_errors;
-  }
-  g_groups.erase(it);
-  return errors;
+  std::vector<int> devices;
+  for (const auto& [key, memory] : g_ranks)
+    if (key.first == buffer_id) devices.push_back(key.second);
+  return erase_ranks(buffer_id, devices);
 }
 
 bool intranode_lookup(int64_t buffer_id, int device_ordinal, IntranodeRank* out) {
   std::lock_guard<std::mutex> lock(g_mutex);
   auto it = g_ranks.find({buffer_id, device_ordinal});
-  if (it == g_ranks.end()) return false;
-  *out = it->second;
+  if (it == g_ranks.end() || !it->second->connected) return false;
+  *out = it->second->view;
   return true;
 }
 
 std::vector<std::pair<uint64_t, uint64_t>> intranode_kernel_times(int64_t buffer_id, bool reset) {
   std::lock_guard<std::mutex> lock(g_mutex);
   std::vector<std::pair<uint64_t, uint64_t>> times;
-  auto it = g_groups.find(buffer_id);
-  if (it == g_groups.end()) return times;
   CurrentDeviceGuard restore_device;
-  for (const auto& group : it->second) {
-    for (size_t r = 0; r < group->devices.size(); ++r) {
-      const int device = group->devices[r];
-      check(cudaSetDevice(device), "cudaSetDevice", device);
-      IntranodeState* state = group->states[r];
-      uint64_t calls_and_ns[2];
-      check(cudaMemcpy(calls_and_ns, &state->timed_calls, sizeof(calls_and_ns), cudaMemcpyDeviceToHost),
-            "cudaMemcpy (kernel times)", device);
-      times.emplace_back(calls_and_ns[0], calls_and_ns[1]);
-      if (reset) check(cudaMemset(&state->timed_calls, 0, sizeof(calls_and_ns)), "cudaMemset (kernel times)", device);
-    }
+  for (const auto& [key, memory] : g_ranks) {
+    if (key.first != buffer_id) continue;
+    const int device = memory->device;
+    check(cudaSetDevice(device), "cudaSetDevice", device);
+    IntranodeState* state = reinterpret_cast<IntranodeState*>(memory->memory);
+    uint64_t calls_and_ns[2];
+    check(cudaMemcpy(calls_and_ns, &state->timed_calls, sizeof(calls_and_ns), cudaMemcpyDeviceToHost),
+          "cudaMemcpy (kernel times)", device);
+    times.emplace_back(calls_and_ns[0], calls_and_ns[1]);
+    if (reset) check(cudaMemset(&state->timed_calls, 0, sizeof(calls_and_ns)), "cudaMemset (kernel times)", device);
   }
   return times;
 }
 
 std::vector<std::string> intranode_errors(int64_t buffer_id) {
   static const char* const kOps[] = {"?", "dispatch", "cached dispatch", "combine"};
-  static const char* const kWaits[] = {"?", "to publish its inputs (arrival)", "to finish reading (release)"};
+  static const char* const kWaits[] = {"?", "to publish its inputs (arrival)", "to finish reading (release)",
+                                       "(its own blocks) to stage the inputs"};
   std::lock_guard<std::mutex> lock(g_mutex);
   std::vector<std::string> lines;
-  auto it = g_groups.find(buffer_id);
-  if (it == g_groups.end()) return lines;
-  for (const auto& group : it->second) {
-    for (size_t r = 0; r < group->devices.size(); ++r) {
-      const volatile IntranodeError& e = group->errors[r];
-      if (e.op == 0) continue;
-      const int op = (e.op >= 1 && e.op <= 3) ? e.op : 0;
-      const int wait = (e.wait >= 1 && e.wait <= 2) ? e.wait : 0;
-      lines.push_back("jax_ep " + std::string(kOps[op]) + " timed out on rank " + std::to_string(e.rank) +
-                      " (CUDA device " + std::to_string(group->devices[r]) + ") after " +
-                      std::to_string(e.waited_ns / 1000000) + " ms waiting for rank " + std::to_string(e.peer) +
-                      " " + kWaits[wait] + " in call " + std::to_string(e.call) + " (its flag was at " +
-                      std::to_string(e.seen) + ")");
-    }
+  for (const auto& [key, memory] : g_ranks) {
+    if (key.first != buffer_id || !memory->error) continue;
+    const volatile IntranodeError& e = *memory->error;
+    if (e.op == 0) continue;
+    const int op = (e.op >= 1 && e.op <= 3) ? e.op : 0;
+    const int wait = (e.wait >= 1 && e.wait <= 3) ? e.wait : 0;
+    lines.push_back("jax_ep " + std::string(kOps[op]) + " timed out on rank " + std::to_string(e.rank) +
+                    " (CUDA device " + std::to_string(memory->device) + ") after " +
+                    std::to_string(e.waited_ns / 1000000) + " ms waiting for rank " + std::to_string(e.peer) + " " +
+                    kWaits[wait] + " in call " + std::to_string(e.call) + " (its flag was at " +
+                    std::to_string(e.seen) + ")");
   }
   return lines;
 }

@@ -6,6 +6,7 @@ over that axis. See README.md and ARCHITECTURE.md §3 for the exact semantics.
 from jax_ep import _native
 from jax_ep.buffer import Buffer
 from jax_ep.config import Config, low_latency_buffer_bytes
+from jax_ep.cuda_backend import normal_buffer_bytes
 from jax_ep.fp8 import per_token_cast_to_fp8
 from jax_ep.ops import (
     LowLatencyPending,
@@ -30,7 +31,7 @@ from jax_ep.types import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "Buffer", "Config", "low_latency_buffer_bytes", "per_token_cast_to_fp8",
+    "Buffer", "Config", "low_latency_buffer_bytes", "normal_buffer_bytes", "per_token_cast_to_fp8",
     "get_dispatch_layout", "dispatch", "combine",
     "low_latency_dispatch", "low_latency_combine",
     "low_latency_dispatch_send", "low_latency_dispatch_recv",

@@ -17,6 +17,8 @@ _BACKENDS = ("auto", "cuda", "xla")
 CUDA_DISPATCH_TARGET = "jax_ep_dispatch"
 
 _buffer_ids = itertools.count(1)
+# Staging room per GPU for normal-mode ops in EP groups spanning processes (see Buffer).
+DEFAULT_NUM_NVL_BYTES = 1 << 30
 
 
 def _platform_of(mesh: Mesh) -> str:
@@ -52,6 +54,10 @@ class Buffer:
     `axis_name`. Low-latency ops need `num_max_dispatch_tokens_per_rank`, `hidden` and `num_experts`
     (the buffer is sized for them and every call is checked against them).
     Use as a context manager or call `destroy()` to release device memory.
+
+    `num_nvl_bytes` (cuda backend, EP groups spanning processes only): per-GPU room where each normal-mode op
+    stages the inputs its peers read, since other processes cannot map XLA's buffers; default 1 GiB.
+    `jax_ep.normal_buffer_bytes(...)` gives what given shapes need; a call that needs more raises.
     """
 
     def __init__(
@@ -64,6 +70,7 @@ class Buffer:
         num_max_dispatch_tokens_per_rank: int | None = None,
         hidden: int | None = None,
         num_experts: int | None = None,
+        num_nvl_bytes: int | None = None,
     ):
         if not isinstance(mesh, Mesh):
             raise TypeError(f"jax_ep.Buffer: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
@@ -76,7 +83,7 @@ class Buffer:
             raise TypeError(f"jax_ep.Buffer: config must be a jax_ep.Config, got {type(config).__name__}")
         self.config = config if config is not None else Config()
         for name, value in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank), ("hidden", hidden),
-                            ("num_experts", num_experts)):
+                            ("num_experts", num_experts), ("num_nvl_bytes", num_nvl_bytes)):
             if value is not None and not is_int(value):
                 raise TypeError(f"jax_ep.Buffer: {name} must be an integer, got {value!r}")
         self.platform = _platform_of(mesh)
@@ -92,15 +99,25 @@ class Buffer:
             raise ValueError(
                 f"jax_ep.Buffer: num_max_dispatch_tokens_per_rank must be positive, got {num_max_dispatch_tokens_per_rank}"
             )
+        if num_nvl_bytes is not None and num_nvl_bytes < 0:
+            raise ValueError(f"jax_ep.Buffer: num_nvl_bytes must be >= 0, got {num_nvl_bytes}")
         self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank
         self.hidden = hidden
         self.num_experts = num_experts
+        self.num_nvl_bytes = DEFAULT_NUM_NVL_BYTES if num_nvl_bytes is None else int(num_nvl_bytes)
+        self.spans_processes = cuda_backend.spans_processes(mesh, axis_name)  # some EP group has several processes
+        self.low_latency_offset = None  # byte offset of the low-latency region in each rank's workspace (cuda)
         self.buffer_id = next(_buffer_ids)
         if self.backend == "cuda":
             if backend == "auto" and cuda_backend.unsupported_reason(mesh, axis_name):
-                self.backend = "xla"  # e.g. one process per GPU: the portable backend serves it
+                self.backend = "xla"  # e.g. more ranks than the kernels support: the portable backend serves it
             else:
-                cuda_backend.create(self)
+                try:
+                    cuda_backend.create(self)
+                except cuda_backend.SpansHostsError:
+                    if backend != "auto":
+                        raise
+                    self.backend = "xla"  # every process sees the same hosts, so all fall back together
         self._alive = True
 
     @property

@@ -1,8 +1,14 @@
-"""The `cuda` backend, intranode normal mode with one process driving every GPU of the EP group: the CUDA
-kernels of csrc/intranode.cu called through `jax.ffi.ffi_call` (ARCHITECTURE.md §3, §4).
+"""The `cuda` backend, intranode normal mode: the CUDA kernels of csrc/intranode.cu called through
+`jax.ffi.ffi_call` (ARCHITECTURE.md §3, §4), for EP groups driven by one process (peer access) or spread
+over processes on one host (one process per GPU: CUDA IPC handles exchanged through the `jax.distributed`
+key-value store).
 
 Same per-rank functions and return tuples as `xla_backend` (run inside `shard_map` over the EP axis). The
-Buffer's device state is created here (`create`) outside jit; each call names it by `buffer_id`.
+Buffer's device memory is created here (`create`) outside jit; each call names it by `buffer_id`. Each rank
+owns a workspace that its peers map: the low-latency region (when the Buffer has low-latency sizes) and,
+when the group spans processes, the region where each normal-mode op stages the inputs its peers read
+(a peer process cannot map XLA's buffers). That staging region is `num_nvl_bytes` large
+(`normal_buffer_bytes` says what a call needs); a call that needs more raises while tracing.
 
 Bounded waits: a kernel that waits longer than `Config.timeout_s` for a peer writes a record (op, rank, peer)
 to pinned host memory and executes `trap`. The handler cannot see this (under CUDA graphs it does not even
@@ -18,6 +24,8 @@ CONCURRENT` could overlap two jax_ep calls of one device and is not supported.
 from __future__ import annotations
 
 import dataclasses
+import json
+import socket
 from typing import NamedTuple
 
 import jax
@@ -25,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ep import _native
+from jax_ep.config import low_latency_buffer_bytes
 
 DISPATCH_TARGET = "jax_ep_dispatch"
 CACHED_DISPATCH_TARGET = "jax_ep_cached_dispatch"
@@ -48,11 +57,13 @@ class IntranodeHandle(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class KernelParams:
-    """Static parameters every intranode call carries as FFI attributes."""
+    """Static parameters every intranode call carries as FFI attributes, and the staging room of a group that
+    spans processes (None when peers read XLA's buffers directly)."""
 
     buffer_id: int
     num_sms: int
     timeout_ns: int
+    staging_bytes: int | None = None
 
     def attributes(self) -> dict:
         return dict(buffer_id=np.int64(self.buffer_id), num_sms=np.int64(self.num_sms),
@@ -60,7 +71,51 @@ class KernelParams:
 
 
 def kernel_params(buffer) -> KernelParams:
-    return KernelParams(buffer.buffer_id, buffer.config.num_sms, int(buffer.config.timeout_s * 1e9))
+    return KernelParams(buffer.buffer_id, buffer.config.num_sms, int(buffer.config.timeout_s * 1e9),
+                        buffer.num_nvl_bytes if buffer.spans_processes else None)
+
+
+# ---- workspace sizing ------------------------------------------------------------------------------------------
+# Mirrors StagePlanBuilder in csrc/intranode.cu: staged inputs start at byte 256 of the workspace, each in its
+# own 256-byte aligned region, in the order the kernel publishes them.
+
+_STAGING_OFFSET = 256
+
+
+def _staged(*region_bytes: int) -> int:
+    return _STAGING_OFFSET + sum(-(-b // 256) * 256 for b in region_bytes)
+
+
+def dispatch_staging_bytes(num_tokens: int, row_bytes: tuple[int, ...], num_topk: int, num_ranks: int,
+                           with_weights: bool) -> int:
+    """Workspace bytes a dispatch stages: payload rows, topk_idx, [topk_weights] and the send offsets."""
+    topk = num_tokens * num_topk * 4
+    return _staged(*(num_tokens * b for b in row_bytes), topk, topk if with_weights else 0, num_tokens * num_ranks * 4)
+
+
+def normal_buffer_bytes(num_tokens: int, hidden: int, num_ranks: int, num_topk: int, *, capacity: int | None = None,
+                        fp8: bool = False) -> int:
+    """`num_nvl_bytes` a Buffer needs so that the normal-mode ops (dispatch, cached dispatch, combine, their
+    gradients) of these sizes run in a group spanning processes: the largest input any op stages. Rows are
+    bfloat16 [T, hidden] (or the FP8 pair with fp8=True) for dispatch and float32 for the combined weights;
+    combine stages y [capacity, hidden] (capacity defaults to R*T) at up to 4 bytes an element."""
+    capacity = num_ranks * num_tokens if capacity is None else capacity
+    rows = (hidden, hidden // 128 * 4) if fp8 else (2 * hidden,)
+    return max(dispatch_staging_bytes(num_tokens, rows, num_topk, num_ranks, True),
+               _staged(num_tokens * 4 * hidden),       # cached dispatch of a float32 cotangent
+               _staged(capacity * 4 * hidden))         # combine of float32 rows
+
+
+def _row_bytes(leaf) -> int:
+    return int(np.prod(leaf.shape[1:], dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+
+
+def _check_staging(op: str, params: KernelParams, need: int) -> None:
+    if params.staging_bytes is not None and need > params.staging_bytes:
+        raise ValueError(
+            f"jax_ep.{op} (cuda): this call stages {need} bytes for peers in other processes, the Buffer has "
+            f"num_nvl_bytes={params.staging_bytes}; create it with num_nvl_bytes >= {need} "
+            "(jax_ep.normal_buffer_bytes computes it from the shapes)")
 
 
 # ---- runtime ------------------------------------------------------------------------------------------------
@@ -73,43 +128,134 @@ def _ep_groups(mesh, axis_name: str) -> np.ndarray:
 
 
 def unsupported_reason(mesh, axis_name: str) -> str | None:
-    """Why this backend cannot serve an EP axis of `mesh`, or None when it can."""
+    """Why this backend cannot serve an EP axis of `mesh`, or None when it can (an axis spanning hosts is only
+    found out while creating: see SpansHostsError)."""
     groups = _ep_groups(mesh, axis_name)
-    if any(d.process_index != jax.process_index() for d in groups.flat):
-        return ("the cuda backend drives every GPU of the EP axis from one process; this mesh holds devices of "
-                "other processes (one process per GPU is not supported by the cuda backend yet: use backend='xla')")
     if groups.shape[1] > MAX_RANKS:
         return f"the cuda backend supports up to {MAX_RANKS} ranks per EP axis, the axis has {groups.shape[1]}"
     return None
 
 
+class SpansHostsError(NotImplementedError):
+    """The EP axis spans hosts: the intranode kernels need every rank's GPU in one NVLink domain."""
+
+
+def spans_processes(mesh, axis_name: str) -> bool:
+    return any(len({d.process_index for d in group}) > 1 for group in _ep_groups(mesh, axis_name))
+
+
 def create(buffer) -> None:
-    """Allocates the device state of every EP group of `buffer` (one per combination of the other mesh axes)."""
+    """Allocates every EP group of `buffer` with this process's devices in it (one group per combination of
+    the other mesh axes): directly when the group is local to this process, else collectively with the
+    group's other processes through the jax.distributed key-value store. Sets `buffer.low_latency_offset`.
+
+    Workspace of each rank: the staging region first (`num_nvl_bytes`, only in groups spanning processes),
+    then the low-latency region (when the Buffer has low-latency sizes)."""
     reason = unsupported_reason(buffer.mesh, buffer.axis_name)
     if reason:
         raise NotImplementedError(f"jax_ep.Buffer: {reason}")
+    staging = buffer.num_nvl_bytes if buffer.spans_processes else 0
+    workspace_bytes = staging
+    buffer.low_latency_offset = None
+    if None not in (buffer.num_max_dispatch_tokens_per_rank, buffer.hidden, buffer.num_experts):
+        buffer.low_latency_offset = staging
+        workspace_bytes += low_latency_buffer_bytes(buffer.num_max_dispatch_tokens_per_rank, buffer.hidden,
+                                                    buffer.num_ranks, buffer.num_experts)
+    me = jax.process_index()
+    groups = list(enumerate(_ep_groups(buffer.mesh, buffer.axis_name)))
     try:
-        for group in _ep_groups(buffer.mesh, buffer.axis_name):
+        for _, group in groups:
             # local_hardware_id is the CUDA ordinal XLA hands the FFI handler as DeviceOrdinal.
-            _native._C.create_intranode(buffer.buffer_id, [int(d.local_hardware_id) for d in group])
+            if all(d.process_index == me for d in group):
+                _native._C.create_intranode(buffer.buffer_id, [int(d.local_hardware_id) for d in group], workspace_bytes)
+        shared = [(i, g) for i, g in groups if any(d.process_index == me for d in g) and
+                  any(d.process_index != me for d in g)]
+        if shared:
+            _create_across_processes(buffer, shared, workspace_bytes)
     except BaseException:
         _native._C.destroy_intranode(buffer.buffer_id)
         raise
 
 
+def _kv_client():
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError("jax_ep.Buffer: the EP axis spans processes but jax.distributed is not initialized")
+    return client
+
+
+def _create_across_processes(buffer, groups, workspace_bytes: int) -> None:
+    """Two collective steps per group: every process exports its ranks' CUDA IPC handles with the Buffer's
+    sizes to the key-value store, then maps every other rank's memory, after checking the sizes agree."""
+    client = _kv_client()
+    me = jax.process_index()
+    timeout_ms = int(buffer.config.timeout_s * 1000)
+    sizes = dict(num_ranks=buffer.num_ranks, workspace_bytes=workspace_bytes, num_nvl_bytes=buffer.num_nvl_bytes,
+                 num_max_dispatch_tokens_per_rank=buffer.num_max_dispatch_tokens_per_rank, hidden=buffer.hidden,
+                 num_experts=buffer.num_experts)
+    key = "jax_ep/buffer/{}/group/{}/rank/{}".format
+    for index, group in groups:
+        for rank, device in enumerate(group):
+            if device.process_index == me:
+                handle = _native._C.export_intranode(buffer.buffer_id, int(device.local_hardware_id), rank,
+                                                     len(group), workspace_bytes)
+                record = dict(sizes, process=me, host=socket.gethostname(), ordinal=int(device.local_hardware_id),
+                              handle=handle.hex())
+                client.key_value_set(key(buffer.buffer_id, index, rank), json.dumps(record))
+    for index, group in groups:
+        records = []
+        for rank, device in enumerate(group):
+            try:
+                records.append(json.loads(client.blocking_key_value_get(key(buffer.buffer_id, index, rank), timeout_ms)))
+            except Exception as e:  # the client raises a runtime error on its deadline
+                raise RuntimeError(
+                    f"jax_ep.Buffer: rank {rank} of EP group {index} (process {device.process_index}) did not create "
+                    f"Buffer #{buffer.buffer_id} within {buffer.config.timeout_s} s: {e}") from e
+        hosts = sorted({r["host"] for r in records})
+        if len(hosts) > 1:
+            raise SpansHostsError(f"jax_ep.Buffer: EP group {index} spans the hosts {hosts}; the intranode cuda "
+                                  "backend needs every rank's GPU on one host (use backend='xla')")
+        for rank, record in enumerate(records):
+            theirs = {k: record[k] for k in sizes}
+            if theirs != sizes:
+                raise ValueError(
+                    f"jax_ep.Buffer: rank {rank} of EP group {index} created Buffer #{buffer.buffer_id} with {theirs}, "
+                    f"this process with {sizes}; every rank must pass the same sizes")
+        handles = [bytes.fromhex(r["handle"]) for r in records]
+        local = [r["ordinal"] if r["process"] == me else -1 for r in records]
+        for device in group:
+            if device.process_index == me:
+                _native._C.connect_intranode(buffer.buffer_id, int(device.local_hardware_id), handles, local)
+
+
 def destroy(buffer) -> str:
-    """Frees the device state of `buffer` after its GPUs finished; returns '' or the CUDA errors met."""
-    return _native._C.destroy_intranode(buffer.buffer_id)
+    """Frees the device memory of `buffer` after its GPUs finished; returns '' or the problems met. A group
+    spanning processes first waits (bounded) until every process of the mesh reached its destroy, so that no
+    peer still reads memory this process frees."""
+    problems = []
+    if buffer.spans_processes:
+        processes = sorted({d.process_index for d in buffer.mesh.devices.flat})
+        try:
+            _kv_client().wait_at_barrier(f"jax_ep/buffer/{buffer.buffer_id}/destroy",
+                                         int(buffer.config.timeout_s * 1000), processes)
+        except Exception as e:  # a peer died or never destroys: free ours anyway
+            problems.append(f"not every process reached destroy within {buffer.config.timeout_s} s ({e})")
+    freed = _native._C.destroy_intranode(buffer.buffer_id)
+    if freed:
+        problems.append(freed)
+    return "; ".join(problems)
 
 
 def kernel_times(buffer, reset: bool = False) -> list[tuple[int, int]]:
-    """(calls, summed kernel nanoseconds) per device in rank order: the bare kernel time of each op, as
-    %globaltimer sees it from the kernel's first block starting to its last block leaving."""
+    """(calls, summed kernel nanoseconds) per device of this process, by CUDA ordinal: the bare kernel time of
+    each op, as %globaltimer sees it from the kernel's first block starting to its last block leaving."""
     return [tuple(t) for t in _native._C.intranode_kernel_times(buffer.buffer_id, reset)]
 
 
 def errors(buffer) -> list[str]:
-    """One line per rank whose kernel timed out waiting for a peer (op, rank, peer, call number)."""
+    """One line per rank of this process whose kernel timed out waiting for a peer (op, rank, peer, call)."""
     return list(_native._C.intranode_errors(buffer.buffer_id))
 
 
@@ -130,6 +276,9 @@ def dispatch(x_leaves, topk_idx, topk_weights, *, params: KernelParams, num_rank
     num_recv_tokens_per_expert, num_dropped, invalid_ids, handle), as `xla_backend.dispatch`."""
     num_tokens, num_topk = topk_idx.shape
     check_dispatch(num_ranks, num_tokens, num_topk)
+    row_bytes = tuple(_row_bytes(leaf) for leaf in x_leaves)
+    _check_staging("dispatch", params,
+                   dispatch_staging_bytes(num_tokens, row_bytes, num_topk, num_ranks, topk_weights is not None))
     aval = jax.typeof(x_leaves[0])
 
     def result(shape, dtype):
@@ -161,6 +310,7 @@ def dispatch(x_leaves, topk_idx, topk_weights, *, params: KernelParams, num_rank
 def cached_dispatch(leaf, handle, *, params: KernelParams) -> jax.Array:
     """Dispatch new data [T, ...] along the routing of `handle` -> [C, ...]."""
     capacity = handle.recv_src_index.shape[0]
+    _check_staging("cached dispatch", params, _staged(leaf.shape[0] * _row_bytes(leaf)))
     result_type = jax.typeof(leaf).update(shape=(capacity, *leaf.shape[1:]), dtype=leaf.dtype)
     return jax.ffi.ffi_call(CACHED_DISPATCH_TARGET, result_type)(leaf, handle.recv_src_index, **params.attributes())
 
@@ -179,7 +329,8 @@ def combine(y, handle: IntranodeHandle, *, params: KernelParams, bias=None, out_
         bias = bias.astype(jnp.float32)
     kernel_out = out_dtype if out_dtype in (y.dtype, jnp.float32) else jnp.float32
     num_tokens = handle.send_row.shape[0]
+    _check_staging("combine", params, _staged(y.shape[0] * _row_bytes(y)))
     result_type = jax.typeof(y).update(shape=(num_tokens, *y.shape[1:]), dtype=kernel_out)
-    operands = (y, handle.send_row) + (() if bias is None else (bias,))
+    operands = (y, handle.send_row, handle.recv_src_index) + (() if bias is None else (bias,))
     out = jax.ffi.ffi_call(COMBINE_TARGET, result_type)(*operands, **params.attributes())
     return out.astype(out_dtype)

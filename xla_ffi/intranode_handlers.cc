@@ -1,4 +1,4 @@
-// CUDA XLA FFI handlers of the intranode normal mode (one process driving every GPU of the group): decode
+// CUDA XLA FFI handlers of the intranode normal mode (groups in one process or across processes): decode
 // buffers and attributes, find this device's rank by (buffer_id, DeviceOrdinal), call csrc/api.h.
 // Command-buffer compatible: under graph replay only the kernels run, and they keep their own state.
 #include <string>
@@ -18,6 +18,9 @@ ffi::Error Invalid(const char* op, const std::string& message) {
 
 ffi::Error Launched(const char* op, cudaError_t err) {
   if (err == cudaSuccess) return ffi::Error::Success();
+  if (err == cudaErrorMemoryAllocation)  // the launch functions' answer when staged inputs do not fit
+    return Invalid(op, "the Buffer's workspace is too small to stage this call's inputs for peers in other "
+                       "processes (jax_ep checks this while tracing; create the Buffer with a larger num_nvl_bytes)");
   return ffi::Error::Internal(std::string("jax_ep ") + op + ": kernel launch failed: " + cudaGetErrorString(err));
 }
 
@@ -152,7 +155,7 @@ ffi::Error CachedDispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
   return Launched(kOp, intranode_cached_dispatch(call, a));
 }
 
-// args: y [C, ...], send_row [T, R], [bias [T, ...]]; result [T, ...] of y's type or float32.
+// args: y [C, ...], send_row [T, R], recv_src_index [C], [bias [T, ...]]; result [T, ...] of y's type or float32.
 ffi::Error CombineImpl(cudaStream_t stream, int32_t device, ffi::RemainingArgs remaining_args,
                        ffi::Result<ffi::AnyBuffer> out, int64_t buffer_id, int64_t num_sms, int64_t timeout_ns) {
   constexpr const char* kOp = "combine";
@@ -160,9 +163,11 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t device, ffi::RemainingArgs r
   if (auto err = MakeCall(kOp, stream, device, buffer_id, num_sms, timeout_ns, &call); err.failure()) return err;
   std::vector<ffi::AnyBuffer> args;
   if (auto err = Collect(remaining_args, &args); err.failure()) return err;
-  if (args.size() != 2 && args.size() != 3) return Invalid(kOp, "expects y, send_row and optionally bias");
+  if (args.size() != 3 && args.size() != 4)
+    return Invalid(kOp, "expects y, send_row, recv_src_index and optionally bias");
   const ffi::AnyBuffer& y = args[0];
   const ffi::AnyBuffer& send_row = args[1];
+  const ffi::AnyBuffer& recv_src_index = args[2];
   CombineArgs a;
   if (!AsFloatType(y.element_type(), &a.y_type) || !AsFloatType(out->element_type(), &a.out_type))
     return Invalid(kOp, "y and the result must be float32, bfloat16 or float16");
@@ -176,10 +181,14 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t device, ffi::RemainingArgs r
     return Invalid(kOp, "send_row must be int32 [num_tokens, num_ranks]");
   if (RowBytes(*out) / static_cast<int64_t>(ffi::ByteWidth(out->element_type())) != a.row_elements)
     return Invalid(kOp, "y and the result differ in row size");
+  if (recv_src_index.element_type() != ffi::DataType::S32 || recv_src_index.dimensions().size() != 1 ||
+      LeadingDim(recv_src_index) != a.capacity)
+    return Invalid(kOp, "recv_src_index must be int32 [capacity]");
   a.y = y.untyped_data();
   a.send_row = static_cast<const int32_t*>(send_row.untyped_data());
-  if (args.size() == 3) {
-    const ffi::AnyBuffer& bias = args[2];
+  a.recv_src_index = static_cast<const int32_t*>(recv_src_index.untyped_data());
+  if (args.size() == 4) {
+    const ffi::AnyBuffer& bias = args[3];
     if (!AsFloatType(bias.element_type(), &a.bias_type) || LeadingDim(bias) != a.num_tokens ||
         RowBytes(bias) / static_cast<int64_t>(ffi::ByteWidth(bias.element_type())) != a.row_elements)
       return Invalid(kOp, "bias must be floating [num_tokens, ...] like the result");

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One device call: build jax_ep, run the GPU tests, the CPU/xla suite on the GPUs, the demo and (when
 # present) the benchmark; logs under $OUT, a short summary table last.
-#   bash tests/gpu/run.sh [quick|rest|full|final]
+#   bash tests/gpu/run.sh [quick|rest|full|final|mp]
 #     quick: build, GPU tests, demo; rest: build, xla suite on the GPUs, benchmarks, the Flax example;
 #     full: all of it, then the GPU tests again on the Ampere (sm_80) code path: built for sm_80 + PTX only,
 #     which the driver compiles for the Hopper GPU at load time; final: full without the xla suite (fits
-#     one 10-minute call).
+#     one 10-minute call); mp: build, the intranode tests in one process, then with one process per GPU.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # never NVLink multicast
@@ -29,6 +29,14 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run, log to $OUT/NAME.log, record th
 nvidia-smi -L; python3 --version; python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 step build 240 python3 -m pip install --no-build-isolation --no-deps -v -e . || { tail -40 "$OUT/build.log"; exit 1; }
 python3 -c "import jax_ep._native as n; print('cuda:', n.with_cuda(), 'nvshmem:', n.with_nvshmem())" | tee -a "$OUT/build.log"
+if [ "$mode" = mp ]; then
+  step intranode 200 python3 -m pytest -q -rs -x tests/gpu/test_intranode.py
+  step mp_timeout 150 python3 -m pytest -q -rs tests/gpu/test_multiprocess_gpu.py -k times_out
+  step mp_suite 430 python3 -m pytest -q -rs -x tests/gpu/test_multiprocess_gpu.py -k "suite and 4"
+  grep -hE "^(FAILED|ERROR)|Error|error" "$OUT"/mp_*.log | head -20
+  printf '\n== summary\n'; printf '%s\n' "${summary[@]}"
+  exit 0
+fi
 if [ "$mode" != rest ]; then
   step gpu_tests 270 python3 -m pytest -q -rs tests/gpu
   step demo 90 python3 -m jax_ep.demo

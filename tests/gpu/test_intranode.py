@@ -1,8 +1,11 @@
-"""The CUDA intranode normal mode (Buffer(backend="cuda"), one process driving all GPUs) against the NumPy
-oracle and the `xla` backend: bit for bit for dispatch (every output, the FP8 pair, the handle), cached dispatch
-and combine (float32 rank-order sums), gradients, determinism, capacity drops, T=0, DeepEP hidden sizes, and
-a jitted loop with command buffers (default flags, and forced in a subprocess), and the bounded wait of a
-rank whose peers never join.
+"""The CUDA intranode normal mode (Buffer(backend="cuda")) against the NumPy oracle and the `xla` backend: bit
+for bit for dispatch (every output, the FP8 pair, the handle), cached dispatch and combine (float32 rank-order
+sums), gradients, determinism, capacity drops, T=0, DeepEP hidden sizes, and a jitted loop with command buffers
+(default flags, and forced in a subprocess), and the bounded wait of a rank whose peers never join.
+
+Both process models run this file: one process driving every GPU (plain pytest), and one process per GPU
+(test_multiprocess_gpu.py starts R processes that each run it; ranks = the process count, inputs become
+global arrays and outputs are gathered to every process, so every process checks every rank).
 """
 from __future__ import annotations
 
@@ -17,14 +20,17 @@ import jax.numpy as jnp
 import numpy as np
 import oracle as O
 import pytest
-from jax.sharding import Mesh
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from gpu.conftest import cuda_devices
 from jax_ep import cuda_backend
 
-RANKS = [2, 4]
+MULTI_PROCESS = jax.process_count() > 1
+RANKS = [jax.process_count()] if MULTI_PROCESS else [2, 4]
+needs_one_process = pytest.mark.skipif(MULTI_PROCESS, reason="starts its own single-process worker")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -44,8 +50,18 @@ def buffer(R: int, backend: str) -> jax_ep.Buffer:
 
 
 def spmd(R: int, body):
-    """jit(shard_map(body)): every argument and result split along its leading axis over the R ranks."""
-    return jax.jit(jax.shard_map(body, mesh=mesh(R), in_specs=P("ep"), out_specs=P("ep")))
+    """jit(shard_map(body)): every argument and result split along its leading axis over the R ranks. With one
+    process per GPU, host inputs become global arrays and the results are gathered to every process."""
+    fn = jax.jit(jax.shard_map(body, mesh=mesh(R), in_specs=P("ep"), out_specs=P("ep")))
+    if not MULTI_PROCESS:
+        return fn
+    sharding = NamedSharding(mesh(R), P("ep"))
+
+    def run(*args):
+        args = jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, sharding, lambda i: a[i]), args)
+        return multihost_utils.process_allgather(fn(*args), tiled=True)
+
+    return run
 
 
 def flat(a):
@@ -352,6 +368,7 @@ def run_worker(mode: str, R: int, xla_flags: str | None = None) -> subprocess.Co
                           timeout=300)
 
 
+@needs_one_process
 @pytest.mark.parametrize("R", RANKS)
 def test_jitted_loop_forced_command_buffers(R):
     """Every op captured into CUDA graphs (min graph size 1, loops included): the call sequence lives on the
@@ -361,6 +378,7 @@ def test_jitted_loop_forced_command_buffers(R):
     assert proc.returncode == 0 and "LOOP OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
+@needs_one_process
 @pytest.mark.parametrize("R", RANKS)
 def test_rank_that_never_joins_times_out(R):
     """Only rank 0 calls dispatch: it waits TIMEOUT_S for the others, records which op and peer, and traps;
@@ -375,8 +393,7 @@ TIMEOUT_S = 2.0
 
 
 def timeout_worker(R: int):
-    """Prints RAISED when the op fails within a bounded time, then the timeout records; exits without teardown
-    (the trapped GPU's context is dead)."""
+    """Rank 0 alone runs a dispatch (see report_timeout)."""
     buf = jax_ep.Buffer(mesh(R), "ep", backend="cuda", config=jax_ep.Config(timeout_s=TIMEOUT_S))
     x, idx, _ = make_case(R, 16, 128, 2, 2 * R)
 
@@ -390,9 +407,15 @@ def timeout_worker(R: int):
         trips = (jax.lax.axis_index("ep") == 0).astype(jnp.int32)
         return jax.lax.fori_loop(0, trips, step, idx[0, 0] * 0)[None]
 
+    report_timeout(lambda: spmd(R, body)(flat(x), flat(idx)), buf)
+
+
+def report_timeout(run, buf):
+    """Runs `run()`, which should fail: prints RAISED and the time it took, then the Buffer's timeout records;
+    exits without teardown (the trapped GPU's context is dead)."""
     start = time.perf_counter()
     try:
-        jax.block_until_ready(spmd(R, body)(flat(x), flat(idx)))
+        jax.block_until_ready(run())
         print("NO ERROR", flush=True)
     except Exception as err:  # noqa: BLE001 - any XLA runtime error is the expected outcome
         print(f"RAISED after {time.perf_counter() - start:.1f} s: {str(err)[:300]}", flush=True)

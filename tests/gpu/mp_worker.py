@@ -1,0 +1,72 @@
+"""One process of the one-process-per-GPU GPU tests (test_multiprocess_gpu.py); not a pytest module.
+
+usage: python mp_worker.py MODE PROCESS_ID NUM_PROCESSES PORT [PYTEST ARGS...]
+
+Joins `jax.distributed` on 127.0.0.1:PORT owning GPU PROCESS_ID only (local_device_ids), so the EP axis of
+the global mesh has one rank per process and the cuda backend exchanges CUDA IPC handles through the
+key-value store. MODE:
+  pytest   run pytest with the remaining arguments (every process runs the same tests in the same order:
+           each test is one collective program); exits with pytest's code.
+  timeout  every process but the last runs a dispatch that the last never joins; prints RAISED when the op
+           failed within a bounded time and RECORD lines with the timeout records, then exits without
+           teardown (the trapped GPU's context is dead). The last process waits, then exits.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 2.0
+
+
+def run_timeout(process_id: int, num_processes: int) -> None:
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jax_ep
+
+    R = num_processes
+    mesh = Mesh(np.array(jax.devices()), ("ep",))
+    buf = jax_ep.Buffer(mesh, "ep", backend="cuda", config=jax_ep.Config(timeout_s=TIMEOUT_S))
+    if process_id == R - 1:  # never joins; stays alive while the others wait on it, then leaves
+        time.sleep(TIMEOUT_S * 10)
+        print("ABSENT", flush=True)
+        os._exit(0)
+    T, H, K, E = 16, 128, 2, 2 * R
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((R * T, H)).astype(np.float32)
+    idx = rng.integers(0, E, (R * T, K)).astype(np.int32)
+    sharding = NamedSharding(mesh, P("ep"))
+    x, idx = (jax.make_array_from_callback(a.shape, sharding, lambda i, a=a: a[i]) for a in (x, idx))
+    fn = jax.jit(jax.shard_map(lambda x, idx: jax_ep.dispatch(buf, x, idx, num_experts=E).recv_x, mesh=mesh,
+                               in_specs=P("ep"), out_specs=P("ep")))
+    from gpu.test_intranode import report_timeout
+
+    report_timeout(lambda: fn(x, idx), buf)
+
+
+def main(mode: str, process_id: int, num_processes: int, port: int, pytest_args: list[str]) -> int:
+    import jax
+
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=num_processes,
+                               process_id=process_id, local_device_ids=[process_id], initialization_timeout=120)
+    sys.path.insert(0, str(TESTS))
+    if mode == "timeout":
+        run_timeout(process_id, num_processes)
+    import pytest
+
+    code = pytest.main(["-q", "-p", "no:cacheprovider", "--rootdir", str(TESTS.parent), *pytest_args])
+    sys.stdout.flush()
+    os._exit(int(code))  # skip jax.distributed's shutdown barrier: a failed peer may never reach it
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 5:
+        print(__doc__, file=sys.stderr)
+        sys.exit(2)
+    sys.exit(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5:]))

@@ -1,0 +1,86 @@
+"""The cuda backend with one process per GPU (ARCHITECTURE.md §2): R `jax.distributed` processes on localhost,
+each owning one GPU, one global EP mesh; the Buffer maps its peers' memory through CUDA IPC handles exchanged
+in the key-value store. Each process runs tests/gpu/test_intranode.py (through mp_worker.py), so the whole
+oracle/xla/gradient/determinism suite holds in this process model too; a second test leaves one process out
+of a dispatch and checks that the others fail within the timeout, naming the op and the absent rank."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gpu.conftest import cuda_devices
+
+WORKER = Path(__file__).resolve().parent / "mp_worker.py"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+RANKS = [2, 4]
+SUITE_TIMEOUT_S = 420
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(mode: str, R: int, extra: list[str], timeout_s: float, tmp_path) -> tuple[list[int | None], list[str]]:
+    """Runs R worker processes; returns their exit codes (None: killed at the deadline) and outputs."""
+    if len(cuda_devices()) < R:
+        pytest.skip(f"needs {R} GPUs")
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), *sys.path]), PYTHONUNBUFFERED="1")
+    env.pop("CUDA_VISIBLE_DEVICES", None)  # every process sees every GPU (CUDA IPC between them) and owns one
+    procs, logs = [], []
+    for pid in range(R):
+        log = open(tmp_path / f"{mode}{R}_{pid}.log", "w+")
+        logs.append(log)
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), mode, str(pid), str(R), str(port), *extra],
+                                      cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout_s
+    codes = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(timeout=max(deadline - time.monotonic(), 0.1)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            codes.append(None)
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read())
+        log.close()
+    return codes, outputs
+
+
+def report(codes, outputs) -> str:
+    return "\n".join(f"--- process {p} (exit {c}) ---\n{o[-4000:]}" for p, (c, o) in enumerate(zip(codes, outputs)))
+
+
+@pytest.mark.parametrize("R", RANKS)
+def test_intranode_suite_one_process_per_gpu(R, tmp_path):
+    codes, outputs = launch("pytest", R, [str(Path(__file__).parent / "test_intranode.py"), "-x"], SUITE_TIMEOUT_S,
+                            tmp_path)
+    assert codes == [0] * R, report(codes, outputs)
+    assert all(" passed" in o and "failed" not in o for o in outputs), report(codes, outputs)
+
+
+@pytest.mark.parametrize("R", RANKS)
+def test_process_that_never_joins_times_out(R, tmp_path):
+    """The last process never runs the dispatch: every other one raises within a bounded time, and its record
+    names the op, itself and the rank it waited for."""
+    codes, outputs = launch("timeout", R, [], 120, tmp_path)
+    assert None not in codes, report(codes, outputs)
+    assert "ABSENT" in outputs[-1], report(codes, outputs)
+    for rank, out in enumerate(outputs[:-1]):
+        raised = [line for line in out.splitlines() if line.startswith("RAISED after")]
+        assert raised, report(codes, outputs)
+        assert float(raised[0].split()[2]) < 60, raised[0]
+        records = [line for line in out.splitlines() if line.startswith("RECORD")]
+        assert records and f"dispatch timed out on rank {rank}" in records[0], report(codes, outputs)
+        assert f"waiting for rank {R - 1} to publish its inputs" in records[0], records[0]
