@@ -688,7 +688,7 @@ class StagePlanBuilder {
   // The plan, or false when the staged regions do not fit the workspace.
   bool finish(StagePlan* out) const {
     *out = plan_;
-    return end_ <= group_.workspace_bytes;
+    return !group_.staged || end_ <= group_.workspace_bytes;
   }
 
  private:

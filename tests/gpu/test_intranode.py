@@ -58,7 +58,8 @@ def spmd(R: int, body):
     sharding = NamedSharding(mesh(R), P("ep"))
 
     def run(*args):
-        args = jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, sharding, lambda i: a[i]), args)
+        args = jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, sharding, lambda i: a[i], dtype=a.dtype),
+                            args)
         return multihost_utils.process_allgather(fn(*args), tiled=True)
 
     return run
