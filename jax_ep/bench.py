@@ -1,4 +1,5 @@
-"""Benchmarks: `python -m jax_ep.bench intranode [--sms 24 32 ...] [--json PATH]`.
+"""Benchmarks: `python -m jax_ep.bench intranode [--sms 24 32 ...] [--json PATH]` and
+`python -m jax_ep.bench low_latency [--backend auto] [--json PATH]`.
 
 intranode: normal-mode dispatch (BF16 and the FP8 pair) and combine (BF16) over every local GPU of this
 process, DeepEP's shape by default (T=4096, H=7168, K=8, E=256), for the `cuda` backend at each `--sms` value
@@ -6,12 +7,20 @@ and the pure-JAX baselines. Each op runs in jitted sequences of `--iters` and 2�
 the difference of their wall times / iters after a warm-up, median over `--repeats` runs. Bandwidth is
 counted as DeepEP counts it (ARCHITECTURE.md §5): received rows × H × 2 bytes for BF16 (dispatch and combine),
 × (1 + 4/128) / 2 of that for FP8, per rank, averaged over ranks.
+
+low_latency: DeepEP's decode shape (T=128, H=7168, K=8, E=288): FP8 and BF16 low-latency dispatch and the
+weighted BF16 combine of the Buffer's backend (`--backend`, which implementation ran is printed), timed the
+same way; the send/receive split as the part of each op that independent compute between the halves hides;
+then the pure-JAX baselines (the `xla` backend's low-latency ops, dense all_to_all, ragged_all_to_all) and
+the speedup over the best of them. Bytes as DeepEP counts them per valid (token, expert) pair: H + H/128·4 +
+16 (FP8 dispatch), 2H (BF16 dispatch, combine), on the sending rank, averaged over ranks.
 """
 from __future__ import annotations
 
 import argparse
 import functools
 import json
+import re
 import statistics
 import sys
 import time
@@ -45,30 +54,40 @@ def _depend(tree, value):
     return jax.tree.map(lambda a: a + zero.astype(a.dtype) if jnp.issubdtype(a.dtype, jnp.integer) else a, tree)
 
 
-def _timed_loop(mesh, op, iters: int, unroll: bool = True):
+def _touch(data, value):
+    """`data` with a run-time zero derived from `value` added to one element of every floating array: a
+    one-element in-place update, so a payload path that does not depend on the routing (an all_gather of x)
+    cannot be computed once for a whole timed sequence."""
+    zero = jnp.asarray(value, jnp.float32) * 0
+    return jax.tree.map(lambda a: a.at[(0,) * a.ndim].add(zero.astype(a.dtype))
+                        if jnp.issubdtype(a.dtype, jnp.floating) else a, data)
+
+
+def _timed_loop(mesh, op, iters: int, unroll: bool = True, chain_data: bool = False):
     """jit(shard_map(...)) running `op(routing, *data)` `iters` times in a row, unrolled: an XLA while loop
     adds a host round trip per iteration, which is the loop's cost, not the op's (the ragged_all_to_all
     baseline keeps the loop: unrolled, XLA reserves collective memory for every call). One element of each
-    op's output feeds the next op's routing. A custom call always writes all its outputs; for the pure-JAX
+    op's output feeds the next op's routing (and with `chain_data` one element of every floating data
+    array, see `_touch`). A custom call always writes all its outputs; for the pure-JAX
     baselines XLA may skip local work after the collective that the probe does not need (which only
     flatters them)."""
 
     def body(routing, *data):
         def step(_, carry):
-            routing, total = carry
+            routing, data, total = carry
             out = op(routing, *data)
             probe = jax.tree.leaves(out)[0].ravel()[0].astype(jnp.float32)
-            return _depend(routing, probe), total + probe
+            return _depend(routing, probe), _touch(data, probe) if chain_data else data, total + probe
 
-        return jax.lax.fori_loop(0, iters, step, (routing, jnp.float32(0)), unroll=unroll)[1][None]
+        return jax.lax.fori_loop(0, iters, step, (routing, data, jnp.float32(0)), unroll=unroll)[2][None]
 
     return _spmd(mesh, body)
 
 
-def _time_per_op(mesh, op, fn_args, args, unroll: bool = True, before_timing=None) -> float:
+def _time_per_op(mesh, op, fn_args, args, unroll: bool = True, before_timing=None, chain_data: bool = False) -> float:
     """Seconds per op: (time of a sequence of 2n ops - time of n ops) / n, median over repeats. The fixed
     cost of launching a program on every device and waiting for it cancels out."""
-    short, long = (_timed_loop(mesh, op, n, unroll) for n in (args.iters, 2 * args.iters))
+    short, long = (_timed_loop(mesh, op, n, unroll, chain_data) for n in (args.iters, 2 * args.iters))
     for fn in (short, long):
         jax.block_until_ready(fn(*fn_args))  # compile and warm up
     if before_timing:
@@ -134,6 +153,45 @@ def _dense_combine(in_rank, y):
     return out.astype(y.dtype)
 
 
+def _baseline_times(mesh, args, topk_idx, x, num_experts, fp8: bool = False, chain_data: bool = False):
+    """Yields (backend, op, payload, seconds per op) for the pure-JAX baselines (MaxText-style
+    ragged_all_to_all, dense all_to_all; with `fp8` also the dense dispatch of the FP8 pair), or
+    (backend, op or None, payload or None, why it did not run)."""
+    num_ranks, (num_tokens, hidden) = mesh.devices.size, (topk_idx.shape[0] // mesh.devices.size, x.shape[1])
+    ragged = "jax ragged_all_to_all"
+    if mesh.devices.flat[0].platform == "cpu":
+        yield ragged, None, None, "not run (XLA:CPU has no ragged-all-to-all)"
+    else:
+        try:
+            yield ragged, "dispatch", "BF16", _time_per_op(
+                mesh, functools.partial(_ragged_dispatch, num_experts=num_experts), (topk_idx, x), args,
+                unroll=False, chain_data=chain_data)
+            routing = _spmd(mesh, lambda i: {**_ragged_routing(i, num_experts),
+                                             "num_topk": jnp.zeros((i.shape[1],), jnp.int32)})(topk_idx)
+            y_ragged = _spmd(mesh, functools.partial(_ragged_dispatch, num_experts=num_experts))(topk_idx, x)
+            yield ragged, "combine", "BF16", _time_per_op(mesh, _ragged_combine, (routing, y_ragged), args,
+                                                          unroll=False, chain_data=chain_data)
+        except Exception as e:  # noqa: BLE001 -- a baseline that XLA cannot run is reported, not fatal
+            yield ragged, None, None, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    dense = "jax all_to_all"
+    yield dense, "dispatch", "BF16", _time_per_op(
+        mesh, functools.partial(_dense_dispatch, num_experts=num_experts), (topk_idx, x), args, chain_data=chain_data)
+    if fp8:
+        def dense_fp8(idx, data):
+            e4m3, scales = jax_ep.per_token_cast_to_fp8(data)
+            # The e4m3 bytes travel as uint8: the same bytes, and a type every collective library has.
+            return tuple(_dense_dispatch(idx, leaf, num_experts=num_experts)
+                         for leaf in (jax.lax.bitcast_convert_type(e4m3, jnp.uint8), scales))
+
+        yield dense, "dispatch", "FP8", _time_per_op(mesh, dense_fp8, (topk_idx, x), args, chain_data=chain_data)
+    y_dense = _spmd(mesh, functools.partial(_dense_dispatch, num_experts=num_experts))(topk_idx, x).reshape(-1, hidden)
+    in_rank = _spmd(mesh, lambda i: jnp.any(i[:, :, None] // (num_experts // num_ranks) == jnp.arange(num_ranks), axis=1)
+                    .astype(jnp.int32) - 1)(topk_idx)
+    yield dense, "combine", "BF16", _time_per_op(
+        mesh, lambda r, y: _dense_combine(r, y.reshape(num_ranks, num_tokens, hidden)), (in_rank, y_dense), args,
+        chain_data=chain_data)
+
+
 def intranode(args) -> list[dict]:
     devices = jax.local_devices()[: args.ranks or None]
     num_ranks = len(devices)
@@ -169,23 +227,12 @@ def intranode(args) -> list[dict]:
     remote_fraction = 1.0 - float(np.trace(per_pair)) / float(per_pair.sum())
     bf16_bytes, fp8_bytes = recv_rows * H * 2, recv_rows * H * (1 + 4 / FP8_GROUP)
 
-    if args.baselines and devices[0].platform == "cpu":
-        print("[intranode] jax ragged_all_to_all: not run (XLA:CPU has no ragged-all-to-all)", flush=True)
-    elif args.baselines:
-        report("jax ragged_all_to_all", "dispatch", "BF16", None, _time_per_op(
-            mesh, functools.partial(_ragged_dispatch, num_experts=E), (topk_idx, x), args, unroll=False), bf16_bytes)
-        routing = _spmd(mesh, lambda i: {**_ragged_routing(i, E), "num_topk": jnp.zeros((K,), jnp.int32)})(topk_idx)
-        y_ragged = _spmd(mesh, functools.partial(_ragged_dispatch, num_experts=E))(topk_idx, x)
-        report("jax ragged_all_to_all", "combine", "BF16", None,
-               _time_per_op(mesh, _ragged_combine, (routing, y_ragged), args, unroll=False), bf16_bytes)
     if args.baselines:
-        report("jax all_to_all", "dispatch", "BF16", None,
-               _time_per_op(mesh, functools.partial(_dense_dispatch, num_experts=E), (topk_idx, x), args), bf16_bytes)
-        y_dense = _spmd(mesh, functools.partial(_dense_dispatch, num_experts=E))(topk_idx, x).reshape(-1, H)
-        in_rank = _spmd(mesh, lambda i: jnp.any(i[:, :, None] // (E // num_ranks) == jnp.arange(num_ranks), axis=1)
-                        .astype(jnp.int32) - 1)(topk_idx)
-        report("jax all_to_all", "combine", "BF16", None, _time_per_op(
-            mesh, lambda r, y: _dense_combine(r, y.reshape(num_ranks, T, H)), (in_rank, y_dense), args), bf16_bytes)
+        for backend, op, payload, result in _baseline_times(mesh, args, topk_idx, x, E):
+            if isinstance(result, str):
+                print(f"[intranode] {backend}: {result}", flush=True)
+            else:
+                report(backend, op, payload, None, result, bf16_bytes)
 
     runs = [("xla", None)] if args.xla else []
     runs += [("cuda", sms) for sms in args.sms]
@@ -213,6 +260,162 @@ def intranode(args) -> list[dict]:
             seconds, kernel_seconds = timed(combine, (d[1], d[0]))
             report(backend, "combine", "BF16", sms, seconds, bf16_bytes, kernel_seconds)
     return records
+
+
+def _custom_calls(mesh, fn, *fn_args) -> list[str]:
+    """The jax_ep FFI targets in the lowered program of `fn`: which implementation a Buffer's ops really run."""
+    text = _spmd(mesh, fn).lower(*fn_args).as_text()
+    return sorted(set(re.findall(r"custom_call @(jax_ep\w*)", text)))
+
+
+def _independent_compute(a):
+    """The computation scheduled between a send half and its receive half: a bf16 matmul [S, S] @ [S, S],
+    reduced to a scalar so that XLA must compute all of it."""
+    return jnp.sum(jnp.dot(a, a, preferred_element_type=jnp.float32))
+
+
+def low_latency(args) -> dict:
+    devices = jax.local_devices()[: args.ranks or None]
+    num_ranks = len(devices)
+    mesh = Mesh(np.array(devices), ("ep",))
+    T, H, K, E = args.tokens, args.hidden, args.topk, args.experts
+    M = args.max_tokens or T
+    L = E // num_ranks
+    rng = np.random.default_rng(0)
+    topk_idx = _topk_idx(rng, num_ranks, T, K, E)
+    # DeepEP's test_low_latency sets a few random entries of each rank to -1 (no expert).
+    for r in range(num_ranks):
+        for _ in range(args.masked):
+            topk_idx[r * T + rng.integers(T), rng.integers(K)] = -1
+    topk_weights = np.abs(rng.standard_normal((num_ranks * T, K))).astype(np.float32)
+    x = jnp.asarray(rng.standard_normal((num_ranks * T, H), dtype=np.float32), jnp.bfloat16)
+    size = args.overlap_size or (128 if devices[0].platform == "cpu" else 4096)
+    a = jnp.asarray(rng.standard_normal((num_ranks * size, size), dtype=np.float32) / np.sqrt(size), jnp.bfloat16)
+
+    # DeepEP's byte count: per valid (token, expert) pair, counted on the sending rank; the mean over ranks
+    # (= sum / R) of those pairs, against the time of the SPMD program (equal on every rank). "NVL" leaves
+    # out the pairs whose expert lives on the token's own rank.
+    valid = topk_idx >= 0
+    remote = valid & (topk_idx // L != np.repeat(np.arange(num_ranks), T)[:, None])
+    pairs, remote_pairs = valid.sum() / num_ranks, remote.sum() / num_ranks
+    pair_bytes = {("dispatch", "FP8"): H + H // FP8_GROUP * 4 + 16, ("dispatch", "BF16"): 2 * H,
+                  ("combine", "BF16"): 2 * H}
+    setup = dict(num_ranks=num_ranks, device=devices[0].device_kind, tokens=T, hidden=H, topk=K, experts=E,
+                 num_max_dispatch_tokens_per_rank=M, masked_per_rank=args.masked, valid_pairs_per_rank=float(pairs),
+                 remote_pairs_per_rank=float(remote_pairs), iters=args.iters, repeats=args.repeats,
+                 overlap_matmul_size=size)
+    results, splits = [], []
+    print(f"[low_latency] {num_ranks} ranks ({devices[0].device_kind}), T={T} H={H} K={K} E={E} M={M}, "
+          f"{pairs:.1f} valid (token, expert) pairs per rank ({remote_pairs:.1f} to other ranks), "
+          f"{args.iters} ops per timed loop, median of {args.repeats}", flush=True)
+
+    def report(backend, op, payload, seconds):
+        nbytes = pair_bytes[op, payload]
+        record = dict(backend=backend, op=op, payload=payload, t_us=seconds * 1e6,
+                      gbps=pairs * nbytes / seconds / 1e9, nvl_gbps=remote_pairs * nbytes / seconds / 1e9)
+        results.append(record)
+        print(f"[low_latency] {backend} [{op} {payload}] {record['t_us']:.2f} us, {record['gbps']:.2f} GB/s "
+              f"(DeepEP count), {record['nvl_gbps']:.2f} GB/s (NVL)", flush=True)
+
+    def time_op(op, fn_args):
+        # Every program chains one payload element as well as the routing: the xla backend's all_gather of x
+        # does not depend on the routing and would otherwise run once per timed sequence.
+        return _time_per_op(mesh, op, fn_args, args, chain_data=True)
+
+    chain = time_op(lambda idx, data: data[:1, :1], (topk_idx, x))
+    setup["loop_overhead_us"] = chain * 1e6
+    print(f"[low_latency] timing loop: {chain * 1e6:.2f} us per step to chain one op to the next (routing + one "
+          f"payload element), included in every figure below", flush=True)
+
+    def ops_of(buf):
+        def dispatch(use_fp8):
+            return lambda idx, data: jax_ep.low_latency_dispatch(buf, data, idx, use_fp8=use_fp8)
+
+        def combine(routing, y):
+            idx, weights, handle = routing
+            return jax_ep.low_latency_combine(buf, y, idx, weights, handle)
+
+        recv_bf16 = _spmd(mesh, lambda i, d: (lambda r: (r.recv_x, r.handle))(dispatch(False)(i, d)))(topk_idx, x)
+        return dispatch, combine, (topk_idx, topk_weights, recv_bf16[1]), recv_bf16[0]
+
+    def time_all(buf, backend):
+        dispatch, combine, combine_routing, y = ops_of(buf)
+        for payload, use_fp8 in (("FP8", True), ("BF16", False)):
+            report(backend, "dispatch", payload, time_op(dispatch(use_fp8), (topk_idx, x)))
+        report(backend, "combine", "BF16", time_op(combine, (combine_routing, y)))
+        return combine_routing, y
+
+    with jax_ep.Buffer(mesh, "ep", backend=args.backend, num_max_dispatch_tokens_per_rank=M, hidden=H,
+                       num_experts=E) as buf:
+        targets = _custom_calls(mesh, lambda i, d: jax_ep.low_latency_dispatch(buf, d, i).recv_x, topk_idx, x)
+        measured = "jax_ep " + ("cuda" if targets else "xla")
+        setup.update(buffer_backend=buf.backend, measured=measured, custom_calls=targets)
+        print(f"[low_latency] Buffer(backend={args.backend!r}) resolved to {buf.backend!r}; its low-latency ops run as "
+              + (f"CUDA kernels ({', '.join(targets)})" if targets else "the pure-JAX xla implementation "
+                 "(no jax_ep custom call in the program)"), flush=True)
+        combine_routing, y = time_all(buf, measured)
+
+        # Send/receive split (the receive hook). One program cannot stop the clock between the halves, so this
+        # measures what the split buys: per step send, an independent matmul, then receive (forced after the
+        # matmul through its result), against the matmul alone. exposed = t(send; matmul; recv) - t(matmul)
+        # is the op's cost that the matmul did not hide; hidden = t(op) - exposed. XLA orders the send and the
+        # matmul itself, as it would in a model.
+        def split(send, recv):
+            def op(routing, data, mat):
+                pending = send(routing, data)
+                return recv(_depend(pending, _independent_compute(mat)))
+            return op
+
+        t_compute = time_op(lambda idx, data, mat: _independent_compute(mat), (topk_idx, x, a))
+        setup["overlap_compute_us"] = t_compute * 1e6
+        halves = [
+            ("dispatch", "FP8", (topk_idx, x),
+             lambda idx, d: jax_ep.low_latency_dispatch_send(buf, d, idx, use_fp8=True),
+             lambda p: jax_ep.low_latency_dispatch_recv(buf, p)),
+            ("combine", "BF16", (combine_routing, y),
+             lambda r, d: jax_ep.low_latency_combine_send(buf, d, r[0], r[1], r[2]),
+             lambda p: jax_ep.low_latency_combine_recv(buf, p)),
+        ]
+        for op, payload, fn_args, send, recv in halves:
+            t_split = time_op(split(send, recv), (*fn_args, a))
+            t_op = next(r["t_us"] for r in results if (r["backend"], r["op"], r["payload"]) == (measured, op, payload))
+            exposed = t_split * 1e6 - t_compute * 1e6
+            record = dict(backend=measured, op=op, payload=payload, t_split_us=t_split * 1e6,
+                          compute_us=t_compute * 1e6, exposed_us=exposed, hidden_us=t_op - exposed)
+            splits.append(record)
+            print(f"[low_latency] {measured} [{op} {payload} send/recv] {exposed:.2f} us exposed, "
+                  f"{record['hidden_us']:.2f} of {t_op:.2f} us hidden by {t_compute * 1e6:.2f} us of independent "
+                  f"compute between send and recv (exposed = t(send; compute; recv) - t(compute))", flush=True)
+
+    baselines = []
+    if measured == "jax_ep xla":
+        print("[low_latency] jax_ep xla: the measured ops above (not timed twice)", flush=True)
+    else:
+        with jax_ep.Buffer(mesh, "ep", backend="xla", num_max_dispatch_tokens_per_rank=M, hidden=H,
+                           num_experts=E) as xla_buf:
+            time_all(xla_buf, "jax_ep xla")
+        baselines.append("jax_ep xla")
+    if args.baselines:
+        for backend, op, payload, result in _baseline_times(mesh, args, topk_idx, x, E, fp8=True, chain_data=True):
+            if isinstance(result, str):
+                print(f"[low_latency] {backend}: {result}", flush=True)
+            else:
+                report(backend, op, payload, result)
+                baselines.append(backend)
+
+    speedups = []
+    for op in ("dispatch", "combine"):
+        pool = [r for r in results if r["backend"] in baselines and r["op"] == op]
+        if not pool:
+            continue
+        best = min(pool, key=lambda r: r["t_us"])
+        for r in results:
+            if r["backend"] == measured and r["op"] == op:
+                speedups.append(dict(op=op, payload=r["payload"], speedup=best["t_us"] / r["t_us"],
+                                     baseline=f"{best['backend']} {best['payload']}", baseline_t_us=best["t_us"]))
+                print(f"[low_latency] {measured} [{op} {r['payload']}] speedup {speedups[-1]['speedup']:.1f}x over "
+                      f"the best pure-JAX baseline ({speedups[-1]['baseline']}, {best['t_us']:.2f} us)", flush=True)
+    return dict(mode="low_latency", setup=setup, results=results, splits=splits, speedups=speedups)
 
 
 def plot_sm_sweep(records: list[dict], path: str) -> None:
@@ -246,28 +449,46 @@ def plot_sm_sweep(records: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+# DeepEP's benchmark shapes: (tokens per rank, hidden, top-k, experts).
+DEFAULT_SHAPES = {"intranode": (4096, 7168, 8, 256), "low_latency": (128, 7168, 8, 288)}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jax_ep.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["intranode"])
+    parser.add_argument("mode", choices=sorted(DEFAULT_SHAPES))
     parser.add_argument("--ranks", type=int, default=0, help="GPUs to use (default: every local GPU)")
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--hidden", type=int, default=7168)
-    parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--tokens", type=int, help="tokens per rank (default 4096 intranode, 128 low_latency)")
+    parser.add_argument("--hidden", type=int, help="default 7168")
+    parser.add_argument("--topk", type=int, help="default 8")
+    parser.add_argument("--experts", type=int, help="default 256 intranode, 288 low_latency")
     parser.add_argument("--sms", type=int, nargs="*", default=[24],
-                        help="Config.num_sms values for the cuda backend (none: skip the cuda backend)")
+                        help="intranode: Config.num_sms values for the cuda backend (none: skip the cuda backend)")
     parser.add_argument("--iters", type=int, default=20, help="ops per timed jitted loop")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--xla", action="store_true",
-                        help="also time jax_ep's xla backend (its all_gather of the payload does not depend on the "
-                             "routing, so XLA computes it once for the whole timed sequence: not a fair figure)")
+                        help="intranode: also time jax_ep's xla backend (its all_gather of the payload does not depend "
+                             "on the routing, so XLA computes it once for the whole timed sequence: not a fair figure)")
     parser.add_argument("--no-baselines", dest="baselines", action="store_false",
                         help="skip the pure-JAX baselines (ragged_all_to_all MaxText-style, dense all_to_all)")
+    parser.add_argument("--backend", default="auto", choices=["auto", "cuda", "xla"],
+                        help="low_latency: the Buffer backend to measure (the xla backend is timed as a baseline)")
+    parser.add_argument("--max-tokens", type=int, default=0,
+                        help="low_latency: num_max_dispatch_tokens_per_rank (default: --tokens)")
+    parser.add_argument("--masked", type=int, default=0,
+                        help="low_latency: top-k entries per rank set to -1 at random (DeepEP's test sets 10)")
+    parser.add_argument("--overlap-size", type=int, default=0,
+                        help="low_latency: S of the [S, S] bf16 matmul between send and receive halves "
+                             "(default 4096, 128 on CPU)")
     parser.add_argument("--json", help="write every figure to this file")
-    parser.add_argument("--plot", help="write a PNG of GB/s against the SM count to this file")
+    parser.add_argument("--plot", help="intranode: write a PNG of GB/s against the SM count to this file")
     args = parser.parse_args(argv)
-    records = intranode(args)
+    for name, default in zip(("tokens", "hidden", "topk", "experts"), DEFAULT_SHAPES[args.mode]):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    if args.mode == "low_latency" and args.plot:
+        parser.error("--plot draws the intranode SM sweep only")
+    records = intranode(args) if args.mode == "intranode" else low_latency(args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)
