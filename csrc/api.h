@@ -150,3 +150,85 @@ cudaError_t intranode_combine(const IntranodeCall& call, const CombineArgs& args
 
 }  // namespace jax_ep
 #endif
+
+#if defined(JAX_EP_WITH_CUDA)
+namespace jax_ep {
+
+// ---- Low-latency mode (low_latency.cu; region layout in low_latency_state.h) ---------------------------------
+// Dispatch and combine, each a send and a receive launch joined by a token (the device-side call number).
+// Senders store rows into the receivers' LL regions (at `ll_offset` in every rank's workspace) and raise
+// per-(expert, source) flags tagged with the call number; two buffer sets alternate per call and credits
+// bound the skew between ranks. See low_latency.cu for the protocol.
+
+// Error-record values of the LL kernels (IntranodeError.op / .wait); the normal mode uses 1..3 and 1..2.
+enum class LowLatencyOp : int32_t { kDispatchSend = 10, kDispatchRecv = 11, kCombineSend = 12, kCombineRecv = 13 };
+enum class LowLatencyWait : int32_t {
+  kCredit = 10,  // a send waited for a peer to finish receiving call - 2 of the same buffer set
+  kFlag = 11,    // a receive waited for a peer's rows of this call
+};
+
+// What the dispatch rows carry: BF16, or e4m3 with float32 scales per 128 channels, or with UE8M0 scales
+// (the exponent bytes of power-of-two scales, four per int32).
+enum class LowLatencyPayload : int32_t { kBF16 = 0, kFP8 = 1, kFP8UE8M0 = 2 };
+
+// Per launch. The LL region sizes follow (num_max_tokens, hidden, num_experts).
+struct LowLatencyCall {
+  IntranodeRank group;
+  int64_t ll_offset = 0;       // byte offset of the LL region in every workspace (256-byte aligned)
+  int64_t num_max_tokens = 0;  // M
+  int64_t hidden = 0;          // H, a multiple of 128
+  int64_t num_experts = 0;     // E, a multiple of the ranks
+  int64_t timeout_ns = 0;
+  cudaStream_t stream = nullptr;
+};
+
+struct LowLatencyDispatchSendArgs {
+  const void* x = nullptr;            // bf16 [num_tokens, H]
+  const int32_t* topk_idx = nullptr;  // [num_tokens, num_topk]; ids outside [0, E) are sent nowhere
+  int64_t num_tokens = 0, num_topk = 0;  // num_tokens <= M, num_topk <= kLowLatencyMaxTopk
+  LowLatencyPayload payload = LowLatencyPayload::kBF16;
+  bool round_scale = false;           // FP8: scales rounded up to powers of two (implied by kFP8UE8M0)
+  int32_t* position = nullptr;        // scratch [num_tokens, num_topk]: slot of each entry, -1 for none
+  int32_t* expert_count = nullptr;    // scratch [E]: this rank's tokens per expert
+  int32_t* invalid_ids = nullptr;     // scalar: entries outside [-1, E)
+  uint32_t* token = nullptr;          // scalar: this call's number, for the receive
+};
+cudaError_t low_latency_dispatch_send(const LowLatencyCall& call, const LowLatencyDispatchSendArgs& args);
+
+// Outputs of L = E / R local experts, R*M rows each, packed by (source rank, source token).
+struct LowLatencyDispatchRecvArgs {
+  const uint32_t* token = nullptr;    // from the send
+  LowLatencyPayload payload = LowLatencyPayload::kBF16;  // as the send's
+  void* recv_x = nullptr;             // [L, R*M, H] bf16, or e4m3 bytes
+  void* recv_scales = nullptr;        // FP8: f32 [L, R*M, H/128] or UE8M0 int32 [L, R*M, H/512]; else null
+  int32_t* recv_count = nullptr;      // [L]
+  int32_t* src_token_index = nullptr; // [L, R*M]: source token of each row, -1 past recv_count
+  int32_t* src_topk_index = nullptr;  // [L, R*M]: top-k slot of the row's expert in its source token, -1 past
+  int32_t* layout_range = nullptr;    // [L, R, 2]: (first row, rows) per (local expert, source rank)
+};
+cudaError_t low_latency_dispatch_recv(const LowLatencyCall& call, const LowLatencyDispatchRecvArgs& args);
+
+struct LowLatencyCombineSendArgs {
+  const void* y = nullptr;                // bf16 [L, R*M, H]: rows past each expert's count are ignored
+  const int32_t* src_token_index = nullptr;  // the dispatch handle's [L, R*M]
+  const int32_t* src_topk_index = nullptr;   // [L, R*M]
+  const int32_t* layout_range = nullptr;     // [L, R, 2]
+  uint32_t* token = nullptr;
+};
+cudaError_t low_latency_combine_send(const LowLatencyCall& call, const LowLatencyCombineSendArgs& args);
+
+// out[t] = sum over k in order of topk_weights[t, k] * (row of expert topk_idx[t, k] for t), float32, bf16 out.
+struct LowLatencyCombineRecvArgs {
+  const uint32_t* token = nullptr;
+  const int32_t* topk_idx = nullptr;      // [num_tokens, num_topk]; ids outside [0, E) add nothing
+  const float* topk_weights = nullptr;    // [num_tokens, num_topk]
+  int64_t num_tokens = 0, num_topk = 0;
+  void* out = nullptr;                    // bf16 [num_tokens, H]
+};
+cudaError_t low_latency_combine_recv(const LowLatencyCall& call, const LowLatencyCombineRecvArgs& args);
+
+// One line per device of `device_ordinals` whose LL kernel of `buffer_id` timed out (readable after the trap).
+std::vector<std::string> low_latency_errors(int64_t buffer_id, const std::vector<int>& device_ordinals);
+
+}  // namespace jax_ep
+#endif

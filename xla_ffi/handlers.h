@@ -1,4 +1,5 @@
-// Handler symbols defined in cpu_handlers.cc, cuda_handlers.cc and intranode_handlers.cc, exported by module.cc.
+// Handler symbols defined in cpu_handlers.cc, cuda_handlers.cc, intranode_handlers.cc and low_latency_handlers.cc,
+// exported by module.cc.
 #pragma once
 #include "xla/ffi/api/ffi.h"
 
@@ -20,6 +21,10 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(LayoutCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(IntranodeDispatch);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(IntranodeCachedDispatch);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(IntranodeCombine);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyDispatchSend);  // low_latency_handlers.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyDispatchRecv);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyCombineSend);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyCombineRecv);
 #endif
 
 }  // namespace jax_ep::ffi_handlers

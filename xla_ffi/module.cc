@@ -35,6 +35,10 @@ nb::dict Registrations() {
   targets["jax_ep_dispatch"] = cuda_only(Capsule(IntranodeDispatch));
   targets["jax_ep_cached_dispatch"] = cuda_only(Capsule(IntranodeCachedDispatch));
   targets["jax_ep_combine"] = cuda_only(Capsule(IntranodeCombine));
+  targets["jax_ep_low_latency_dispatch_send"] = cuda_only(Capsule(LowLatencyDispatchSend));
+  targets["jax_ep_low_latency_dispatch_recv"] = cuda_only(Capsule(LowLatencyDispatchRecv));
+  targets["jax_ep_low_latency_combine_send"] = cuda_only(Capsule(LowLatencyCombineSend));
+  targets["jax_ep_low_latency_combine_recv"] = cuda_only(Capsule(LowLatencyCombineRecv));
 #endif
   return targets;
 }
@@ -72,6 +76,8 @@ NB_MODULE(_C, m) {
         "Waits for and frees every group of buffer_id; returns '' or the CUDA errors met.");
   m.def("intranode_errors", &jax_ep::intranode_errors, nb::arg("buffer_id"),
         "One line per rank of buffer_id whose kernel timed out waiting for a peer (readable after the trap).");
+  m.def("low_latency_errors", &jax_ep::low_latency_errors, nb::arg("buffer_id"), nb::arg("device_ordinals"),
+        "One line per device whose low-latency kernel of buffer_id timed out (op, rank, peer, call).");
   m.def("intranode_kernel_times", &jax_ep::intranode_kernel_times, nb::arg("buffer_id"), nb::arg("reset") = false,
         "[(calls, summed kernel ns)] per device of buffer_id in rank order since the last reset (benchmark figure).");
   m.attr("with_cuda") = true;

@@ -1,0 +1,609 @@
+// Low-latency (LL) dispatch and combine kernels (ARCHITECTURE.md §3 "Low-latency", §4): each op is a send half
+// and a receive half, separate launches joined by a token (the call number) so that XLA can schedule work
+// between them. Rows travel with plain stores through the peers' workspace pointers (NVLink peer access, or
+// CUDA IPC mappings); the LL region of each workspace is laid out in low_latency_state.h.
+//
+// Protocol of call c of one op (dispatch and combine keep separate counters, regions and credits):
+//  send:  reads c = (own calls) + 1 from the device (graph replay advances it), waits until every peer's
+//         receive of call c - 2 finished reading buffer set c % 2 (a credit: peers may drift, and at most two
+//         calls of an op are between send and receive), writes its rows into set c % 2 of the receivers,
+//         then, once every block is done, one flag per (expert, source) carrying the tag c (and for dispatch
+//         the row count). Flags carry the call number instead of being cleaned between calls, so a stale
+//         flag of call c - 2 never reads as ready and no cleaning pass races with a fast peer.
+//  recv:  takes c from the send's token, waits (bounded) for every flag of its set to carry c, copies the
+//         rows into the outputs, and when every block is done publishes "set c % 2 consumed up to c".
+// Every wait is bounded by timeout_ns: on expiry the kernel fills the host-mapped error record (op, rank,
+// peer, call) and traps. A third send of one op before the receive of the first waits for a credit that
+// cannot come: that misuse ends in such a timeout, naming the credit wait.
+// Blocks never wait for other blocks of their own kernel, so grids need not be co-resident.
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "api.h"
+#include "cuda_check.h"
+#include "intranode_state.h"
+#include "low_latency_state.h"
+
+namespace jax_ep {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kGroup = 128;              // channels per FP8 scale
+constexpr int kLaneChannels = 8;         // BF16 channels per lane and step: one 16-byte load
+constexpr int kChunk = 32 * kLaneChannels;  // channels per warp step (two FP8 groups)
+constexpr float kFp8Max = 448.f;
+constexpr float kAmaxFloor = 1e-4f;
+
+// ---- memory access and timing -----------------------------------------------------------------------------
+
+__device__ __forceinline__ uint64_t load_acquire(const uint64_t* ptr) {
+  uint64_t value;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(ptr) : "memory");
+  return value;
+}
+
+__device__ __forceinline__ uint32_t load_acquire(const uint32_t* ptr) {
+  uint32_t value;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");
+  return value;
+}
+
+__device__ __forceinline__ void store_release(uint64_t* ptr, uint64_t value) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
+}
+
+__device__ __forceinline__ void store_release(uint32_t* ptr, uint32_t value) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
+}
+
+__device__ __forceinline__ uint64_t now_ns() {
+  uint64_t ns;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+  return ns;
+}
+
+// Whether call counter `value` reached `call`, modulo 2^32.
+__device__ __forceinline__ bool call_reached(uint32_t value, uint32_t call) {
+  return static_cast<int32_t>(value - call) >= 0;
+}
+
+__device__ __forceinline__ char* region(const LowLatencyCall& c, int rank) {
+  return c.group.workspaces[rank] + c.ll_offset;
+}
+
+__device__ __forceinline__ LowLatencyHeader* header(const LowLatencyCall& c, int rank) {
+  return reinterpret_cast<LowLatencyHeader*>(region(c, rank));
+}
+
+__device__ __forceinline__ int global_warp() { return (blockIdx.x * kThreads + threadIdx.x) / 32; }
+__device__ __forceinline__ int num_global_warps() { return gridDim.x * kWarps; }
+
+// ---- bounded waits -----------------------------------------------------------------------------------------
+
+// Cold path, out of line; scalars only, so the caller's __grid_constant__ parameters stay in constant memory.
+__device__ __noinline__ void fail_on_timeout(unsigned* error_claimed, IntranodeError* error, int rank,
+                                             LowLatencyOp op, LowLatencyWait wait, int peer, uint32_t call,
+                                             uint64_t seen, int64_t waited_ns) {
+  if (atomicCAS(error_claimed, 0u, 1u) == 0u) {
+    volatile IntranodeError* record = error;
+    record->wait = static_cast<int32_t>(wait);
+    record->rank = rank;
+    record->peer = peer;
+    record->call = call;
+    record->seen = seen;
+    record->waited_ns = waited_ns;
+    __threadfence_system();
+    record->op = static_cast<int32_t>(op);  // last: marks the record complete
+    __threadfence_system();
+  }
+  __trap();
+}
+
+// Spins until done(load()) and returns the last value loaded, or fails after c.timeout_ns.
+template <typename Load, typename Done>
+__device__ __forceinline__ uint64_t wait_until(const LowLatencyCall& c, LowLatencyOp op, LowLatencyWait wait,
+                                               int peer, uint32_t call, Load load, Done done) {
+  uint64_t seen = load();
+  if (done(seen)) return seen;
+  const uint64_t start = now_ns();
+  while (!done(seen = load())) {
+    const int64_t waited = static_cast<int64_t>(now_ns() - start);
+    if (waited > c.timeout_ns)
+      fail_on_timeout(&header(c, c.group.rank)->error_claimed, c.group.error, c.group.rank, op, wait, peer, call,
+                      seen, waited);
+  }
+  return seen;
+}
+
+// Send halves, before writing into set call % 2 of the peers: every peer's receive of call - 2 (the previous
+// user of that set) has finished reading it. Threads < num_ranks wait, one peer each.
+__device__ __forceinline__ void wait_for_credits(const LowLatencyCall& c, LowLatencyOp op, uint32_t call,
+                                                 bool dispatch) {
+  if (threadIdx.x < c.group.num_ranks) {
+    const int peer = threadIdx.x;
+    LowLatencyHeader* h = header(c, peer);
+    const uint32_t* consumed = dispatch ? &h->dispatch_consumed[call & 1] : &h->combine_consumed[call & 1];
+    wait_until(c, op, LowLatencyWait::kCredit, peer, call, [&] { return uint64_t{load_acquire(consumed)}; },
+               [&](uint64_t seen) { return call_reached(static_cast<uint32_t>(seen), call - 2); });
+  }
+  __syncthreads();
+}
+
+// Every block calls this after its work; true in the one block that finished last, which then sees every
+// other block's writes (and may publish them to peers with release stores).
+__device__ __forceinline__ bool is_last_block(uint32_t* blocks_finished) {
+  __shared__ bool last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    last = atomicAdd(blocks_finished, 1u) == gridDim.x - 1;
+    if (last) *blocks_finished = 0;  // every block has counted: ready for the next call
+    __threadfence_system();
+  }
+  __syncthreads();
+  return last;
+}
+
+// The call number of a send half: one more than the calls this rank completed (read by every block at start;
+// only the last block of a call advances it).
+__device__ __forceinline__ uint32_t next_call(const uint32_t* completed) {
+  __shared__ uint32_t call;
+  if (threadIdx.x == 0) call = *reinterpret_cast<const volatile uint32_t*>(completed) + 1;
+  __syncthreads();
+  return call;
+}
+
+// ---- row copies --------------------------------------------------------------------------------------------
+
+// A warp copies `bytes` from memory that peers wrote during this kernel (loads at L2, the coherence point
+// of NVLink writes, never a stale L1 line) or from an XLA input.
+template <typename Unit>
+__device__ __forceinline__ void warp_copy_units(void* dst, const void* src, int64_t bytes, int lane) {
+  Unit* d = static_cast<Unit*>(dst);
+  const Unit* s = static_cast<const Unit*>(src);
+  const int64_t n = bytes / static_cast<int64_t>(sizeof(Unit));
+  for (int64_t i = lane; i < n; i += 32) d[i] = __ldcg(s + i);
+}
+
+__device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t bytes, int lane) {
+  const uintptr_t bits = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
+                         static_cast<uintptr_t>(bytes);
+  if (bits % 16 == 0) return warp_copy_units<uint4>(dst, src, bytes, lane);
+  if (bits % 4 == 0) return warp_copy_units<unsigned>(dst, src, bytes, lane);
+  return warp_copy_units<unsigned char>(dst, src, bytes, lane);
+}
+
+// ---- FP8 cast (jax_ep/fp8.py bit for bit) ----------------------------------------------------------------
+
+// max that propagates NaN, as XLA's reduce-max and jnp.maximum do.
+__device__ __forceinline__ float nan_max(float a, float b) { return (a != a || a > b) ? a : b; }
+
+// 2**ceil(log2(scale)) for a positive normal float: the scale itself when its mantissa is zero, else the next
+// power of two (fp8.py's frexp rule).
+__device__ __forceinline__ float round_up_to_power_of_two(float scale) {
+  const uint32_t bits = __float_as_uint(scale);
+  return (bits & 0x7fffffu) ? __uint_as_float((bits & 0x7f800000u) + 0x800000u) : scale;
+}
+
+// Casts this lane's 8 channels (group = 16 lanes): returns the e4m3 bytes, sets *scale for the group.
+__device__ __forceinline__ uint2 cast_to_fp8(const float (&v)[kLaneChannels], bool round_scale, float* scale) {
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < kLaneChannels; ++i) amax = nan_max(amax, fabsf(v[i]));
+#pragma unroll
+  for (int mask = 8; mask >= 1; mask >>= 1) amax = nan_max(amax, __shfl_xor_sync(kFullMask, amax, mask));
+  amax = nan_max(amax, kAmaxFloor);
+  float s = __fmul_rn(amax, 1.f / kFp8Max);  // amax * float32(1/448), DeepEP's rounding
+  if (round_scale) s = round_up_to_power_of_two(s);
+  *scale = s;
+  uint8_t q[kLaneChannels];
+#pragma unroll
+  for (int i = 0; i < kLaneChannels; ++i) q[i] = __nv_cvt_float_to_fp8(__fdiv_rn(v[i], s), __NV_SATFINITE, __NV_E4M3);
+  uint2 out;
+  memcpy(&out, q, sizeof(out));
+  return out;
+}
+
+__device__ __forceinline__ void bf16x8_to_float(const uint4& raw, float (&v)[kLaneChannels]) {
+  const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&raw);
+#pragma unroll
+  for (int i = 0; i < kLaneChannels; ++i) v[i] = __bfloat162float(h[i]);
+}
+
+// Work items (token, part): a token's channels split into `parts` ranges of whole chunks, so that small
+// batches still spread over every SM.
+struct TokenParts {
+  int64_t parts, chunks_per_part;
+  __host__ __device__ TokenParts(int64_t num_tokens, int64_t hidden, int64_t warps_wanted) {
+    const int64_t chunks = (hidden + kChunk - 1) / kChunk;
+    parts = std::min(chunks, std::max<int64_t>(1, (warps_wanted + num_tokens - 1) / num_tokens));
+    chunks_per_part = (chunks + parts - 1) / parts;
+  }
+};
+
+// ---- dispatch ---------------------------------------------------------------------------------------------
+
+// Before the send: position[t, k] = rank of token t among this rank's tokens routed to expert topk_idx[t, k]
+// (token order), on the first entry of each distinct expert of t; -1 elsewhere. A warp takes one expert and
+// scans the tokens 32 at a time (a ballot gives the prefix count): no atomics, so deterministic.
+__global__ void __launch_bounds__(kThreads) dispatch_route_kernel(const __grid_constant__ LowLatencyCall c,
+                                                                  const __grid_constant__ LowLatencyDispatchSendArgs a) {
+  const int lane = threadIdx.x % 32;
+  const int64_t num_tokens = a.num_tokens, num_topk = a.num_topk;
+  const int32_t num_experts = static_cast<int32_t>(c.num_experts);
+  if (blockIdx.x == 0) {  // entries outside [0, E) get no position; those outside [-1, E) are counted
+    __shared__ int32_t invalid;
+    if (threadIdx.x == 0) invalid = 0;
+    __syncthreads();
+    int32_t own = 0;
+    for (int64_t i = threadIdx.x; i < num_tokens * num_topk; i += kThreads) {
+      const int32_t e = a.topk_idx[i];
+      if (e < 0 || e >= num_experts) {
+        a.position[i] = -1;
+        own += e != -1;
+      }
+    }
+    if (own) atomicAdd(&invalid, own);
+    __syncthreads();
+    if (threadIdx.x == 0) *a.invalid_ids = invalid;
+  }
+  for (int32_t e = global_warp(); e < num_experts; e += num_global_warps()) {
+    int32_t routed = 0;
+    for (int64_t first = 0; first < num_tokens; first += 32) {
+      const int64_t t = first + lane;
+      int32_t k_first = -1;
+      if (t < num_tokens) {
+        for (int64_t k = 0; k < num_topk; ++k) {
+          if (a.topk_idx[t * num_topk + k] != e) continue;
+          if (k_first < 0)
+            k_first = static_cast<int32_t>(k);
+          else
+            a.position[t * num_topk + k] = -1;  // a repeat of the expert: its row is the first entry's
+        }
+      }
+      const unsigned routed_lanes = __ballot_sync(kFullMask, k_first >= 0);
+      if (k_first >= 0) a.position[t * num_topk + k_first] = routed + __popc(routed_lanes & ((1u << lane) - 1u));
+      routed += __popc(routed_lanes);
+    }
+    if (lane == 0) a.expert_count[e] = routed;
+  }
+}
+
+// The send: a warp takes (token, part), loads each 256-channel chunk once, casts it (FP8: one scale per 128
+// channels, 16 lanes a group) and stores it into the slot of every distinct expert of the token, on that
+// expert's rank. The last block then raises one flag per expert: (call << 32) | rows sent to it.
+__global__ void __launch_bounds__(kThreads) dispatch_send_kernel(const __grid_constant__ LowLatencyCall c,
+                                                                 const __grid_constant__ LowLatencyDispatchSendArgs a,
+                                                                 TokenParts split) {
+  const int lane = threadIdx.x % 32, me = c.group.rank, num_ranks = c.group.num_ranks;
+  const int64_t hidden = c.hidden, num_topk = a.num_topk, max_tokens = c.num_max_tokens;
+  const int32_t experts_per_rank = static_cast<int32_t>(c.num_experts / num_ranks);
+  const LowLatencyLayout layout(max_tokens, hidden, c.num_experts);
+  LowLatencyHeader* own = header(c, me);
+  const uint32_t call = next_call(&own->dispatch_calls), set = call & 1;
+  wait_for_credits(c, LowLatencyOp::kDispatchSend, call, /*dispatch=*/true);
+
+  const bool fp8 = a.payload != LowLatencyPayload::kBF16, ue8m0 = a.payload == LowLatencyPayload::kFP8UE8M0;
+  const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(a.x);
+  for (int64_t item = global_warp(); item < a.num_tokens * split.parts; item += num_global_warps()) {
+    const int64_t t = item / split.parts, part = item % split.parts;
+    int32_t expert = -1, position = -1;
+    if (lane < num_topk) {
+      position = a.position[t * num_topk + lane];
+      if (position >= 0) expert = a.topk_idx[t * num_topk + lane];
+    }
+    // position < max_tokens always (T <= M is checked); the test keeps stores inside the region regardless.
+    const unsigned targets = __ballot_sync(kFullMask, position >= 0 && position < max_tokens);
+    auto slot_index = [&](int32_t e, int32_t pos) {  // (rank of expert e, slot of `pos` in its region there)
+      const int32_t j = e % experts_per_rank;
+      return make_int2(e / experts_per_rank, static_cast<int32_t>((j * num_ranks + me) * max_tokens + pos));
+    };
+    auto slot_of = [&](int target_lane) {  // every lane calls it with the same target
+      return slot_index(__shfl_sync(kFullMask, expert, target_lane), __shfl_sync(kFullMask, position, target_lane));
+    };
+    const int64_t chunk_end = min((part + 1) * split.chunks_per_part * kChunk, hidden);
+    for (int64_t chunk = part * split.chunks_per_part * kChunk; chunk < chunk_end; chunk += kChunk) {
+      const int64_t ch = chunk + lane * kLaneChannels;
+      const bool active = ch < hidden;  // hidden is a multiple of 128: whole 16-lane groups are active or not
+      uint4 raw = make_uint4(0, 0, 0, 0);
+      if (active) raw = __ldg(reinterpret_cast<const uint4*>(x + t * hidden + ch));
+      uint2 q = make_uint2(0, 0);
+      float scale = 0.f;
+      if (fp8) {
+        float v[kLaneChannels];
+        bf16x8_to_float(raw, v);
+        q = cast_to_fp8(v, a.round_scale, &scale);
+      }
+      for (unsigned todo = targets; todo; todo &= todo - 1) {
+        const int2 target = slot_of(__ffs(todo) - 1);
+        char* row = layout.set_base(region(c, target.x), set) + layout.dispatch_rows + target.y * layout.slot_bytes;
+        if (!active) continue;
+        if (!fp8) {
+          *reinterpret_cast<uint4*>(row + ch * 2) = raw;
+          continue;
+        }
+        *reinterpret_cast<uint2*>(row + ch) = q;
+        if (lane % (kGroup / kLaneChannels) == 0) {  // the group's first lane writes its scale
+          const int64_t group = ch / kGroup;
+          if (ue8m0)  // byte i of packed word w is group 4w + i: the packed scales are one byte per group
+            reinterpret_cast<uint8_t*>(row + hidden)[group] = static_cast<uint8_t>(__float_as_uint(scale) >> 23);
+          else
+            reinterpret_cast<float*>(row + hidden)[group] = scale;
+        }
+      }
+    }
+    if (part == 0 && ((targets >> lane) & 1u)) {  // each target lane writes its own slot's metadata
+      const int2 target = slot_index(expert, position);
+      int2* meta = reinterpret_cast<int2*>(layout.set_base(region(c, target.x), set) + layout.dispatch_meta);
+      meta[target.y] = make_int2(static_cast<int32_t>(t), lane);
+    }
+  }
+
+  if (!is_last_block(&own->blocks_finished[0])) return;
+  for (int32_t e = threadIdx.x; e < c.num_experts; e += kThreads) {
+    const int32_t rank = e / experts_per_rank, j = e % experts_per_rank;
+    uint64_t* flags = reinterpret_cast<uint64_t*>(layout.set_base(region(c, rank), set) + layout.dispatch_flags);
+    store_release(flags + j * num_ranks + me, (uint64_t{call} << 32) | static_cast<uint32_t>(a.expert_count[e]));
+  }
+  if (threadIdx.x == 0) {
+    own->dispatch_calls = call;
+    *a.token = call;
+  }
+}
+
+// The receive: waits for the L*R flags of its set, packs each local expert's rows by (source rank, position)
+// into the outputs (rows past recv_count keep whatever the buffer held; their handle entries are -1).
+__global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(const __grid_constant__ LowLatencyCall c,
+                                                                 const __grid_constant__ LowLatencyDispatchRecvArgs a) {
+  extern __shared__ int32_t counts_and_begins[];  // [L*R] rows per (expert, source), then [L*R] first rows
+  const int lane = threadIdx.x % 32, me = c.group.rank, num_ranks = c.group.num_ranks;
+  const int64_t hidden = c.hidden, max_tokens = c.num_max_tokens;
+  const int32_t experts_per_rank = static_cast<int32_t>(c.num_experts / num_ranks);
+  const int32_t pairs = experts_per_rank * num_ranks;
+  int32_t* counts = counts_and_begins;
+  int32_t* begins = counts_and_begins + pairs;
+  const LowLatencyLayout layout(max_tokens, hidden, c.num_experts);
+  const uint32_t call = *a.token, set = call & 1;
+  char* base = layout.set_base(region(c, me), set);
+
+  const uint64_t* flags = reinterpret_cast<const uint64_t*>(base + layout.dispatch_flags);
+  for (int32_t i = threadIdx.x; i < pairs; i += kThreads) {
+    const uint64_t seen = wait_until(c, LowLatencyOp::kDispatchRecv, LowLatencyWait::kFlag, i % num_ranks, call,
+                                     [&] { return load_acquire(flags + i); },
+                                     [&](uint64_t v) { return static_cast<uint32_t>(v >> 32) == call; });
+    counts[i] = min(static_cast<int32_t>(static_cast<uint32_t>(seen)), static_cast<int32_t>(max_tokens));
+  }
+  __syncthreads();
+  for (int32_t j = threadIdx.x; j < experts_per_rank; j += kThreads) {
+    int32_t running = 0;
+    for (int s = 0; s < num_ranks; ++s) {
+      begins[j * num_ranks + s] = running;
+      running += counts[j * num_ranks + s];
+    }
+    if (blockIdx.x == 0) {
+      a.recv_count[j] = running;
+      for (int s = 0; s < num_ranks; ++s) {
+        a.layout_range[(j * num_ranks + s) * 2] = begins[j * num_ranks + s];
+        a.layout_range[(j * num_ranks + s) * 2 + 1] = counts[j * num_ranks + s];
+      }
+    }
+  }
+  __syncthreads();
+
+  const bool fp8 = a.payload != LowLatencyPayload::kBF16;
+  const int64_t value_bytes = fp8 ? hidden : 2 * hidden;
+  const int64_t scale_bytes = a.payload == LowLatencyPayload::kFP8 ? hidden / kGroup * 4
+                              : a.payload == LowLatencyPayload::kFP8UE8M0 ? hidden / kGroup : 0;
+  const int64_t rows_per_expert = num_ranks * max_tokens;
+  const int2* meta = reinterpret_cast<const int2*>(base + layout.dispatch_meta);
+  for (int64_t slot = global_warp(); slot < pairs * max_tokens; slot += num_global_warps()) {
+    const int32_t pair = static_cast<int32_t>(slot / max_tokens), pos = static_cast<int32_t>(slot % max_tokens);
+    if (pos >= counts[pair]) continue;
+    const int64_t out_row = (pair / num_ranks) * rows_per_expert + begins[pair] + pos;
+    const char* src = base + layout.dispatch_rows + slot * layout.slot_bytes;
+    warp_copy(static_cast<char*>(a.recv_x) + out_row * value_bytes, src, value_bytes, lane);
+    if (scale_bytes) warp_copy(static_cast<char*>(a.recv_scales) + out_row * scale_bytes, src + hidden, scale_bytes, lane);
+    if (lane == 0) {
+      const int2 m = __ldcg(meta + slot);
+      a.src_token_index[out_row] = m.x;
+      a.src_topk_index[out_row] = m.y;
+    }
+  }
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < experts_per_rank * rows_per_expert;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const int32_t j = static_cast<int32_t>(i / rows_per_expert);
+    const int32_t last = j * num_ranks + num_ranks - 1;
+    if (i % rows_per_expert >= begins[last] + counts[last]) {
+      a.src_token_index[i] = -1;
+      a.src_topk_index[i] = -1;
+    }
+  }
+
+  LowLatencyHeader* own = header(c, me);
+  if (is_last_block(&own->blocks_finished[1]) && threadIdx.x == 0) store_release(&own->dispatch_consumed[set], call);
+}
+
+// ---- combine ----------------------------------------------------------------------------------------------
+
+// The send: a warp takes an output row (local expert j, row i < its count), finds its source rank from
+// layout_range and writes the row into the source's slot (token, top-k slot). The last block then raises,
+// on every source rank, the flag of each local expert.
+__global__ void __launch_bounds__(kThreads) combine_send_kernel(const __grid_constant__ LowLatencyCall c,
+                                                                const __grid_constant__ LowLatencyCombineSendArgs a) {
+  const int lane = threadIdx.x % 32, me = c.group.rank, num_ranks = c.group.num_ranks;
+  const int64_t hidden = c.hidden, max_tokens = c.num_max_tokens;
+  const int32_t experts_per_rank = static_cast<int32_t>(c.num_experts / num_ranks);
+  const LowLatencyLayout layout(max_tokens, hidden, c.num_experts);
+  LowLatencyHeader* own = header(c, me);
+  const uint32_t call = next_call(&own->combine_calls), set = call & 1;
+  wait_for_credits(c, LowLatencyOp::kCombineSend, call, /*dispatch=*/false);
+
+  const int64_t rows_per_expert = num_ranks * max_tokens;
+  for (int64_t item = global_warp(); item < experts_per_rank * rows_per_expert; item += num_global_warps()) {
+    const int64_t j = item / rows_per_expert, row = item % rows_per_expert;
+    bool inside = false;
+    if (lane < num_ranks) {
+      const int32_t begin = a.layout_range[(j * num_ranks + lane) * 2];
+      const int32_t count = a.layout_range[(j * num_ranks + lane) * 2 + 1];
+      inside = row >= begin && row < static_cast<int64_t>(begin) + count;
+    }
+    const unsigned sources = __ballot_sync(kFullMask, inside);
+    if (!sources) continue;  // a row past recv_count
+    const int src = __ffs(sources) - 1;
+    const int32_t t = a.src_token_index[item], k = a.src_topk_index[item];
+    if (t < 0 || t >= max_tokens || k < 0 || k >= kLowLatencyMaxTopk) continue;  // not from a dispatch handle
+    char* dst = layout.set_base(region(c, src), set) + layout.combine_rows +
+                (static_cast<int64_t>(t) * kLowLatencyMaxTopk + k) * layout.slot_bytes;
+    warp_copy(dst, static_cast<const char*>(a.y) + item * layout.slot_bytes, layout.slot_bytes, lane);
+  }
+
+  if (!is_last_block(&own->blocks_finished[2])) return;
+  for (int32_t i = threadIdx.x; i < experts_per_rank * num_ranks; i += kThreads) {
+    const int32_t j = i / num_ranks, src = i % num_ranks;
+    uint64_t* flags = reinterpret_cast<uint64_t*>(layout.set_base(region(c, src), set) + layout.combine_flags);
+    store_release(flags + me * experts_per_rank + j, call);
+  }
+  if (threadIdx.x == 0) {
+    own->combine_calls = call;
+    *a.token = call;
+  }
+}
+
+// The receive: waits for the E flags of its set, then a warp takes (token, part) and sums, for k in order,
+// w[t, k] * row of (t, first entry of expert k) in float32 (one rounding per product and per sum, as the
+// reference), and writes BF16.
+__global__ void __launch_bounds__(kThreads) combine_recv_kernel(const __grid_constant__ LowLatencyCall c,
+                                                                const __grid_constant__ LowLatencyCombineRecvArgs a,
+                                                                TokenParts split) {
+  const int lane = threadIdx.x % 32, me = c.group.rank;
+  const int64_t hidden = c.hidden, num_topk = a.num_topk;
+  const int32_t num_experts = static_cast<int32_t>(c.num_experts);
+  const LowLatencyLayout layout(c.num_max_tokens, hidden, num_experts);
+  const uint32_t call = *a.token, set = call & 1;
+  const char* base = layout.set_base(region(c, me), set);
+
+  const uint64_t* flags = reinterpret_cast<const uint64_t*>(base + layout.combine_flags);
+  const int32_t experts_per_rank = static_cast<int32_t>(num_experts / c.group.num_ranks);
+  for (int32_t e = threadIdx.x; e < num_experts; e += kThreads)
+    wait_until(c, LowLatencyOp::kCombineRecv, LowLatencyWait::kFlag, e / experts_per_rank, call,
+               [&] { return load_acquire(flags + e); },
+               [&](uint64_t v) { return static_cast<uint32_t>(v) == call; });
+  __syncthreads();
+
+  __nv_bfloat16* out = static_cast<__nv_bfloat16*>(a.out);
+  for (int64_t item = global_warp(); item < a.num_tokens * split.parts; item += num_global_warps()) {
+    const int64_t t = item / split.parts, part = item % split.parts;
+    int32_t expert = -1, slot = lane;
+    float weight = 0.f;
+    if (lane < num_topk) {
+      expert = a.topk_idx[t * num_topk + lane];
+      if (expert < 0 || expert >= num_experts) expert = -1;
+      weight = a.topk_weights[t * num_topk + lane];
+    }
+    for (int k = 0; k < num_topk; ++k) {  // slot: the first entry naming this lane's expert
+      const int32_t other = __shfl_sync(kFullMask, expert, k);
+      if (k < lane && other == expert && slot == lane) slot = k;
+    }
+    const int64_t chunk_end = min((part + 1) * split.chunks_per_part * kChunk, hidden);
+    for (int64_t chunk = part * split.chunks_per_part * kChunk; chunk < chunk_end; chunk += kChunk) {
+      const int64_t ch = chunk + lane * kLaneChannels;
+      float acc[kLaneChannels];
+#pragma unroll
+      for (int i = 0; i < kLaneChannels; ++i) acc[i] = 0.f;
+      for (int k = 0; k < num_topk; ++k) {
+        const int32_t e = __shfl_sync(kFullMask, expert, k);
+        const int32_t s = __shfl_sync(kFullMask, slot, k);
+        const float w = __shfl_sync(kFullMask, weight, k);
+        if (e < 0 || ch >= hidden) continue;
+        const char* row = base + layout.combine_rows + (t * kLowLatencyMaxTopk + s) * layout.slot_bytes;
+        float v[kLaneChannels];
+        bf16x8_to_float(__ldcg(reinterpret_cast<const uint4*>(row + ch * 2)), v);
+#pragma unroll
+        for (int i = 0; i < kLaneChannels; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(w, v[i]));
+      }
+      if (ch >= hidden) continue;
+      __nv_bfloat16 packed[kLaneChannels];
+#pragma unroll
+      for (int i = 0; i < kLaneChannels; ++i) packed[i] = __float2bfloat16_rn(acc[i]);
+      *reinterpret_cast<uint4*>(out + t * hidden + ch) = *reinterpret_cast<const uint4*>(packed);
+    }
+  }
+
+  LowLatencyHeader* own = header(c, me);
+  if (is_last_block(&own->blocks_finished[3]) && threadIdx.x == 0) store_release(&own->combine_consumed[set], call);
+}
+
+// ---- launches ----------------------------------------------------------------------------------------------
+
+int blocks_for_warps(const LowLatencyCall& c, int64_t warps) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(c.group.device_sms, (warps + kWarps - 1) / kWarps)));
+}
+
+// One wave of warps over the device: items (token, part) enough to occupy every SM once.
+TokenParts token_parts(const LowLatencyCall& c, int64_t num_tokens) {
+  return TokenParts(num_tokens, c.hidden, static_cast<int64_t>(c.group.device_sms) * kWarps);
+}
+
+}  // namespace
+
+cudaError_t low_latency_dispatch_send(const LowLatencyCall& call, const LowLatencyDispatchSendArgs& args) {
+  if (args.num_topk > kLowLatencyMaxTopk || args.num_tokens > call.num_max_tokens) return cudaErrorInvalidValue;
+  dispatch_route_kernel<<<blocks_for_warps(call, call.num_experts), kThreads, 0, call.stream>>>(call, args);
+  JAX_EP_CUDA_RETURN(cudaGetLastError());
+  const TokenParts split = token_parts(call, args.num_tokens);
+  dispatch_send_kernel<<<blocks_for_warps(call, args.num_tokens * split.parts), kThreads, 0, call.stream>>>(
+      call, args, split);
+  return cudaGetLastError();
+}
+
+cudaError_t low_latency_dispatch_recv(const LowLatencyCall& call, const LowLatencyDispatchRecvArgs& args) {
+  if (call.num_experts > kLowLatencyMaxExperts) return cudaErrorInvalidValue;
+  const size_t shared = 2 * sizeof(int32_t) * static_cast<size_t>(call.num_experts);
+  dispatch_recv_kernel<<<call.group.device_sms, kThreads, shared, call.stream>>>(call, args);
+  return cudaGetLastError();
+}
+
+cudaError_t low_latency_combine_send(const LowLatencyCall& call, const LowLatencyCombineSendArgs& args) {
+  combine_send_kernel<<<call.group.device_sms, kThreads, 0, call.stream>>>(call, args);
+  return cudaGetLastError();
+}
+
+cudaError_t low_latency_combine_recv(const LowLatencyCall& call, const LowLatencyCombineRecvArgs& args) {
+  if (args.num_topk > kLowLatencyMaxTopk || args.num_tokens > call.num_max_tokens) return cudaErrorInvalidValue;
+  const TokenParts split = token_parts(call, args.num_tokens);
+  combine_recv_kernel<<<blocks_for_warps(call, args.num_tokens * split.parts), kThreads, 0, call.stream>>>(
+      call, args, split);
+  return cudaGetLastError();
+}
+
+std::vector<std::string> low_latency_errors(int64_t buffer_id, const std::vector<int>& device_ordinals) {
+  static const char* const kOps[] = {"low_latency_dispatch (send)", "low_latency_dispatch (receive)",
+                                     "low_latency_combine (send)", "low_latency_combine (receive)"};
+  std::vector<std::string> lines;
+  for (int device : device_ordinals) {
+    IntranodeRank rank;
+    if (!intranode_lookup(buffer_id, device, &rank) || !rank.error) continue;
+    // Pinned, mapped host memory: with unified addressing its device pointer is its host pointer.
+    const volatile IntranodeError& e = *rank.error;
+    const int op = e.op - static_cast<int>(LowLatencyOp::kDispatchSend);
+    if (op < 0 || op > 3) continue;
+    const uint32_t call = static_cast<uint32_t>(e.call);
+    const std::string waited_for =
+        e.wait == static_cast<int32_t>(LowLatencyWait::kCredit)
+            ? " to finish receiving call " + std::to_string(call - 2) +
+                  " (a credit: are more than two results of this op between send and receive?)"
+            : " to send its rows of call " + std::to_string(call) + " (flag " + std::to_string(e.seen) + ")";
+    lines.push_back("jax_ep " + std::string(kOps[op]) + " timed out on rank " + std::to_string(e.rank) +
+                    " (CUDA device " + std::to_string(device) + ") after " + std::to_string(e.waited_ns / 1000000) +
+                    " ms waiting for rank " + std::to_string(e.peer) + waited_for);
+  }
+  return lines;
+}
+
+}  // namespace jax_ep
