@@ -6,6 +6,7 @@ of a dispatch and checks that the others fail within the timeout, naming the op 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -67,7 +68,9 @@ def test_intranode_suite_one_process_per_gpu(R, tmp_path):
     codes, outputs = launch("pytest", R, [str(Path(__file__).parent / "test_intranode.py"), "-x"], SUITE_TIMEOUT_S,
                             tmp_path)
     assert codes == [0] * R, report(codes, outputs)
-    assert all(" passed" in o and "failed" not in o for o in outputs), report(codes, outputs)
+    for out in outputs:  # the suite ran (only the tests that start their own single-process worker skip)
+        summary = re.search(r"(\d+) passed(?:, (\d+) skipped)?", out)
+        assert summary and int(summary.group(1)) >= 25 and int(summary.group(2) or 0) <= 4, report(codes, outputs)
 
 
 @pytest.mark.parametrize("R", RANKS)
