@@ -151,6 +151,26 @@ cudaError_t intranode_combine(const IntranodeCall& call, const CombineArgs& args
 }  // namespace jax_ep
 #endif
 
+#if defined(JAX_EP_WITH_NVSHMEM)
+namespace jax_ep {
+
+// ---- NVSHMEM (nvshmem_runtime.cu): one PE per process, owned by jax_ep ------------------------------------
+// Bootstrap from a unique id: one process creates it, every process receives its bytes (jax_ep passes them
+// through the jax.distributed key-value store) and initialises with its rank. Failures throw
+// std::runtime_error naming the call.
+std::string nvshmem_unique_id();
+void nvshmem_initialize(int device_ordinal, int rank, int num_ranks, const std::string& unique_id);
+bool nvshmem_is_initialized();
+// Collective (every PE, same size): zeroed symmetric memory, valid at the same offset on every PE.
+void* nvshmem_allocate(int64_t bytes);
+void nvshmem_release(void* pointer);
+// Each PE puts its rank into the next PE's word of a symmetric array and reads the word its previous PE
+// wrote: the device-side transport check of the test suite. Returns the value read.
+int nvshmem_ring_check();
+
+}  // namespace jax_ep
+#endif
+
 #if defined(JAX_EP_WITH_CUDA)
 namespace jax_ep {
 

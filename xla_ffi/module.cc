@@ -86,6 +86,20 @@ NB_MODULE(_C, m) {
 #endif
 #if defined(JAX_EP_WITH_NVSHMEM)
   m.attr("with_nvshmem") = true;
+  m.def("nvshmem_unique_id", [] {
+    const std::string id = jax_ep::nvshmem_unique_id();
+    return nb::bytes(id.data(), id.size());
+  }, "A fresh NVSHMEM unique id (bytes) for nvshmem_initialize on every process.");
+  m.def(
+      "nvshmem_initialize",
+      [](int device_ordinal, int rank, int num_ranks, nb::bytes unique_id) {
+        jax_ep::nvshmem_initialize(device_ordinal, rank, num_ranks, std::string(unique_id.c_str(), unique_id.size()));
+      },
+      nb::arg("device_ordinal"), nb::arg("rank"), nb::arg("num_ranks"), nb::arg("unique_id"),
+      "Collective: this process becomes PE `rank` of `num_ranks` on its CUDA device.");
+  m.def("nvshmem_is_initialized", &jax_ep::nvshmem_is_initialized);
+  m.def("nvshmem_ring_check", &jax_ep::nvshmem_ring_check,
+        "Collective: every PE puts its rank to the next one; returns what this PE received.");
 #else
   m.attr("with_nvshmem") = false;
 #endif

@@ -11,6 +11,8 @@ key-value store. MODE:
            failed within a bounded time and RECORD lines with the timeout records, then exits without
            teardown (the trapped GPU's context is dead). The last process sleeps meanwhile (and dies with
            the coordination service when process 0 leaves).
+  nvshmem  bootstraps NVSHMEM through the key-value store and runs its ring check; prints
+           "RING <rank> <value read>".
 """
 from __future__ import annotations
 
@@ -58,6 +60,12 @@ def main(mode: str, process_id: int, num_processes: int, port: int, pytest_args:
     sys.path.insert(0, str(TESTS))
     if mode == "timeout":
         run_timeout(process_id, num_processes)
+    if mode == "nvshmem":
+        from jax_ep import nvshmem
+
+        nvshmem.initialize()
+        print(f"RING {process_id} {nvshmem.ring_check()}", flush=True)
+        os._exit(0)
     import pytest
 
     code = pytest.main(["-q", "-p", "no:cacheprovider", "--rootdir", str(TESTS.parent), *pytest_args])

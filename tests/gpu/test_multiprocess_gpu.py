@@ -86,3 +86,17 @@ def test_process_that_never_joins_times_out(R, tmp_path):
         records = [line for line in out.splitlines() if line.startswith("RECORD")]
         assert records and f"dispatch timed out on rank {rank}" in records[0], report(codes, outputs)
         assert f"waiting for rank {R - 1} to publish its inputs" in records[0], records[0]
+
+
+@pytest.mark.parametrize("R", RANKS)
+def test_nvshmem_bootstrap_and_puts(R, tmp_path):
+    """NVSHMEM starts from a unique id passed through the key-value store, one PE per process, and a device-side
+    put reaches the next PE."""
+    from jax_ep import nvshmem
+
+    if not nvshmem.available():
+        pytest.skip("built without NVSHMEM")
+    codes, outputs = launch("nvshmem", R, [], 180, tmp_path)
+    assert codes == [0] * R, report(codes, outputs)
+    for rank, out in enumerate(outputs):
+        assert f"RING {rank} {(rank - 1) % R}" in out, report(codes, outputs)

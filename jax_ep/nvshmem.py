@@ -1,0 +1,42 @@
+"""NVSHMEM for jax_ep, one PE per process (ARCHITECTURE.md §2): bootstrapped from a unique id that process 0
+creates and the `jax.distributed` key-value store carries to every process. jax_ep owns NVSHMEM in the
+process: keep XLA's experimental NVSHMEM flag (`--xla_gpu_experimental_enable_nvshmem`) off."""
+from __future__ import annotations
+
+import jax
+
+from jax_ep import _native
+
+_UID_KEY = "jax_ep/nvshmem/unique_id"
+
+
+def available() -> bool:
+    return _native.with_nvshmem()
+
+
+def initialize(timeout_s: float = 60.0) -> None:
+    """Collective over every jax process (each with exactly one local GPU); a no-op once done."""
+    if not available():
+        raise RuntimeError("jax_ep: this build has no NVSHMEM (install the cuda12/cuda13 extra and rebuild)")
+    if _native._C.nvshmem_is_initialized():
+        return
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError("jax_ep: NVSHMEM needs jax.distributed.initialize() (one process per GPU)")
+    local = jax.local_devices()
+    if len(local) != 1 or local[0].platform != "gpu":
+        raise RuntimeError(f"jax_ep: NVSHMEM needs exactly one local GPU per process, this process has {local}")
+    if jax.process_index() == 0:
+        client.key_value_set(_UID_KEY, _native._C.nvshmem_unique_id().hex())
+    try:
+        unique_id = bytes.fromhex(client.blocking_key_value_get(_UID_KEY, int(timeout_s * 1000)))
+    except Exception as e:  # the client raises a runtime error on its deadline
+        raise RuntimeError(f"jax_ep: process 0 did not publish the NVSHMEM unique id within {timeout_s} s: {e}") from e
+    _native._C.nvshmem_initialize(int(local[0].local_hardware_id), jax.process_index(), jax.process_count(), unique_id)
+
+
+def ring_check() -> int:
+    """Collective transport check: returns the rank of the previous PE when puts work."""
+    return _native._C.nvshmem_ring_check()
