@@ -1,5 +1,5 @@
-"""Benchmarks: `python -m jax_ep.bench intranode [--sms 24 32 ...] [--json PATH]` and
-`python -m jax_ep.bench low_latency [--backend auto] [--json PATH]`.
+"""Benchmarks: `python -m jax_ep.bench intranode [--sms 24 32 ...] [--processes N] [--json PATH]` and
+`python -m jax_ep.bench low_latency [--backend auto] [--processes N] [--json PATH]`.
 
 intranode: normal-mode dispatch (BF16 and the FP8 pair) and combine (BF16) over every local GPU of this
 process, DeepEP's shape by default (T=4096, H=7168, K=8, E=256), for the `cuda` backend at each `--sms` value
@@ -14,26 +14,58 @@ same way; the send/receive split as the part of each op that independent compute
 then the pure-JAX baselines (the `xla` backend's low-latency ops, dense all_to_all, ragged_all_to_all) and
 the speedup over the best of them. Bytes as DeepEP counts them per valid (token, expert) pair: H + H/128·4 +
 16 (FP8 dispatch), 2H (BF16 dispatch, combine), on the sending rank, averaged over ranks.
+
+Process models (ARCHITECTURE.md §2): by default one process drives every local GPU. With `--processes N` this
+command is a launcher: it starts N copies of itself, process i owning GPU i, joined through `jax.distributed`
+on localhost, which run the same measurements over the global mesh (collectively: the same programs in the
+same order); process 0 prints and writes --json/--plot, the others' output is shown only when they fail. With
+JAX_PLATFORMS=cpu each process owns one CPU device and collectives go through gloo (for testing).
 """
 from __future__ import annotations
 
 import argparse
 import functools
 import json
+import os
 import re
+import signal
+import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+import traceback
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from jax_ep import cuda_backend
 from jax_ep.config import FP8_GROUP
+
+
+def _process_model(args) -> str:
+    return "one process per GPU" if args.processes else "one process, all GPUs"
+
+
+def _mesh(args) -> Mesh:
+    """The EP mesh: with --processes every device of the job (one per process), else this process's devices."""
+    devices = jax.devices() if args.processes else jax.local_devices()[: args.ranks or None]
+    if args.processes and len(devices) != args.processes:
+        raise RuntimeError(f"--processes {args.processes}: the job has {len(devices)} devices, want one per process")
+    return Mesh(np.array(devices), ("ep",))
+
+
+def _global(mesh: Mesh, values: np.ndarray) -> jax.Array:
+    """`values` (the whole [R*n, ...] input, identical in every process: same seed) as a global array, rows
+    sharded over the EP axis; each process transfers only the rows of its own devices."""
+    return jax.make_array_from_callback(values.shape, NamedSharding(mesh, P("ep")), lambda index: values[index],
+                                        dtype=values.dtype)
 
 
 def _topk_idx(rng: np.random.Generator, num_ranks: int, num_tokens: int, num_topk: int, num_experts: int) -> np.ndarray:
@@ -193,35 +225,38 @@ def _baseline_times(mesh, args, topk_idx, x, num_experts, fp8: bool = False, cha
 
 
 def intranode(args) -> list[dict]:
-    devices = jax.local_devices()[: args.ranks or None]
-    num_ranks = len(devices)
-    mesh = Mesh(np.array(devices), ("ep",))
+    mesh = _mesh(args)
+    devices, num_ranks = list(mesh.devices.flat), mesh.devices.size
     T, H, K, E = args.tokens, args.hidden, args.topk, args.experts
     rng = np.random.default_rng(0)
-    topk_idx = _topk_idx(rng, num_ranks, T, K, E)
-    x = jnp.asarray(rng.standard_normal((num_ranks * T, H), dtype=np.float32), jnp.bfloat16)
-    x_fp8 = jax.jit(jax_ep.per_token_cast_to_fp8)(x)
-    print(f"[intranode] {num_ranks} ranks ({devices[0].device_kind}), T={T} H={H} K={K} E={E}, "
-          f"{args.iters} ops per timed loop, median of {args.repeats}", flush=True)
+    topk_idx_host = _topk_idx(rng, num_ranks, T, K, E)
+    topk_idx = _global(mesh, topk_idx_host)
+    x = _global(mesh, rng.standard_normal((num_ranks * T, H), dtype=np.float32).astype(jnp.bfloat16))
+    x_fp8 = _spmd(mesh, jax_ep.per_token_cast_to_fp8)(x)
+    # Kernel times are per device of this process: with one process per GPU, process 0's GPU (which prints).
+    kernel_device = "process 0's GPU" if args.processes else "mean over the GPUs"
+    print(f"[intranode] {num_ranks} ranks ({devices[0].device_kind}), {_process_model(args)}, T={T} H={H} K={K} "
+          f"E={E}, {args.iters} ops per timed loop, median of {args.repeats}"
+          + (f", kernel t: {kernel_device}" if args.sms else ""), flush=True)
     records = []
 
     def report(backend, op, payload, sms, seconds, nbytes, kernel_seconds=None):
         record = dict(backend=backend, op=op, payload=payload, num_sms=sms, num_ranks=num_ranks, tokens=T, hidden=H,
-                      topk=K, experts=E, recv_rows=recv_rows, t_us=seconds * 1e6, gbps=nbytes / seconds / 1e9,
-                      nvl_gbps=nbytes * remote_fraction / seconds / 1e9)
+                      topk=K, experts=E, process_model=_process_model(args), recv_rows=recv_rows,
+                      t_us=seconds * 1e6, gbps=nbytes / seconds / 1e9, nvl_gbps=nbytes * remote_fraction / seconds / 1e9)
         sm_text = "" if sms is None else f", SMs {sms}"
         line = (f"[intranode] {backend} {op} ({payload}{sm_text}): {record['gbps']:.2f} GB/s (logical), "
                 f"{record['nvl_gbps']:.2f} GB/s (NVL), t: {record['t_us']:.2f} us")
         if kernel_seconds:
-            record.update(kernel_us=kernel_seconds * 1e6, in_jit_overhead=seconds / kernel_seconds - 1)
+            record.update(kernel_us=kernel_seconds * 1e6, kernel_us_of=kernel_device,
+                          in_jit_overhead=seconds / kernel_seconds - 1)
             line += f", kernel t: {record['kernel_us']:.2f} us (in-jit overhead {100 * record['in_jit_overhead']:+.1f}%)"
         records.append(record)
         print(line, flush=True)
 
     # DeepEP's byte count: received rows (one per (token, destination rank)) of the BF16 / FP8 payload.
-    with jax_ep.Buffer(mesh, "ep", backend="xla") as buf:
-        num_recv = _spmd(mesh, lambda i: jax_ep.get_dispatch_layout(buf, i, E).num_tokens_per_rank)(topk_idx)
-    per_pair = np.asarray(jax.device_get(num_recv)).reshape(num_ranks, num_ranks)  # [source, destination]
+    in_rank = np.any(topk_idx_host[:, :, None] // (E // num_ranks) == np.arange(num_ranks), axis=1)  # [R*T, R]
+    per_pair = in_rank.reshape(num_ranks, T, num_ranks).sum(axis=1)  # [source, destination]
     recv_rows = float(np.mean(per_pair.sum(axis=0)))
     # NVLink figure: self traffic (a rank's tokens to itself) excluded.
     remote_fraction = 1.0 - float(np.trace(per_pair)) / float(per_pair.sum())
@@ -236,9 +271,15 @@ def intranode(args) -> list[dict]:
 
     runs = [("xla", None)] if args.xla else []
     runs += [("cuda", sms) for sms in args.sms]
+    # One process per GPU: every normal-mode op stages the inputs its peers read in the Buffer's workspace.
+    num_nvl_bytes = max(jax_ep.normal_buffer_bytes(T, H, num_ranks, K, fp8=fp8) for fp8 in (False, True))
+    if args.processes and args.sms:
+        print(f"[intranode] cuda Buffer num_nvl_bytes={num_nvl_bytes} ({num_nvl_bytes / 2**20:.1f} MiB per GPU: "
+              "jax_ep.normal_buffer_bytes of these shapes, BF16 and FP8)", flush=True)
     for backend, sms in runs:
         config = jax_ep.Config() if sms is None else jax_ep.Config(num_sms=sms)
-        with jax_ep.Buffer(mesh, "ep", backend=backend, config=config) as buf:
+        with jax_ep.Buffer(mesh, "ep", backend=backend, config=config,
+                           num_nvl_bytes=num_nvl_bytes if args.processes else None) as buf:
             def dispatch(idx, payload):
                 return jax_ep.dispatch(buf, payload, idx, num_experts=E)
 
@@ -275,37 +316,39 @@ def _independent_compute(a):
 
 
 def low_latency(args) -> dict:
-    devices = jax.local_devices()[: args.ranks or None]
-    num_ranks = len(devices)
-    mesh = Mesh(np.array(devices), ("ep",))
+    mesh = _mesh(args)
+    devices, num_ranks = list(mesh.devices.flat), mesh.devices.size
     T, H, K, E = args.tokens, args.hidden, args.topk, args.experts
     M = args.max_tokens or T
     L = E // num_ranks
     rng = np.random.default_rng(0)
-    topk_idx = _topk_idx(rng, num_ranks, T, K, E)
+    topk_idx_host = _topk_idx(rng, num_ranks, T, K, E)
     # DeepEP's test_low_latency sets a few random entries of each rank to -1 (no expert).
     for r in range(num_ranks):
         for _ in range(args.masked):
-            topk_idx[r * T + rng.integers(T), rng.integers(K)] = -1
-    topk_weights = np.abs(rng.standard_normal((num_ranks * T, K))).astype(np.float32)
-    x = jnp.asarray(rng.standard_normal((num_ranks * T, H), dtype=np.float32), jnp.bfloat16)
+            topk_idx_host[r * T + rng.integers(T), rng.integers(K)] = -1
+    topk_idx = _global(mesh, topk_idx_host)
+    topk_weights = _global(mesh, np.abs(rng.standard_normal((num_ranks * T, K))).astype(np.float32))
+    x = _global(mesh, rng.standard_normal((num_ranks * T, H), dtype=np.float32).astype(jnp.bfloat16))
     size = args.overlap_size or (128 if devices[0].platform == "cpu" else 4096)
-    a = jnp.asarray(rng.standard_normal((num_ranks * size, size), dtype=np.float32) / np.sqrt(size), jnp.bfloat16)
+    a = _global(mesh, (rng.standard_normal((num_ranks * size, size), dtype=np.float32) / np.sqrt(size))
+                .astype(jnp.bfloat16))
 
     # DeepEP's byte count: per valid (token, expert) pair, counted on the sending rank; the mean over ranks
     # (= sum / R) of those pairs, against the time of the SPMD program (equal on every rank). "NVL" leaves
     # out the pairs whose expert lives on the token's own rank.
-    valid = topk_idx >= 0
-    remote = valid & (topk_idx // L != np.repeat(np.arange(num_ranks), T)[:, None])
+    valid = topk_idx_host >= 0
+    remote = valid & (topk_idx_host // L != np.repeat(np.arange(num_ranks), T)[:, None])
     pairs, remote_pairs = valid.sum() / num_ranks, remote.sum() / num_ranks
     pair_bytes = {("dispatch", "FP8"): H + H // FP8_GROUP * 4 + 16, ("dispatch", "BF16"): 2 * H,
                   ("combine", "BF16"): 2 * H}
     setup = dict(num_ranks=num_ranks, device=devices[0].device_kind, tokens=T, hidden=H, topk=K, experts=E,
                  num_max_dispatch_tokens_per_rank=M, masked_per_rank=args.masked, valid_pairs_per_rank=float(pairs),
                  remote_pairs_per_rank=float(remote_pairs), iters=args.iters, repeats=args.repeats,
-                 overlap_matmul_size=size)
+                 overlap_matmul_size=size, process_model=_process_model(args))
     results, splits = [], []
-    print(f"[low_latency] {num_ranks} ranks ({devices[0].device_kind}), T={T} H={H} K={K} E={E} M={M}, "
+    print(f"[low_latency] {num_ranks} ranks ({devices[0].device_kind}), {_process_model(args)}, "
+          f"T={T} H={H} K={K} E={E} M={M}, "
           f"{pairs:.1f} valid (token, expert) pairs per rank ({remote_pairs:.1f} to other ranks), "
           f"{args.iters} ops per timed loop, median of {args.repeats}", flush=True)
 
@@ -449,6 +492,87 @@ def plot_sm_sweep(records: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+# ---- one process per GPU --------------------------------------------------------------------------------------
+
+def _on_cpu() -> bool:
+    return os.environ.get("JAX_PLATFORMS", "").split(",")[0].strip() == "cpu"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_for(procs: list[subprocess.Popen], deadline_s: float, grace_s: float = 20.0) -> list[int | None]:
+    """Exit codes of `procs`, None for the ones killed: at `deadline_s`, or `grace_s` after the first one failed
+    (its peers then wait in collectives that it never joins)."""
+    deadline, failed = time.monotonic() + deadline_s, False
+    while None in (codes := [proc.poll() for proc in procs]) and time.monotonic() < deadline:
+        if not failed and any(code not in (None, 0) for code in codes):
+            failed, deadline = True, min(deadline, time.monotonic() + grace_s)
+        time.sleep(0.1)
+    _kill_running(procs)
+    return codes
+
+
+def _kill_running(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _launch(args, argv: list[str]) -> int:
+    """--processes N: runs N copies of this command, process i owning GPU i (every process sees every GPU, for
+    CUDA IPC), joined through jax.distributed on a free localhost port. Process 0's output passes through,
+    the others' goes to log files whose last lines are printed when they fail. Returns 0 when all succeeded."""
+    port = _free_port()
+    package_root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p))
+    if _on_cpu():  # one CPU device per process
+        flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "", env.get("XLA_FLAGS", "")).split()
+        env["XLA_FLAGS"] = " ".join([*flags, "--xla_force_host_platform_device_count=1"])
+    with tempfile.TemporaryDirectory(prefix="jax_ep_bench_") as logdir:
+        logs = [open(Path(logdir) / f"process{i}.log", "w+") for i in range(args.processes)]
+        procs = []
+        # Killed by a deadline of its own (SIGTERM), the launcher takes its workers with it (the finally below).
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+        try:
+            for i, log in enumerate(logs):
+                command = [sys.executable, "-m", "jax_ep.bench", *argv, "--process-id", str(i),
+                           "--coordinator-port", str(port)]
+                procs.append(subprocess.Popen(command, env=env, stdout=None if i == 0 else log,
+                                              stderr=None if i == 0 else log))
+            codes = _wait_for(procs, args.deadline)
+        finally:  # the launcher itself failed or was interrupted
+            _kill_running(procs)
+        for i, (code, log) in enumerate(zip(codes, logs)):
+            if code == 0:
+                continue
+            what = f"exited with code {code}" if code is not None else "was killed (deadline, or a peer failed)"
+            log.seek(0)
+            tail = "its output is above" if i == 0 else "last lines:\n" + "".join(log.readlines()[-40:])
+            print(f"[bench] process {i} of {args.processes} {what}; {tail}", file=sys.stderr, flush=True)
+        for log in logs:
+            log.close()
+    return 0 if codes == [0] * args.processes else 1
+
+
+def _join(args) -> None:
+    """A worker of --processes joins jax.distributed as process `process_id`: on GPU owning GPU `process_id`
+    only, on CPU with its CPU device (gloo collectives)."""
+    owned = {}
+    if _on_cpu():
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    else:
+        owned["local_device_ids"] = [args.process_id]
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.coordinator_port}",
+                               num_processes=args.processes, process_id=args.process_id,
+                               initialization_timeout=120, **owned)
+
+
 # DeepEP's benchmark shapes: (tokens per rank, hidden, top-k, experts).
 DEFAULT_SHAPES = {"intranode": (4096, 7168, 8, 256), "low_latency": (128, 7168, 8, 288)}
 
@@ -458,6 +582,13 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=sorted(DEFAULT_SHAPES))
     parser.add_argument("--ranks", type=int, default=0, help="GPUs to use (default: every local GPU)")
+    parser.add_argument("--processes", type=int, default=0,
+                        help="run with one process per GPU on this many GPUs (GPU i owned by process i) instead of "
+                             "one process driving every GPU")
+    parser.add_argument("--deadline", type=float, default=1800,
+                        help="with --processes: seconds after which the processes still running are killed")
+    parser.add_argument("--process-id", type=int, help=argparse.SUPPRESS)  # a worker of --processes
+    parser.add_argument("--coordinator-port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--tokens", type=int, help="tokens per rank (default 4096 intranode, 128 low_latency)")
     parser.add_argument("--hidden", type=int, help="default 7168")
     parser.add_argument("--topk", type=int, help="default 8")
@@ -488,12 +619,27 @@ def main(argv=None) -> int:
             setattr(args, name, default)
     if args.mode == "low_latency" and args.plot:
         parser.error("--plot draws the intranode SM sweep only")
-    records = intranode(args) if args.mode == "intranode" else low_latency(args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
-    if args.plot:
-        plot_sm_sweep(records, args.plot)
+    if args.processes < 0 or (args.processes and args.ranks not in (0, args.processes)):
+        parser.error("--processes N runs N ranks, one per process (leave --ranks out)")
+    if args.processes and args.process_id is None:
+        return _launch(args, sys.argv[1:] if argv is None else list(argv))
+    if args.process_id is not None:
+        _join(args)
+    try:
+        records = intranode(args) if args.mode == "intranode" else low_latency(args)
+        if jax.process_index() == 0:
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(records, f, indent=1)
+            if args.plot:
+                plot_sm_sweep(records, args.plot)
+    except BaseException:
+        if args.process_id is None:
+            raise
+        # A failed worker exits at once: jax.distributed's shutdown would wait for peers stuck in collectives.
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
     return 0
 
 

@@ -1,0 +1,64 @@
+"""python -m jax_ep.bench {low_latency,intranode} --processes 2 on CPU, tiny: the launcher starts two
+jax.distributed processes (one CPU device each, gloo), both run the benchmark over the global 2-rank mesh,
+process 0 alone prints and writes the JSON, which records the process model; a failing worker makes the
+launcher exit non-zero with that worker's last lines."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+ONE_PROCESS_PER_GPU = "one process per GPU"
+
+
+def bench(*argv: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")  # the launcher sets one CPU device per worker in XLA_FLAGS
+    return subprocess.run([sys.executable, "-m", "jax_ep.bench", *argv, "--processes", "2", "--deadline", "100"],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def bench_record(tmp_path, *argv: str) -> tuple[str, dict | list]:
+    """Runs the tiny benchmark (one timed iteration); its stdout and JSON record."""
+    path = tmp_path / "bench.json"
+    run = bench(*argv, "--iters", "1", "--repeats", "1", "--json", str(path))
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run.stdout, json.loads(path.read_text())
+
+
+def test_low_latency_one_process_per_rank(tmp_path):
+    stdout, record = bench_record(tmp_path, "low_latency", "--tokens", "4", "--hidden", "128", "--experts", "4",
+                                  "--topk", "2", "--overlap-size", "32")
+    setup = record["setup"]
+    assert setup["process_model"] == ONE_PROCESS_PER_GPU and setup["num_ranks"] == 2
+    assert setup["measured"] == "jax_ep xla"
+    assert {r["backend"] for r in record["results"]} == {"jax_ep xla", "jax all_to_all"}
+    assert all(math.isfinite(r["t_us"]) for r in record["results"])  # 1 iteration: CPU noise can make it < 0
+    headers = [line for line in stdout.splitlines() if line.startswith("[low_latency] 2 ranks")]
+    assert len(headers) == 1 and ONE_PROCESS_PER_GPU in headers[0], stdout  # process 0 alone prints
+
+
+def test_intranode_one_process_per_rank(tmp_path):
+    stdout, records = bench_record(tmp_path, "intranode", "--sms", "--xla", "--tokens", "8", "--hidden", "128",
+                                   "--experts", "4", "--topk", "2")
+    assert {(r["backend"], r["op"], r["payload"]) for r in records} == {
+        ("xla", "dispatch", "BF16"), ("xla", "dispatch", "FP8"), ("xla", "combine", "BF16"),
+        ("jax all_to_all", "dispatch", "BF16"), ("jax all_to_all", "combine", "BF16")}
+    for r in records:
+        assert r["process_model"] == ONE_PROCESS_PER_GPU and r["num_ranks"] == 2 and math.isfinite(r["t_us"]), r
+        assert 0 < r["recv_rows"] <= 2 * 8, r
+    assert stdout.count("[intranode] xla dispatch (BF16)") == 1, stdout
+
+
+def test_failing_worker_fails_the_launcher(tmp_path):
+    """The cuda backend on CPU: every worker raises while creating its Buffer."""
+    path = tmp_path / "never.json"
+    run = bench("intranode", "--sms", "24", "--no-baselines", "--tokens", "8", "--hidden", "128", "--experts", "4",
+                "--topk", "2", "--json", str(path))
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "[bench] process 1 of 2 exited with code 1; last lines:" in run.stderr, run.stderr
+    assert "backend='cuda' needs CUDA devices" in run.stderr.split("[bench] process 1 of 2")[1], run.stderr
+    assert not path.exists()
