@@ -29,10 +29,30 @@ class Config:
             raise ValueError(f"Config.timeout_s must be positive, got {self.timeout_s}")
 
 
+# Top-k entries per token the low-latency CUDA kernels support (csrc kLowLatencyMaxTopk): the combine region
+# keeps one row per (token, top-k entry).
+LOW_LATENCY_MAX_TOPK = 16
+
+
 def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int) -> int:
-    """Bytes of the low-latency buffer per rank (two buffer sets, each with a BF16 receive region of
-    `M` rows per (local expert, source rank) for dispatch and for combine, plus count flags)."""
-    experts_per_rank = num_experts // num_ranks
-    row = hidden * 2 + (hidden // FP8_GROUP) * 4 + 16
-    per_set = 2 * experts_per_rank * num_ranks * num_max_dispatch_tokens_per_rank * row + num_experts * 8
-    return 2 * per_set
+    """Bytes of the low-latency region of each rank's workspace (csrc/low_latency_state.h, LowLatencyLayout):
+    a 256-byte header of call counters and credits, then two buffer sets (calls alternate between them), each
+
+    - per expert: a dispatch flag and a combine flag (8 bytes each, each array 256-byte aligned);
+    - the dispatch receive slots: `M` rows per (local expert, source rank), i.e. `E * M` rows of `2 * hidden`
+      bytes (a BF16 row, or the FP8 values and scales, which are smaller) plus 8 bytes of (token, top-k slot);
+    - the combine receive slots: `M * 16` rows of `2 * hidden` bytes, one per (token, top-k entry).
+
+    `num_ranks` does not change the total (E = L * R slot regions either way)."""
+    del num_ranks
+    experts, tokens, row = num_experts, num_max_dispatch_tokens_per_rank, 2 * hidden
+    flags = 2 * _aligned(experts * 8)
+    per_set = flags + _aligned(experts * tokens * 8) + experts * tokens * row + tokens * LOW_LATENCY_MAX_TOPK * row
+    return _LOW_LATENCY_HEADER + 2 * per_set
+
+
+_LOW_LATENCY_HEADER = 256
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 256) * 256

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import _checks, _native, cuda_backend, xla_backend
+from jax_ep import _checks, _native, cuda_backend, cuda_low_latency, xla_backend
 from jax_ep.buffer import Buffer
 from jax_ep.types import (
     CombineResult,
@@ -306,6 +306,16 @@ class _LowLatencySpec:
     num_ranks: int
     num_experts: int
     num_max_tokens: int
+    kernel: cuda_low_latency.LowLatencyParams | None = None  # the cuda backend's LL region and timeout
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cast:
+    """How low-latency dispatch casts its rows (static)."""
+
+    use_fp8: bool = False
+    round_scale: bool = False
+    use_ue8m0: bool = False
 
 
 @jax.tree_util.register_dataclass
@@ -315,7 +325,7 @@ class LowLatencyPending:
 
     state: Any
     spec: _LowLatencySpec = dataclasses.field(metadata=dict(static=True))
-    use_fp8: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    cast: _Cast = dataclasses.field(default=_Cast(), metadata=dict(static=True))
 
 
 def _low_latency_spec(op: str, buffer: Buffer, num_tokens: int, hidden: int) -> _LowLatencySpec:
@@ -330,14 +340,78 @@ def _low_latency_spec(op: str, buffer: Buffer, num_tokens: int, hidden: int) -> 
                          f"{buffer.num_max_dispatch_tokens_per_rank}")
     if hidden != buffer.hidden:
         raise ValueError(f"jax_ep.{op}: hidden {hidden} differs from the Buffer's hidden={buffer.hidden}")
-    # No CUDA low-latency kernels are built yet: the xla implementation serves every Buffer.
-    return _LowLatencySpec("xla", buffer.buffer_id, buffer.axis_name, num_ranks,
-                           _checks.num_experts(op, buffer.num_experts, num_ranks), buffer.num_max_dispatch_tokens_per_rank)
+    num_experts = _checks.num_experts(op, buffer.num_experts, num_ranks)
+    kernel = cuda_low_latency.params(op, buffer) if buffer.backend == "cuda" else None
+    return _LowLatencySpec(buffer.backend, buffer.buffer_id, buffer.axis_name, num_ranks, num_experts,
+                           buffer.num_max_dispatch_tokens_per_rank, kernel)
+
+
+# The cuda receive halves differentiate through the xla implementation of the whole op (recomputed in the
+# backward pass): the kernels move the same values, so the gradients are the xla backend's. x / y and the
+# routing enter the receive as operands for that purpose only.
+
+def _xla_low_latency_dispatch(spec: _LowLatencySpec, cast: _Cast, x, topk_idx):
+    state = xla_backend.low_latency_dispatch_send(
+        x, topk_idx, axis_name=spec.axis_name, num_experts=spec.num_experts, use_fp8=cast.use_fp8,
+        round_scale=cast.round_scale, use_ue8m0=cast.use_ue8m0)
+    return xla_backend.low_latency_dispatch_recv(state, axis_name=spec.axis_name, num_ranks=spec.num_ranks,
+                                                 num_experts=spec.num_experts, num_max_tokens=spec.num_max_tokens)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _cuda_low_latency_dispatch_recv(spec: _LowLatencySpec, cast: _Cast, token, x, topk_idx):
+    return cuda_low_latency.dispatch_recv(token, params=spec.kernel, num_ranks=spec.num_ranks, hidden=x.shape[1],
+                                          use_fp8=cast.use_fp8, use_ue8m0=cast.use_ue8m0)
+
+
+def _cuda_low_latency_dispatch_recv_fwd(spec, cast, token, x, topk_idx):
+    return _cuda_low_latency_dispatch_recv(spec, cast, token, x, topk_idx), (token, x, topk_idx)
+
+
+def _cuda_low_latency_dispatch_recv_bwd(spec, cast, residual, cotangent):
+    token, x, topk_idx = residual
+    _, vjp = jax.vjp(lambda x: _xla_low_latency_dispatch(spec, cast, x, topk_idx)[0], x)
+    (d_x,) = vjp(tuple(cotangent[0]))
+    return _zero_cotangent(token), d_x, _zero_cotangent(topk_idx)
+
+
+_cuda_low_latency_dispatch_recv.defvjp(_cuda_low_latency_dispatch_recv_fwd, _cuda_low_latency_dispatch_recv_bwd)
+
+
+def _xla_low_latency_combine(spec: _LowLatencySpec, y, handle, topk_idx, topk_weights):
+    returned = xla_backend.low_latency_combine_send(y, handle, topk_idx.shape[0], axis_name=spec.axis_name,
+                                                    num_ranks=spec.num_ranks)
+    return xla_backend.low_latency_combine_recv(returned, topk_idx, topk_weights, num_experts=spec.num_experts)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _cuda_low_latency_combine_recv(spec: _LowLatencySpec, token, y, handle, topk_idx, topk_weights):
+    return cuda_low_latency.combine_recv(token, topk_idx, topk_weights, params=spec.kernel, hidden=y.shape[-1])
+
+
+def _cuda_low_latency_combine_recv_fwd(spec, token, y, handle, topk_idx, topk_weights):
+    out = _cuda_low_latency_combine_recv(spec, token, y, handle, topk_idx, topk_weights)
+    return out, (token, y, handle, topk_idx, topk_weights)
+
+
+def _cuda_low_latency_combine_recv_bwd(spec, residual, cotangent):
+    token, y, handle, topk_idx, topk_weights = residual
+    _, vjp = jax.vjp(lambda y, w: _xla_low_latency_combine(spec, y, handle, topk_idx, w), y, topk_weights)
+    d_y, d_weights = vjp(cotangent)
+    return _zero_cotangent(token), d_y, _zero_cotangent(handle), _zero_cotangent(topk_idx), d_weights
+
+
+_cuda_low_latency_combine_recv.defvjp(_cuda_low_latency_combine_recv_fwd, _cuda_low_latency_combine_recv_bwd)
 
 
 def low_latency_dispatch_send(buffer: Buffer, x, topk_idx, *, use_fp8: bool = True, round_scale: bool = False,
                               use_ue8m0: bool = False, cumulative_local_expert_recv_stats=None) -> LowLatencyPending:
-    """Send half of `low_latency_dispatch`; computation can be scheduled before `low_latency_dispatch_recv`."""
+    """Send half of `low_latency_dispatch`; computation can be scheduled before `low_latency_dispatch_recv`.
+
+    At most two sends of one op (dispatch, or combine) of a Buffer may await their receive at once (two
+    buffer sets); with the cuda backend a third send waits for the first receive and fails after
+    `Config.timeout_s` (`jax_ep.cuda_low_latency.errors(buffer)` names the wait). Receives may come in any
+    order."""
     op = "low_latency_dispatch"
     if x.ndim != 2:
         raise TypeError(f"jax_ep.{op}: x must be bfloat16 [num_tokens, hidden], got {_checks._desc(x)}")
@@ -351,10 +425,18 @@ def low_latency_dispatch_send(buffer: Buffer, x, topk_idx, *, use_fp8: bool = Tr
     if cumulative_local_expert_recv_stats is not None:
         _checks.exact(op, "cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, jnp.int32,
                       (spec.num_experts // spec.num_ranks,))
-    state = xla_backend.low_latency_dispatch_send(
-        x, topk_idx, axis_name=spec.axis_name, num_experts=spec.num_experts, use_fp8=use_fp8,
-        round_scale=round_scale, use_ue8m0=use_ue8m0)
-    return LowLatencyPending((state, cumulative_local_expert_recv_stats), spec, use_fp8=use_fp8)
+    cast = _Cast(bool(use_fp8), bool(use_fp8 and round_scale), bool(use_fp8 and use_ue8m0))
+    if spec.backend == "cuda":
+        # The gradient reaches x through the receive half (x is its operand), not through the send's token.
+        token, invalid = cuda_low_latency.dispatch_send(
+            jax.lax.stop_gradient(x), topk_idx, params=spec.kernel, use_fp8=cast.use_fp8, round_scale=cast.round_scale,
+            use_ue8m0=cast.use_ue8m0)
+        state = (token, invalid, x, topk_idx)
+    else:
+        state = xla_backend.low_latency_dispatch_send(
+            x, topk_idx, axis_name=spec.axis_name, num_experts=spec.num_experts, use_fp8=use_fp8,
+            round_scale=round_scale, use_ue8m0=use_ue8m0)
+    return LowLatencyPending((state, cumulative_local_expert_recv_stats), spec, cast)
 
 
 def _check_pending(op: str, buffer: Buffer, pending: LowLatencyPending) -> None:
@@ -368,11 +450,16 @@ def low_latency_dispatch_recv(buffer: Buffer, pending: LowLatencyPending) -> Low
     _check_pending("low_latency_dispatch_recv", buffer, pending)
     state, stats = pending.state
     spec = pending.spec
-    recv, recv_count, handle, invalid = xla_backend.low_latency_dispatch_recv(
-        state, axis_name=spec.axis_name, num_ranks=spec.num_ranks, num_experts=spec.num_experts,
-        num_max_tokens=spec.num_max_tokens)
+    if spec.backend == "cuda":
+        token, invalid, x, topk_idx = state
+        recv, recv_count, handle = _cuda_low_latency_dispatch_recv(spec, pending.cast, token, x, topk_idx)
+    else:
+        recv, recv_count, handle, invalid = xla_backend.low_latency_dispatch_recv(
+            state, axis_name=spec.axis_name, num_ranks=spec.num_ranks, num_experts=spec.num_experts,
+            num_max_tokens=spec.num_max_tokens)
     stats = None if stats is None else stats + recv_count
-    return LowLatencyDispatchResult(tuple(recv) if pending.use_fp8 else recv[0], recv_count, handle, stats, invalid)
+    return LowLatencyDispatchResult(tuple(recv) if pending.cast.use_fp8 else recv[0], recv_count, handle, stats,
+                                    invalid)
 
 
 def low_latency_dispatch(buffer: Buffer, x, topk_idx, *, use_fp8: bool = True, round_scale: bool = False,
@@ -397,6 +484,11 @@ def low_latency_combine_send(buffer: Buffer, y, topk_idx, topk_weights, handle: 
     _checks.topk_idx(op, topk_idx, spec.num_experts)
     _checks.exact(op, "topk_weights", topk_weights, jnp.float32, topk_idx.shape)
     _checks.exact(op, "handle.src_token_index", handle.src_token_index, jnp.int32, y.shape[:2])
+    if spec.backend == "cuda":
+        cuda_low_latency.check_topk(op, topk_idx.shape[1])
+        # As in dispatch: gradients flow through the receive half, which takes y and the handle as operands.
+        token = cuda_low_latency.combine_send(*jax.lax.stop_gradient((y, handle)), params=spec.kernel)
+        return LowLatencyPending((token, y, handle, topk_idx, topk_weights), spec)
     returned = xla_backend.low_latency_combine_send(y, handle, topk_idx.shape[0], axis_name=spec.axis_name,
                                                     num_ranks=spec.num_ranks)
     return LowLatencyPending((returned, topk_idx, topk_weights), spec)
@@ -405,6 +497,8 @@ def low_latency_combine_send(buffer: Buffer, y, topk_idx, topk_weights, handle: 
 def low_latency_combine_recv(buffer: Buffer, pending: LowLatencyPending):
     """Receive half of `low_latency_combine`: bfloat16 [T, H]."""
     _check_pending("low_latency_combine_recv", buffer, pending)
+    if pending.spec.backend == "cuda":
+        return _cuda_low_latency_combine_recv(pending.spec, *pending.state)
     returned, topk_idx, topk_weights = pending.state
     return xla_backend.low_latency_combine_recv(returned, topk_idx, topk_weights, num_experts=pending.spec.num_experts)
 

@@ -1,0 +1,147 @@
+"""The `cuda` backend's low-latency mode: the kernels of csrc/low_latency.cu through `jax.ffi.ffi_call`
+(ARCHITECTURE.md §3 "Low-latency", §4).
+
+Per-rank functions (inside `shard_map` over the EP axis), one FFI call per half. A send returns a `token`
+(uint32 scalar: the call number the kernels keep on the device) that its receive consumes, so XLA orders the
+two halves by data dependency and may schedule other work between them.
+
+Buffer sets and credits: call c of an op writes into buffer set c % 2 of the receivers, after every
+receiver finished receiving call c - 2 (a credit the send waits for). So at most two calls of one op (two
+dispatches, or two combines) may be between their send and their receive on a rank; a third send waits
+for a credit that never comes and fails after `Config.timeout_s` with an error naming the credit wait
+(`errors(buffer)`). Receives may run in any order.
+
+Handle: `CudaLowLatencyHandle` extends the `xla` backend's `LowLatencyHandle` (same first two fields, bit
+for bit) with `src_topk_index`: where in its source token's top-k row each row's expert first appears;
+the expert side returns each output row into the source's slot (token, that top-k entry). The `xla`
+combine accepts this handle; the CUDA combine needs it (an `xla` handle lacks the field).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ep import _native
+from jax_ep.config import FP8_GROUP, LOW_LATENCY_MAX_TOPK
+
+DISPATCH_SEND_TARGET = "jax_ep_low_latency_dispatch_send"
+DISPATCH_RECV_TARGET = "jax_ep_low_latency_dispatch_recv"
+COMBINE_SEND_TARGET = "jax_ep_low_latency_combine_send"
+COMBINE_RECV_TARGET = "jax_ep_low_latency_combine_recv"
+
+MAX_EXPERTS = 4096  # csrc kLowLatencyMaxExperts
+_PAYLOAD_BF16, _PAYLOAD_FP8, _PAYLOAD_FP8_UE8M0 = 0, 1, 2  # csrc LowLatencyPayload
+
+int32 = jnp.int32
+
+
+class CudaLowLatencyHandle(NamedTuple):
+    src_token_index: jax.Array  # int32 [L, R*M]: source token of each row, -1 for unused rows
+    layout_range: jax.Array  # int32 [L, R, 2]: (first row, row count) per (local expert, source rank)
+    src_topk_index: jax.Array  # int32 [L, R*M]: first top-k entry of the row's expert in its source token; -1
+
+
+@dataclasses.dataclass(frozen=True)
+class LowLatencyParams:
+    """Static attributes of every low-latency call: the Buffer's rank state and the sizes of its LL region."""
+
+    buffer_id: int
+    ll_offset: int
+    num_max_tokens: int
+    num_experts: int
+    timeout_ns: int
+
+    def attributes(self) -> dict:
+        return {name: np.int64(value) for name, value in dataclasses.asdict(self).items()}
+
+
+def available() -> bool:
+    return _native.has_target(DISPATCH_SEND_TARGET, "cuda")
+
+
+def params(op: str, buffer) -> LowLatencyParams:
+    """The Buffer's low-latency attributes, or a clear error when its workspace has no low-latency region."""
+    if not available():
+        raise RuntimeError(f"jax_ep.{op}: this build has no CUDA low-latency kernels (rebuild with nvcc on the "
+                           "PATH) ; use a Buffer with backend='xla'")
+    offset = getattr(buffer, "low_latency_offset", None)
+    if offset is None:
+        raise RuntimeError(f"jax_ep.{op}: the cuda Buffer has no low-latency region (buffer.low_latency_offset is "
+                           "unset); create it with num_max_dispatch_tokens_per_rank, hidden and num_experts")
+    if offset % 256:
+        raise RuntimeError(f"jax_ep.{op}: buffer.low_latency_offset={offset} is not 256-byte aligned")
+    if buffer.num_experts > MAX_EXPERTS:
+        raise ValueError(f"jax_ep.{op} (cuda): at most {MAX_EXPERTS} experts, the Buffer has {buffer.num_experts}")
+    return LowLatencyParams(buffer.buffer_id, int(offset), buffer.num_max_dispatch_tokens_per_rank,
+                            buffer.num_experts, int(buffer.config.timeout_s * 1e9))
+
+
+def check_topk(op: str, num_topk: int) -> None:
+    if num_topk > LOW_LATENCY_MAX_TOPK:
+        raise ValueError(f"jax_ep.{op} (cuda): at most {LOW_LATENCY_MAX_TOPK} top-k entries per token, got {num_topk}")
+
+
+def _payload(use_fp8: bool, use_ue8m0: bool) -> int:
+    return _PAYLOAD_BF16 if not use_fp8 else _PAYLOAD_FP8_UE8M0 if use_ue8m0 else _PAYLOAD_FP8
+
+
+def dispatch_send(x, topk_idx, *, params: LowLatencyParams, use_fp8, round_scale, use_ue8m0):
+    """Casts and writes this rank's rows into the receivers' slots. Returns (token, invalid_ids)."""
+    num_tokens, num_topk = topk_idx.shape
+    check_topk("low_latency_dispatch", num_topk)
+    aval = jax.typeof(x)
+    result_types = (
+        aval.update(shape=(), dtype=jnp.uint32),
+        aval.update(shape=(), dtype=int32),
+        aval.update(shape=(num_tokens, num_topk), dtype=int32),  # scratch: slot of each top-k entry
+        aval.update(shape=(params.num_experts,), dtype=int32),   # scratch: tokens per expert
+    )
+    token, invalid, _, _ = jax.ffi.ffi_call(DISPATCH_SEND_TARGET, result_types)(
+        x, topk_idx, payload=np.int64(_payload(use_fp8, use_ue8m0)), round_scale=np.int64(round_scale),
+        **params.attributes())
+    return token, invalid
+
+
+def dispatch_recv(token, *, params: LowLatencyParams, num_ranks: int, hidden: int, use_fp8, use_ue8m0):
+    """Packs the received rows. Returns (recv leaves, recv_count [L], CudaLowLatencyHandle)."""
+    experts_per_rank = params.num_experts // num_ranks
+    rows = (experts_per_rank, num_ranks * params.num_max_tokens)
+    aval = jax.typeof(token)
+    payload = [aval.update(shape=(*rows, hidden), dtype=jnp.float8_e4m3fn if use_fp8 else jnp.bfloat16)]
+    if use_fp8:
+        payload.append(aval.update(shape=(*rows, hidden // (4 * FP8_GROUP)), dtype=int32) if use_ue8m0
+                       else aval.update(shape=(*rows, hidden // FP8_GROUP), dtype=jnp.float32))
+    result_types = (*payload, aval.update(shape=(experts_per_rank,), dtype=int32), aval.update(shape=rows, dtype=int32),
+                    aval.update(shape=rows, dtype=int32), aval.update(shape=(experts_per_rank, num_ranks, 2), dtype=int32))
+    outs = jax.ffi.ffi_call(DISPATCH_RECV_TARGET, result_types)(
+        token, hidden=np.int64(hidden), payload=np.int64(_payload(use_fp8, use_ue8m0)), **params.attributes())
+    recv = tuple(outs[:len(payload)])
+    recv_count, src_token_index, src_topk_index, layout_range = outs[len(payload):]
+    return recv, recv_count, CudaLowLatencyHandle(src_token_index, layout_range, src_topk_index)
+
+
+def combine_send(y, handle, *, params: LowLatencyParams):
+    """Returns every valid row of y [L, R*M, H] to its source rank. Returns the token."""
+    if not isinstance(handle, CudaLowLatencyHandle):
+        raise TypeError("jax_ep.low_latency_combine (cuda): the handle must come from a low_latency_dispatch of the "
+                        f"cuda backend, got {type(handle).__name__}")
+    result_type = jax.typeof(y).update(shape=(), dtype=jnp.uint32)
+    return jax.ffi.ffi_call(COMBINE_SEND_TARGET, result_type)(
+        y, handle.src_token_index, handle.src_topk_index, handle.layout_range, **params.attributes())
+
+
+def combine_recv(token, topk_idx, topk_weights, *, params: LowLatencyParams, hidden: int):
+    """out[t] = sum_k topk_weights[t, k] * (row of expert topk_idx[t, k] for t), float32 in k order, bf16 [T, H]."""
+    check_topk("low_latency_combine", topk_idx.shape[1])
+    result_type = jax.typeof(topk_weights).update(shape=(topk_idx.shape[0], hidden), dtype=jnp.bfloat16)
+    return jax.ffi.ffi_call(COMBINE_RECV_TARGET, result_type)(token, topk_idx, topk_weights, **params.attributes())
+
+
+def errors(buffer) -> list[str]:
+    """One line per device of `buffer` whose low-latency kernel timed out (op, rank, peer, call)."""
+    ordinals = [int(d.local_hardware_id) for d in buffer.mesh.devices.flat if d.process_index == jax.process_index()]
+    return list(_native._C.low_latency_errors(buffer.buffer_id, ordinals))

@@ -1,0 +1,74 @@
+"""The cuda backend's low-latency path on CPU: what can be checked without a GPU. The ops trace and lower
+(forward, split halves, gradients) to the four custom calls with the Buffer's attributes; the region size
+formula; clear errors for a Buffer without a low-latency region and for too many top-k entries.
+Lowering compiles and runs nothing, so a Buffer made for the xla backend stands in for a cuda one."""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+from conftest import mesh_of
+from jax_ep import cuda_low_latency
+
+R, T, H, K, E, M = 4, 8, 512, 3, 8, 16
+
+
+def cuda_standin(low_latency_offset=0):
+    if not cuda_low_latency.available():
+        pytest.skip("this build has no CUDA low-latency kernels")
+    buf = jax_ep.Buffer(mesh_of(R), "ep", backend="xla", num_max_dispatch_tokens_per_rank=M, hidden=H, num_experts=E)
+    buf.backend, buf.low_latency_offset = "cuda", low_latency_offset
+    return buf
+
+
+def lower(buf, body, *shapes):
+    args = [jnp.zeros((R * s[0], *s[1:]), dtype) for s, dtype in shapes]
+    return jax.jit(jax.shard_map(body, mesh=buf.mesh, in_specs=P("ep"), out_specs=P("ep"))).lower(*args).as_text()
+
+
+X, IDX, W = ((T, H), jnp.bfloat16), ((T, K), jnp.int32), ((T, K), jnp.float32)
+
+
+def test_ops_and_gradients_lower_to_the_custom_calls():
+    buf = cuda_standin(low_latency_offset=4096)
+
+    def body(x, idx, w):
+        def loss(x, w):
+            d = jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=False)
+            return jnp.sum(jax_ep.low_latency_combine(buf, d.recv_x * 2, idx, w, d.handle).astype(jnp.float32))
+
+        d_x, d_w = jax.grad(loss, argnums=(0, 1))(x, w)
+        d = jax_ep.low_latency_dispatch_recv(
+            buf, jax_ep.low_latency_dispatch_send(buf, x, idx, round_scale=True, use_ue8m0=True))
+        out = jax_ep.low_latency_combine_recv(buf, jax_ep.low_latency_combine_send(buf, d.recv_x[0].astype(jnp.bfloat16),
+                                                                                   idx, w, d.handle))
+        return d_x, d_w, d.recv_x[1], out
+
+    text = lower(buf, body, X, IDX, W)
+    calls = re.findall(r"custom_call @(jax_ep_low_latency_\w+)\([^\n]*ll_offset = 4096[^\n]*num_max_tokens = 16", text)
+    assert sorted(set(calls)) == ["jax_ep_low_latency_combine_recv", "jax_ep_low_latency_combine_send",
+                                  "jax_ep_low_latency_dispatch_recv", "jax_ep_low_latency_dispatch_send"], calls
+    assert "payload = 2" in text  # FP8 with UE8M0 scales
+
+
+def test_buffer_without_low_latency_region():
+    buf = cuda_standin(low_latency_offset=None)
+    with pytest.raises(RuntimeError, match="the cuda Buffer has no low-latency region"):
+        lower(buf, lambda x, i: jax_ep.low_latency_dispatch(buf, x, i).recv_count, X, IDX)
+
+
+def test_topk_beyond_the_kernels_limit():
+    buf = cuda_standin()
+    with pytest.raises(ValueError, match=r"low_latency_dispatch \(cuda\): at most 16 top-k entries per token, got 17"):
+        lower(buf, lambda x, i: jax_ep.low_latency_dispatch(buf, x, i).recv_count, X, ((T, 17), jnp.int32))
+
+
+def test_region_size():
+    # header + 2 sets of (2 flag arrays + (token, slot) per slot row + E*M dispatch rows + 16*M combine rows)
+    flags, meta, rows = 2 * 256, 8 * 16 * 8, 2 * 512
+    assert jax_ep.low_latency_buffer_bytes(M, H, R, E) == 256 + 2 * (flags + meta + E * M * rows + 16 * M * rows)
