@@ -1,0 +1,387 @@
+"""The CUDA low-latency kernels (Buffer(backend="cuda") with low-latency sizes, one process driving the GPUs)
+against the NumPy oracle and the `xla` backend: dispatch bit for bit (BF16; FP8 values and scales in every
+scale mode), the handle, recv_count, statistics and invalid ids; combine bit for bit against the oracle's
+float32 k-order sum; determinism; several calls in a row (both buffer sets, two results in flight, receives
+out of order) and in a jitted loop, with default and forced command buffers; two micro-batches overlapped
+with computation between send and receive; DeepEP hidden sizes; M=512 with K=11; gradients; and the bounded
+wait that a third send in flight runs into.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import oracle as O
+import pytest
+
+import jax_ep
+from gpu.test_intranode import assert_bits, flat, mesh, ranks, spmd
+from jax_ep import cuda_low_latency
+
+RANKS = [2, 4]
+MODES = {
+    "bf16": dict(use_fp8=False),
+    "fp8": dict(use_fp8=True),
+    "fp8_round": dict(use_fp8=True, round_scale=True),
+    "fp8_ue8m0": dict(use_fp8=True, round_scale=True, use_ue8m0=True),
+}
+
+
+@functools.cache
+def ll_buffer(R: int, M: int, H: int, E: int, backend: str = "cuda", timeout_s: float = 30.0) -> jax_ep.Buffer:
+    return jax_ep.Buffer(mesh(R), "ep", backend=backend, num_max_dispatch_tokens_per_rank=M, hidden=H,
+                         num_experts=E, config=jax_ep.Config(timeout_s=timeout_s))
+
+
+def make_inputs(R, T, H, K, E, M, seed=0, mode="distinct", p_neg=0.1, p_invalid=0.0):
+    rng = np.random.default_rng(seed)
+    idx = O.make_topk_idx(rng, R, T, K, E, mode, p_neg=p_neg, p_invalid=p_invalid)
+    x = O.make_x(rng, (R, T, H), O.BF16)
+    w = rng.uniform(-1, 1, size=(R, T, K)).astype(np.float32)
+    y = O.make_x(rng, (R, E // R, R * M, H), O.BF16)  # rows past recv_count are garbage the combine ignores
+    stats = rng.integers(0, 1000, size=(R, E // R)).astype(np.int32)
+    return x, idx, w, y, stats
+
+
+def outputs(d, out):
+    """The per-rank results of one dispatch + combine, as arrays with a leading (split) axis."""
+    recv = d.recv_x if isinstance(d.recv_x, tuple) else (d.recv_x,)
+    return dict(recv=recv, recv_count=d.recv_count, src_token_index=d.handle.src_token_index,
+                layout_range=d.handle.layout_range, stats=d.cumulative_local_expert_recv_stats,
+                invalid_ids=d.invalid_ids[None], out=out)
+
+
+def per_rank(got: dict, R: int) -> dict:
+    def split(v):
+        return None if v is None else tuple(split(c) for c in v) if isinstance(v, tuple) else ranks(v, R)
+
+    got = {k: split(v) for k, v in jax.device_get(got).items()}
+    got["invalid_ids"] = got["invalid_ids"].reshape(R)
+    return got
+
+
+@functools.cache
+def ll_fn(R, M, H, E, backend, mode):
+    buf = ll_buffer(R, M, H, E, backend)
+
+    def body(x, idx, w, y, stats):
+        d = jax_ep.low_latency_dispatch(buf, x, idx, cumulative_local_expert_recv_stats=stats, **MODES[mode])
+        return outputs(d, jax_ep.low_latency_combine(buf, y, idx, w, d.handle))
+
+    return spmd(R, body)
+
+
+def run_ll(R, M, backend, mode, x, idx, w, y, stats):
+    E = y.shape[1] * R
+    return per_rank(ll_fn(R, M, x.shape[-1], E, backend, mode)(*map(flat, (x, idx, w, y, stats))), R)
+
+
+def expected(x, idx, w, y, stats, E, M, mode):
+    kw = MODES[mode]
+    exp = O.low_latency_dispatch(x, idx, E, M, use_fp8=kw["use_fp8"], round_scale=kw.get("round_scale", False),
+                                 use_ue8m0=kw.get("use_ue8m0", False), cumulative_stats=stats)
+    return exp, O.low_latency_combine(y, idx, w, E, exp)[0].astype(O.BF16)
+
+
+def check_oracle(got, exp, out, mode, what=""):
+    """Every output bit for bit against the oracle (recv_x on the valid rows only)."""
+    assert_bits(got["recv_count"], exp.recv_count, f"{what}recv_count")
+    assert_bits(got["src_token_index"], exp.src_token_index, f"{what}handle.src_token_index")
+    assert_bits(got["layout_range"], exp.layout_range, f"{what}handle.layout_range")
+    assert_bits(got["invalid_ids"], exp.invalid_ids, f"{what}invalid_ids")
+    if exp.cumulative_stats is not None:
+        assert_bits(got["stats"], exp.cumulative_stats, f"{what}cumulative_local_expert_recv_stats")
+    v = exp.valid
+    if mode == "bf16":
+        assert_bits(got["recv"][0][v], exp.recv_x[v], f"{what}recv_x")
+    else:
+        q, scales = got["recv"]
+        assert_bits(q[v], exp.recv_x_fp8[v], f"{what}fp8 values")
+        assert_bits(scales[v], exp.recv_scales_ue8m0[v] if mode == "fp8_ue8m0" else exp.recv_scales[v],
+                    f"{what}fp8 scales")
+        scale = O.ue8m0_unpack(scales[v]) if mode == "fp8_ue8m0" else scales[v]
+        if v.any():
+            assert O.deepep_diff(O.fp8_dequant(q[v], scale), exp.recv_x[v].astype(np.float32)) < 1e-3
+    assert_bits(got["out"], out, f"{what}combine vs the oracle's float32 k-order sum")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Against the oracle and the xla backend
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("R", RANKS)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_matches_oracle_and_xla(R, mode):
+    T, H, K, E, M = 40, 512, 6, 4 * R, 48
+    x, idx, w, y, stats = make_inputs(R, T, H, K, E, M, seed=R, p_invalid=0.03)
+    exp, out = expected(x, idx, w, y, stats, E, M, mode)
+    assert exp.invalid_ids.sum() > 0, "the case should hold invalid ids"
+    got = run_ll(R, M, "cuda", mode, x, idx, w, y, stats)
+    check_oracle(got, exp, out, mode)
+    xla = run_ll(R, M, "xla", mode, x, idx, w, y, stats)
+    for name in ("recv_count", "src_token_index", "layout_range", "invalid_ids", "stats"):
+        assert_bits(got[name], xla[name], f"{name} vs xla")
+    for i, (a, b) in enumerate(zip(got["recv"], xla["recv"])):
+        assert_bits(a[exp.valid], b[exp.valid], f"recv_x[{i}] vs xla")
+    # The xla backend's combine may fuse multiply-adds: within a BF16 step of it.
+    np.testing.assert_allclose(got["out"].astype(np.float32), xla["out"].astype(np.float32), rtol=2**-7, atol=1e-5)
+
+
+@pytest.mark.parametrize("R", RANKS)
+@pytest.mark.parametrize("routing", ["uniform", "skewed", "one_rank", "empty", "dense_dups"])
+def test_routing_modes(R, routing):
+    """Repeated experts in a row, every token to one expert or one rank, nothing sent at all."""
+    T, H, K, E, M = 33, 256, 4, 2 * R, 33
+    x, idx, w, y, stats = make_inputs(R, T, H, K, E, M, seed=7, mode=routing)
+    exp, out = expected(x, idx, w, y, stats, E, M, "bf16")
+    check_oracle(run_ll(R, M, "cuda", "bf16", x, idx, w, y, stats), exp, out, "bf16")
+
+
+@pytest.mark.parametrize("H", [2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192])
+def test_deepep_hidden_sizes(H):
+    R = 4 if len(jax.devices()) >= 4 else 2
+    T, K, E, M = 24, 8, 4 * R, 32
+    x, idx, w, y, stats = make_inputs(R, T, H, K, E, M, seed=H)
+    for mode in ("bf16", "fp8_ue8m0"):
+        exp, out = expected(x, idx, w, y, stats, E, M, mode)
+        check_oracle(run_ll(R, M, "cuda", mode, x, idx, w, y, stats), exp, out, mode, f"H={H} {mode}: ")
+
+
+@pytest.mark.parametrize("R", RANKS)
+def test_max_tokens_512_and_topk_11(R):
+    T, H, K, E, M = 512, 2048, 11, 4 * R, 512
+    x, idx, w, y, stats = make_inputs(R, T, H, K, E, M, seed=11, mode="uniform", p_invalid=0.01)
+    for mode in ("bf16", "fp8"):
+        exp, out = expected(x, idx, w, y, stats, E, M, mode)
+        check_oracle(run_ll(R, M, "cuda", mode, x, idx, w, y, stats), exp, out, mode, f"{mode}: ")
+
+
+def test_topk_beyond_kernel_limit_rejected():
+    R, M, H, E = 2, 8, 128, 4
+    buf = ll_buffer(R, M, H, E)
+    x = np.zeros((R * M, H), O.BF16)
+    idx = np.zeros((R * M, 17), np.int32)
+    with pytest.raises(ValueError, match="at most 16 top-k entries per token, got 17"):
+        spmd(R, lambda x, idx: jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=False).recv_count)(x, idx)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Handles, gradients, determinism
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("R", RANKS)
+def test_xla_combine_accepts_cuda_handle(R):
+    T, H, K, E, M = 20, 256, 4, 2 * R, 24
+    x, idx, w, y, stats = make_inputs(R, T, H, K, E, M, seed=3)
+    cuda, xla = ll_buffer(R, M, H, E), ll_buffer(R, M, H, E, "xla")
+
+    def body(x, idx, w, y):
+        return jax_ep.low_latency_combine(xla, y, idx, w, jax_ep.low_latency_dispatch(cuda, x, idx, use_fp8=False).handle)
+
+    got = ranks(jax.device_get(spmd(R, body)(*map(flat, (x, idx, w, y)))), R)
+    _, out = expected(x, idx, w, y, None, E, M, "bf16")
+    np.testing.assert_allclose(got.astype(np.float32), out.astype(np.float32), rtol=2**-7, atol=1e-5)
+
+
+@pytest.mark.parametrize("R", RANKS)
+def test_gradients_match_xla(R):
+    T, H, K, E, M = 16, 256, 4, 2 * R, 16
+    x, idx, w, _, _ = make_inputs(R, T, H, K, E, M, seed=5, p_neg=0.0)
+
+    def grads(backend):
+        buf = ll_buffer(R, M, H, E, backend)
+
+        def loss(x, w, idx):
+            d = jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=False)
+            out = jax_ep.low_latency_combine(buf, d.recv_x * 2, idx, w, d.handle)
+            return jnp.sum(out.astype(jnp.float32) ** 2)
+
+        return jax.device_get(spmd(R, jax.grad(loss, argnums=(0, 1)))(*map(flat, (x, w, idx))))
+
+    for name, a, b in zip(("d x", "d topk_weights"), grads("cuda"), grads("xla")):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2**-6, atol=1e-4,
+                                   err_msg=name)
+
+
+@pytest.mark.parametrize("R", RANKS)
+def test_repeated_runs_identical(R):
+    T, H, K, E, M = 64, 1024, 8, 8 * R, 64
+    x, idx, w, y, stats = make_inputs(R, T, H, K, E, M, seed=9)
+    exp, _ = expected(x, idx, w, y, stats, E, M, "bf16")
+    for mode in ("bf16", "fp8_round"):
+        first = run_ll(R, M, "cuda", mode, x, idx, w, y, stats)
+        for i in range(10):
+            again = run_ll(R, M, "cuda", mode, x, idx, w, y, stats)
+            for name in ("recv_count", "src_token_index", "layout_range", "out"):
+                assert_bits(again[name], first[name], f"{mode} run {i}: {name}")
+            for a, b in zip(again["recv"], first["recv"]):
+                assert_bits(a[exp.valid], b[exp.valid], f"{mode} run {i}: recv_x")
+    assert cuda_low_latency.errors(ll_buffer(R, M, H, E)) == []
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Several calls: both buffer sets, two results in flight, loops, command buffers, overlap
+# ----------------------------------------------------------------------------------------------------------------
+CALLS = 5
+
+
+@pytest.mark.parametrize("R", RANKS)
+def test_calls_in_a_row_and_two_in_flight(R):
+    """CALLS fused calls in a chain (each call's output is the next one's input, as layers of a decode step;
+    the chain also keeps XLA from moving a send ahead of an earlier receive), alternating BF16 and FP8 and
+    the routing, then two split dispatches in flight received in reverse order, and two combines in flight."""
+    T, H, K, E, M = 24, 256, 4, 2 * R, 24
+    x, idx, w, y, stats = make_inputs(R, T, H, K, E, M, seed=17)
+    w = np.abs(w) / K  # keeps the chained values in range
+    buf = ll_buffer(R, M, H, E)
+
+    def body(x, idx, w, y, stats):
+        results = []
+        for i in range(CALLS):
+            idxi, wi = jnp.roll(idx, i, axis=0), jnp.roll(w, i, axis=0)
+            d = jax_ep.low_latency_dispatch(buf, x, idxi, cumulative_local_expert_recv_stats=stats, use_fp8=i % 2 == 1)
+            results.append(outputs(d, jax_ep.low_latency_combine(buf, y, idxi, wi, d.handle)))
+            x = results[-1]["out"]
+        first = jax_ep.low_latency_dispatch_send(buf, x, idx, use_fp8=False)
+        second = jax_ep.low_latency_dispatch_send(buf, jnp.roll(x, 1, axis=0), jnp.roll(idx, 1, axis=0), use_fp8=False)
+        d2 = jax_ep.low_latency_dispatch_recv(buf, second)
+        d1 = jax_ep.low_latency_dispatch_recv(buf, first)
+        c1 = jax_ep.low_latency_combine_send(buf, y, idx, w, d1.handle)
+        c2 = jax_ep.low_latency_combine_send(buf, y, jnp.roll(idx, 1, axis=0), jnp.roll(w, 1, axis=0), d2.handle)
+        out2 = jax_ep.low_latency_combine_recv(buf, c2)
+        out1 = jax_ep.low_latency_combine_recv(buf, c1)
+        return results, outputs(d1, out1), outputs(d2, out2)
+
+    results, split1, split2 = jax.device_get(spmd(R, body)(*map(flat, (x, idx, w, y, stats))))
+    for i, got in enumerate(results):
+        idxi, wi = np.roll(idx, i, axis=1), np.roll(w, i, axis=1)
+        mode = "fp8" if i % 2 else "bf16"
+        exp, out = expected(x, idxi, wi, y, stats, E, M, mode)
+        check_oracle(per_rank(got, R), exp, out, mode, f"call {i}: ")
+        x = out
+    for shift, got in ((0, split1), (1, split2)):
+        xi, idxi, wi = (np.roll(a, shift, axis=1) for a in (x, idx, w))
+        check_oracle(per_rank(got, R), *expected(xi, idxi, wi, y, None, E, M, "bf16"), "bf16", f"in flight {shift}: ")
+
+
+def loop_fn(R: int, steps: int):
+    """`steps` low-latency dispatch + combine rounds in one jitted lax.fori_loop (the output feeds the next)."""
+    T, H, K, E, M = 32, 256, 4, 2 * R, 32
+    buf = ll_buffer(R, M, H, E)
+
+    def body(x, idx, w):
+        def step(_, x):
+            d = jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=False)
+            return jax_ep.low_latency_combine(buf, d.recv_x, idx, w, d.handle)
+
+        return jax.lax.fori_loop(0, steps, step, x)
+
+    return spmd(R, body), (T, H, K, E, M)
+
+
+def check_loop(R: int, steps: int = 7):
+    fn, (T, H, K, E, M) = loop_fn(R, steps)
+    x, idx, w, _, _ = make_inputs(R, T, H, K, E, M, seed=21, p_neg=0.3)
+    w = np.abs(w) / K  # keeps the values in range over the steps
+    got = ranks(jax.device_get(fn(*map(flat, (x, idx, w)))), R)
+    want = x
+    for _ in range(steps):
+        exp = O.low_latency_dispatch(want, idx, E, M)
+        want = O.low_latency_combine(exp.recv_x, idx, w, E, exp)[0].astype(O.BF16)
+    assert_bits(got, want, f"{steps} jitted low-latency rounds vs oracle")
+    assert cuda_low_latency.errors(ll_buffer(R, M, H, E)) == []
+
+
+@pytest.mark.parametrize("R", RANKS)
+def test_jitted_loop_default_flags(R):
+    check_loop(R)
+
+
+def run_worker(mode: str, R: int, xla_flags: str | None = None) -> subprocess.CompletedProcess:
+    """This file as a script in a fresh process (XLA_FLAGS apply at backend start; a trap kills the context)."""
+    mesh(R)  # skips without R GPUs
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    if xla_flags is not None:
+        env["XLA_FLAGS"] = xla_flags
+    return subprocess.run([sys.executable, __file__, mode, str(R)], env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("R", RANKS)
+def test_jitted_loop_forced_command_buffers(R):
+    flags = "--xla_gpu_graph_min_graph_size=1 --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,WHILE,CONDITIONAL"
+    proc = run_worker("loop", R, flags)
+    assert proc.returncode == 0 and "LOOP OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("R", RANKS)
+def test_two_micro_batches_overlap_computation(R):
+    """DeepEP's two-micro-batch overlap: both dispatches in flight while a matmul runs, then both combines."""
+    T, H, K, E, M = 32, 512, 6, 4 * R, 32
+    xa, idx_a, wa, ya, _ = make_inputs(R, T, H, K, E, M, seed=31)
+    xb, idx_b, wb, yb, _ = make_inputs(R, T, H, K, E, M, seed=32)
+    buf = ll_buffer(R, M, H, E)
+    z = np.random.default_rng(0).standard_normal((R * 256, 256)).astype(np.float32)
+
+    def body(xa, idx_a, wa, ya, xb, idx_b, wb, yb, z):
+        send_a = jax_ep.low_latency_dispatch_send(buf, xa, idx_a, use_fp8=True)
+        send_b = jax_ep.low_latency_dispatch_send(buf, xb, idx_b, use_fp8=False)
+        z = jnp.tanh(z @ z.T) @ z  # computation between the halves
+        da = jax_ep.low_latency_dispatch_recv(buf, send_a)
+        db = jax_ep.low_latency_dispatch_recv(buf, send_b)
+        ca = jax_ep.low_latency_combine_send(buf, ya, idx_a, wa, da.handle)
+        z = jnp.tanh(z @ z.T) @ z
+        cb = jax_ep.low_latency_combine_send(buf, yb, idx_b, wb, db.handle)
+        out_a = jax_ep.low_latency_combine_recv(buf, ca)
+        out_b = jax_ep.low_latency_combine_recv(buf, cb)
+        return outputs(da, out_a), outputs(db, out_b), z
+
+    got_a, got_b, _ = jax.device_get(spmd(R, body)(*map(flat, (xa, idx_a, wa, ya, xb, idx_b, wb, yb)), z))
+    check_oracle(per_rank(got_a, R), *expected(xa, idx_a, wa, ya, None, E, M, "fp8"), "fp8", "micro-batch a: ")
+    check_oracle(per_rank(got_b, R), *expected(xb, idx_b, wb, yb, None, E, M, "bf16"), "bf16", "micro-batch b: ")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Misuse: a third send in flight
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("R", [2])
+def test_third_send_in_flight_times_out(R):
+    """Three dispatch sends before the first receive: the third waits for a credit that only that receive
+    gives, times out, records the op and the credit wait, and traps; the error reaches Python."""
+    proc = run_worker("third_send", R)
+    assert "RAISED" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = [line for line in proc.stdout.splitlines() if line.startswith("RECORD")]
+    assert record and "low_latency_dispatch (send) timed out" in record[0] and "credit" in record[0], proc.stdout
+
+
+def third_send_worker(R: int):
+    T, H, K, E, M = 8, 128, 2, 2 * R, 8
+    buf = ll_buffer(R, M, H, E, timeout_s=2.0)
+    x, idx, _, _, _ = make_inputs(R, T, H, K, E, M)
+
+    def body(x, idx):
+        sends = [jax_ep.low_latency_dispatch_send(buf, jnp.roll(x, i, axis=0), idx, use_fp8=False) for i in range(3)]
+        # Ties the first receive's input to the third send, so XLA cannot run that receive earlier.
+        first, _ = jax.lax.optimization_barrier((sends[0], sends[2]))
+        return sum(jax_ep.low_latency_dispatch_recv(buf, p).recv_count for p in (first, sends[1], sends[2]))
+
+    try:
+        jax.block_until_ready(spmd(R, body)(flat(x), flat(idx)))
+        print("NO ERROR", flush=True)
+    except Exception as err:  # noqa: BLE001 - any XLA runtime error is the expected outcome
+        print(f"RAISED: {str(err)[:300]}", flush=True)
+    for line in cuda_low_latency.errors(buf):
+        print("RECORD", line, flush=True)
+    os._exit(0)  # the trapped GPUs' contexts are dead: no teardown
+
+
+if __name__ == "__main__":  # run_worker's subprocess
+    worker_mode, num_ranks = sys.argv[1], int(sys.argv[2])
+    if worker_mode == "loop":
+        check_loop(num_ranks)
+        print("LOOP OK")
+    else:
+        third_send_worker(num_ranks)
