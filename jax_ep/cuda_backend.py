@@ -154,7 +154,7 @@ def create(buffer) -> None:
     reason = unsupported_reason(buffer.mesh, buffer.axis_name)
     if reason:
         raise NotImplementedError(f"jax_ep.Buffer: {reason}")
-    staging = buffer.num_nvl_bytes if buffer.spans_processes else 0
+    staging = -(-buffer.num_nvl_bytes // 256) * 256 if buffer.spans_processes else 0  # LL region 256-byte aligned
     workspace_bytes = staging
     buffer.low_latency_offset = None
     if None not in (buffer.num_max_dispatch_tokens_per_rank, buffer.hidden, buffer.num_experts):
