@@ -249,6 +249,11 @@ cudaError_t low_latency_combine_recv(const LowLatencyCall& call, const LowLatenc
 
 // One line per device of `device_ordinals` whose LL kernel of `buffer_id` timed out (readable after the trap).
 std::vector<std::string> low_latency_errors(int64_t buffer_id, const std::vector<int>& device_ordinals);
+// Per device of buffer_id in this process: (calls, summed nanoseconds) of each LL kernel (LowLatencyKernel
+// order: dispatch route, dispatch send, dispatch receive, combine send, combine receive) since the last
+// reset; `reset` zeroes them. Call only while no kernel of the buffer runs.
+std::vector<std::vector<std::pair<uint64_t, uint64_t>>> low_latency_kernel_times(
+    int64_t buffer_id, const std::vector<int>& device_ordinals, int64_t ll_offset, bool reset);
 
 }  // namespace jax_ep
 #endif

@@ -135,15 +135,25 @@ __device__ __forceinline__ void wait_for_credits(const LowLatencyCall& c, LowLat
   __syncthreads();
 }
 
+// Every kernel calls this first: block 0 notes the start time of the call.
+__device__ __forceinline__ void start_clock(LowLatencyHeader* own, LowLatencyKernel kernel) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) own->kernel_start[kernel] = now_ns();
+}
+
 // Every block calls this after its work; true in the one block that finished last, which then sees every
-// other block's writes (and may publish them to peers with release stores).
-__device__ __forceinline__ bool is_last_block(uint32_t* blocks_finished) {
+// other block's writes (and may publish them to peers with release stores). That block also adds the call's
+// time (block 0's start to now) to the kernel's sums.
+__device__ __forceinline__ bool is_last_block(LowLatencyHeader* own, LowLatencyKernel kernel) {
   __shared__ bool last;
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence_system();
-    last = atomicAdd(blocks_finished, 1u) == gridDim.x - 1;
-    if (last) *blocks_finished = 0;  // every block has counted: ready for the next call
+    last = atomicAdd(&own->blocks_finished[kernel], 1u) == gridDim.x - 1;
+    if (last) {
+      own->blocks_finished[kernel] = 0;  // every block has counted: ready for the next call
+      own->kernel_ns[kernel] += now_ns() - *reinterpret_cast<volatile uint64_t*>(&own->kernel_start[kernel]);
+      own->kernel_calls[kernel] += 1;
+    }
     __threadfence_system();
   }
   __syncthreads();
@@ -237,6 +247,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_route_kernel(const __grid_c
   const int lane = threadIdx.x % 32;
   const int64_t num_tokens = a.num_tokens, num_topk = a.num_topk;
   const int32_t num_experts = static_cast<int32_t>(c.num_experts);
+  LowLatencyHeader* own = header(c, c.group.rank);
+  start_clock(own, kDispatchRoute);
   if (blockIdx.x == 0) {  // entries outside [0, E) get no position; those outside [-1, E) are counted
     __shared__ int32_t invalid;
     if (threadIdx.x == 0) invalid = 0;
@@ -273,6 +285,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_route_kernel(const __grid_c
     }
     if (lane == 0) a.expert_count[e] = routed;
   }
+  is_last_block(own, kDispatchRoute);
 }
 
 // The send: a warp takes (token, part), loads each 256-channel chunk once, casts it (FP8: one scale per 128
@@ -286,6 +299,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(const __grid_co
   const int32_t experts_per_rank = static_cast<int32_t>(c.num_experts / num_ranks);
   const LowLatencyLayout layout(max_tokens, hidden, c.num_experts);
   LowLatencyHeader* own = header(c, me);
+  start_clock(own, kDispatchSendKernel);
   const uint32_t call = next_call(&own->dispatch_calls), set = call & 1;
   wait_for_credits(c, LowLatencyOp::kDispatchSend, call, /*dispatch=*/true);
 
@@ -345,7 +359,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(const __grid_co
     }
   }
 
-  if (!is_last_block(&own->blocks_finished[0])) return;
+  if (!is_last_block(own, kDispatchSendKernel)) return;
   for (int32_t e = threadIdx.x; e < c.num_experts; e += kThreads) {
     const int32_t rank = e / experts_per_rank, j = e % experts_per_rank;
     uint64_t* flags = reinterpret_cast<uint64_t*>(layout.set_base(region(c, rank), set) + layout.dispatch_flags);
@@ -371,6 +385,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(const __grid_co
   const LowLatencyLayout layout(max_tokens, hidden, c.num_experts);
   const uint32_t call = *a.token, set = call & 1;
   char* base = layout.set_base(region(c, me), set);
+  LowLatencyHeader* own = header(c, me);
+  start_clock(own, kDispatchRecvKernel);
 
   const uint64_t* flags = reinterpret_cast<const uint64_t*>(base + layout.dispatch_flags);
   for (int32_t i = threadIdx.x; i < pairs; i += kThreads) {
@@ -425,8 +441,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(const __grid_co
     }
   }
 
-  LowLatencyHeader* own = header(c, me);
-  if (is_last_block(&own->blocks_finished[1]) && threadIdx.x == 0) store_release(&own->dispatch_consumed[set], call);
+  if (is_last_block(own, kDispatchRecvKernel) && threadIdx.x == 0) store_release(&own->dispatch_consumed[set], call);
 }
 
 // ---- combine ----------------------------------------------------------------------------------------------
@@ -441,6 +456,7 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(const __grid_con
   const int32_t experts_per_rank = static_cast<int32_t>(c.num_experts / num_ranks);
   const LowLatencyLayout layout(max_tokens, hidden, c.num_experts);
   LowLatencyHeader* own = header(c, me);
+  start_clock(own, kCombineSendKernel);
   const uint32_t call = next_call(&own->combine_calls), set = call & 1;
   wait_for_credits(c, LowLatencyOp::kCombineSend, call, /*dispatch=*/false);
 
@@ -463,7 +479,7 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(const __grid_con
     warp_copy(dst, static_cast<const char*>(a.y) + item * layout.slot_bytes, layout.slot_bytes, lane);
   }
 
-  if (!is_last_block(&own->blocks_finished[2])) return;
+  if (!is_last_block(own, kCombineSendKernel)) return;
   for (int32_t i = threadIdx.x; i < experts_per_rank * num_ranks; i += kThreads) {
     const int32_t j = i / num_ranks, src = i % num_ranks;
     uint64_t* flags = reinterpret_cast<uint64_t*>(layout.set_base(region(c, src), set) + layout.combine_flags);
@@ -487,6 +503,8 @@ __global__ void __launch_bounds__(kThreads) combine_recv_kernel(const __grid_con
   const LowLatencyLayout layout(c.num_max_tokens, hidden, num_experts);
   const uint32_t call = *a.token, set = call & 1;
   const char* base = layout.set_base(region(c, me), set);
+  LowLatencyHeader* own = header(c, me);
+  start_clock(own, kCombineRecvKernel);
 
   const uint64_t* flags = reinterpret_cast<const uint64_t*>(base + layout.combine_flags);
   const int32_t experts_per_rank = static_cast<int32_t>(num_experts / c.group.num_ranks);
@@ -535,8 +553,7 @@ __global__ void __launch_bounds__(kThreads) combine_recv_kernel(const __grid_con
     }
   }
 
-  LowLatencyHeader* own = header(c, me);
-  if (is_last_block(&own->blocks_finished[3]) && threadIdx.x == 0) store_release(&own->combine_consumed[set], call);
+  if (is_last_block(own, kCombineRecvKernel) && threadIdx.x == 0) store_release(&own->combine_consumed[set], call);
 }
 
 // ---- launches ----------------------------------------------------------------------------------------------
@@ -580,6 +597,31 @@ cudaError_t low_latency_combine_recv(const LowLatencyCall& call, const LowLatenc
   combine_recv_kernel<<<blocks_for_warps(call, args.num_tokens * split.parts), kThreads, 0, call.stream>>>(
       call, args, split);
   return cudaGetLastError();
+}
+
+std::vector<std::vector<std::pair<uint64_t, uint64_t>>> low_latency_kernel_times(
+    int64_t buffer_id, const std::vector<int>& device_ordinals, int64_t ll_offset, bool reset) {
+  std::vector<std::vector<std::pair<uint64_t, uint64_t>>> times;
+  int current = 0;
+  JAX_EP_CUDA_THROW(cudaGetDevice(&current));
+  for (int device : device_ordinals) {
+    IntranodeRank rank;
+    if (!intranode_lookup(buffer_id, device, &rank)) continue;
+    JAX_EP_CUDA_THROW(cudaSetDevice(device));
+    LowLatencyHeader* h = reinterpret_cast<LowLatencyHeader*>(rank.workspaces[rank.rank] + ll_offset);
+    uint64_t calls[kLowLatencyKernels], ns[kLowLatencyKernels];
+    JAX_EP_CUDA_THROW(cudaMemcpy(calls, h->kernel_calls, sizeof(calls), cudaMemcpyDeviceToHost));
+    JAX_EP_CUDA_THROW(cudaMemcpy(ns, h->kernel_ns, sizeof(ns), cudaMemcpyDeviceToHost));
+    if (reset) {
+      JAX_EP_CUDA_THROW(cudaMemset(h->kernel_calls, 0, sizeof(calls)));
+      JAX_EP_CUDA_THROW(cudaMemset(h->kernel_ns, 0, sizeof(ns)));
+    }
+    std::vector<std::pair<uint64_t, uint64_t>> row;
+    for (int k = 0; k < kLowLatencyKernels; ++k) row.emplace_back(calls[k], ns[k]);
+    times.push_back(row);
+  }
+  JAX_EP_CUDA_THROW(cudaSetDevice(current));
+  return times;
 }
 
 std::vector<std::string> low_latency_errors(int64_t buffer_id, const std::vector<int>& device_ordinals) {

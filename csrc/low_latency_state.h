@@ -28,14 +28,23 @@ inline constexpr int kLowLatencyMaxTopk = 16;
 inline constexpr int kLowLatencyMaxExperts = 4096;
 inline constexpr int64_t kLowLatencyAlign = 256;
 
+// The LL kernels, as indexed in the header's per-kernel fields and by low_latency_kernel_times.
+enum LowLatencyKernel : int { kDispatchRoute = 0, kDispatchSendKernel, kDispatchRecvKernel, kCombineSendKernel,
+                              kCombineRecvKernel, kLowLatencyKernels };
+
 // Call numbers are 32-bit and compared modulo 2^32 (see `call_reached`), so they never run out.
 struct LowLatencyHeader {
   uint32_t dispatch_calls;            // dispatch send calls this rank completed
   uint32_t combine_calls;             // combine send calls this rank completed
   uint32_t dispatch_consumed[2];      // [set]: latest dispatch call whose rows this rank's receive read
   uint32_t combine_consumed[2];       // [set]: latest combine call whose rows this rank's receive read
-  uint32_t blocks_finished[4];        // per kernel (LowLatencyOp - 10): blocks of the running call done
+  uint32_t blocks_finished[kLowLatencyKernels];  // per LowLatencyKernel: blocks of the running call done
   unsigned error_claimed;             // the first block that fails fills the error record
+  // Per LowLatencyKernel, for the benchmark's kernel times: %globaltimer at block 0's start of the running
+  // call, and the calls and nanoseconds (block 0's start to the last block's end) summed since a reset.
+  uint64_t kernel_start[kLowLatencyKernels];
+  uint64_t kernel_calls[kLowLatencyKernels];
+  uint64_t kernel_ns[kLowLatencyKernels];
 };
 static_assert(sizeof(LowLatencyHeader) <= kLowLatencyAlign, "the header has 256 bytes");
 

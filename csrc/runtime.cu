@@ -297,7 +297,7 @@ std::vector<std::string> intranode_errors(int64_t buffer_id) {
   for (const auto& [key, memory] : g_ranks) {
     if (key.first != buffer_id || !memory->error) continue;
     const volatile IntranodeError& e = *memory->error;
-    if (e.op == 0) continue;
+    if (e.op == 0 || e.op >= static_cast<int32_t>(LowLatencyOp::kDispatchSend)) continue;  // LL: low_latency_errors
     const int op = (e.op >= 1 && e.op <= 3) ? e.op : 0;
     const int wait = (e.wait >= 1 && e.wait <= 3) ? e.wait : 0;
     lines.push_back("jax_ep " + std::string(kOps[op]) + " timed out on rank " + std::to_string(e.rank) +

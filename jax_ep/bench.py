@@ -45,7 +45,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep import cuda_backend
+from jax_ep import cuda_backend, cuda_low_latency
 from jax_ep.config import FP8_GROUP
 
 
@@ -352,18 +352,34 @@ def low_latency(args) -> dict:
           f"{pairs:.1f} valid (token, expert) pairs per rank ({remote_pairs:.1f} to other ranks), "
           f"{args.iters} ops per timed loop, median of {args.repeats}", flush=True)
 
-    def report(backend, op, payload, seconds):
+    def report(backend, op, payload, seconds, kernel_us=None):
         nbytes = pair_bytes[op, payload]
         record = dict(backend=backend, op=op, payload=payload, t_us=seconds * 1e6,
                       gbps=pairs * nbytes / seconds / 1e9, nvl_gbps=remote_pairs * nbytes / seconds / 1e9)
+        if kernel_us is not None:
+            record["kernel_us"] = kernel_us
         results.append(record)
         print(f"[low_latency] {backend} [{op} {payload}] {record['t_us']:.2f} us, {record['gbps']:.2f} GB/s "
               f"(DeepEP count), {record['nvl_gbps']:.2f} GB/s (NVL)", flush=True)
+        if kernel_us:
+            print("[low_latency]   kernel time per call (mean over this process's GPUs): "
+                  + ", ".join(f"{k} {us:.2f} us" for k, us in kernel_us.items()), flush=True)
 
     def time_op(op, fn_args):
         # Every program chains one payload element as well as the routing: the xla backend's all_gather of x
         # does not depend on the routing and would otherwise run once per timed sequence.
         return _time_per_op(mesh, op, fn_args, args, chain_data=True)
+
+    def time_op_and_kernels(op, fn_args, buf):
+        """time_op, and for a cuda Buffer each LL kernel's mean time per call (µs, mean over this process's
+        GPUs, from the kernels' own %globaltimer counters), else None."""
+        if buf.backend != "cuda":
+            return time_op(op, fn_args), None
+        seconds = _time_per_op(mesh, op, fn_args, args, chain_data=True,
+                               before_timing=lambda: cuda_low_latency.kernel_times(buf, reset=True))
+        per_device = cuda_low_latency.kernel_times(buf)
+        return seconds, {k: float(np.mean([d[k][1] / d[k][0] for d in per_device])) / 1e3
+                         for k in cuda_low_latency.KERNELS if all(d[k][0] for d in per_device)}
 
     chain = time_op(lambda idx, data: data[:1, :1], (topk_idx, x))
     setup["loop_overhead_us"] = chain * 1e6
@@ -384,8 +400,8 @@ def low_latency(args) -> dict:
     def time_all(buf, backend):
         dispatch, combine, combine_routing, y = ops_of(buf)
         for payload, use_fp8 in (("FP8", True), ("BF16", False)):
-            report(backend, "dispatch", payload, time_op(dispatch(use_fp8), (topk_idx, x)))
-        report(backend, "combine", "BF16", time_op(combine, (combine_routing, y)))
+            report(backend, "dispatch", payload, *time_op_and_kernels(dispatch(use_fp8), (topk_idx, x), buf))
+        report(backend, "combine", "BF16", *time_op_and_kernels(combine, (combine_routing, y), buf))
         return combine_routing, y
 
     with jax_ep.Buffer(mesh, "ep", backend=args.backend, num_max_dispatch_tokens_per_rank=M, hidden=H,

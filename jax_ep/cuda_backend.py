@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import _native
+from jax_ep import _native, cuda_low_latency
 from jax_ep.config import low_latency_buffer_bytes
 
 DISPATCH_TARGET = "jax_ep_dispatch"
@@ -255,8 +255,9 @@ def kernel_times(buffer, reset: bool = False) -> list[tuple[int, int]]:
 
 
 def errors(buffer) -> list[str]:
-    """One line per rank of this process whose kernel timed out waiting for a peer (op, rank, peer, call)."""
-    return list(_native._C.intranode_errors(buffer.buffer_id))
+    """One line per rank of this process whose kernel (normal or low-latency mode) timed out waiting for a peer
+    (op, rank, peer, call)."""
+    return list(_native._C.intranode_errors(buffer.buffer_id)) + cuda_low_latency.errors(buffer)
 
 
 # ---- checks --------------------------------------------------------------------------------------------------

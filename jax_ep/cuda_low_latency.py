@@ -145,3 +145,14 @@ def errors(buffer) -> list[str]:
     """One line per device of `buffer` whose low-latency kernel timed out (op, rank, peer, call)."""
     ordinals = [int(d.local_hardware_id) for d in buffer.mesh.devices.flat if d.process_index == jax.process_index()]
     return list(_native._C.low_latency_errors(buffer.buffer_id, ordinals))
+
+
+KERNELS = ("dispatch route", "dispatch send", "dispatch recv", "combine send", "combine recv")
+
+
+def kernel_times(buffer, reset: bool = False) -> list[dict[str, tuple[int, int]]]:
+    """Per local device of `buffer`: {kernel: (calls, summed ns)} of the LL kernels since the last reset, as
+    %globaltimer sees each call from block 0's start to the last block's end (the benchmark's kernel times)."""
+    ordinals = [int(d.local_hardware_id) for d in buffer.mesh.devices.flat if d.process_index == jax.process_index()]
+    rows = _native._C.low_latency_kernel_times(buffer.buffer_id, ordinals, buffer.low_latency_offset, reset)
+    return [dict(zip(KERNELS, map(tuple, row))) for row in rows]

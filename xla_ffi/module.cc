@@ -76,6 +76,9 @@ NB_MODULE(_C, m) {
         "Waits for and frees every group of buffer_id; returns '' or the CUDA errors met.");
   m.def("intranode_errors", &jax_ep::intranode_errors, nb::arg("buffer_id"),
         "One line per rank of buffer_id whose kernel timed out waiting for a peer (readable after the trap).");
+  m.def("low_latency_kernel_times", &jax_ep::low_latency_kernel_times, nb::arg("buffer_id"),
+        nb::arg("device_ordinals"), nb::arg("ll_offset"), nb::arg("reset") = false,
+        "Per device: [(calls, summed ns)] of the LL kernels (route, dispatch send/recv, combine send/recv).");
   m.def("low_latency_errors", &jax_ep::low_latency_errors, nb::arg("buffer_id"), nb::arg("device_ordinals"),
         "One line per device whose low-latency kernel of buffer_id timed out (op, rank, peer, call).");
   m.def("intranode_kernel_times", &jax_ep::intranode_kernel_times, nb::arg("buffer_id"), nb::arg("reset") = false,

@@ -29,20 +29,20 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run, log to $OUT/NAME.log, record th
 nvidia-smi -L; python3 --version; python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 step build 240 python3 -m pip install --no-build-isolation --no-deps -v -e . || { tail -40 "$OUT/build.log"; exit 1; }
 python3 -c "import jax_ep._native as n; print('cuda:', n.with_cuda(), 'nvshmem:', n.with_nvshmem())" | tee -a "$OUT/build.log"
-if [ "$mode" = ll ]; then  # low-latency kernels, NVSHMEM bootstrap, one-process-per-GPU suite at R=2, benches
-  step ll_tests 330 python3 -m pytest -q -rs -x tests/gpu/test_low_latency.py
-  step mp_nvshmem 200 python3 -m pytest -q -rs tests/gpu/test_multiprocess_gpu.py -k "nvshmem or (suite and 2)"
-  step bench_ll 150 python3 -m jax_ep.bench low_latency --json "$OUT/ll.json"
-  step bench_sms 150 python3 -m jax_ep.bench intranode --sms 24 48 132 --no-baselines
+if [ "$mode" = ll ]; then  # low-latency kernels in both process models, NVSHMEM bootstrap, LL benchmark
+  step ll_tests 300 python3 -m pytest -q -rs tests/gpu/test_low_latency.py
+  PYTHONFAULTHANDLER=1 NVSHMEM_DEBUG=INFO step mp_nvshmem 90 python3 -m pytest -q -rs tests/gpu/test_multiprocess_gpu.py -k "nvshmem and 2"
+  step mp_ll 240 python3 -m pytest -q -rs tests/gpu/test_multiprocess_gpu.py -k "suite and low_latency and 4"
+  step bench_ll 150 python3 -m jax_ep.bench low_latency --no-baselines --json "$OUT/ll.json"
   grep -hE "^(FAILED|ERROR)" "$OUT"/*.log | head -20
-  grep -hE "^\[|speedup|us" "$OUT/bench_ll.log" | tail -30; tail -12 "$OUT/bench_sms.log"
+  grep -hE "^\[" "$OUT/bench_ll.log" | tail -30
   printf '\n== summary\n'; printf '%s\n' "${summary[@]}"
   exit 0
 fi
 if [ "$mode" = mp ]; then
   step intranode 200 python3 -m pytest -q -rs -x tests/gpu/test_intranode.py
   step mp_timeout 150 python3 -m pytest -q -rs tests/gpu/test_multiprocess_gpu.py -k times_out
-  step mp_suite 430 python3 -m pytest -q -rs -x tests/gpu/test_multiprocess_gpu.py -k "suite and 4"
+  step mp_suite 430 python3 -m pytest -q -rs -x tests/gpu/test_multiprocess_gpu.py -k "suite and intranode and 4"
   grep -hE "^(FAILED|ERROR)|Error|error" "$OUT"/mp_*.log | head -20
   printf '\n== summary\n'; printf '%s\n' "${summary[@]}"
   exit 0

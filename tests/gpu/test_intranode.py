@@ -359,13 +359,14 @@ def test_jitted_loop_default_flags(R):
     check_loop(R)
 
 
-def run_worker(mode: str, R: int, xla_flags: str | None = None) -> subprocess.CompletedProcess:
-    """This file as a script in a fresh process (XLA_FLAGS apply at backend start; a trap kills the CUDA context)."""
+def run_worker(mode: str, R: int, xla_flags: str | None = None, script: str = __file__) -> subprocess.CompletedProcess:
+    """A test file as a script in a fresh process (XLA_FLAGS apply at backend start; a trap kills the CUDA
+    context)."""
     mesh(R)  # skips without R GPUs
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     if xla_flags is not None:
         env["XLA_FLAGS"] = xla_flags
-    return subprocess.run([sys.executable, __file__, mode, str(R)], env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, script, mode, str(R)], env=env, capture_output=True, text=True,
                           timeout=300)
 
 

@@ -9,8 +9,6 @@ wait that a third send in flight runs into.
 from __future__ import annotations
 
 import functools
-import os
-import subprocess
 import sys
 
 import jax
@@ -20,10 +18,8 @@ import oracle as O
 import pytest
 
 import jax_ep
-from gpu.test_intranode import assert_bits, flat, mesh, ranks, spmd
-from jax_ep import cuda_low_latency
-
-RANKS = [2, 4]
+from jax_ep import cuda_backend
+from gpu.test_intranode import RANKS, assert_bits, flat, mesh, needs_one_process, ranks, report_timeout, run_worker, spmd
 MODES = {
     "bf16": dict(use_fp8=False),
     "fp8": dict(use_fp8=True),
@@ -143,7 +139,7 @@ def test_routing_modes(R, routing):
 
 @pytest.mark.parametrize("H", [2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192])
 def test_deepep_hidden_sizes(H):
-    R = 4 if len(jax.devices()) >= 4 else 2
+    R = RANKS[-1] if len(jax.devices()) >= RANKS[-1] else 2
     T, K, E, M = 24, 8, 4 * R, 32
     x, idx, w, y, stats = make_inputs(R, T, H, K, E, M, seed=H)
     for mode in ("bf16", "fp8_ue8m0"):
@@ -201,9 +197,12 @@ def test_gradients_match_xla(R):
 
         return jax.device_get(spmd(R, jax.grad(loss, argnums=(0, 1)))(*map(flat, (x, w, idx))))
 
+    # The forward outputs may differ in the last bf16 place (XLA on GPU fuses w*y + acc into an FMA, the
+    # kernel rounds product and sum as the oracle does), and d loss / d out = 2 out carries that into the
+    # gradients: compare to within bf16 rounding of each gradient's scale.
     for name, a, b in zip(("d x", "d topk_weights"), grads("cuda"), grads("xla")):
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2**-6, atol=1e-4,
-                                   err_msg=name)
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_allclose(a, b, rtol=2**-6, atol=2**-6 * np.abs(b).max(), err_msg=name)
 
 
 @pytest.mark.parametrize("R", RANKS)
@@ -219,7 +218,7 @@ def test_repeated_runs_identical(R):
                 assert_bits(again[name], first[name], f"{mode} run {i}: {name}")
             for a, b in zip(again["recv"], first["recv"]):
                 assert_bits(a[exp.valid], b[exp.valid], f"{mode} run {i}: recv_x")
-    assert cuda_low_latency.errors(ll_buffer(R, M, H, E)) == []
+    assert cuda_backend.errors(ll_buffer(R, M, H, E)) == []
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -292,7 +291,7 @@ def check_loop(R: int, steps: int = 7):
         exp = O.low_latency_dispatch(want, idx, E, M)
         want = O.low_latency_combine(exp.recv_x, idx, w, E, exp)[0].astype(O.BF16)
     assert_bits(got, want, f"{steps} jitted low-latency rounds vs oracle")
-    assert cuda_low_latency.errors(ll_buffer(R, M, H, E)) == []
+    assert cuda_backend.errors(ll_buffer(R, M, H, E)) == []
 
 
 @pytest.mark.parametrize("R", RANKS)
@@ -300,20 +299,11 @@ def test_jitted_loop_default_flags(R):
     check_loop(R)
 
 
-def run_worker(mode: str, R: int, xla_flags: str | None = None) -> subprocess.CompletedProcess:
-    """This file as a script in a fresh process (XLA_FLAGS apply at backend start; a trap kills the context)."""
-    mesh(R)  # skips without R GPUs
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    if xla_flags is not None:
-        env["XLA_FLAGS"] = xla_flags
-    return subprocess.run([sys.executable, __file__, mode, str(R)], env=env, capture_output=True, text=True,
-                          timeout=300)
-
-
+@needs_one_process
 @pytest.mark.parametrize("R", RANKS)
 def test_jitted_loop_forced_command_buffers(R):
     flags = "--xla_gpu_graph_min_graph_size=1 --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,WHILE,CONDITIONAL"
-    proc = run_worker("loop", R, flags)
+    proc = run_worker("loop", R, flags, script=__file__)
     assert proc.returncode == 0 and "LOOP OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
@@ -347,11 +337,12 @@ def test_two_micro_batches_overlap_computation(R):
 # ----------------------------------------------------------------------------------------------------------------
 # Misuse: a third send in flight
 # ----------------------------------------------------------------------------------------------------------------
+@needs_one_process
 @pytest.mark.parametrize("R", [2])
 def test_third_send_in_flight_times_out(R):
     """Three dispatch sends before the first receive: the third waits for a credit that only that receive
     gives, times out, records the op and the credit wait, and traps; the error reaches Python."""
-    proc = run_worker("third_send", R)
+    proc = run_worker("third_send", R, script=__file__)
     assert "RAISED" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     record = [line for line in proc.stdout.splitlines() if line.startswith("RECORD")]
     assert record and "low_latency_dispatch (send) timed out" in record[0] and "credit" in record[0], proc.stdout
@@ -368,14 +359,7 @@ def third_send_worker(R: int):
         first, _ = jax.lax.optimization_barrier((sends[0], sends[2]))
         return sum(jax_ep.low_latency_dispatch_recv(buf, p).recv_count for p in (first, sends[1], sends[2]))
 
-    try:
-        jax.block_until_ready(spmd(R, body)(flat(x), flat(idx)))
-        print("NO ERROR", flush=True)
-    except Exception as err:  # noqa: BLE001 - any XLA runtime error is the expected outcome
-        print(f"RAISED: {str(err)[:300]}", flush=True)
-    for line in cuda_low_latency.errors(buf):
-        print("RECORD", line, flush=True)
-    os._exit(0)  # the trapped GPUs' contexts are dead: no teardown
+    report_timeout(lambda: spmd(R, body)(flat(x), flat(idx)), buf)
 
 
 if __name__ == "__main__":  # run_worker's subprocess

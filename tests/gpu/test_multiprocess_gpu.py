@@ -1,7 +1,7 @@
 """The cuda backend with one process per GPU (ARCHITECTURE.md §2): R `jax.distributed` processes on localhost,
 each owning one GPU, one global EP mesh; the Buffer maps its peers' memory through CUDA IPC handles exchanged
-in the key-value store. Each process runs tests/gpu/test_intranode.py (through mp_worker.py), so the whole
-oracle/xla/gradient/determinism suite holds in this process model too; a second test leaves one process out
+in the key-value store. Each process runs tests/gpu/test_intranode.py and test_low_latency.py (through
+mp_worker.py), so the whole oracle/xla/gradient/determinism suites hold in this process model too; a second test leaves one process out
 of a dispatch and checks that the others fail within the timeout, naming the op and the absent rank."""
 from __future__ import annotations
 
@@ -64,9 +64,9 @@ def report(codes, outputs) -> str:
 
 
 @pytest.mark.parametrize("R", RANKS)
-def test_intranode_suite_one_process_per_gpu(R, tmp_path):
-    codes, outputs = launch("pytest", R, [str(Path(__file__).parent / "test_intranode.py"), "-x"], SUITE_TIMEOUT_S,
-                            tmp_path)
+@pytest.mark.parametrize("suite", ["test_intranode.py", "test_low_latency.py"])
+def test_suite_one_process_per_gpu(suite, R, tmp_path):
+    codes, outputs = launch("pytest", R, [str(Path(__file__).parent / suite), "-x"], SUITE_TIMEOUT_S, tmp_path)
     assert codes == [0] * R, report(codes, outputs)
     for out in outputs:  # the suite ran (only the tests that start their own single-process worker skip)
         summary = re.search(r"(\d+) passed(?:, (\d+) skipped)?", out)
