@@ -25,6 +25,7 @@
 #include <cstring>
 
 #include "api.h"
+#include "device_common.cuh"
 #include "intranode_state.h"
 
 namespace jax_ep {
@@ -36,87 +37,17 @@ constexpr unsigned kFullMask = 0xffffffffu;
 
 // ---- memory access ---------------------------------------------------------------------------------------
 
-__device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* ptr) {
-  uint64_t value;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(ptr) : "memory");
-  return value;
-}
+// Loads in flight per lane in row copies: a 7168-wide BF16 row is 28 16-byte units per lane, so 14 cover it
+// in 2 round trips over NVLink.
+constexpr int kCopyUnroll = 14;
 
-__device__ __forceinline__ void store_release_sys(uint64_t* ptr, uint64_t value) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
-}
-
-__device__ __forceinline__ uint64_t now_ns() {
-  uint64_t ns;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
-  return ns;
-}
-
-// Load of data that does not change while the kernel reads it (inputs published by a peer), bypassing L1
-// allocation: rows are read once.
 template <typename T>
 __device__ __forceinline__ T load_nc(const T* ptr) {
-  static_assert(sizeof(T) == 16 || sizeof(T) == 8 || sizeof(T) == 4 || sizeof(T) == 2 || sizeof(T) == 1);
-  T out;
-  if constexpr (sizeof(T) == 16) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(ptr));
-    memcpy(&out, &v, 16);
-  } else if constexpr (sizeof(T) == 8) {
-    const uint2 v = __ldg(reinterpret_cast<const uint2*>(ptr));
-    memcpy(&out, &v, 8);
-  } else if constexpr (sizeof(T) == 4) {
-    const unsigned v = __ldg(reinterpret_cast<const unsigned*>(ptr));
-    memcpy(&out, &v, 4);
-  } else if constexpr (sizeof(T) == 2) {
-    const unsigned short v = __ldg(reinterpret_cast<const unsigned short*>(ptr));
-    memcpy(&out, &v, 2);
-  } else {
-    const unsigned char v = __ldg(reinterpret_cast<const unsigned char*>(ptr));
-    memcpy(&out, &v, 1);
-  }
-  return out;
-}
-
-// A warp copies (or zeroes) n units; every lane keeps kUnroll loads in flight.
-template <typename Unit>
-__device__ __forceinline__ void warp_copy_units(Unit* dst, const Unit* src, int64_t n, int lane) {
-  // Loads in flight per lane: a 7168-wide BF16 row is 28 16-byte units per lane, so 14 cover it in 2
-  // round trips over NVLink (latency, not bandwidth, bounds one warp's copy).
-  constexpr int kUnroll = 14;
-  int64_t i = lane;
-  for (; i + 32 * (kUnroll - 1) < n; i += 32 * kUnroll) {
-    Unit v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = load_nc(src + i + 32 * u);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) dst[i + 32 * u] = v[u];
-  }
-  for (; i < n; i += 32) dst[i] = load_nc(src + i);
-}
-
-template <typename Unit>
-__device__ __forceinline__ void warp_zero_units(Unit* dst, int64_t n, int lane) {
-  Unit zero;
-  memset(&zero, 0, sizeof(Unit));
-  for (int64_t i = lane; i < n; i += 32) dst[i] = zero;
-}
-
-// Widest unit (16 bytes down to 1) that divides the row size and both addresses.
-__device__ __forceinline__ int unit_bytes(uintptr_t bits) {
-  return bits % 16 == 0 ? 16 : bits % 8 == 0 ? 8 : bits % 4 == 0 ? 4 : bits % 2 == 0 ? 2 : 1;
+  return LoadNonCoherent{}(ptr);
 }
 
 __device__ void warp_copy_row(void* dst, const void* src, int64_t bytes, int lane) {
-  switch (unit_bytes(reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | bytes)) {
-    case 16: return warp_copy_units(static_cast<uint4*>(dst), static_cast<const uint4*>(src), bytes / 16, lane);
-    case 8: return warp_copy_units(static_cast<uint2*>(dst), static_cast<const uint2*>(src), bytes / 8, lane);
-    case 4: return warp_copy_units(static_cast<uint32_t*>(dst), static_cast<const uint32_t*>(src), bytes / 4, lane);
-    case 2: return warp_copy_units(static_cast<uint16_t*>(dst), static_cast<const uint16_t*>(src), bytes / 2, lane);
-    default: return warp_copy_units(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), bytes, lane);
-  }
+  warp_copy_row<kCopyUnroll>(dst, src, bytes, lane, LoadNonCoherent{});
 }
 
 // The FP8 pair's rows: the values and the short scales row (at most 32 16-byte units) together, the scales'
@@ -135,7 +66,7 @@ __device__ void warp_copy_row_pair(void* dst, const void* src, int64_t bytes, vo
   const bool has_side = lane < side_bytes / 16;
   uint4 side;
   if (has_side) side = load_nc(static_cast<const uint4*>(side_src) + lane);
-  warp_copy_units(static_cast<uint4*>(dst), static_cast<const uint4*>(src), bytes / 16, lane);
+  warp_copy_units<kCopyUnroll>(static_cast<uint4*>(dst), static_cast<const uint4*>(src), bytes / 16, lane, LoadNonCoherent{});
   if (has_side) static_cast<uint4*>(side_dst)[lane] = side;
 }
 
@@ -165,25 +96,6 @@ struct CallContext {  // per block, in shared memory
   bool last_block;
 };
 
-// Kept out of line (it is cold); takes scalars so the caller's kernel parameters stay in constant memory.
-__device__ __noinline__ void fail_on_timeout(unsigned* error_claimed, IntranodeError* error, int rank, IntranodeOp op,
-                                             IntranodeWait wait, int peer, uint64_t call, uint64_t seen,
-                                             int64_t waited_ns) {
-  if (atomicCAS(error_claimed, 0u, 1u) == 0u) {
-    volatile IntranodeError* record = error;
-    record->wait = static_cast<int32_t>(wait);
-    record->rank = rank;
-    record->peer = peer;
-    record->call = call;
-    record->seen = seen;
-    record->waited_ns = waited_ns;
-    __threadfence_system();
-    record->op = static_cast<int32_t>(op);  // last: marks the record complete
-    __threadfence_system();
-  }
-  __trap();
-}
-
 __device__ __forceinline__ void wait_for_flag(const IntranodeRank& g, const uint64_t* flag, uint64_t call,
                                               IntranodeOp op, IntranodeWait wait, int peer, int64_t timeout_ns) {
   uint64_t seen = load_acquire_sys(flag);
@@ -192,7 +104,8 @@ __device__ __forceinline__ void wait_for_flag(const IntranodeRank& g, const uint
   while ((seen = load_acquire_sys(flag)) < call) {
     const int64_t waited = static_cast<int64_t>(now_ns() - start);
     if (waited > timeout_ns)
-      fail_on_timeout(&g.states[g.rank]->error_claimed, g.error, g.rank, op, wait, peer, call, seen, waited);
+      fail_on_timeout(&g.states[g.rank]->error_claimed, g.error, g.rank, static_cast<int32_t>(op),
+                      static_cast<int32_t>(wait), peer, call, seen, waited);
   }
 }
 
@@ -245,8 +158,8 @@ __device__ __forceinline__ void wait_for_staging(const IntranodeRank& g, const S
   while ((seen = atomicAdd(const_cast<unsigned*>(staged), 0u)) < gridDim.x) {
     const int64_t waited = static_cast<int64_t>(now_ns() - start);
     if (waited > timeout_ns)
-      fail_on_timeout(&g.states[g.rank]->error_claimed, g.error, g.rank, op, IntranodeWait::kStaging, g.rank, call,
-                      seen, waited);
+      fail_on_timeout(&g.states[g.rank]->error_claimed, g.error, g.rank, static_cast<int32_t>(op),
+                      static_cast<int32_t>(IntranodeWait::kStaging), g.rank, call, seen, waited);
   }
   __threadfence();
 }

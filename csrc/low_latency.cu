@@ -25,6 +25,7 @@
 
 #include "api.h"
 #include "cuda_check.h"
+#include "device_common.cuh"
 #include "intranode_state.h"
 #include "low_latency_state.h"
 
@@ -40,33 +41,7 @@ constexpr int kChunk = 32 * kLaneChannels;  // channels per warp step (two FP8 g
 constexpr float kFp8Max = 448.f;
 constexpr float kAmaxFloor = 1e-4f;
 
-// ---- memory access and timing -----------------------------------------------------------------------------
-
-__device__ __forceinline__ uint64_t load_acquire(const uint64_t* ptr) {
-  uint64_t value;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(ptr) : "memory");
-  return value;
-}
-
-__device__ __forceinline__ uint32_t load_acquire(const uint32_t* ptr) {
-  uint32_t value;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");
-  return value;
-}
-
-__device__ __forceinline__ void store_release(uint64_t* ptr, uint64_t value) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
-}
-
-__device__ __forceinline__ void store_release(uint32_t* ptr, uint32_t value) {
-  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
-}
-
-__device__ __forceinline__ uint64_t now_ns() {
-  uint64_t ns;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
-  return ns;
-}
+// ---- call numbers and regions ------------------------------------------------------------------------------
 
 // Whether call counter `value` reached `call`, modulo 2^32.
 __device__ __forceinline__ bool call_reached(uint32_t value, uint32_t call) {
@@ -86,25 +61,6 @@ __device__ __forceinline__ int num_global_warps() { return gridDim.x * kWarps; }
 
 // ---- bounded waits -----------------------------------------------------------------------------------------
 
-// Cold path, out of line; scalars only, so the caller's __grid_constant__ parameters stay in constant memory.
-__device__ __noinline__ void fail_on_timeout(unsigned* error_claimed, IntranodeError* error, int rank,
-                                             LowLatencyOp op, LowLatencyWait wait, int peer, uint32_t call,
-                                             uint64_t seen, int64_t waited_ns) {
-  if (atomicCAS(error_claimed, 0u, 1u) == 0u) {
-    volatile IntranodeError* record = error;
-    record->wait = static_cast<int32_t>(wait);
-    record->rank = rank;
-    record->peer = peer;
-    record->call = call;
-    record->seen = seen;
-    record->waited_ns = waited_ns;
-    __threadfence_system();
-    record->op = static_cast<int32_t>(op);  // last: marks the record complete
-    __threadfence_system();
-  }
-  __trap();
-}
-
 // Spins until done(load()) and returns the last value loaded, or fails after c.timeout_ns.
 template <typename Load, typename Done>
 __device__ __forceinline__ uint64_t wait_until(const LowLatencyCall& c, LowLatencyOp op, LowLatencyWait wait,
@@ -115,8 +71,8 @@ __device__ __forceinline__ uint64_t wait_until(const LowLatencyCall& c, LowLaten
   while (!done(seen = load())) {
     const int64_t waited = static_cast<int64_t>(now_ns() - start);
     if (waited > c.timeout_ns)
-      fail_on_timeout(&header(c, c.group.rank)->error_claimed, c.group.error, c.group.rank, op, wait, peer, call,
-                      seen, waited);
+      fail_on_timeout(&header(c, c.group.rank)->error_claimed, c.group.error, c.group.rank, static_cast<int32_t>(op),
+                      static_cast<int32_t>(wait), peer, call, seen, waited);
   }
   return seen;
 }
@@ -129,7 +85,7 @@ __device__ __forceinline__ void wait_for_credits(const LowLatencyCall& c, LowLat
     const int peer = threadIdx.x;
     LowLatencyHeader* h = header(c, peer);
     const uint32_t* consumed = dispatch ? &h->dispatch_consumed[call & 1] : &h->combine_consumed[call & 1];
-    wait_until(c, op, LowLatencyWait::kCredit, peer, call, [&] { return uint64_t{load_acquire(consumed)}; },
+    wait_until(c, op, LowLatencyWait::kCredit, peer, call, [&] { return uint64_t{load_acquire_sys(consumed)}; },
                [&](uint64_t seen) { return call_reached(static_cast<uint32_t>(seen), call - 2); });
   }
   __syncthreads();
@@ -171,22 +127,11 @@ __device__ __forceinline__ uint32_t next_call(const uint32_t* completed) {
 
 // ---- row copies --------------------------------------------------------------------------------------------
 
-// A warp copies `bytes` from memory that peers wrote during this kernel (loads at L2, the coherence point
-// of NVLink writes, never a stale L1 line) or from an XLA input.
-template <typename Unit>
-__device__ __forceinline__ void warp_copy_units(void* dst, const void* src, int64_t bytes, int lane) {
-  Unit* d = static_cast<Unit*>(dst);
-  const Unit* s = static_cast<const Unit*>(src);
-  const int64_t n = bytes / static_cast<int64_t>(sizeof(Unit));
-  for (int64_t i = lane; i < n; i += 32) d[i] = __ldcg(s + i);
-}
+// Row copies read at L2 (LoadL2): the rows were written by peers during this call, or are XLA inputs.
+constexpr int kCopyUnroll = 8;
 
 __device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t bytes, int lane) {
-  const uintptr_t bits = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
-                         static_cast<uintptr_t>(bytes);
-  if (bits % 16 == 0) return warp_copy_units<uint4>(dst, src, bytes, lane);
-  if (bits % 4 == 0) return warp_copy_units<unsigned>(dst, src, bytes, lane);
-  return warp_copy_units<unsigned char>(dst, src, bytes, lane);
+  warp_copy_row<kCopyUnroll>(dst, src, bytes, lane, LoadL2{});
 }
 
 // ---- FP8 cast (jax_ep/fp8.py bit for bit) ----------------------------------------------------------------
@@ -322,11 +267,24 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(const __grid_co
       return slot_index(__shfl_sync(kFullMask, expert, target_lane), __shfl_sync(kFullMask, position, target_lane));
     };
     const int64_t chunk_end = min((part + 1) * split.chunks_per_part * kChunk, hidden);
-    for (int64_t chunk = part * split.chunks_per_part * kChunk; chunk < chunk_end; chunk += kChunk) {
+    // Loads of kPrefetch chunks are issued together, so their latency is paid once per kPrefetch chunks.
+    constexpr int kPrefetch = 4;
+    uint4 prefetched[kPrefetch];
+    for (int64_t chunk = part * split.chunks_per_part * kChunk, u = 0; chunk < chunk_end; chunk += kChunk, ++u) {
+      if (u % kPrefetch == 0) {
+#pragma unroll
+        for (int p = 0; p < kPrefetch; ++p) {
+          const int64_t ch = chunk + p * kChunk + lane * kLaneChannels;
+          prefetched[p] = ch < chunk_end ? __ldg(reinterpret_cast<const uint4*>(x + t * hidden + ch))
+                                         : make_uint4(0, 0, 0, 0);
+        }
+      }
       const int64_t ch = chunk + lane * kLaneChannels;
       const bool active = ch < hidden;  // hidden is a multiple of 128: whole 16-lane groups are active or not
-      uint4 raw = make_uint4(0, 0, 0, 0);
-      if (active) raw = __ldg(reinterpret_cast<const uint4*>(x + t * hidden + ch));
+      uint4 raw = prefetched[0];
+#pragma unroll
+      for (int p = 1; p < kPrefetch; ++p)
+        if (u % kPrefetch == p) raw = prefetched[p];
       uint2 q = make_uint2(0, 0);
       float scale = 0.f;
       if (fp8) {
@@ -363,7 +321,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(const __grid_co
   for (int32_t e = threadIdx.x; e < c.num_experts; e += kThreads) {
     const int32_t rank = e / experts_per_rank, j = e % experts_per_rank;
     uint64_t* flags = reinterpret_cast<uint64_t*>(layout.set_base(region(c, rank), set) + layout.dispatch_flags);
-    store_release(flags + j * num_ranks + me, (uint64_t{call} << 32) | static_cast<uint32_t>(a.expert_count[e]));
+    store_release_sys(flags + j * num_ranks + me, (uint64_t{call} << 32) | static_cast<uint32_t>(a.expert_count[e]));
   }
   if (threadIdx.x == 0) {
     own->dispatch_calls = call;
@@ -391,7 +349,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(const __grid_co
   const uint64_t* flags = reinterpret_cast<const uint64_t*>(base + layout.dispatch_flags);
   for (int32_t i = threadIdx.x; i < pairs; i += kThreads) {
     const uint64_t seen = wait_until(c, LowLatencyOp::kDispatchRecv, LowLatencyWait::kFlag, i % num_ranks, call,
-                                     [&] { return load_acquire(flags + i); },
+                                     [&] { return load_acquire_sys(flags + i); },
                                      [&](uint64_t v) { return static_cast<uint32_t>(v >> 32) == call; });
     counts[i] = min(static_cast<int32_t>(static_cast<uint32_t>(seen)), static_cast<int32_t>(max_tokens));
   }
@@ -441,7 +399,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(const __grid_co
     }
   }
 
-  if (is_last_block(own, kDispatchRecvKernel) && threadIdx.x == 0) store_release(&own->dispatch_consumed[set], call);
+  if (is_last_block(own, kDispatchRecvKernel) && threadIdx.x == 0) store_release_sys(&own->dispatch_consumed[set], call);
 }
 
 // ---- combine ----------------------------------------------------------------------------------------------
@@ -460,13 +418,18 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(const __grid_con
   const uint32_t call = next_call(&own->combine_calls), set = call & 1;
   wait_for_credits(c, LowLatencyOp::kCombineSend, call, /*dispatch=*/false);
 
+  // The handle's (first row, rows) per (local expert, source) in shared memory: most rows of [L, R*M] are past
+  // recv_count, and a warp skips them without a global load.
+  extern __shared__ int32_t ranges[];  // [L, R, 2]
+  for (int32_t i = threadIdx.x; i < experts_per_rank * num_ranks * 2; i += kThreads) ranges[i] = a.layout_range[i];
+  __syncthreads();
   const int64_t rows_per_expert = num_ranks * max_tokens;
   for (int64_t item = global_warp(); item < experts_per_rank * rows_per_expert; item += num_global_warps()) {
     const int64_t j = item / rows_per_expert, row = item % rows_per_expert;
     bool inside = false;
     if (lane < num_ranks) {
-      const int32_t begin = a.layout_range[(j * num_ranks + lane) * 2];
-      const int32_t count = a.layout_range[(j * num_ranks + lane) * 2 + 1];
+      const int32_t begin = ranges[(j * num_ranks + lane) * 2];
+      const int32_t count = ranges[(j * num_ranks + lane) * 2 + 1];
       inside = row >= begin && row < static_cast<int64_t>(begin) + count;
     }
     const unsigned sources = __ballot_sync(kFullMask, inside);
@@ -483,7 +446,7 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(const __grid_con
   for (int32_t i = threadIdx.x; i < experts_per_rank * num_ranks; i += kThreads) {
     const int32_t j = i / num_ranks, src = i % num_ranks;
     uint64_t* flags = reinterpret_cast<uint64_t*>(layout.set_base(region(c, src), set) + layout.combine_flags);
-    store_release(flags + me * experts_per_rank + j, call);
+    store_release_sys(flags + me * experts_per_rank + j, call);
   }
   if (threadIdx.x == 0) {
     own->combine_calls = call;
@@ -510,7 +473,7 @@ __global__ void __launch_bounds__(kThreads) combine_recv_kernel(const __grid_con
   const int32_t experts_per_rank = static_cast<int32_t>(num_experts / c.group.num_ranks);
   for (int32_t e = threadIdx.x; e < num_experts; e += kThreads)
     wait_until(c, LowLatencyOp::kCombineRecv, LowLatencyWait::kFlag, e / experts_per_rank, call,
-               [&] { return load_acquire(flags + e); },
+               [&] { return load_acquire_sys(flags + e); },
                [&](uint64_t v) { return static_cast<uint32_t>(v) == call; });
   __syncthreads();
 
@@ -553,7 +516,7 @@ __global__ void __launch_bounds__(kThreads) combine_recv_kernel(const __grid_con
     }
   }
 
-  if (is_last_block(own, kCombineRecvKernel) && threadIdx.x == 0) store_release(&own->combine_consumed[set], call);
+  if (is_last_block(own, kCombineRecvKernel) && threadIdx.x == 0) store_release_sys(&own->combine_consumed[set], call);
 }
 
 // ---- launches ----------------------------------------------------------------------------------------------
@@ -587,7 +550,9 @@ cudaError_t low_latency_dispatch_recv(const LowLatencyCall& call, const LowLaten
 }
 
 cudaError_t low_latency_combine_send(const LowLatencyCall& call, const LowLatencyCombineSendArgs& args) {
-  combine_send_kernel<<<call.group.device_sms, kThreads, 0, call.stream>>>(call, args);
+  if (call.num_experts > kLowLatencyMaxExperts) return cudaErrorInvalidValue;
+  const size_t shared = 2 * sizeof(int32_t) * static_cast<size_t>(call.num_experts);  // L*R = E ranges
+  combine_send_kernel<<<call.group.device_sms, kThreads, shared, call.stream>>>(call, args);
   return cudaGetLastError();
 }
 

@@ -1,0 +1,161 @@
+// Device helpers shared by the NVLink kernels (intranode.cu, low_latency.cu): flag loads and stores at system
+// scope, the clock, the timeout record, and warp row copies with many loads in flight. Everything here has
+// internal linkage (each kernel file gets its own copy; the device link sees no duplicate symbols).
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+#include "intranode_state.h"
+
+namespace jax_ep {
+namespace {
+
+__device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* ptr) {
+  uint64_t value;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(ptr) : "memory");
+  return value;
+}
+
+__device__ __forceinline__ uint32_t load_acquire_sys(const uint32_t* ptr) {
+  uint32_t value;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");
+  return value;
+}
+
+__device__ __forceinline__ void store_release_sys(uint64_t* ptr, uint64_t value) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
+}
+
+__device__ __forceinline__ void store_release_sys(uint32_t* ptr, uint32_t value) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
+}
+
+__device__ __forceinline__ uint64_t now_ns() {
+  uint64_t ns;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+  return ns;
+}
+
+// Fills this rank's host-mapped error record (first failing thread only) and traps. Kept out of line (it is
+// cold); takes scalars so the caller's kernel parameters stay in constant memory. `op` is written last:
+// nonzero marks the record complete.
+__device__ __noinline__ void fail_on_timeout(unsigned* error_claimed, IntranodeError* error, int rank, int32_t op,
+                                             int32_t wait, int peer, uint64_t call, uint64_t seen, int64_t waited_ns) {
+  if (atomicCAS(error_claimed, 0u, 1u) == 0u) {
+    volatile IntranodeError* record = error;
+    record->wait = wait;
+    record->rank = rank;
+    record->peer = peer;
+    record->call = call;
+    record->seen = seen;
+    record->waited_ns = waited_ns;
+    __threadfence_system();
+    record->op = op;
+    __threadfence_system();
+  }
+  __trap();
+}
+
+// Loads of row data. LoadNonCoherent: data that does not change while the kernel runs (inputs a peer
+// published), through the non-coherent path without L1 allocation (rows are read once). LoadL2: data that
+// peers wrote during the kernel, before a flag this thread acquired: read at L2, the coherence point of
+// NVLink writes, never from a stale L1 line.
+struct LoadNonCoherent {
+  template <typename T>
+  __device__ __forceinline__ T operator()(const T* ptr) const {
+    static_assert(sizeof(T) == 16 || sizeof(T) == 8 || sizeof(T) == 4 || sizeof(T) == 2 || sizeof(T) == 1);
+    T out;
+    if constexpr (sizeof(T) == 16) {
+      uint4 v;
+      asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                   : "l"(ptr));
+      memcpy(&out, &v, 16);
+    } else if constexpr (sizeof(T) == 8) {
+      const uint2 v = __ldg(reinterpret_cast<const uint2*>(ptr));
+      memcpy(&out, &v, 8);
+    } else if constexpr (sizeof(T) == 4) {
+      const unsigned v = __ldg(reinterpret_cast<const unsigned*>(ptr));
+      memcpy(&out, &v, 4);
+    } else if constexpr (sizeof(T) == 2) {
+      const unsigned short v = __ldg(reinterpret_cast<const unsigned short*>(ptr));
+      memcpy(&out, &v, 2);
+    } else {
+      const unsigned char v = __ldg(reinterpret_cast<const unsigned char*>(ptr));
+      memcpy(&out, &v, 1);
+    }
+    return out;
+  }
+};
+
+struct LoadL2 {
+  template <typename T>
+  __device__ __forceinline__ T operator()(const T* ptr) const {
+    if constexpr (sizeof(T) == 16) {
+      const uint4 v = __ldcg(reinterpret_cast<const uint4*>(ptr));
+      T out;
+      memcpy(&out, &v, 16);
+      return out;
+    } else if constexpr (sizeof(T) == 8) {
+      const uint2 v = __ldcg(reinterpret_cast<const uint2*>(ptr));
+      T out;
+      memcpy(&out, &v, 8);
+      return out;
+    } else if constexpr (sizeof(T) == 4) {
+      const unsigned v = __ldcg(reinterpret_cast<const unsigned*>(ptr));
+      T out;
+      memcpy(&out, &v, 4);
+      return out;
+    } else {
+      return *reinterpret_cast<const volatile T*>(ptr);
+    }
+  }
+};
+
+// A warp copies n units; every lane keeps kUnroll loads in flight (one warp's copy over NVLink is bound by
+// latency, not bandwidth).
+template <int kUnroll, typename Unit, typename Load>
+__device__ __forceinline__ void warp_copy_units(Unit* dst, const Unit* src, int64_t n, int lane, Load load) {
+  int64_t i = lane;
+  for (; i + 32 * (kUnroll - 1) < n; i += 32 * kUnroll) {
+    Unit v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = load(src + i + 32 * u);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) dst[i + 32 * u] = v[u];
+  }
+  for (; i < n; i += 32) dst[i] = load(src + i);
+}
+
+template <typename Unit>
+__device__ __forceinline__ void warp_zero_units(Unit* dst, int64_t n, int lane) {
+  Unit zero;
+  memset(&zero, 0, sizeof(Unit));
+  for (int64_t i = lane; i < n; i += 32) dst[i] = zero;
+}
+
+// Widest unit (16 bytes down to 1) that divides the row size and both addresses.
+__device__ __forceinline__ int unit_bytes(uintptr_t bits) {
+  return bits % 16 == 0 ? 16 : bits % 8 == 0 ? 8 : bits % 4 == 0 ? 4 : bits % 2 == 0 ? 2 : 1;
+}
+
+template <int kUnroll, typename Load>
+__device__ void warp_copy_row(void* dst, const void* src, int64_t bytes, int lane, Load load) {
+  switch (unit_bytes(reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | bytes)) {
+    case 16:
+      return warp_copy_units<kUnroll>(static_cast<uint4*>(dst), static_cast<const uint4*>(src), bytes / 16, lane, load);
+    case 8:
+      return warp_copy_units<kUnroll>(static_cast<uint2*>(dst), static_cast<const uint2*>(src), bytes / 8, lane, load);
+    case 4:
+      return warp_copy_units<kUnroll>(static_cast<uint32_t*>(dst), static_cast<const uint32_t*>(src), bytes / 4, lane,
+                                      load);
+    case 2:
+      return warp_copy_units<kUnroll>(static_cast<uint16_t*>(dst), static_cast<const uint16_t*>(src), bytes / 2, lane,
+                                      load);
+    default:
+      return warp_copy_units<kUnroll>(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), bytes, lane, load);
+  }
+}
+
+}  // namespace
+}  // namespace jax_ep
