@@ -497,14 +497,24 @@ __global__ void __launch_bounds__(kThreads) combine_recv_kernel(const __grid_con
       float acc[kLaneChannels];
 #pragma unroll
       for (int i = 0; i < kLaneChannels; ++i) acc[i] = 0.f;
-      for (int k = 0; k < num_topk; ++k) {
+      // Every entry's load is issued before the first is used (one memory latency per chunk, not one per k);
+      // the sum still runs in k order.
+      uint4 rows[kLowLatencyMaxTopk];
+#pragma unroll
+      for (int k = 0; k < kLowLatencyMaxTopk; ++k) {
         const int32_t e = __shfl_sync(kFullMask, expert, k);
         const int32_t s = __shfl_sync(kFullMask, slot, k);
+        if (k < num_topk && e >= 0 && ch < hidden)
+          rows[k] = __ldcg(reinterpret_cast<const uint4*>(
+              base + layout.combine_rows + (t * kLowLatencyMaxTopk + s) * layout.slot_bytes + ch * 2));
+      }
+#pragma unroll
+      for (int k = 0; k < kLowLatencyMaxTopk; ++k) {
+        const int32_t e = __shfl_sync(kFullMask, expert, k);
         const float w = __shfl_sync(kFullMask, weight, k);
-        if (e < 0 || ch >= hidden) continue;
-        const char* row = base + layout.combine_rows + (t * kLowLatencyMaxTopk + s) * layout.slot_bytes;
+        if (k >= num_topk || e < 0 || ch >= hidden) continue;
         float v[kLaneChannels];
-        bf16x8_to_float(__ldcg(reinterpret_cast<const uint4*>(row + ch * 2)), v);
+        bf16x8_to_float(rows[k], v);
 #pragma unroll
         for (int i = 0; i < kLaneChannels; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(w, v[i]));
       }

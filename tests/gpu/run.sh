@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One device call: build jax_ep, run the GPU tests, the CPU/xla suite on the GPUs, the demo and (when
 # present) the benchmark; logs under $OUT, a short summary table last.
-#   bash tests/gpu/run.sh [quick|rest|full|final|mp]
+#   bash tests/gpu/run.sh [quick|rest|full|final|mp|ll|accept]
 #     quick: build, GPU tests, demo; rest: build, xla suite on the GPUs, benchmarks, the Flax example;
 #     full: all of it, then the GPU tests again on the Ampere (sm_80) code path: built for sm_80 + PTX only,
 #     which the driver compiles for the Hopper GPU at load time; final: full without the xla suite (fits
-#     one 10-minute call); mp: build, the intranode tests in one process, then with one process per GPU.
+#     one 10-minute call); mp: build, the intranode tests in one process, then with one process per GPU;
+#     ll: the low-latency tests and benchmark; accept: every GPU test and the benchmarks in both process models.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # never NVLink multicast
@@ -29,6 +30,17 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run, log to $OUT/NAME.log, record th
 nvidia-smi -L; python3 --version; python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 step build 240 python3 -m pip install --no-build-isolation --no-deps -v -e . || { tail -40 "$OUT/build.log"; exit 1; }
 python3 -c "import jax_ep._native as n; print('cuda:', n.with_cuda(), 'nvshmem:', n.with_nvshmem())" | tee -a "$OUT/build.log"
+if [ "$mode" = accept ]; then  # every GPU test (both process models), the demo, the benchmarks in both models
+  step gpu_tests 330 python3 -m pytest -q -rs tests/gpu
+  step demo 60 python3 -m jax_ep.demo
+  step bench 120 python3 -m jax_ep.bench intranode --sms 24 64 --json "$OUT/bench.json"
+  step bench_mp 120 python3 -m jax_ep.bench intranode --processes 4 --sms 24 64 --no-baselines --json "$OUT/bench_mp.json"
+  step bench_ll 120 python3 -m jax_ep.bench low_latency --json "$OUT/ll.json"
+  grep -hE "^(FAILED|ERROR)" "$OUT"/*.log | head -20
+  grep -hE "^\[(intranode|low_latency)\]" "$OUT"/bench*.log | grep -vE "timing loop" | tail -45
+  printf '\n== summary\n'; printf '%s\n' "${summary[@]}"
+  exit 0
+fi
 if [ "$mode" = ll ]; then  # low-latency kernels in both process models, NVSHMEM bootstrap, LL benchmark
   step ll_tests 300 python3 -m pytest -q -rs tests/gpu/test_low_latency.py
   PYTHONFAULTHANDLER=1 NVSHMEM_DEBUG=INFO step mp_nvshmem 90 python3 -m pytest -q -rs tests/gpu/test_multiprocess_gpu.py -k "nvshmem and 2"
