@@ -175,7 +175,11 @@ class MoE(nnx.Module):
         elif self.dispatcher == "low_latency":
             # Low-latency ops move BF16 and return the gate-weighted sum over the top-k experts.
             ll = jax_ep.low_latency_dispatch(self.buffer, x.astype(jnp.bfloat16), routing.topk_idx, use_fp8=False)
-            expert_out = swiglu(ll.recv_x, *experts)  # [L, R*M, D]; combine reads only the recv_count valid rows
+            # Rows past recv_count are unspecified (the cuda kernels leave old bytes there, maybe NaN): zero them,
+            # or the expert weights' gradients (sum over rows of row * 0) could turn NaN.
+            valid = jnp.arange(ll.recv_x.shape[1])[None, :] < ll.recv_count[:, None]
+            recv_x = jnp.where(valid[..., None], ll.recv_x, jnp.zeros((), ll.recv_x.dtype))
+            expert_out = swiglu(recv_x, *experts)  # [L, R*M, D]; combine reads only the recv_count valid rows
             y = jax_ep.low_latency_combine(self.buffer, expert_out.astype(jnp.bfloat16), routing.topk_idx,
                                            routing.topk_weights, ll.handle)
         else:
