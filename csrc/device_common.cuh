@@ -56,10 +56,11 @@ __device__ __noinline__ void fail_on_timeout(unsigned* error_claimed, IntranodeE
   __trap();
 }
 
-// Loads of row data. LoadNonCoherent: data that does not change while the kernel runs (inputs a peer
-// published), through the non-coherent path without L1 allocation (rows are read once). LoadL2: data that
-// peers wrote during the kernel, before a flag this thread acquired: read at L2, the coherence point of
-// NVLink writes, never from a stale L1 line.
+// Loads of row data. LoadNonCoherent: inputs a peer published before the arrival barrier this block passed
+// (XLA buffers, or rows a staged peer copied earlier in the same call), through the non-coherent path without
+// L1 allocation (rows are read once; this block never read those addresses before the barrier, so no stale
+// line can be cached). LoadL2: data that peers wrote during the kernel, before a flag this thread acquired:
+// read at L2, the coherence point of NVLink writes.
 struct LoadNonCoherent {
   template <typename T>
   __device__ __forceinline__ T operator()(const T* ptr) const {

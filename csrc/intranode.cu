@@ -1,5 +1,6 @@
-// Intranode normal-mode kernels (one process driving every GPU of the group): dispatch, cached dispatch and
-// combine, each one kernel launch that pulls peers' rows through NVLink peer pointers.
+// Intranode normal-mode kernels: dispatch, cached dispatch and combine, each one kernel launch that pulls
+// peers' rows over NVLink, through peer pointers (one process driving the group) or CUDA IPC mappings of the
+// peers' workspaces (a group spanning processes, "staged").
 //
 // Protocol of one call (all three ops share it and the per-rank state in intranode_state.h):
 //  1. Every block reads the call number n = calls_completed + 1 from this rank's device state (device

@@ -149,8 +149,9 @@ def create(buffer) -> None:
     the other mesh axes): directly when the group is local to this process, else collectively with the
     group's other processes through the jax.distributed key-value store. Sets `buffer.low_latency_offset`.
 
-    Workspace of each rank: the staging region first (`num_nvl_bytes`, only in groups spanning processes),
-    then the low-latency region (when the Buffer has low-latency sizes)."""
+    Workspace of each rank: the staging region first (`num_nvl_bytes`, when any EP group of the Buffer spans
+    processes, also if only low-latency ops are used), then the low-latency region (when the Buffer has
+    low-latency sizes)."""
     reason = unsupported_reason(buffer.mesh, buffer.axis_name)
     if reason:
         raise NotImplementedError(f"jax_ep.Buffer: {reason}")

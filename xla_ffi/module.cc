@@ -82,7 +82,7 @@ NB_MODULE(_C, m) {
   m.def("low_latency_errors", &jax_ep::low_latency_errors, nb::arg("buffer_id"), nb::arg("device_ordinals"),
         "One line per device whose low-latency kernel of buffer_id timed out (op, rank, peer, call).");
   m.def("intranode_kernel_times", &jax_ep::intranode_kernel_times, nb::arg("buffer_id"), nb::arg("reset") = false,
-        "[(calls, summed kernel ns)] per device of buffer_id in rank order since the last reset (benchmark figure).");
+        "[(calls, summed kernel ns)] per device of buffer_id in this process, by CUDA ordinal, since the last reset (benchmark figure).");
   m.attr("with_cuda") = true;
 #else
   m.attr("with_cuda") = false;
