@@ -141,10 +141,14 @@ def combine_recv(token, topk_idx, topk_weights, *, params: LowLatencyParams, hid
     return jax.ffi.ffi_call(COMBINE_RECV_TARGET, result_type)(token, topk_idx, topk_weights, **params.attributes())
 
 
+def _local_ordinals(buffer) -> list[int]:
+    """CUDA ordinals of `buffer`'s devices in this process (XLA's DeviceOrdinal is the local hardware id)."""
+    return [int(d.local_hardware_id) for d in buffer.mesh.devices.flat if d.process_index == jax.process_index()]
+
+
 def errors(buffer) -> list[str]:
     """One line per device of `buffer` whose low-latency kernel timed out (op, rank, peer, call)."""
-    ordinals = [int(d.local_hardware_id) for d in buffer.mesh.devices.flat if d.process_index == jax.process_index()]
-    return list(_native._C.low_latency_errors(buffer.buffer_id, ordinals))
+    return list(_native._C.low_latency_errors(buffer.buffer_id, _local_ordinals(buffer)))
 
 
 KERNELS = ("dispatch route", "dispatch send", "dispatch recv", "combine send", "combine recv")
@@ -153,6 +157,9 @@ KERNELS = ("dispatch route", "dispatch send", "dispatch recv", "combine send", "
 def kernel_times(buffer, reset: bool = False) -> list[dict[str, tuple[int, int]]]:
     """Per local device of `buffer`: {kernel: (calls, summed ns)} of the LL kernels since the last reset, as
     %globaltimer sees each call from block 0's start to the last block's end (the benchmark's kernel times)."""
-    ordinals = [int(d.local_hardware_id) for d in buffer.mesh.devices.flat if d.process_index == jax.process_index()]
-    rows = _native._C.low_latency_kernel_times(buffer.buffer_id, ordinals, buffer.low_latency_offset, reset)
+    if buffer.low_latency_offset is None:
+        raise ValueError("jax_ep: this Buffer has no low-latency region (create it with "
+                         "num_max_dispatch_tokens_per_rank, hidden and num_experts on the cuda backend)")
+    rows = _native._C.low_latency_kernel_times(buffer.buffer_id, _local_ordinals(buffer), buffer.low_latency_offset,
+                                               reset)
     return [dict(zip(KERNELS, map(tuple, row))) for row in rows]
