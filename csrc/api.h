@@ -148,6 +148,15 @@ struct CombineArgs {
 };
 cudaError_t intranode_combine(const IntranodeCall& call, const CombineArgs& args);
 
+// The benchmark's all-to-all store ceiling: every rank stores `bytes_per_peer` bytes into each peer's `out`
+// ([num_ranks, bytes_per_peer] bytes, region `rank` of each peer), all peers at once, with plain 16-byte
+// stores from the call's SMs. One process driving the group only (peers write into XLA's buffers).
+struct StoreProbeArgs {
+  void* out = nullptr;
+  int64_t bytes_per_peer = 0;  // a multiple of 16
+};
+cudaError_t intranode_store_probe(const IntranodeCall& call, const StoreProbeArgs& args);
+
 }  // namespace jax_ep
 #endif
 

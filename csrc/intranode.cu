@@ -563,6 +563,28 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
   finish_call(g, ctx, IntranodeOp::kCombine, timeout_ns, [] {});
 }
 
+// ---- store ceiling probe (benchmark) -----------------------------------------------------------------------
+
+// Every block stores 16-byte units into every peer's region for this rank, peers interleaved per unit so
+// that all links carry traffic at once.
+__global__ void __launch_bounds__(kThreads, 1) store_probe_kernel(const __grid_constant__ IntranodeRank g,
+                                                                  const __grid_constant__ StoreProbeArgs a,
+                                                                  const __grid_constant__ StagePlan plan,
+                                                                  int64_t timeout_ns) {
+  __shared__ CallContext ctx;
+  publish_inputs_and_wait(g, ctx, plan, IntranodeOp::kStoreProbe, timeout_ns);
+  const int64_t units = a.bytes_per_peer / 16;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < units;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const uint4 value = make_uint4(static_cast<uint32_t>(i), static_cast<uint32_t>(g.rank), 0u, 0u);
+    for (int step = 1; step < g.num_ranks; ++step) {
+      const int peer = (g.rank + step) % g.num_ranks;
+      static_cast<uint4*>(const_cast<void*>(ctx.views[peer].pointers[0]))[g.rank * units + i] = value;
+    }
+  }
+  finish_call(g, ctx, IntranodeOp::kStoreProbe, timeout_ns, [] {});
+}
+
 // ---- launches ----------------------------------------------------------------------------------------------
 
 int grid_size(const IntranodeCall& call) { return std::max(1, std::min(call.num_sms, call.group.device_sms)); }
@@ -679,6 +701,15 @@ cudaError_t intranode_cached_dispatch(const IntranodeCall& call, const CachedDis
   StagePlan plan;
   if (!builder.finish(&plan)) return cudaErrorMemoryAllocation;
   cached_dispatch_kernel<<<grid_size(call), kThreads, 0, call.stream>>>(call.group, args, plan, call.timeout_ns);
+  return cudaGetLastError();
+}
+
+cudaError_t intranode_store_probe(const IntranodeCall& call, const StoreProbeArgs& args) {
+  if (call.group.staged) return cudaErrorNotSupported;  // a peer process cannot map `out`
+  if (args.bytes_per_peer % 16 != 0) return cudaErrorInvalidValue;
+  StagePlan plan = {};
+  plan.published[0] = args.out;
+  store_probe_kernel<<<grid_size(call), kThreads, 0, call.stream>>>(call.group, args, plan, call.timeout_ns);
   return cudaGetLastError();
 }
 

@@ -39,7 +39,7 @@ struct IntranodeState {
   uint64_t timed_ns;
 };
 
-enum class IntranodeOp : int32_t { kDispatch = 1, kCachedDispatch = 2, kCombine = 3 };
+enum class IntranodeOp : int32_t { kDispatch = 1, kCachedDispatch = 2, kCombine = 3, kStoreProbe = 4 };
 enum class IntranodeWait : int32_t { kArrival = 1, kRelease = 2, kStaging = 3 };
 
 // Written by a kernel just before it traps; lives in pinned host memory so the host can read it after the

@@ -269,6 +269,22 @@ def intranode(args) -> list[dict]:
             else:
                 report(backend, op, payload, None, result, bf16_bytes)
 
+    def store_ceiling(buf, sms):
+        """Every GPU storing to every peer at once with plain stores from `sms` SMs (the link ceiling of a
+        store-based kernel), 64 MiB per peer. "Counted" scales the wire rate by R / (R - 1): at this routing
+        about 1/R of DeepEP's counted bytes stay on the GPU."""
+        bytes_per_peer = 64 << 20
+        params = cuda_backend.kernel_params(buf)
+        probe = lambda idx, _: cuda_backend.store_probe(idx[:1, 0], params=params, num_ranks=num_ranks,
+                                                        bytes_per_peer=bytes_per_peer)
+        seconds = _time_per_op(mesh, probe, (topk_idx, x), args)
+        wire = (num_ranks - 1) * bytes_per_peer / seconds / 1e9
+        counted = wire * num_ranks / (num_ranks - 1)
+        records.append(dict(backend="cuda", op="store ceiling", payload="bytes", num_sms=sms, num_ranks=num_ranks,
+                            process_model=_process_model(args), t_us=seconds * 1e6, gbps=counted, nvl_gbps=wire))
+        print(f"[intranode] all-to-all store ceiling (SMs {sms}): {wire:.2f} GB/s out per GPU on the wire, "
+              f"{counted:.2f} GB/s in DeepEP's count (x R/(R-1))", flush=True)
+
     runs = [("xla", None)] if args.xla else []
     runs += [("cuda", sms) for sms in args.sms]
     # One process per GPU: every normal-mode op stages the inputs its peers read in the Buffer's workspace.
@@ -294,6 +310,8 @@ def intranode(args) -> list[dict]:
                 times = cuda_backend.kernel_times(buf)
                 return seconds, float(np.mean([ns / calls for calls, ns in times])) * 1e-9
 
+            if backend == "cuda" and not args.processes:
+                store_ceiling(buf, sms)
             d = _spmd(mesh, lambda i, p: (lambda r: (r.recv_x, r.handle))(dispatch(i, p)))(topk_idx, x)
             for payload, data, nbytes in (("BF16", x, bf16_bytes), ("FP8", x_fp8, fp8_bytes)):
                 seconds, kernel_seconds = timed(dispatch, (topk_idx, data))

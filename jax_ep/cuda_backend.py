@@ -38,6 +38,7 @@ from jax_ep.config import low_latency_buffer_bytes
 DISPATCH_TARGET = "jax_ep_dispatch"
 CACHED_DISPATCH_TARGET = "jax_ep_cached_dispatch"
 COMBINE_TARGET = "jax_ep_combine"
+STORE_PROBE_TARGET = "jax_ep_store_probe"
 
 MAX_RANKS = 8  # csrc kMaxIntranodeRanks
 MAX_TOPK = 32  # one warp lane per top-k entry
@@ -336,3 +337,14 @@ def combine(y, handle: IntranodeHandle, *, params: KernelParams, bias=None, out_
     operands = (y, handle.send_row, handle.recv_src_index) + (() if bias is None else (bias,))
     out = jax.ffi.ffi_call(COMBINE_TARGET, result_type)(*operands, **params.attributes())
     return out.astype(out_dtype)
+
+
+def store_probe(token, *, params: KernelParams, num_ranks: int, bytes_per_peer: int) -> jax.Array:
+    """The benchmark's all-to-all store ceiling (per rank, inside shard_map): every rank stores
+    `bytes_per_peer` bytes into each peer at once with plain 16-byte stores from `params.num_sms` SMs; returns
+    this rank's uint8 [num_ranks * bytes_per_peer] (what the peers stored). `token` orders the call after its
+    producer. One process driving the group only."""
+    if params.staging_bytes is not None:
+        raise NotImplementedError("jax_ep store probe: needs one process driving every GPU of the EP group")
+    result_type = jax.typeof(token).update(shape=(num_ranks * bytes_per_peer,), dtype=jnp.uint8)
+    return jax.ffi.ffi_call(STORE_PROBE_TARGET, result_type)(token, **params.attributes())

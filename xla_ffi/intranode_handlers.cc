@@ -200,7 +200,35 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t device, ffi::RemainingArgs r
   return Launched(kOp, err);
 }
 
+// arg: token (any array: orders the call after its producer); ret: out [num_ranks * bytes_per_peer] bytes.
+ffi::Error StoreProbeImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> out,
+                          int64_t buffer_id, int64_t num_sms, int64_t timeout_ns) {
+  constexpr const char* kOp = "store probe";
+  (void)token;
+  IntranodeCall call;
+  if (auto err = MakeCall(kOp, stream, device, buffer_id, num_sms, timeout_ns, &call); err.failure()) return err;
+  StoreProbeArgs a;
+  a.out = out->untyped_data();
+  const int64_t bytes = static_cast<int64_t>(out->size_bytes());
+  if (bytes % (16 * call.group.num_ranks) != 0) return Invalid(kOp, "the result must hold num_ranks * 16k bytes");
+  a.bytes_per_peer = bytes / call.group.num_ranks;
+  const cudaError_t err = intranode_store_probe(call, a);
+  if (err == cudaErrorNotSupported) return Invalid(kOp, "needs one process driving every GPU of the group");
+  return Launched(kOp, err);
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(IntranodeStoreProbe, StoreProbeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("buffer_id")
+                                  .Attr<int64_t>("num_sms")
+                                  .Attr<int64_t>("timeout_ns"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(IntranodeDispatch, DispatchImpl,
                               ffi::Ffi::Bind()

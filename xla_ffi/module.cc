@@ -35,6 +35,7 @@ nb::dict Registrations() {
   targets["jax_ep_dispatch"] = cuda_only(Capsule(IntranodeDispatch));
   targets["jax_ep_cached_dispatch"] = cuda_only(Capsule(IntranodeCachedDispatch));
   targets["jax_ep_combine"] = cuda_only(Capsule(IntranodeCombine));
+  targets["jax_ep_store_probe"] = cuda_only(Capsule(IntranodeStoreProbe));
   targets["jax_ep_low_latency_dispatch_send"] = cuda_only(Capsule(LowLatencyDispatchSend));
   targets["jax_ep_low_latency_dispatch_recv"] = cuda_only(Capsule(LowLatencyDispatchRecv));
   targets["jax_ep_low_latency_combine_send"] = cuda_only(Capsule(LowLatencyCombineSend));

@@ -328,6 +328,22 @@ def test_repeated_runs_identical(R):
     assert cuda_backend.errors(buffer(R, "cuda")) == []
 
 
+@needs_one_process
+@pytest.mark.parametrize("R", RANKS)
+def test_store_probe_writes_every_peer(R):
+    """The benchmark's store-ceiling probe: region s of rank r's output holds what rank s stored, 16-byte
+    unit i = (i, s, 0, 0), for every peer s != r."""
+    units = 4096
+    params = cuda_backend.kernel_params(buffer(R, "cuda"))
+    body = lambda token: cuda_backend.store_probe(token, params=params, num_ranks=R, bytes_per_peer=units * 16)
+    out = ranks(jax.device_get(spmd(R, body)(np.zeros((R,), np.int32))), R).view(np.uint32).reshape(R, R, units, 4)
+    for r in range(R):
+        for s in range(R):
+            if s != r:
+                expected = np.stack([np.arange(units), np.full(units, s), np.zeros(units), np.zeros(units)], axis=1)
+                assert_bits(out[r, s], expected.astype(np.uint32), f"rank {r}, region of peer {s}")
+
+
 def loop_fn(R: int, backend: str, E: int, steps: int):
     """`steps` dispatch + combine rounds inside one jitted lax.fori_loop (combine(recv_x / 2) feeds the next)."""
     buf = buffer(R, backend)
