@@ -62,6 +62,7 @@ struct IntranodeRank {
   IntranodeState* states[kMaxIntranodeRanks] = {};     // every rank's state by rank, mapped here
   char* workspaces[kMaxIntranodeRanks] = {};           // every rank's workspace by rank, mapped here
   int64_t workspace_bytes = 0;
+  int64_t staging_bytes = 0;                           // the workspace's first bytes, where staged ops copy inputs
   IntranodeError* error = nullptr;                     // this rank's record (pinned host memory, mapped)
 };
 
@@ -70,17 +71,23 @@ struct IntranodeRank {
 // mesh) may share a buffer_id.
 //
 // One process driving the whole group: device_ordinals[r] is the CUDA ordinal of EP rank r.
-void intranode_create(int64_t buffer_id, const std::vector<int>& device_ordinals, int64_t workspace_bytes);
+// The first `staging_bytes` of each workspace are the staging room of groups spanning processes.
+void intranode_create(int64_t buffer_id, const std::vector<int>& device_ordinals, int64_t workspace_bytes,
+                      int64_t staging_bytes);
 // Groups spanning processes, in two collective steps. Step 1 allocates rank `rank` of the group on local
 // device `device_ordinal` and returns the CUDA IPC handle of its allocation (bytes to pass to every rank).
 std::string intranode_export(int64_t buffer_id, int device_ordinal, int rank, int num_ranks,
-                             int64_t workspace_bytes);
+                             int64_t workspace_bytes, int64_t staging_bytes);
 // Step 2, once every rank exported: ipc_handles[p] is rank p's handle; local_ordinals[p] is the CUDA ordinal
 // of rank p when this process exported it (its memory is then reached by peer access), else -1.
 void intranode_connect(int64_t buffer_id, int device_ordinal, const std::vector<std::string>& ipc_handles,
                        const std::vector<int>& local_ordinals);
-// Waits for every device of `buffer_id` in this process, unmaps peers and frees its memory; returns "" or
-// the CUDA errors met on the way (a device whose context a timed-out kernel killed cannot free anything).
+// Waits for every device of `buffer_id` in this process and unmaps the peers' memory; the ranks stop being
+// found by intranode_lookup. A group spanning processes calls this on every process, then meets at a
+// barrier, then destroys: nobody frees memory that another process still maps. Returns "" or the errors.
+std::string intranode_unmap(int64_t buffer_id);
+// intranode_unmap, then frees every rank's memory of `buffer_id` in this process; returns "" or the CUDA
+// errors met on the way (a device whose context a timed-out kernel killed cannot free anything).
 std::string intranode_destroy(int64_t buffer_id);
 // The launch view of (buffer_id, device_ordinal); false when no connected rank exists there.
 bool intranode_lookup(int64_t buffer_id, int device_ordinal, IntranodeRank* out);

@@ -621,10 +621,10 @@ class StagePlanBuilder {
     return reinterpret_cast<T*>(group_.workspaces[group_.rank] + offset);
   }
 
-  // The plan, or false when the staged regions do not fit the workspace.
+  // The plan, or false when the staged regions do not fit the staging room (the low-latency region follows).
   bool finish(StagePlan* out) const {
     *out = plan_;
-    return !group_.staged || end_ <= group_.workspace_bytes;
+    return !group_.staged || end_ <= group_.staging_bytes;
   }
 
  private:

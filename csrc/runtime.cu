@@ -26,6 +26,7 @@ struct RankMemory {
   int rank = 0;
   int num_ranks = 0;
   int64_t workspace_bytes = 0;
+  int64_t staging_bytes = 0;
   char* memory = nullptr;                    // own allocation: state, then workspace
   IntranodeError* error = nullptr;           // pinned, mapped host memory
   std::vector<void*> ipc_mappings;           // peers' allocations opened through CUDA IPC
@@ -55,24 +56,37 @@ class CurrentDeviceGuard {
   int device_ = 0;
 };
 
-// Frees what `rank` holds, collecting (not throwing) errors: used for teardown and failed creation.
-std::string free_rank(RankMemory& rank) {
-  std::string errors;
-  auto note = [&](cudaError_t err, const char* what) {
+// Collects CUDA errors of teardown (which goes on past them) as one message.
+class ErrorList {
+ public:
+  void note(cudaError_t err, const char* what, int device) {
     if (err != cudaSuccess)
-      errors += std::string(errors.empty() ? "" : "; ") + what + " on device " + std::to_string(rank.device) + ": " +
-                cudaGetErrorString(err);
-  };
-  note(cudaSetDevice(rank.device), "cudaSetDevice");
-  note(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-  for (void* mapping : rank.ipc_mappings) note(cudaIpcCloseMemHandle(mapping), "cudaIpcCloseMemHandle");
-  rank.ipc_mappings.clear();
-  if (rank.memory) note(cudaFree(rank.memory), "cudaFree");
-  rank.memory = nullptr;
-  if (rank.error) note(cudaFreeHost(rank.error), "cudaFreeHost");
-  rank.error = nullptr;
+      text_ += std::string(text_.empty() ? "" : "; ") + what + " on device " + std::to_string(device) + ": " +
+               cudaGetErrorString(err);
+  }
+  const std::string& text() const { return text_; }
+
+ private:
+  std::string text_;
+};
+
+// Waits for `rank`'s device and unmaps its peers: afterwards no kernel of this rank runs or starts (lookups
+// fail) and nothing of the peers stays mapped here. Its own memory stays allocated (peers may still map it).
+void quiesce_rank(RankMemory& rank, ErrorList& errors) {
   rank.connected = false;
-  return errors;
+  errors.note(cudaSetDevice(rank.device), "cudaSetDevice", rank.device);
+  errors.note(cudaDeviceSynchronize(), "cudaDeviceSynchronize", rank.device);
+  for (void* mapping : rank.ipc_mappings) errors.note(cudaIpcCloseMemHandle(mapping), "cudaIpcCloseMemHandle", rank.device);
+  rank.ipc_mappings.clear();
+}
+
+// Frees `rank`'s own memory (after quiesce_rank).
+void free_rank(RankMemory& rank, ErrorList& errors) {
+  errors.note(cudaSetDevice(rank.device), "cudaSetDevice", rank.device);
+  if (rank.memory) errors.note(cudaFree(rank.memory), "cudaFree", rank.device);
+  rank.memory = nullptr;
+  if (rank.error) errors.note(cudaFreeHost(rank.error), "cudaFreeHost", rank.device);
+  rank.error = nullptr;
 }
 
 void enable_peer_access(int device, int peer) {
@@ -98,9 +112,10 @@ void check_group_size(int num_ranks) {
 }
 
 // Allocates and registers rank `rank` on `device` (caller holds g_mutex and a CurrentDeviceGuard).
-RankMemory& allocate_rank(int64_t buffer_id, int device, int rank, int num_ranks, int64_t workspace_bytes) {
+RankMemory& allocate_rank(int64_t buffer_id, int device, int rank, int num_ranks, int64_t workspace_bytes,
+                          int64_t staging_bytes) {
   check_group_size(num_ranks);
-  if (rank < 0 || rank >= num_ranks || workspace_bytes < 0)
+  if (rank < 0 || rank >= num_ranks || workspace_bytes < 0 || staging_bytes < 0 || staging_bytes > workspace_bytes)
     throw std::invalid_argument("jax_ep intranode runtime: rank " + std::to_string(rank) + " of " +
                                 std::to_string(num_ranks) + " with workspace " + std::to_string(workspace_bytes) +
                                 " bytes is not valid");
@@ -112,6 +127,7 @@ RankMemory& allocate_rank(int64_t buffer_id, int device, int rank, int num_ranks
   memory->rank = rank;
   memory->num_ranks = num_ranks;
   memory->workspace_bytes = workspace_bytes;
+  memory->staging_bytes = staging_bytes;
   try {
     check(cudaSetDevice(device), "cudaSetDevice", device);
     check(cudaHostAlloc(&memory->error, sizeof(IntranodeError), cudaHostAllocMapped | cudaHostAllocPortable),
@@ -122,7 +138,9 @@ RankMemory& allocate_rank(int64_t buffer_id, int device, int rank, int num_ranks
     check(cudaMemset(memory->memory, 0, bytes), "cudaMemset (state and workspace)", device);
     check(cudaDeviceSynchronize(), "cudaDeviceSynchronize", device);
   } catch (...) {
-    free_rank(*memory);
+    ErrorList ignored;  // the allocation error is the one to report
+    quiesce_rank(*memory, ignored);
+    free_rank(*memory, ignored);
     throw;
   }
   RankMemory& out = *memory;
@@ -137,6 +155,7 @@ void connect_rank(RankMemory& self, const std::vector<char*>& memories, bool sta
   view.num_ranks = self.num_ranks;
   view.staged = staged ? 1 : 0;
   view.workspace_bytes = self.workspace_bytes;
+  view.staging_bytes = self.staging_bytes;
   check(cudaDeviceGetAttribute(&view.device_sms, cudaDevAttrMultiProcessorCount, self.device),
         "cudaDeviceGetAttribute", self.device);
   for (int p = 0; p < self.num_ranks; ++p) {
@@ -149,22 +168,34 @@ void connect_rank(RankMemory& self, const std::vector<char*>& memories, bool sta
   self.connected = true;
 }
 
-// Erases every rank of buffer_id whose device is in `devices` (failed creation), returning their errors.
+// Erases every rank of buffer_id whose device is in `devices`, returning their errors. Every device is
+// quiesced before any memory is freed: a kernel on one local device may read another's memory.
 std::string erase_ranks(int64_t buffer_id, const std::vector<int>& devices) {
-  std::string errors;
+  ErrorList errors;
+  for (int device : devices) {
+    auto it = g_ranks.find({buffer_id, device});
+    if (it != g_ranks.end()) quiesce_rank(*it->second, errors);
+  }
   for (int device : devices) {
     auto it = g_ranks.find({buffer_id, device});
     if (it == g_ranks.end()) continue;
-    const std::string rank_errors = free_rank(*it->second);
-    if (!rank_errors.empty()) errors += (errors.empty() ? "" : "; ") + rank_errors;
+    free_rank(*it->second, errors);
     g_ranks.erase(it);
   }
-  return errors;
+  return errors.text();
+}
+
+std::vector<int> devices_of(int64_t buffer_id) {
+  std::vector<int> devices;
+  for (const auto& [key, memory] : g_ranks)
+    if (key.first == buffer_id) devices.push_back(key.second);
+  return devices;
 }
 
 }  // namespace
 
-void intranode_create(int64_t buffer_id, const std::vector<int>& device_ordinals, int64_t workspace_bytes) {
+void intranode_create(int64_t buffer_id, const std::vector<int>& device_ordinals, int64_t workspace_bytes,
+                      int64_t staging_bytes) {
   const int num_ranks = static_cast<int>(device_ordinals.size());
   check_group_size(num_ranks);
   if (std::set<int>(device_ordinals.begin(), device_ordinals.end()).size() != device_ordinals.size())
@@ -178,7 +209,8 @@ void intranode_create(int64_t buffer_id, const std::vector<int>& device_ordinals
   try {
     std::vector<char*> memories;
     for (int r = 0; r < num_ranks; ++r)
-      memories.push_back(allocate_rank(buffer_id, device_ordinals[r], r, num_ranks, workspace_bytes).memory);
+      memories.push_back(
+          allocate_rank(buffer_id, device_ordinals[r], r, num_ranks, workspace_bytes, staging_bytes).memory);
     for (int r = 0; r < num_ranks; ++r) {
       const int device = device_ordinals[r];
       check(cudaSetDevice(device), "cudaSetDevice", device);
@@ -191,10 +223,11 @@ void intranode_create(int64_t buffer_id, const std::vector<int>& device_ordinals
   }
 }
 
-std::string intranode_export(int64_t buffer_id, int device_ordinal, int rank, int num_ranks, int64_t workspace_bytes) {
+std::string intranode_export(int64_t buffer_id, int device_ordinal, int rank, int num_ranks, int64_t workspace_bytes,
+                             int64_t staging_bytes) {
   std::lock_guard<std::mutex> lock(g_mutex);
   CurrentDeviceGuard restore_device;
-  RankMemory& memory = allocate_rank(buffer_id, device_ordinal, rank, num_ranks, workspace_bytes);
+  RankMemory& memory = allocate_rank(buffer_id, device_ordinal, rank, num_ranks, workspace_bytes, staging_bytes);
   cudaIpcMemHandle_t handle;
   const cudaError_t err = cudaIpcGetMemHandle(&handle, memory.memory);
   if (err != cudaSuccess) {
@@ -253,13 +286,18 @@ void intranode_connect(int64_t buffer_id, int device_ordinal, const std::vector<
   }
 }
 
+std::string intranode_unmap(int64_t buffer_id) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  CurrentDeviceGuard restore_device;
+  ErrorList errors;
+  for (int device : devices_of(buffer_id)) quiesce_rank(*g_ranks.at({buffer_id, device}), errors);
+  return errors.text();
+}
+
 std::string intranode_destroy(int64_t buffer_id) {
   std::lock_guard<std::mutex> lock(g_mutex);
   CurrentDeviceGuard restore_device;
-  std::vector<int> devices;
-  for (const auto& [key, memory] : g_ranks)
-    if (key.first == buffer_id) devices.push_back(key.second);
-  return erase_ranks(buffer_id, devices);
+  return erase_ranks(buffer_id, devices_of(buffer_id));
 }
 
 bool intranode_lookup(int64_t buffer_id, int device_ordinal, IntranodeRank* out) {

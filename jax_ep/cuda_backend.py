@@ -169,11 +169,12 @@ def create(buffer) -> None:
         for _, group in groups:
             # local_hardware_id is the CUDA ordinal XLA hands the FFI handler as DeviceOrdinal.
             if all(d.process_index == me for d in group):
-                _native._C.create_intranode(buffer.buffer_id, [int(d.local_hardware_id) for d in group], workspace_bytes)
+                _native._C.create_intranode(buffer.buffer_id, [int(d.local_hardware_id) for d in group], workspace_bytes,
+                                            staging)
         shared = [(i, g) for i, g in groups if any(d.process_index == me for d in g) and
                   any(d.process_index != me for d in g)]
         if shared:
-            _create_across_processes(buffer, shared, workspace_bytes)
+            _create_across_processes(buffer, shared, workspace_bytes, staging)
     except BaseException:
         _native._C.destroy_intranode(buffer.buffer_id)
         raise
@@ -188,7 +189,7 @@ def _kv_client():
     return client
 
 
-def _create_across_processes(buffer, groups, workspace_bytes: int) -> None:
+def _create_across_processes(buffer, groups, workspace_bytes: int, staging_bytes: int) -> None:
     """Two collective steps per group: every process exports its ranks' CUDA IPC handles with the Buffer's
     sizes to the key-value store, then maps every other rank's memory, after checking the sizes agree."""
     client = _kv_client()
@@ -202,7 +203,7 @@ def _create_across_processes(buffer, groups, workspace_bytes: int) -> None:
         for rank, device in enumerate(group):
             if device.process_index == me:
                 handle = _native._C.export_intranode(buffer.buffer_id, int(device.local_hardware_id), rank,
-                                                     len(group), workspace_bytes)
+                                                     len(group), workspace_bytes, staging_bytes)
                 record = dict(sizes, process=me, host=socket.gethostname(), ordinal=int(device.local_hardware_id),
                               handle=handle.hex())
                 client.key_value_set(key(buffer.buffer_id, index, rank), json.dumps(record))
@@ -227,18 +228,43 @@ def _create_across_processes(buffer, groups, workspace_bytes: int) -> None:
                     f"this process with {sizes}; every rank must pass the same sizes")
         handles = [bytes.fromhex(r["handle"]) for r in records]
         local = [r["ordinal"] if r["process"] == me else -1 for r in records]
-        for device in group:
-            if device.process_index == me:
-                _native._C.connect_intranode(buffer.buffer_id, int(device.local_hardware_id), handles, local)
+        outcome = "ok"
+        try:
+            for device in group:
+                if device.process_index == me:
+                    _native._C.connect_intranode(buffer.buffer_id, int(device.local_hardware_id), handles, local)
+        except Exception as e:  # told to the other processes first, so that none of them waits on us at run time
+            outcome = f"{type(e).__name__}: {e}"
+        _confirm_connected(client, buffer, index, group, outcome, timeout_ms)
+
+
+def _confirm_connected(client, buffer, index: int, group, outcome: str, timeout_ms: int) -> None:
+    """Every process of the group publishes whether it mapped its peers and reads the others': a Buffer is
+    created everywhere or nowhere (else a rank that failed would leave the others to time out at the first op)."""
+    key = "jax_ep/buffer/{}/group/{}/connected/{}".format
+    me = jax.process_index()
+    client.key_value_set(key(buffer.buffer_id, index, me), outcome)
+    for process in sorted({d.process_index for d in group}):
+        try:
+            theirs = client.blocking_key_value_get(key(buffer.buffer_id, index, process), timeout_ms)
+        except Exception as e:  # the client raises a runtime error on its deadline
+            raise RuntimeError(f"jax_ep.Buffer: process {process} did not finish creating Buffer #{buffer.buffer_id} "
+                               f"within {buffer.config.timeout_s} s: {e}") from e
+        if theirs != "ok":
+            raise RuntimeError(f"jax_ep.Buffer: process {process} could not map its peers' memory for Buffer "
+                               f"#{buffer.buffer_id} (EP group {index}): {theirs}")
 
 
 def destroy(buffer) -> str:
-    """Frees the device memory of `buffer` after its GPUs finished; returns '' or the problems met. A group
-    spanning processes first waits (bounded) until every process of the mesh reached its destroy, so that no
-    peer still reads memory this process frees."""
+    """Frees the device memory of `buffer` after its GPUs finished; returns '' or the problems met. In a group
+    spanning processes every process first waits for its GPUs and unmaps its peers, then all meet at a
+    bounded barrier, then each frees its own memory: nobody frees what another process still maps."""
     problems = []
     if buffer.spans_processes:
         processes = sorted({d.process_index for d in buffer.mesh.devices.flat})
+        unmapped = _native._C.unmap_intranode(buffer.buffer_id)  # this process reads no peer memory from here on
+        if unmapped:
+            problems.append(unmapped)
         try:
             _kv_client().wait_at_barrier(f"jax_ep/buffer/{buffer.buffer_id}/destroy",
                                          int(buffer.config.timeout_s * 1000), processes)

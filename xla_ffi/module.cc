@@ -51,17 +51,19 @@ NB_MODULE(_C, m) {
   m.def("registrations", &Registrations, "{target name: {platform: FFI handler capsule}}");
 #if defined(JAX_EP_WITH_CUDA)
   m.def("create_intranode", &jax_ep::intranode_create, nb::arg("buffer_id"), nb::arg("device_ordinals"),
-        nb::arg("workspace_bytes"),
+        nb::arg("workspace_bytes"), nb::arg("staging_bytes"),
         "One process driving a whole group: allocates every rank's state and workspace (device_ordinals: CUDA "
         "ordinals in EP-rank order) and enables peer access between its devices.");
   m.def(
       "export_intranode",
-      [](int64_t buffer_id, int device_ordinal, int rank, int num_ranks, int64_t workspace_bytes) {
-        const std::string handle = jax_ep::intranode_export(buffer_id, device_ordinal, rank, num_ranks, workspace_bytes);
+      [](int64_t buffer_id, int device_ordinal, int rank, int num_ranks, int64_t workspace_bytes,
+         int64_t staging_bytes) {
+        const std::string handle =
+            jax_ep::intranode_export(buffer_id, device_ordinal, rank, num_ranks, workspace_bytes, staging_bytes);
         return nb::bytes(handle.data(), handle.size());
       },
       nb::arg("buffer_id"), nb::arg("device_ordinal"), nb::arg("rank"), nb::arg("num_ranks"),
-      nb::arg("workspace_bytes"),
+      nb::arg("workspace_bytes"), nb::arg("staging_bytes"),
       "Group spanning processes, step 1: allocates this rank on a local device; returns its CUDA IPC handle.");
   m.def(
       "connect_intranode",
@@ -73,6 +75,8 @@ NB_MODULE(_C, m) {
       },
       nb::arg("buffer_id"), nb::arg("device_ordinal"), nb::arg("ipc_handles"), nb::arg("local_ordinals"),
       "Step 2: maps every rank's memory (IPC handles by rank; local_ordinals[p] >= 0 for ranks of this process).");
+  m.def("unmap_intranode", &jax_ep::intranode_unmap, nb::arg("buffer_id"),
+        "Waits for every device of buffer_id in this process and unmaps its peers; returns '' or the CUDA errors.");
   m.def("destroy_intranode", &jax_ep::intranode_destroy, nb::arg("buffer_id"),
         "Waits for and frees every group of buffer_id; returns '' or the CUDA errors met.");
   m.def("intranode_errors", &jax_ep::intranode_errors, nb::arg("buffer_id"),
