@@ -6,7 +6,8 @@
 #     full: all of it, then the GPU tests again on the Ampere (sm_80) code path: built for sm_80 + PTX only,
 #     which the driver compiles for the Hopper GPU at load time; final: full without the xla suite (fits
 #     one 10-minute call); mp: build, the intranode tests in one process, then with one process per GPU;
-#     ll: the low-latency tests and benchmark; accept: every GPU test and the benchmarks in both process models.
+#     ll: the low-latency tests and benchmark; accept: every GPU test and the benchmarks in both process models;
+#     nvshmem: an unstripped build, then the NVSHMEM bootstrap probes (tests/gpu/nvshmem_probe).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # never NVLink multicast
@@ -28,8 +29,13 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run, log to $OUT/NAME.log, record th
 }
 
 nvidia-smi -L; python3 --version; python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
-step build 240 python3 -m pip install --no-build-isolation --no-deps -v -e . || { tail -40 "$OUT/build.log"; exit 1; }
+strip=true; [ "$mode" = nvshmem ] && strip=false  # symbols for the probe's backtraces
+step build 240 python3 -m pip install --no-build-isolation --no-deps -v --config-settings=install.strip=$strip -e . || { tail -40 "$OUT/build.log"; exit 1; }
 python3 -c "import jax_ep._native as n; print('cuda:', n.with_cuda(), 'nvshmem:', n.with_nvshmem())" | tee -a "$OUT/build.log"
+if [ "$mode" = nvshmem ]; then
+  OUT="$OUT/nvshmem_probe" bash tests/gpu/nvshmem_probe/run.sh
+  exit 0
+fi
 if [ "$mode" = accept ]; then  # every GPU test (both process models), the demo, the benchmarks in both models
   step gpu_tests 330 python3 -m pytest -q -rs tests/gpu
   step demo 60 python3 -m jax_ep.demo
