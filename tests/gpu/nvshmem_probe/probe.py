@@ -9,17 +9,8 @@ if mode == "jax":
     import jax
 
     print(f"rank {rank}: jax sees {jax.devices()}", flush=True)
-import importlib.util
+from jax_ep import _C as C  # importing jax does not start its GPU backend; jax.devices() does
 
-# Load the extension directly: the jax_ep package imports jax, which the bare mode must not.
-spec = importlib.util.find_spec("jax_ep")
-here = os.path.dirname(spec.origin)
-C = None
-for name in os.listdir(here):
-    if name.startswith("_C.") and name.endswith(".so"):
-        s = importlib.util.spec_from_file_location("jax_ep._C", os.path.join(here, name))
-        C = importlib.util.module_from_spec(s)
-        s.loader.exec_module(C)
 if rank == 0:
     with open(path + ".tmp", "wb") as f:
         f.write(C.nvshmem_unique_id())
