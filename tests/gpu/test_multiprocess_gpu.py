@@ -88,9 +88,6 @@ def test_process_that_never_joins_times_out(R, tmp_path):
         assert f"waiting for rank {R - 1} to publish its inputs" in records[0], records[0]
 
 
-@pytest.mark.xfail(strict=True, reason="known: the process segfaults inside nvshmemx_init_attr (nvshmemi_team_init "
-                   "calling back into the NVSHMEM device library's host code linked into jax_ep._C); the NVSHMEM "
-                   "transport is not used by any op yet")
 @pytest.mark.parametrize("R", RANKS)
 def test_nvshmem_bootstrap_and_puts(R, tmp_path):
     """NVSHMEM starts from a unique id passed through the key-value store, one PE per process, and a device-side
