@@ -81,13 +81,20 @@ void nvshmem_release(void* pointer) {
 
 int nvshmem_ring_check() {
   int* words = static_cast<int*>(nvshmem_allocate(sizeof(int)));
+  // Every PE releases the word even when a check below throws: nvshmem_free is collective.
+  struct Release {
+    int* words;
+    ~Release() {
+      cudaDeviceSynchronize();
+      nvshmem_free(words);
+    }
+  } release{words};
   ring_put_kernel<<<1, 1>>>(words);
   check_cuda(cudaGetLastError(), "ring_put_kernel launch");
   check_cuda(cudaDeviceSynchronize(), "ring_put_kernel");
   nvshmem_barrier_all();  // also completes every PE's puts
   int value = -1;
   check_cuda(cudaMemcpy(&value, words, sizeof(int), cudaMemcpyDeviceToHost), "cudaMemcpy");
-  nvshmem_release(words);
   return value;
 }
 
