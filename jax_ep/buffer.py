@@ -107,7 +107,8 @@ class Buffer:
         self.num_nvl_bytes = DEFAULT_NUM_NVL_BYTES if num_nvl_bytes is None else int(num_nvl_bytes)
         self.spans_processes = cuda_backend.spans_processes(mesh, axis_name)  # some EP group has several processes
         self.low_latency_offset = None  # byte offset of the low-latency region in each rank's workspace (cuda)
-        self.buffer_id = next(_buffer_ids)
+        self.buffer_id = next(_buffer_ids)  # this process's name of the Buffer in jax_ep._C
+        self.collective_name = None  # its key-value store name when it spans processes (cuda_backend)
         if self.backend == "cuda":
             if backend == "auto" and cuda_backend.unsupported_reason(mesh, axis_name):
                 self.backend = "xla"  # e.g. more ranks than the kernels support: the portable backend serves it

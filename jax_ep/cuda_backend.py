@@ -189,16 +189,29 @@ def _kv_client():
     return client
 
 
+# Buffers created so far over each set of devices (by global device id): the key-value store names a Buffer by
+# its devices and this count, which every process of the set agrees on (creation is collective), whatever
+# other Buffers a process made on its own.
+_creations_per_devices: dict[tuple[int, ...], int] = {}
+
+
+def _collective_name(buffer) -> str:
+    devices = tuple(sorted(int(d.id) for d in buffer.mesh.devices.flat))
+    count = _creations_per_devices[devices] = _creations_per_devices.get(devices, 0) + 1
+    return "jax_ep/buffer/{}/{}".format("-".join(map(str, devices)), count)
+
+
 def _create_across_processes(buffer, groups, workspace_bytes: int, staging_bytes: int) -> None:
     """Two collective steps per group: every process exports its ranks' CUDA IPC handles with the Buffer's
     sizes to the key-value store, then maps every other rank's memory, after checking the sizes agree."""
     client = _kv_client()
+    buffer.collective_name = _collective_name(buffer)
     me = jax.process_index()
     timeout_ms = int(buffer.config.timeout_s * 1000)
     sizes = dict(num_ranks=buffer.num_ranks, workspace_bytes=workspace_bytes, num_nvl_bytes=buffer.num_nvl_bytes,
                  num_max_dispatch_tokens_per_rank=buffer.num_max_dispatch_tokens_per_rank, hidden=buffer.hidden,
                  num_experts=buffer.num_experts)
-    key = "jax_ep/buffer/{}/group/{}/rank/{}".format
+    key = "{}/group/{}/rank/{}".format
     for index, group in groups:
         for rank, device in enumerate(group):
             if device.process_index == me:
@@ -206,12 +219,13 @@ def _create_across_processes(buffer, groups, workspace_bytes: int, staging_bytes
                                                      len(group), workspace_bytes, staging_bytes)
                 record = dict(sizes, process=me, host=socket.gethostname(), ordinal=int(device.local_hardware_id),
                               handle=handle.hex())
-                client.key_value_set(key(buffer.buffer_id, index, rank), json.dumps(record))
+                client.key_value_set(key(buffer.collective_name, index, rank), json.dumps(record))
     for index, group in groups:
         records = []
         for rank, device in enumerate(group):
             try:
-                records.append(json.loads(client.blocking_key_value_get(key(buffer.buffer_id, index, rank), timeout_ms)))
+                record = client.blocking_key_value_get(key(buffer.collective_name, index, rank), timeout_ms)
+                records.append(json.loads(record))
             except Exception as e:  # the client raises a runtime error on its deadline
                 raise RuntimeError(
                     f"jax_ep.Buffer: rank {rank} of EP group {index} (process {device.process_index}) did not create "
@@ -241,12 +255,12 @@ def _create_across_processes(buffer, groups, workspace_bytes: int, staging_bytes
 def _confirm_connected(client, buffer, index: int, group, outcome: str, timeout_ms: int) -> None:
     """Every process of the group publishes whether it mapped its peers and reads the others': a Buffer is
     created everywhere or nowhere (else a rank that failed would leave the others to time out at the first op)."""
-    key = "jax_ep/buffer/{}/group/{}/connected/{}".format
+    key = "{}/group/{}/connected/{}".format
     me = jax.process_index()
-    client.key_value_set(key(buffer.buffer_id, index, me), outcome)
+    client.key_value_set(key(buffer.collective_name, index, me), outcome)
     for process in sorted({d.process_index for d in group}):
         try:
-            theirs = client.blocking_key_value_get(key(buffer.buffer_id, index, process), timeout_ms)
+            theirs = client.blocking_key_value_get(key(buffer.collective_name, index, process), timeout_ms)
         except Exception as e:  # the client raises a runtime error on its deadline
             raise RuntimeError(f"jax_ep.Buffer: process {process} did not finish creating Buffer #{buffer.buffer_id} "
                                f"within {buffer.config.timeout_s} s: {e}") from e
@@ -266,7 +280,7 @@ def destroy(buffer) -> str:
         if unmapped:
             problems.append(unmapped)
         try:
-            _kv_client().wait_at_barrier(f"jax_ep/buffer/{buffer.buffer_id}/destroy",
+            _kv_client().wait_at_barrier(f"{buffer.collective_name}/destroy",
                                          int(buffer.config.timeout_s * 1000), processes)
         except Exception as e:  # a peer died or never destroys: free ours anyway
             problems.append(f"not every process reached destroy within {buffer.config.timeout_s} s ({e})")
