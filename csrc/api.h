@@ -184,6 +184,24 @@ void nvshmem_release(void* pointer);
 // wrote: the device-side transport check of the test suite. Returns the value read.
 int nvshmem_ring_check();
 
+// A Buffer's symmetric region on one device (the low-latency region under the NVSHMEM transport), with the
+// NVSHMEM PE of each EP rank of the device's group.
+struct SymmetricRegion {
+  char* base = nullptr;  // symmetric address: the same offset names the same word on every PE
+  int64_t bytes = 0;
+  int32_t num_ranks = 0;
+  int32_t pes[kMaxIntranodeRanks] = {};
+};
+// Collective over every PE (each calls it once per Buffer, in the same order, with the same size):
+// allocates and zeroes `bytes` of symmetric memory for (buffer_id, device_ordinal); pes[r] is the PE of EP
+// rank r of this device's group.
+void nvshmem_region_create(int64_t buffer_id, int device_ordinal, int64_t bytes, const std::vector<int>& pes);
+bool nvshmem_region_lookup(int64_t buffer_id, int device_ordinal, SymmetricRegion* out);
+// Forgets every region of buffer_id in this process (lookups fail from here on) and, with `release`, frees
+// them: collective like create, so release only once every PE agreed to (a PE whose CUDA context a timed-out
+// kernel killed cannot take part; the others then forget without freeing). Returns "" or the errors met.
+std::string nvshmem_region_destroy(int64_t buffer_id, bool release);
+
 }  // namespace jax_ep
 #endif
 
@@ -192,9 +210,9 @@ namespace jax_ep {
 
 // ---- Low-latency mode (low_latency.cu; region layout in low_latency_state.h) ---------------------------------
 // Dispatch and combine, each a send and a receive launch joined by a token (the device-side call number).
-// Senders store rows into the receivers' LL regions (at `ll_offset` in every rank's workspace) and raise
-// per-(expert, source) flags tagged with the call number; two buffer sets alternate per call and credits
-// bound the skew between ranks. See low_latency.cu for the protocol.
+// Senders write rows into the receivers' LL regions (peer stores or NVSHMEM puts) and raise per-(expert,
+// source) flags tagged with the call number; two buffer sets alternate per call and credits bound the skew
+// between ranks. See low_latency.cu for the protocol.
 
 // Error-record values of the LL kernels (IntranodeError.op / .wait); the normal mode uses 1..3 and 1..2.
 enum class LowLatencyOp : int32_t { kDispatchSend = 10, kDispatchRecv = 11, kCombineSend = 12, kCombineRecv = 13 };
@@ -207,16 +225,30 @@ enum class LowLatencyWait : int32_t {
 // (the exponent bytes of power-of-two scales, four per int32).
 enum class LowLatencyPayload : int32_t { kBF16 = 0, kFP8 = 1, kFP8UE8M0 = 2 };
 
+// How the LL kernels reach other ranks' LL regions. kPeerStores: plain stores through peer pointers (NVLink
+// peer access in one process, CUDA IPC mappings across processes). kNvshmem: the regions are NVSHMEM
+// symmetric memory and rows travel as NVSHMEM puts, flags and credits as signals (one process per GPU).
+enum class LowLatencyTransport : int32_t { kPeerStores = 0, kNvshmem = 1 };
+
 // Per launch. The LL region sizes follow (num_max_tokens, hidden, num_experts).
 struct LowLatencyCall {
-  IntranodeRank group;
-  int64_t ll_offset = 0;       // byte offset of the LL region in every workspace (256-byte aligned)
+  IntranodeRank group;         // rank, ranks, SMs and the error record (the LL kernels use no workspace pointer)
+  LowLatencyTransport transport = LowLatencyTransport::kPeerStores;
+  char* region = nullptr;                        // this rank's LL region, here
+  char* peer_regions[kMaxIntranodeRanks] = {};   // kPeerStores: every rank's LL region, mapped here
+  int32_t pes[kMaxIntranodeRanks] = {};          // kNvshmem: the NVSHMEM PE of every rank
   int64_t num_max_tokens = 0;  // M
   int64_t hidden = 0;          // H, a multiple of 128
   int64_t num_experts = 0;     // E, a multiple of the ranks
   int64_t timeout_ns = 0;
   cudaStream_t stream = nullptr;
 };
+
+// Fills the rank and region fields of `call` for (buffer_id, device_ordinal): the LL region at `ll_offset` of
+// the intranode workspace (kPeerStores) or of the Buffer's symmetric region (kNvshmem). Returns "" or why
+// there is none; *available_bytes: the bytes from the region's start to the end of its allocation.
+std::string low_latency_lookup(int64_t buffer_id, int device_ordinal, LowLatencyTransport transport,
+                               int64_t ll_offset, LowLatencyCall* call, int64_t* available_bytes);
 
 struct LowLatencyDispatchSendArgs {
   const void* x = nullptr;            // bf16 [num_tokens, H]
@@ -269,7 +301,8 @@ std::vector<std::string> low_latency_errors(int64_t buffer_id, const std::vector
 // order: dispatch route, dispatch send, dispatch receive, combine send, combine receive) since the last
 // reset; `reset` zeroes them. Call only while no kernel of the buffer runs.
 std::vector<std::vector<std::pair<uint64_t, uint64_t>>> low_latency_kernel_times(
-    int64_t buffer_id, const std::vector<int>& device_ordinals, int64_t ll_offset, bool reset);
+    int64_t buffer_id, const std::vector<int>& device_ordinals, LowLatencyTransport transport, int64_t ll_offset,
+    bool reset);
 
 }  // namespace jax_ep
 #endif

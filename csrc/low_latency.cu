@@ -1,7 +1,8 @@
 // Low-latency (LL) dispatch and combine kernels (ARCHITECTURE.md §3 "Low-latency", §4): each op is a send half
 // and a receive half, separate launches joined by a token (the call number) so that XLA can schedule work
-// between them. Rows travel with plain stores through the peers' workspace pointers (NVLink peer access, or
-// CUDA IPC mappings); the LL region of each workspace is laid out in low_latency_state.h.
+// between them. Rows reach the other ranks through a transport policy (low_latency_transport.cuh): plain stores
+// through peer pointers (NVLink peer access, or CUDA IPC mappings), or NVSHMEM puts into symmetric memory; the
+// LL region of each rank is laid out in low_latency_state.h. Kernels only ever read their own rank's region.
 //
 // Protocol of call c of one op (dispatch and combine keep separate counters, regions and credits):
 //  send:  reads c = (own calls) + 1 from the device (graph replay advances it), waits until every peer's
@@ -11,7 +12,8 @@
 //         the row count). Flags carry the call number instead of being cleaned between calls, so a stale
 //         flag of call c - 2 never reads as ready and no cleaning pass races with a fast peer.
 //  recv:  takes c from the send's token, waits (bounded) for every flag of its set to carry c, copies the
-//         rows into the outputs, and when every block is done publishes "set c % 2 consumed up to c".
+//         rows into the outputs, and when every block is done writes "set c % 2 read up to call c" into the
+//         credit words of every sender.
 // Every wait is bounded by timeout_ns: on expiry the kernel fills the host-mapped error record (op, rank,
 // peer, call) and traps. A third send of one op before the receive of the first waits for a credit that
 // cannot come: that misuse ends in such a timeout, naming the credit wait.
@@ -28,6 +30,7 @@
 #include "device_common.cuh"
 #include "intranode_state.h"
 #include "low_latency_state.h"
+#include "low_latency_transport.cuh"
 
 namespace jax_ep {
 namespace {
@@ -48,12 +51,14 @@ __device__ __forceinline__ bool call_reached(uint32_t value, uint32_t call) {
   return static_cast<int32_t>(value - call) >= 0;
 }
 
-__device__ __forceinline__ char* region(const LowLatencyCall& c, int rank) {
-  return c.group.workspaces[rank] + c.ll_offset;
+__device__ __forceinline__ LowLatencyHeader* own_header(const LowLatencyCall& c) {
+  return reinterpret_cast<LowLatencyHeader*>(c.region);
 }
 
-__device__ __forceinline__ LowLatencyHeader* header(const LowLatencyCall& c, int rank) {
-  return reinterpret_cast<LowLatencyHeader*>(region(c, rank));
+// Region offset of rank `from`'s credit word for buffer set `set` (in every rank's header).
+__host__ __device__ constexpr int64_t credit_offset(bool dispatch, int from, uint32_t set) {
+  return (dispatch ? offsetof(LowLatencyHeader, dispatch_credit) : offsetof(LowLatencyHeader, combine_credit)) +
+         (static_cast<int64_t>(from) * 2 + set) * static_cast<int64_t>(sizeof(uint64_t));
 }
 
 __device__ __forceinline__ int global_warp() { return (blockIdx.x * kThreads + threadIdx.x) / 32; }
@@ -71,24 +76,32 @@ __device__ __forceinline__ uint64_t wait_until(const LowLatencyCall& c, LowLaten
   while (!done(seen = load())) {
     const int64_t waited = static_cast<int64_t>(now_ns() - start);
     if (waited > c.timeout_ns)
-      fail_on_timeout(&header(c, c.group.rank)->error_claimed, c.group.error, c.group.rank, static_cast<int32_t>(op),
+      fail_on_timeout(&own_header(c)->error_claimed, c.group.error, c.group.rank, static_cast<int32_t>(op),
                       static_cast<int32_t>(wait), peer, call, seen, waited);
   }
   return seen;
 }
 
 // Send halves, before writing into set call % 2 of the peers: every peer's receive of call - 2 (the previous
-// user of that set) has finished reading it. Threads < num_ranks wait, one peer each.
+// user of that set) has finished reading it, as the credit words it wrote into this rank's header say.
+// Threads < num_ranks wait, one peer each.
 __device__ __forceinline__ void wait_for_credits(const LowLatencyCall& c, LowLatencyOp op, uint32_t call,
                                                  bool dispatch) {
   if (threadIdx.x < c.group.num_ranks) {
     const int peer = threadIdx.x;
-    LowLatencyHeader* h = header(c, peer);
-    const uint32_t* consumed = dispatch ? &h->dispatch_consumed[call & 1] : &h->combine_consumed[call & 1];
-    wait_until(c, op, LowLatencyWait::kCredit, peer, call, [&] { return uint64_t{load_acquire_sys(consumed)}; },
+    const uint64_t* credit = reinterpret_cast<const uint64_t*>(c.region + credit_offset(dispatch, peer, call & 1));
+    wait_until(c, op, LowLatencyWait::kCredit, peer, call, [&] { return load_acquire_sys(credit); },
                [&](uint64_t seen) { return call_reached(static_cast<uint32_t>(seen), call - 2); });
   }
   __syncthreads();
+}
+
+// Receive halves, in the last block once every block finished reading set call % 2: tells every sender
+// (threads < num_ranks, one each) that it may write into that set again.
+template <typename Transport>
+__device__ __forceinline__ void give_credits(const LowLatencyCall& c, uint32_t call, bool dispatch) {
+  if (threadIdx.x < c.group.num_ranks)
+    Transport::signal(c, threadIdx.x, credit_offset(dispatch, c.group.rank, call & 1), call);
 }
 
 // Every kernel calls this first: block 0 notes the start time of the call.
@@ -127,9 +140,7 @@ __device__ __forceinline__ uint32_t next_call(const uint32_t* completed) {
 
 // ---- row copies --------------------------------------------------------------------------------------------
 
-// Row copies read at L2 (LoadL2): the rows were written by peers during this call, or are XLA inputs.
-constexpr int kCopyUnroll = 8;
-
+// Local row copies read at L2 (LoadL2): the rows were written by peers during this call.
 __device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t bytes, int lane) {
   warp_copy_row<kCopyUnroll>(dst, src, bytes, lane, LoadL2{});
 }
@@ -192,7 +203,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_route_kernel(const __grid_c
   const int lane = threadIdx.x % 32;
   const int64_t num_tokens = a.num_tokens, num_topk = a.num_topk;
   const int32_t num_experts = static_cast<int32_t>(c.num_experts);
-  LowLatencyHeader* own = header(c, c.group.rank);
+  LowLatencyHeader* own = own_header(c);
   start_clock(own, kDispatchRoute);
   if (blockIdx.x == 0) {  // entries outside [0, E) get no position; those outside [-1, E) are counted
     __shared__ int32_t invalid;
@@ -233,9 +244,39 @@ __global__ void __launch_bounds__(kThreads) dispatch_route_kernel(const __grid_c
   is_last_block(own, kDispatchRoute);
 }
 
+// Byte offsets inside a dispatch slot row: the DispatchRowHeader, the values, then (FP8) the scales.
+struct DispatchRowFormat {
+  int64_t value_bytes;  // per channel: 2 (BF16) or 1 (FP8)
+  int64_t scale_bytes;  // per 128 channels: 0 (BF16), 4 (FP8 float32 scales) or 1 (UE8M0 exponent bytes)
+  int64_t scales;       // offset of the scales
+
+  __device__ DispatchRowFormat(LowLatencyPayload payload, int64_t hidden)
+      : value_bytes(payload == LowLatencyPayload::kBF16 ? 2 : 1),
+        scale_bytes(payload == LowLatencyPayload::kFP8 ? 4 : payload == LowLatencyPayload::kFP8UE8M0 ? 1 : 0),
+        scales(static_cast<int64_t>(sizeof(DispatchRowHeader)) + hidden * value_bytes) {}
+  __device__ int64_t value(int64_t channel) const { return sizeof(DispatchRowHeader) + channel * value_bytes; }
+  __device__ int64_t scale(int64_t channel) const { return scales + channel / kGroup * scale_bytes; }
+};
+
+// The handle entries of a received row, from its header: the source token and the top-k slot of `expert` in
+// it (the first entry naming the expert; -1 if none does, which only a corrupt row could cause).
+__device__ __forceinline__ void write_row_source(const DispatchRowHeader* h, int32_t expert, int lane,
+                                                 int32_t* token, int32_t* topk_slot) {
+  const int32_t id = lane < kLowLatencyMaxTopk
+                         ? static_cast<int16_t>(__ldcg(reinterpret_cast<const unsigned short*>(h->experts + lane)))
+                         : -1;
+  const unsigned named = __ballot_sync(kFullMask, id == expert);
+  if (lane == 0) {
+    *token = __ldcg(&h->token);
+    *topk_slot = named ? __ffs(named) - 1 : -1;
+  }
+}
+
 // The send: a warp takes (token, part), loads each 256-channel chunk once, casts it (FP8: one scale per 128
-// channels, 16 lanes a group) and stores it into the slot of every distinct expert of the token, on that
-// expert's rank. The last block then raises one flag per expert: (call << 32) | rows sent to it.
+// channels, 16 lanes a group) into the token's staging row, then puts its part of that row (and part 0 the
+// row header) into the slot of every distinct expert of the token, on that expert's rank. The last block then
+// raises one flag per expert: (call << 32) | rows sent to it.
+template <typename Transport>
 __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(const __grid_constant__ LowLatencyCall c,
                                                                  const __grid_constant__ LowLatencyDispatchSendArgs a,
                                                                  TokenParts split) {
@@ -243,12 +284,14 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(const __grid_co
   const int64_t hidden = c.hidden, num_topk = a.num_topk, max_tokens = c.num_max_tokens;
   const int32_t experts_per_rank = static_cast<int32_t>(c.num_experts / num_ranks);
   const LowLatencyLayout layout(max_tokens, hidden, c.num_experts);
-  LowLatencyHeader* own = header(c, me);
+  LowLatencyHeader* own = own_header(c);
   start_clock(own, kDispatchSendKernel);
   const uint32_t call = next_call(&own->dispatch_calls), set = call & 1;
   wait_for_credits(c, LowLatencyOp::kDispatchSend, call, /*dispatch=*/true);
 
   const bool fp8 = a.payload != LowLatencyPayload::kBF16, ue8m0 = a.payload == LowLatencyPayload::kFP8UE8M0;
+  const DispatchRowFormat format(a.payload, hidden);
+  const int64_t slots = layout.set_offset(set) + layout.dispatch_rows;
   const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(a.x);
   for (int64_t item = global_warp(); item < a.num_tokens * split.parts; item += num_global_warps()) {
     const int64_t t = item / split.parts, part = item % split.parts;
@@ -257,20 +300,23 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(const __grid_co
       position = a.position[t * num_topk + lane];
       if (position >= 0) expert = a.topk_idx[t * num_topk + lane];
     }
-    // position < max_tokens always (T <= M is checked); the test keeps stores inside the region regardless.
+    // position < max_tokens always (T <= M is checked); the test keeps writes inside the region regardless.
     const unsigned targets = __ballot_sync(kFullMask, position >= 0 && position < max_tokens);
-    auto slot_index = [&](int32_t e, int32_t pos) {  // (rank of expert e, slot of `pos` in its region there)
-      const int32_t j = e % experts_per_rank;
-      return make_int2(e / experts_per_rank, static_cast<int32_t>((j * num_ranks + me) * max_tokens + pos));
-    };
-    auto slot_of = [&](int target_lane) {  // every lane calls it with the same target
-      return slot_index(__shfl_sync(kFullMask, expert, target_lane), __shfl_sync(kFullMask, position, target_lane));
-    };
-    const int64_t chunk_end = min((part + 1) * split.chunks_per_part * kChunk, hidden);
+    char* staged = c.region + layout.dispatch_staging + t * layout.dispatch_slot_bytes;
+    if (part == 0 && lane < kLowLatencyMaxTopk) {  // the row header
+      DispatchRowHeader* h = reinterpret_cast<DispatchRowHeader*>(staged);
+      int32_t id = -1;
+      if (lane < num_topk) id = a.topk_idx[t * num_topk + lane];
+      h->experts[lane] = static_cast<int16_t>(id >= 0 && id < c.num_experts ? id : -1);
+      if (lane == 0) h->token = static_cast<int32_t>(t);
+    }
+    const int64_t chunk_begin = part * split.chunks_per_part * kChunk;
+    const int64_t chunk_end = min(chunk_begin + split.chunks_per_part * kChunk, hidden);
+    if (chunk_begin >= chunk_end && part != 0) continue;
     // Loads of kPrefetch chunks are issued together, so their latency is paid once per kPrefetch chunks.
     constexpr int kPrefetch = 4;
     uint4 prefetched[kPrefetch];
-    for (int64_t chunk = part * split.chunks_per_part * kChunk, u = 0; chunk < chunk_end; chunk += kChunk, ++u) {
+    for (int64_t chunk = chunk_begin, u = 0; chunk < chunk_end; chunk += kChunk, ++u) {
       if (u % kPrefetch == 0) {
 #pragma unroll
         for (int p = 0; p < kPrefetch; ++p) {
@@ -285,43 +331,45 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(const __grid_co
 #pragma unroll
       for (int p = 1; p < kPrefetch; ++p)
         if (u % kPrefetch == p) raw = prefetched[p];
-      uint2 q = make_uint2(0, 0);
-      float scale = 0.f;
-      if (fp8) {
-        float v[kLaneChannels];
-        bf16x8_to_float(raw, v);
-        q = cast_to_fp8(v, a.round_scale, &scale);
+      if (!fp8) {
+        if (active) *reinterpret_cast<uint4*>(staged + format.value(ch)) = raw;
+        continue;
       }
-      for (unsigned todo = targets; todo; todo &= todo - 1) {
-        const int2 target = slot_of(__ffs(todo) - 1);
-        char* row = layout.set_base(region(c, target.x), set) + layout.dispatch_rows + target.y * layout.slot_bytes;
-        if (!active) continue;
-        if (!fp8) {
-          *reinterpret_cast<uint4*>(row + ch * 2) = raw;
-          continue;
-        }
-        *reinterpret_cast<uint2*>(row + ch) = q;
-        if (lane % (kGroup / kLaneChannels) == 0) {  // the group's first lane writes its scale
-          const int64_t group = ch / kGroup;
-          if (ue8m0)  // byte i of packed word w is group 4w + i: the packed scales are one byte per group
-            reinterpret_cast<uint8_t*>(row + hidden)[group] = static_cast<uint8_t>(__float_as_uint(scale) >> 23);
-          else
-            reinterpret_cast<float*>(row + hidden)[group] = scale;
-        }
+      float v[kLaneChannels], scale = 0.f;
+      bf16x8_to_float(raw, v);
+      const uint2 q = cast_to_fp8(v, a.round_scale, &scale);
+      if (!active) continue;
+      *reinterpret_cast<uint2*>(staged + format.value(ch)) = q;
+      if (lane % (kGroup / kLaneChannels) == 0) {  // the group's first lane writes its scale
+        if (ue8m0)  // byte i of packed word w is group 4w + i: the packed scales are one byte per group
+          *reinterpret_cast<uint8_t*>(staged + format.scale(ch)) = static_cast<uint8_t>(__float_as_uint(scale) >> 23);
+        else
+          *reinterpret_cast<float*>(staged + format.scale(ch)) = scale;
       }
     }
-    if (part == 0 && ((targets >> lane) & 1u)) {  // each target lane writes its own slot's metadata
-      const int2 target = slot_index(expert, position);
-      int2* meta = reinterpret_cast<int2*>(layout.set_base(region(c, target.x), set) + layout.dispatch_meta);
-      meta[target.y] = make_int2(static_cast<int32_t>(t), lane);
+    __syncwarp();  // the part is staged: every lane reads what the others wrote
+    // This warp's bytes of the row: its values (from the row's start for part 0: the header too) and scales.
+    const int64_t values_begin = part == 0 ? 0 : format.value(chunk_begin), values_end = format.value(chunk_end);
+    const int64_t scales_begin = format.scale(chunk_begin), scales_end = format.scale(chunk_end);
+    for (unsigned todo = targets; todo; todo &= todo - 1) {
+      const int target_lane = __ffs(todo) - 1;
+      const int32_t e = __shfl_sync(kFullMask, expert, target_lane);
+      const int32_t pos = __shfl_sync(kFullMask, position, target_lane);
+      const int32_t j = e % experts_per_rank;
+      const int64_t slot = slots + ((j * num_ranks + me) * max_tokens + pos) * layout.dispatch_slot_bytes;
+      const int rank = e / experts_per_rank;
+      Transport::put_warp(c, rank, slot + values_begin, staged + values_begin, values_end - values_begin, lane);
+      if (scales_end > scales_begin)
+        Transport::put_warp(c, rank, slot + scales_begin, staged + scales_begin, scales_end - scales_begin, lane);
     }
   }
+  Transport::finish_puts(lane);
 
   if (!is_last_block(own, kDispatchSendKernel)) return;
   for (int32_t e = threadIdx.x; e < c.num_experts; e += kThreads) {
     const int32_t rank = e / experts_per_rank, j = e % experts_per_rank;
-    uint64_t* flags = reinterpret_cast<uint64_t*>(layout.set_base(region(c, rank), set) + layout.dispatch_flags);
-    store_release_sys(flags + j * num_ranks + me, (uint64_t{call} << 32) | static_cast<uint32_t>(a.expert_count[e]));
+    Transport::signal(c, rank, layout.set_offset(set) + layout.dispatch_flags + (j * num_ranks + me) * 8,
+                      (uint64_t{call} << 32) | static_cast<uint32_t>(a.expert_count[e]));
   }
   if (threadIdx.x == 0) {
     own->dispatch_calls = call;
@@ -331,6 +379,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(const __grid_co
 
 // The receive: waits for the L*R flags of its set, packs each local expert's rows by (source rank, position)
 // into the outputs (rows past recv_count keep whatever the buffer held; their handle entries are -1).
+template <typename Transport>
 __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(const __grid_constant__ LowLatencyCall c,
                                                                  const __grid_constant__ LowLatencyDispatchRecvArgs a) {
   extern __shared__ int32_t counts_and_begins[];  // [L*R] rows per (expert, source), then [L*R] first rows
@@ -342,8 +391,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(const __grid_co
   int32_t* begins = counts_and_begins + pairs;
   const LowLatencyLayout layout(max_tokens, hidden, c.num_experts);
   const uint32_t call = *a.token, set = call & 1;
-  char* base = layout.set_base(region(c, me), set);
-  LowLatencyHeader* own = header(c, me);
+  const char* base = c.region + layout.set_offset(set);
+  LowLatencyHeader* own = own_header(c);
   start_clock(own, kDispatchRecvKernel);
 
   const uint64_t* flags = reinterpret_cast<const uint64_t*>(base + layout.dispatch_flags);
@@ -370,24 +419,20 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(const __grid_co
   }
   __syncthreads();
 
-  const bool fp8 = a.payload != LowLatencyPayload::kBF16;
-  const int64_t value_bytes = fp8 ? hidden : 2 * hidden;
-  const int64_t scale_bytes = a.payload == LowLatencyPayload::kFP8 ? hidden / kGroup * 4
-                              : a.payload == LowLatencyPayload::kFP8UE8M0 ? hidden / kGroup : 0;
+  const DispatchRowFormat format(a.payload, hidden);
+  const int64_t value_bytes = hidden * format.value_bytes, scale_bytes = hidden / kGroup * format.scale_bytes;
   const int64_t rows_per_expert = num_ranks * max_tokens;
-  const int2* meta = reinterpret_cast<const int2*>(base + layout.dispatch_meta);
   for (int64_t slot = global_warp(); slot < pairs * max_tokens; slot += num_global_warps()) {
     const int32_t pair = static_cast<int32_t>(slot / max_tokens), pos = static_cast<int32_t>(slot % max_tokens);
     if (pos >= counts[pair]) continue;
-    const int64_t out_row = (pair / num_ranks) * rows_per_expert + begins[pair] + pos;
-    const char* src = base + layout.dispatch_rows + slot * layout.slot_bytes;
-    warp_copy(static_cast<char*>(a.recv_x) + out_row * value_bytes, src, value_bytes, lane);
-    if (scale_bytes) warp_copy(static_cast<char*>(a.recv_scales) + out_row * scale_bytes, src + hidden, scale_bytes, lane);
-    if (lane == 0) {
-      const int2 m = __ldcg(meta + slot);
-      a.src_token_index[out_row] = m.x;
-      a.src_topk_index[out_row] = m.y;
-    }
+    const int32_t j = pair / num_ranks;
+    const int64_t out_row = j * rows_per_expert + begins[pair] + pos;
+    const char* src = base + layout.dispatch_rows + slot * layout.dispatch_slot_bytes;
+    warp_copy(static_cast<char*>(a.recv_x) + out_row * value_bytes, src + format.value(0), value_bytes, lane);
+    if (scale_bytes)
+      warp_copy(static_cast<char*>(a.recv_scales) + out_row * scale_bytes, src + format.scales, scale_bytes, lane);
+    write_row_source(reinterpret_cast<const DispatchRowHeader*>(src), me * experts_per_rank + j, lane,
+                     a.src_token_index + out_row, a.src_topk_index + out_row);
   }
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < experts_per_rank * rows_per_expert;
        i += static_cast<int64_t>(gridDim.x) * kThreads) {
@@ -399,21 +444,22 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(const __grid_co
     }
   }
 
-  if (is_last_block(own, kDispatchRecvKernel) && threadIdx.x == 0) store_release_sys(&own->dispatch_consumed[set], call);
+  if (is_last_block(own, kDispatchRecvKernel)) give_credits<Transport>(c, call, /*dispatch=*/true);
 }
 
 // ---- combine ----------------------------------------------------------------------------------------------
 
 // The send: a warp takes an output row (local expert j, row i < its count), finds its source rank from
-// layout_range and writes the row into the source's slot (token, top-k slot). The last block then raises,
-// on every source rank, the flag of each local expert.
+// layout_range and puts the row into the source's slot (token, top-k slot). The last block then raises, on
+// every source rank, the flag of each local expert.
+template <typename Transport>
 __global__ void __launch_bounds__(kThreads) combine_send_kernel(const __grid_constant__ LowLatencyCall c,
                                                                 const __grid_constant__ LowLatencyCombineSendArgs a) {
   const int lane = threadIdx.x % 32, me = c.group.rank, num_ranks = c.group.num_ranks;
   const int64_t hidden = c.hidden, max_tokens = c.num_max_tokens;
   const int32_t experts_per_rank = static_cast<int32_t>(c.num_experts / num_ranks);
   const LowLatencyLayout layout(max_tokens, hidden, c.num_experts);
-  LowLatencyHeader* own = header(c, me);
+  LowLatencyHeader* own = own_header(c);
   start_clock(own, kCombineSendKernel);
   const uint32_t call = next_call(&own->combine_calls), set = call & 1;
   wait_for_credits(c, LowLatencyOp::kCombineSend, call, /*dispatch=*/false);
@@ -437,16 +483,17 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(const __grid_con
     const int src = __ffs(sources) - 1;
     const int32_t t = a.src_token_index[item], k = a.src_topk_index[item];
     if (t < 0 || t >= max_tokens || k < 0 || k >= kLowLatencyMaxTopk) continue;  // not from a dispatch handle
-    char* dst = layout.set_base(region(c, src), set) + layout.combine_rows +
-                (static_cast<int64_t>(t) * kLowLatencyMaxTopk + k) * layout.slot_bytes;
-    warp_copy(dst, static_cast<const char*>(a.y) + item * layout.slot_bytes, layout.slot_bytes, lane);
+    const int64_t slot = layout.set_offset(set) + layout.combine_rows +
+                         (static_cast<int64_t>(t) * kLowLatencyMaxTopk + k) * layout.combine_slot_bytes;
+    Transport::put_warp(c, src, slot, static_cast<const char*>(a.y) + item * layout.combine_slot_bytes,
+                        layout.combine_slot_bytes, lane);
   }
+  Transport::finish_puts(lane);
 
   if (!is_last_block(own, kCombineSendKernel)) return;
   for (int32_t i = threadIdx.x; i < experts_per_rank * num_ranks; i += kThreads) {
     const int32_t j = i / num_ranks, src = i % num_ranks;
-    uint64_t* flags = reinterpret_cast<uint64_t*>(layout.set_base(region(c, src), set) + layout.combine_flags);
-    store_release_sys(flags + me * experts_per_rank + j, call);
+    Transport::signal(c, src, layout.set_offset(set) + layout.combine_flags + (me * experts_per_rank + j) * 8, call);
   }
   if (threadIdx.x == 0) {
     own->combine_calls = call;
@@ -457,16 +504,17 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(const __grid_con
 // The receive: waits for the E flags of its set, then a warp takes (token, part) and sums, for k in order,
 // w[t, k] * row of (t, first entry of expert k) in float32 (one rounding per product and per sum, as the
 // reference), and writes BF16.
+template <typename Transport>
 __global__ void __launch_bounds__(kThreads) combine_recv_kernel(const __grid_constant__ LowLatencyCall c,
                                                                 const __grid_constant__ LowLatencyCombineRecvArgs a,
                                                                 TokenParts split) {
-  const int lane = threadIdx.x % 32, me = c.group.rank;
+  const int lane = threadIdx.x % 32;
   const int64_t hidden = c.hidden, num_topk = a.num_topk;
   const int32_t num_experts = static_cast<int32_t>(c.num_experts);
   const LowLatencyLayout layout(c.num_max_tokens, hidden, num_experts);
   const uint32_t call = *a.token, set = call & 1;
-  const char* base = layout.set_base(region(c, me), set);
-  LowLatencyHeader* own = header(c, me);
+  const char* base = c.region + layout.set_offset(set);
+  LowLatencyHeader* own = own_header(c);
   start_clock(own, kCombineRecvKernel);
 
   const uint64_t* flags = reinterpret_cast<const uint64_t*>(base + layout.combine_flags);
@@ -506,7 +554,7 @@ __global__ void __launch_bounds__(kThreads) combine_recv_kernel(const __grid_con
         const int32_t s = __shfl_sync(kFullMask, slot, k);
         if (k < num_topk && e >= 0 && ch < hidden)
           rows[k] = __ldcg(reinterpret_cast<const uint4*>(
-              base + layout.combine_rows + (t * kLowLatencyMaxTopk + s) * layout.slot_bytes + ch * 2));
+              base + layout.combine_rows + (t * kLowLatencyMaxTopk + s) * layout.combine_slot_bytes + ch * 2));
       }
 #pragma unroll
       for (int k = 0; k < kLowLatencyMaxTopk; ++k) {
@@ -526,7 +574,7 @@ __global__ void __launch_bounds__(kThreads) combine_recv_kernel(const __grid_con
     }
   }
 
-  if (is_last_block(own, kCombineRecvKernel) && threadIdx.x == 0) store_release_sys(&own->combine_consumed[set], call);
+  if (is_last_block(own, kCombineRecvKernel)) give_credits<Transport>(c, call, /*dispatch=*/false);
 }
 
 // ---- launches ----------------------------------------------------------------------------------------------
@@ -547,43 +595,87 @@ cudaError_t low_latency_dispatch_send(const LowLatencyCall& call, const LowLaten
   dispatch_route_kernel<<<blocks_for_warps(call, call.num_experts), kThreads, 0, call.stream>>>(call, args);
   JAX_EP_CUDA_RETURN(cudaGetLastError());
   const TokenParts split = token_parts(call, args.num_tokens);
-  dispatch_send_kernel<<<blocks_for_warps(call, args.num_tokens * split.parts), kThreads, 0, call.stream>>>(
-      call, args, split);
-  return cudaGetLastError();
+  return with_transport(call, [&](auto transport) {
+    dispatch_send_kernel<decltype(transport)>
+        <<<blocks_for_warps(call, args.num_tokens * split.parts), kThreads, 0, call.stream>>>(call, args, split);
+    return cudaGetLastError();
+  });
 }
 
 cudaError_t low_latency_dispatch_recv(const LowLatencyCall& call, const LowLatencyDispatchRecvArgs& args) {
   if (call.num_experts > kLowLatencyMaxExperts) return cudaErrorInvalidValue;
   const size_t shared = 2 * sizeof(int32_t) * static_cast<size_t>(call.num_experts);
-  dispatch_recv_kernel<<<call.group.device_sms, kThreads, shared, call.stream>>>(call, args);
-  return cudaGetLastError();
+  return with_transport(call, [&](auto transport) {
+    dispatch_recv_kernel<decltype(transport)><<<call.group.device_sms, kThreads, shared, call.stream>>>(call, args);
+    return cudaGetLastError();
+  });
 }
 
 cudaError_t low_latency_combine_send(const LowLatencyCall& call, const LowLatencyCombineSendArgs& args) {
   if (call.num_experts > kLowLatencyMaxExperts) return cudaErrorInvalidValue;
   const size_t shared = 2 * sizeof(int32_t) * static_cast<size_t>(call.num_experts);  // L*R = E ranges
-  combine_send_kernel<<<call.group.device_sms, kThreads, shared, call.stream>>>(call, args);
-  return cudaGetLastError();
+  return with_transport(call, [&](auto transport) {
+    combine_send_kernel<decltype(transport)><<<call.group.device_sms, kThreads, shared, call.stream>>>(call, args);
+    return cudaGetLastError();
+  });
 }
 
 cudaError_t low_latency_combine_recv(const LowLatencyCall& call, const LowLatencyCombineRecvArgs& args) {
   if (args.num_topk > kLowLatencyMaxTopk || args.num_tokens > call.num_max_tokens) return cudaErrorInvalidValue;
   const TokenParts split = token_parts(call, args.num_tokens);
-  combine_recv_kernel<<<blocks_for_warps(call, args.num_tokens * split.parts), kThreads, 0, call.stream>>>(
-      call, args, split);
-  return cudaGetLastError();
+  return with_transport(call, [&](auto transport) {
+    combine_recv_kernel<decltype(transport)>
+        <<<blocks_for_warps(call, args.num_tokens * split.parts), kThreads, 0, call.stream>>>(call, args, split);
+    return cudaGetLastError();
+  });
+}
+
+std::string low_latency_lookup(int64_t buffer_id, int device_ordinal, LowLatencyTransport transport,
+                               int64_t ll_offset, LowLatencyCall* call, int64_t* available_bytes) {
+  if (!intranode_lookup(buffer_id, device_ordinal, &call->group))
+    return "no intranode state of buffer " + std::to_string(buffer_id) + " on CUDA device " +
+           std::to_string(device_ordinal);
+  call->transport = transport;
+  switch (transport) {
+    case LowLatencyTransport::kPeerStores:
+      for (int p = 0; p < call->group.num_ranks; ++p) call->peer_regions[p] = call->group.workspaces[p] + ll_offset;
+      call->region = call->peer_regions[call->group.rank];
+      *available_bytes = call->group.workspace_bytes - ll_offset;
+      return "";
+    case LowLatencyTransport::kNvshmem: {
+#if defined(JAX_EP_WITH_NVSHMEM)
+      SymmetricRegion symmetric;
+      if (!nvshmem_region_lookup(buffer_id, device_ordinal, &symmetric))
+        return "no NVSHMEM region of buffer " + std::to_string(buffer_id) + " on CUDA device " +
+               std::to_string(device_ordinal);
+      if (symmetric.num_ranks != call->group.num_ranks)
+        return "the NVSHMEM region of buffer " + std::to_string(buffer_id) + " has " +
+               std::to_string(symmetric.num_ranks) + " ranks, its intranode group " +
+               std::to_string(call->group.num_ranks);
+      call->region = symmetric.base + ll_offset;
+      for (int p = 0; p < symmetric.num_ranks; ++p) call->pes[p] = symmetric.pes[p];
+      *available_bytes = symmetric.bytes - ll_offset;
+      return "";
+#else
+      return "this jax_ep was built without NVSHMEM";
+#endif
+    }
+  }
+  return "unknown low-latency transport " + std::to_string(static_cast<int>(transport));
 }
 
 std::vector<std::vector<std::pair<uint64_t, uint64_t>>> low_latency_kernel_times(
-    int64_t buffer_id, const std::vector<int>& device_ordinals, int64_t ll_offset, bool reset) {
+    int64_t buffer_id, const std::vector<int>& device_ordinals, LowLatencyTransport transport, int64_t ll_offset,
+    bool reset) {
   std::vector<std::vector<std::pair<uint64_t, uint64_t>>> times;
   int current = 0;
   JAX_EP_CUDA_THROW(cudaGetDevice(&current));
   for (int device : device_ordinals) {
-    IntranodeRank rank;
-    if (!intranode_lookup(buffer_id, device, &rank)) continue;
+    LowLatencyCall call;
+    int64_t available = 0;
+    if (!low_latency_lookup(buffer_id, device, transport, ll_offset, &call, &available).empty()) continue;
     JAX_EP_CUDA_THROW(cudaSetDevice(device));
-    LowLatencyHeader* h = reinterpret_cast<LowLatencyHeader*>(rank.workspaces[rank.rank] + ll_offset);
+    LowLatencyHeader* h = reinterpret_cast<LowLatencyHeader*>(call.region);
     uint64_t calls[kLowLatencyKernels], ns[kLowLatencyKernels];
     JAX_EP_CUDA_THROW(cudaMemcpy(calls, h->kernel_calls, sizeof(calls), cudaMemcpyDeviceToHost));
     JAX_EP_CUDA_THROW(cudaMemcpy(ns, h->kernel_ns, sizeof(ns), cudaMemcpyDeviceToHost));

@@ -1,32 +1,40 @@
-// The low-latency (LL) region of a rank's workspace: where it lies and what it holds. Shared by the kernels
+// The low-latency (LL) region of a rank: where it lies and what it holds. Shared by the kernels
 // (low_latency.cu) and the handlers' size check; jax_ep.config.low_latency_buffer_bytes mirrors `total`.
 //
-// The region starts at byte `ll_offset` of the workspace (256-byte aligned) and holds:
-//   header                                   256 bytes: this rank's call counters and credits (below)
+// The region lives at byte `ll_offset` of the rank's intranode workspace (peer-store transport) or of its
+// NVSHMEM symmetric allocation (NVSHMEM transport); either way the layout is the same and every offset below
+// is relative to the region's start, so one offset names the same word on every rank. It holds:
+//   header                                   512 bytes: this rank's call counters and credits (below)
+//   dispatch_staging [M] x dispatch slot     this rank's rows as sent (cast, with their header): the source of
+//                                            the copies or NVSHMEM puts into the receivers' slots
 //   set 0, set 1                              two buffer sets; call c of an op uses set c % 2
 // One set:
 //   dispatch_flags  [L][R] uint64             at the receiver: (call tag << 32 | row count) per (local expert,
 //                                             source rank), written by the source after its rows
 //   combine_flags   [E] uint64                at the source: call tag per global expert, written by the
 //                                             expert's rank after it returned that expert's rows
-//   dispatch_meta   [L][R][M] int2            at the receiver: (source token, top-k slot) of each slot row
-//   dispatch_rows   [L][R][M] x 2H bytes      at the receiver: BF16 rows, or FP8 values (H bytes) + scales
+//   dispatch_rows   [L][R][M] dispatch slots  at the receiver: a DispatchRowHeader, then the BF16 row, or the
+//                                             FP8 values (H bytes) and scales
 //   combine_rows    [M][kLowLatencyMaxTopk] x 2H bytes  at the source: expert output row of (token, slot)
 // A token's position inside its (expert, source rank) slot region is its rank among the source's tokens
 // routed to that expert, in token order, so every output is deterministic.
 #pragma once
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
+
+#include "api.h"
 
 namespace jax_ep {
 
 // Top-k entries a token may have in low-latency mode: the combine region keeps one row per (token, k).
 inline constexpr int kLowLatencyMaxTopk = 16;
 // Experts of a low-latency Buffer: the receive kernel keeps two int32 per (local expert, source rank) in
-// shared memory (32 KB at this bound).
+// shared memory (32 KB at this bound); expert ids travel as int16 in the row headers.
 inline constexpr int kLowLatencyMaxExperts = 4096;
 inline constexpr int64_t kLowLatencyAlign = 256;
+inline constexpr int64_t kLowLatencyHeaderBytes = 512;
 
 // The LL kernels, as indexed in the header's per-kernel fields and by low_latency_kernel_times.
 enum LowLatencyKernel : int { kDispatchRoute = 0, kDispatchSendKernel, kDispatchRecvKernel, kCombineSendKernel,
@@ -36,17 +44,30 @@ enum LowLatencyKernel : int { kDispatchRoute = 0, kDispatchSendKernel, kDispatch
 struct LowLatencyHeader {
   uint32_t dispatch_calls;            // dispatch send calls this rank completed
   uint32_t combine_calls;             // combine send calls this rank completed
-  uint32_t dispatch_consumed[2];      // [set]: latest dispatch call whose rows this rank's receive read
-  uint32_t combine_consumed[2];       // [set]: latest combine call whose rows this rank's receive read
   uint32_t blocks_finished[kLowLatencyKernels];  // per LowLatencyKernel: blocks of the running call done
   unsigned error_claimed;             // the first block that fails fills the error record
+  // Credits, written by the peers (each receive pushes its progress to every sender, so that no rank ever
+  // reads another's memory): [p][set] = the latest call whose rows in buffer set `set` rank p finished
+  // reading. 64-bit words: NVSHMEM signals are 64-bit. Only the low 32 bits (the call number) count.
+  uint64_t dispatch_credit[kMaxIntranodeRanks][2];
+  uint64_t combine_credit[kMaxIntranodeRanks][2];
   // Per LowLatencyKernel, for the benchmark's kernel times: %globaltimer at block 0's start of the running
   // call, and the calls and nanoseconds (block 0's start to the last block's end) summed since a reset.
   uint64_t kernel_start[kLowLatencyKernels];
   uint64_t kernel_calls[kLowLatencyKernels];
   uint64_t kernel_ns[kLowLatencyKernels];
 };
-static_assert(sizeof(LowLatencyHeader) <= kLowLatencyAlign, "the header has 256 bytes");
+static_assert(sizeof(LowLatencyHeader) <= kLowLatencyHeaderBytes, "the header has 512 bytes");
+
+// What precedes each dispatched row: the source token and its top-k expert ids, so that the receiver of
+// expert e finds the top-k slot of its row (the first entry naming e) without a per-target write: every
+// receiver of a token gets the same bytes, which are staged once and copied or put to each.
+struct DispatchRowHeader {
+  int32_t token;
+  int16_t experts[kLowLatencyMaxTopk];  // the token's top-k ids; -1 past its top-k and for ids outside [0, E)
+  int32_t unused[3];                    // keeps the payload 16-byte aligned
+};
+static_assert(sizeof(DispatchRowHeader) == 48 && sizeof(DispatchRowHeader) % 16 == 0, "row header of 48 bytes");
 
 __host__ __device__ inline int64_t ll_align(int64_t bytes) {
   return (bytes + kLowLatencyAlign - 1) / kLowLatencyAlign * kLowLatencyAlign;
@@ -54,26 +75,28 @@ __host__ __device__ inline int64_t ll_align(int64_t bytes) {
 
 // Byte offsets inside the LL region for M tokens per rank, hidden H and E experts.
 struct LowLatencyLayout {
-  int64_t set_bytes = 0;
-  int64_t dispatch_flags = 0, combine_flags = 0, dispatch_meta = 0, dispatch_rows = 0, combine_rows = 0;
-  int64_t slot_bytes = 0;  // one row of either region: 2H
+  int64_t dispatch_slot_bytes = 0;  // DispatchRowHeader + 2H (a BF16 row; FP8 values and scales are smaller)
+  int64_t combine_slot_bytes = 0;   // 2H: a BF16 row
+  int64_t dispatch_staging = 0;     // region offsets
+  int64_t sets = 0, set_bytes = 0;
+  int64_t dispatch_flags = 0, combine_flags = 0, dispatch_rows = 0, combine_rows = 0;  // offsets inside a set
   int64_t total = 0;
 
   __host__ __device__ LowLatencyLayout(int64_t max_tokens, int64_t hidden, int64_t num_experts) {
-    slot_bytes = 2 * hidden;
+    dispatch_slot_bytes = static_cast<int64_t>(sizeof(DispatchRowHeader)) + 2 * hidden;
+    combine_slot_bytes = 2 * hidden;
+    dispatch_staging = kLowLatencyHeaderBytes;
+    sets = dispatch_staging + ll_align(max_tokens * dispatch_slot_bytes);
     dispatch_flags = 0;
     combine_flags = ll_align(num_experts * 8);
-    dispatch_meta = combine_flags + ll_align(num_experts * 8);
-    dispatch_rows = dispatch_meta + ll_align(num_experts * max_tokens * 8);
-    combine_rows = dispatch_rows + num_experts * max_tokens * slot_bytes;
-    set_bytes = combine_rows + max_tokens * kLowLatencyMaxTopk * slot_bytes;
-    total = kLowLatencyAlign + 2 * set_bytes;
+    dispatch_rows = combine_flags + ll_align(num_experts * 8);
+    combine_rows = dispatch_rows + ll_align(num_experts * max_tokens * dispatch_slot_bytes);
+    set_bytes = combine_rows + max_tokens * kLowLatencyMaxTopk * combine_slot_bytes;
+    total = sets + 2 * set_bytes;
   }
 
-  // Set `set` (0 or 1) of a region that starts at `region`.
-  __host__ __device__ char* set_base(char* region, uint32_t set) const {
-    return region + kLowLatencyAlign + static_cast<int64_t>(set) * set_bytes;
-  }
+  // Region offset of buffer set `set` (0 or 1).
+  __host__ __device__ int64_t set_offset(uint32_t set) const { return sets + static_cast<int64_t>(set) * set_bytes; }
 };
 
 }  // namespace jax_ep

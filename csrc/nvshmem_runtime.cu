@@ -5,9 +5,12 @@
 #include <nvshmemx.h>
 
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "api.h"
 
@@ -16,6 +19,8 @@ namespace {
 
 std::mutex g_mutex;
 bool g_initialized = false;
+// Symmetric regions of Buffers by (buffer id, CUDA ordinal); one process per GPU, so at most one ordinal.
+std::map<std::pair<int64_t, int>, SymmetricRegion> g_regions;
 
 void check_cuda(cudaError_t err, const char* what) {
   if (err != cudaSuccess)
@@ -77,6 +82,79 @@ void* nvshmem_allocate(int64_t bytes) {
 void nvshmem_release(void* pointer) {
   check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   nvshmem_free(pointer);
+}
+
+void nvshmem_region_create(int64_t buffer_id, int device_ordinal, int64_t bytes, const std::vector<int>& pes) {
+  // The caller (jax_ep.cuda_backend) checked these on every process before this collective call; a failure
+  // here is a bug, and the other PEs would wait in nvshmem_malloc.
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    if (!g_initialized) throw std::runtime_error("jax_ep nvshmem: not initialised (jax_ep.nvshmem.initialize())");
+    if (g_regions.count({buffer_id, device_ordinal}))
+      throw std::invalid_argument("jax_ep nvshmem: buffer " + std::to_string(buffer_id) +
+                                  " already has a region on CUDA device " + std::to_string(device_ordinal));
+  }
+  if (pes.empty() || pes.size() > static_cast<size_t>(kMaxIntranodeRanks) || bytes <= 0)
+    throw std::invalid_argument("jax_ep nvshmem: a region has 1 to " + std::to_string(kMaxIntranodeRanks) +
+                                " ranks and a positive size, got " + std::to_string(pes.size()) + " ranks and " +
+                                std::to_string(bytes) + " bytes");
+  for (int pe : pes)
+    if (pe < 0 || pe >= nvshmem_n_pes())
+      throw std::invalid_argument("jax_ep nvshmem: PE " + std::to_string(pe) + " outside the " +
+                                  std::to_string(nvshmem_n_pes()) + " PEs");
+  int current = 0;
+  check_cuda(cudaGetDevice(&current), "cudaGetDevice");
+  check_cuda(cudaSetDevice(device_ordinal), "cudaSetDevice");
+  SymmetricRegion region;
+  try {
+    region.base = static_cast<char*>(nvshmem_allocate(bytes));  // collective: every PE, same size
+  } catch (...) {
+    cudaSetDevice(current);
+    throw;
+  }
+  check_cuda(cudaSetDevice(current), "cudaSetDevice");
+  region.bytes = bytes;
+  region.num_ranks = static_cast<int32_t>(pes.size());
+  for (size_t r = 0; r < pes.size(); ++r) region.pes[r] = pes[r];
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_regions[{buffer_id, device_ordinal}] = region;
+}
+
+bool nvshmem_region_lookup(int64_t buffer_id, int device_ordinal, SymmetricRegion* out) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto it = g_regions.find({buffer_id, device_ordinal});
+  if (it == g_regions.end()) return false;
+  *out = it->second;
+  return true;
+}
+
+std::string nvshmem_region_destroy(int64_t buffer_id, bool release) {
+  std::vector<std::pair<int, SymmetricRegion>> doomed;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    for (auto it = g_regions.begin(); it != g_regions.end();) {
+      if (it->first.first != buffer_id) {
+        ++it;
+        continue;
+      }
+      doomed.emplace_back(it->first.second, it->second);
+      it = g_regions.erase(it);  // no lookup finds it from here on
+    }
+  }
+  std::string errors;
+  if (!release) return errors;
+  int current = 0;
+  cudaGetDevice(&current);
+  for (const auto& [device, region] : doomed) {
+    try {
+      check_cuda(cudaSetDevice(device), "cudaSetDevice");
+      nvshmem_release(region.base);  // collective: every PE frees its part
+    } catch (const std::exception& e) {
+      errors += std::string(errors.empty() ? "" : "; ") + e.what();
+    }
+  }
+  cudaSetDevice(current);
+  return errors;
 }
 
 int nvshmem_ring_check() {

@@ -426,10 +426,12 @@ def low_latency(args) -> dict:
                        num_experts=E) as buf:
         targets = _custom_calls(mesh, lambda i, d: jax_ep.low_latency_dispatch(buf, d, i).recv_x, topk_idx, x)
         measured = "jax_ep " + ("cuda" if targets else "xla")
-        setup.update(buffer_backend=buf.backend, measured=measured, custom_calls=targets)
+        setup.update(buffer_backend=buf.backend, measured=measured, custom_calls=targets,
+                     low_latency_transport=buf.low_latency_transport)
         print(f"[low_latency] Buffer(backend={args.backend!r}) resolved to {buf.backend!r}; its low-latency ops run as "
-              + (f"CUDA kernels ({', '.join(targets)})" if targets else "the pure-JAX xla implementation "
-                 "(no jax_ep custom call in the program)"), flush=True)
+              + (f"CUDA kernels ({', '.join(targets)}), transport {buf.low_latency_transport} (set "
+                 "JAX_EP_LL_TRANSPORT=nvshmem with --processes for NVSHMEM)" if targets else
+                 "the pure-JAX xla implementation (no jax_ep custom call in the program)"), flush=True)
         combine_routing, y = time_all(buf, measured)
 
         # Send/receive split (the receive hook). One program cannot stop the clock between the halves, so this

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import itertools
+import os
 import warnings
 from typing import Literal
 
+import jax
 from jax.sharding import Mesh
 
 from jax_ep import _native, cuda_backend
@@ -15,6 +17,11 @@ Backend = Literal["auto", "cuda", "xla"]
 _BACKENDS = ("auto", "cuda", "xla")
 # FFI target whose presence means the CUDA normal-mode kernels were built.
 CUDA_DISPATCH_TARGET = "jax_ep_dispatch"
+
+LowLatencyTransport = Literal["auto", "nvshmem"]
+_LOW_LATENCY_TRANSPORTS = ("auto", "nvshmem")
+# Forces the low-latency transport of every cuda Buffer whose argument is "auto" (tests and the benchmark).
+LOW_LATENCY_TRANSPORT_ENV = "JAX_EP_LL_TRANSPORT"
 
 _buffer_ids = itertools.count(1)
 # Staging room per GPU for normal-mode ops in EP groups spanning processes (see Buffer).
@@ -47,6 +54,48 @@ def resolve_backend(requested: str, platform: str) -> str:
     return "cuda" if platform == "gpu" and cuda_kernels else "xla"
 
 
+def one_process_per_gpu(mesh: Mesh) -> bool:
+    """Whether every process of the job owns exactly one device of `mesh` (NVSHMEM's process model: one PE per
+    process, and its symmetric allocations are collective over every process)."""
+    processes = [d.process_index for d in mesh.devices.flat]
+    return len(set(processes)) == len(processes) == jax.process_count()
+
+
+def resolve_low_latency_transport(requested: str, *, backend: str, low_latency: bool, one_process_per_gpu: bool,
+                                  environ=os.environ) -> str | None:
+    """How a Buffer's low-latency kernels reach their peers: "peer_stores" (plain stores through peer pointers
+    inside the NVLink domain), "nvshmem" (NVSHMEM puts into symmetric memory), or None where no low-latency
+    kernels run (the xla backend, or a Buffer without low-latency sizes).
+
+    `requested` is the Buffer argument: "auto" takes $JAX_EP_LL_TRANSPORT when set, else peer stores (every
+    peer of a cuda Buffer is inside one NVLink domain today; NVSHMEM for peers outside it is for multi-node
+    EP, later). "nvshmem" needs one process per GPU over every process of the job, and a build with NVSHMEM."""
+    if requested not in _LOW_LATENCY_TRANSPORTS:
+        raise ValueError(f"jax_ep.Buffer: low_latency_transport must be one of {_LOW_LATENCY_TRANSPORTS}, "
+                         f"got {requested!r}")
+    forced = environ.get(LOW_LATENCY_TRANSPORT_ENV, "")
+    if forced not in ("",) + _LOW_LATENCY_TRANSPORTS:
+        raise ValueError(f"jax_ep.Buffer: ${LOW_LATENCY_TRANSPORT_ENV} must be one of {_LOW_LATENCY_TRANSPORTS} or "
+                         f"unset, got {forced!r}")
+    if backend != "cuda" or not low_latency:
+        if requested == "nvshmem":
+            why = (f"this Buffer has the {backend!r} backend" if backend != "cuda" else
+                   "this Buffer has no low-latency sizes (num_max_dispatch_tokens_per_rank, hidden, num_experts)")
+            raise ValueError(f"jax_ep.Buffer: low_latency_transport='nvshmem' is for the cuda low-latency kernels; {why}")
+        return None  # the environment's choice applies only to the Buffers it can apply to
+    chosen = (forced or "auto") if requested == "auto" else requested
+    if chosen != "nvshmem":
+        return "peer_stores"
+    source = "low_latency_transport='nvshmem'" if requested == "nvshmem" else f"${LOW_LATENCY_TRANSPORT_ENV}=nvshmem"
+    if not one_process_per_gpu:
+        raise ValueError(f"jax_ep.Buffer: {source} needs one process per GPU over every process of the job "
+                         "(jax.distributed.initialize with one local device each, and a mesh holding every process's "
+                         "device): NVSHMEM has one PE per process. One process driving several GPUs uses peer "
+                         "stores (low_latency_transport='auto')")
+    _native.require_nvshmem(source)
+    return "nvshmem"
+
+
 class Buffer:
     """Communication state for expert parallelism over one mesh axis.
 
@@ -58,6 +107,12 @@ class Buffer:
     `num_nvl_bytes` (cuda backend, EP groups spanning processes only): per-GPU room where each normal-mode op
     stages the inputs its peers read, since other processes cannot map XLA's buffers; default 1 GiB.
     `jax_ep.normal_buffer_bytes(...)` gives what given shapes need; a call that needs more raises.
+
+    `low_latency_transport` (cuda backend with low-latency sizes): "auto" writes rows and flags with plain stores
+    through peer pointers inside the NVLink domain; "nvshmem" puts them into NVSHMEM symmetric memory (one
+    process per GPU over every process of the job; creating the Buffer initialises NVSHMEM and is collective).
+    The environment variable JAX_EP_LL_TRANSPORT=nvshmem makes "auto" mean "nvshmem" (for tests and benchmarks).
+    The resolved choice is `buffer.low_latency_transport`: "peer_stores", "nvshmem", or None.
     """
 
     def __init__(
@@ -71,6 +126,7 @@ class Buffer:
         hidden: int | None = None,
         num_experts: int | None = None,
         num_nvl_bytes: int | None = None,
+        low_latency_transport: LowLatencyTransport = "auto",
     ):
         if not isinstance(mesh, Mesh):
             raise TypeError(f"jax_ep.Buffer: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
@@ -106,19 +162,23 @@ class Buffer:
         self.num_experts = num_experts
         self.num_nvl_bytes = DEFAULT_NUM_NVL_BYTES if num_nvl_bytes is None else int(num_nvl_bytes)
         self.spans_processes = cuda_backend.spans_processes(mesh, axis_name)  # some EP group has several processes
-        self.low_latency_offset = None  # byte offset of the low-latency region in each rank's workspace (cuda)
+        self.low_latency_offset = None  # byte offset of the low-latency region in its allocation (cuda)
         self.buffer_id = next(_buffer_ids)  # this process's name of the Buffer in jax_ep._C
         self.collective_name = None  # its key-value store name when it spans processes (cuda_backend)
+        if self.backend == "cuda" and backend == "auto" and cuda_backend.unsupported_reason(mesh, axis_name):
+            self.backend = "xla"  # e.g. more ranks than the kernels support: the portable backend serves it
+        has_low_latency_sizes = None not in (num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        self.low_latency_transport = resolve_low_latency_transport(
+            low_latency_transport, backend=self.backend, low_latency=has_low_latency_sizes,
+            one_process_per_gpu=one_process_per_gpu(mesh))
         if self.backend == "cuda":
-            if backend == "auto" and cuda_backend.unsupported_reason(mesh, axis_name):
-                self.backend = "xla"  # e.g. more ranks than the kernels support: the portable backend serves it
-            else:
-                try:
-                    cuda_backend.create(self)
-                except cuda_backend.SpansHostsError:
-                    if backend != "auto":
-                        raise
-                    self.backend = "xla"  # every process sees the same hosts, so all fall back together
+            try:
+                cuda_backend.create(self)
+            except cuda_backend.SpansHostsError:
+                if backend != "auto":
+                    raise
+                self.backend = "xla"  # every process sees the same hosts, so all fall back together
+                self.low_latency_transport = None
         self._alive = True
 
     @property

@@ -35,23 +35,27 @@ LOW_LATENCY_MAX_TOPK = 16
 
 
 def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int) -> int:
-    """Bytes of the low-latency region of each rank's workspace (csrc/low_latency_state.h, LowLatencyLayout):
-    a 256-byte header of call counters and credits, then two buffer sets (calls alternate between them), each
+    """Bytes of the low-latency region of each rank (csrc/low_latency_state.h, LowLatencyLayout): a 512-byte
+    header of call counters and credits, the staging rows (this rank's `M` rows as sent, each a 48-byte row
+    header of source token and top-k ids followed by `2 * hidden` bytes: a BF16 row, or the smaller FP8 values
+    and scales), then two buffer sets (calls alternate between them), each
 
     - per expert: a dispatch flag and a combine flag (8 bytes each, each array 256-byte aligned);
-    - the dispatch receive slots: `M` rows per (local expert, source rank), i.e. `E * M` rows of `2 * hidden`
-      bytes (a BF16 row, or the FP8 values and scales, which are smaller) plus 8 bytes of (token, top-k slot);
+    - the dispatch receive slots: `M` rows per (local expert, source rank), i.e. `E * M` rows of 48 + 2 * hidden
+      bytes;
     - the combine receive slots: `M * 16` rows of `2 * hidden` bytes, one per (token, top-k entry).
 
     `num_ranks` does not change the total (E = L * R slot regions either way)."""
     del num_ranks
-    experts, tokens, row = num_experts, num_max_dispatch_tokens_per_rank, 2 * hidden
+    experts, tokens = num_experts, num_max_dispatch_tokens_per_rank
+    dispatch_row, combine_row = _DISPATCH_ROW_HEADER + 2 * hidden, 2 * hidden
     flags = 2 * _aligned(experts * 8)
-    per_set = flags + _aligned(experts * tokens * 8) + experts * tokens * row + tokens * LOW_LATENCY_MAX_TOPK * row
-    return _LOW_LATENCY_HEADER + 2 * per_set
+    per_set = flags + _aligned(experts * tokens * dispatch_row) + tokens * LOW_LATENCY_MAX_TOPK * combine_row
+    return _LOW_LATENCY_HEADER + _aligned(tokens * dispatch_row) + 2 * per_set
 
 
-_LOW_LATENCY_HEADER = 256
+_LOW_LATENCY_HEADER = 512
+_DISPATCH_ROW_HEADER = 48
 
 
 def _aligned(nbytes: int) -> int:

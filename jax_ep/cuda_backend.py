@@ -152,17 +152,23 @@ def create(buffer) -> None:
 
     Workspace of each rank: the staging region first (`num_nvl_bytes`, when any EP group of the Buffer spans
     processes, also if only low-latency ops are used), then the low-latency region (when the Buffer has
-    low-latency sizes)."""
+    low-latency sizes and its transport is peer stores). Under the NVSHMEM transport the low-latency region is
+    NVSHMEM symmetric memory of its own, allocated collectively by every process once the groups exist."""
     reason = unsupported_reason(buffer.mesh, buffer.axis_name)
     if reason:
         raise NotImplementedError(f"jax_ep.Buffer: {reason}")
     staging = -(-buffer.num_nvl_bytes // 256) * 256 if buffer.spans_processes else 0  # LL region 256-byte aligned
     workspace_bytes = staging
+    low_latency_bytes = 0
     buffer.low_latency_offset = None
-    if None not in (buffer.num_max_dispatch_tokens_per_rank, buffer.hidden, buffer.num_experts):
-        buffer.low_latency_offset = staging
-        workspace_bytes += low_latency_buffer_bytes(buffer.num_max_dispatch_tokens_per_rank, buffer.hidden,
-                                                    buffer.num_ranks, buffer.num_experts)
+    if buffer.low_latency_transport is not None:
+        low_latency_bytes = low_latency_buffer_bytes(buffer.num_max_dispatch_tokens_per_rank, buffer.hidden,
+                                                     buffer.num_ranks, buffer.num_experts)
+        if buffer.low_latency_transport == "peer_stores":
+            buffer.low_latency_offset = staging
+            workspace_bytes += low_latency_bytes
+        else:
+            buffer.low_latency_offset = 0  # the start of the symmetric region
     me = jax.process_index()
     groups = list(enumerate(_ep_groups(buffer.mesh, buffer.axis_name)))
     try:
@@ -175,9 +181,26 @@ def create(buffer) -> None:
                   any(d.process_index != me for d in g)]
         if shared:
             _create_across_processes(buffer, shared, workspace_bytes, staging)
+        if buffer.low_latency_transport == "nvshmem":
+            _create_symmetric_region(buffer, groups, low_latency_bytes)
     except BaseException:
         _native._C.destroy_intranode(buffer.buffer_id)
         raise
+
+
+def _create_symmetric_region(buffer, groups, nbytes: int) -> None:
+    """The NVSHMEM transport's low-latency region: symmetric memory on this process's GPU, allocated collectively
+    by every process (Buffer.__init__ checked one process per GPU over every process: the PE of a rank is its
+    process index). Every process got here through _create_across_processes, which checked that all of them
+    create this Buffer with the same sizes, so every PE enters the allocation with the same size."""
+    from jax_ep import nvshmem
+
+    nvshmem.initialize(buffer.config.timeout_s)  # collective once per process; a no-op afterwards
+    me = jax.process_index()
+    (group,) = [g for _, g in groups if any(d.process_index == me for d in g)]
+    device = next(d for d in group if d.process_index == me)
+    _native._C.nvshmem_region_create(buffer.buffer_id, int(device.local_hardware_id), nbytes,
+                                     [int(d.process_index) for d in group])
 
 
 def _kv_client():
@@ -272,7 +295,9 @@ def _confirm_connected(client, buffer, index: int, group, outcome: str, timeout_
 def destroy(buffer) -> str:
     """Frees the device memory of `buffer` after its GPUs finished; returns '' or the problems met. In a group
     spanning processes every process first waits for its GPUs and unmaps its peers, then all meet at a
-    bounded barrier, then each frees its own memory: nobody frees what another process still maps."""
+    bounded barrier, then each frees its own memory: nobody frees what another process still maps. An NVSHMEM
+    region is freed collectively, and only when every process says its GPU is healthy (a GPU whose kernel timed
+    out cannot take part, and the others would wait for it): otherwise every process only forgets it."""
     problems = []
     if buffer.spans_processes:
         processes = sorted({d.process_index for d in buffer.mesh.devices.flat})
@@ -284,10 +309,34 @@ def destroy(buffer) -> str:
                                          int(buffer.config.timeout_s * 1000), processes)
         except Exception as e:  # a peer died or never destroys: free ours anyway
             problems.append(f"not every process reached destroy within {buffer.config.timeout_s} s ({e})")
+        if buffer.low_latency_transport == "nvshmem":
+            problems += _destroy_symmetric_region(buffer, processes, healthy=not problems)
+    elif buffer.low_latency_transport == "nvshmem":  # a single process: NVSHMEM with one PE
+        problems += _destroy_symmetric_region(buffer, [jax.process_index()], healthy=True)
     freed = _native._C.destroy_intranode(buffer.buffer_id)
     if freed:
         problems.append(freed)
     return "; ".join(problems)
+
+
+def _destroy_symmetric_region(buffer, processes, healthy: bool) -> list[str]:
+    """Every process publishes whether it can take part in the collective free, reads the others' answers
+    (bounded), and frees only when all can; else it forgets the region (leaking it until the process ends)."""
+    answers = {jax.process_index(): "ok" if healthy else "unhealthy"}
+    if len(processes) > 1:
+        client, timeout_ms = _kv_client(), int(buffer.config.timeout_s * 1000)
+        key = f"{buffer.collective_name}/nvshmem_free/{{}}".format
+        client.key_value_set(key(jax.process_index()), answers[jax.process_index()])
+        for process in processes:
+            try:
+                answers[process] = client.blocking_key_value_get(key(process), timeout_ms)
+            except Exception:  # the client raises a runtime error on its deadline
+                answers[process] = "absent"
+    release = all(answer == "ok" for answer in answers.values())
+    problems = [] if release else [f"the NVSHMEM region of Buffer #{buffer.buffer_id} was not freed (processes: "
+                                   f"{answers})"]
+    errors = _native._C.nvshmem_region_destroy(buffer.buffer_id, release)
+    return problems + ([errors] if errors else [])
 
 
 def kernel_times(buffer, reset: bool = False) -> list[tuple[int, int]]:

@@ -35,6 +35,7 @@ COMBINE_RECV_TARGET = "jax_ep_low_latency_combine_recv"
 
 MAX_EXPERTS = 4096  # csrc kLowLatencyMaxExperts
 _PAYLOAD_BF16, _PAYLOAD_FP8, _PAYLOAD_FP8_UE8M0 = 0, 1, 2  # csrc LowLatencyPayload
+TRANSPORTS = {"peer_stores": 0, "nvshmem": 1}  # Buffer.low_latency_transport -> csrc LowLatencyTransport
 
 int32 = jnp.int32
 
@@ -47,9 +48,11 @@ class CudaLowLatencyHandle(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class LowLatencyParams:
-    """Static attributes of every low-latency call: the Buffer's rank state and the sizes of its LL region."""
+    """Static attributes of every low-latency call: the Buffer's rank state, how its LL region is reached
+    (`transport`, a csrc LowLatencyTransport) and the sizes of that region."""
 
     buffer_id: int
+    transport: int
     ll_offset: int
     num_max_tokens: int
     num_experts: int
@@ -76,8 +79,9 @@ def params(op: str, buffer) -> LowLatencyParams:
         raise RuntimeError(f"jax_ep.{op}: buffer.low_latency_offset={offset} is not 256-byte aligned")
     if buffer.num_experts > MAX_EXPERTS:
         raise ValueError(f"jax_ep.{op} (cuda): at most {MAX_EXPERTS} experts, the Buffer has {buffer.num_experts}")
-    return LowLatencyParams(buffer.buffer_id, int(offset), buffer.num_max_dispatch_tokens_per_rank,
-                            buffer.num_experts, int(buffer.config.timeout_s * 1e9))
+    return LowLatencyParams(buffer.buffer_id, TRANSPORTS[buffer.low_latency_transport], int(offset),
+                            buffer.num_max_dispatch_tokens_per_rank, buffer.num_experts,
+                            int(buffer.config.timeout_s * 1e9))
 
 
 def check_topk(op: str, num_topk: int) -> None:
@@ -160,6 +164,7 @@ def kernel_times(buffer, reset: bool = False) -> list[dict[str, tuple[int, int]]
     if buffer.low_latency_offset is None:
         raise ValueError("jax_ep: this Buffer has no low-latency region (create it with "
                          "num_max_dispatch_tokens_per_rank, hidden and num_experts on the cuda backend)")
-    rows = _native._C.low_latency_kernel_times(buffer.buffer_id, _local_ordinals(buffer), buffer.low_latency_offset,
+    rows = _native._C.low_latency_kernel_times(buffer.buffer_id, _local_ordinals(buffer),
+                                               TRANSPORTS[buffer.low_latency_transport], buffer.low_latency_offset,
                                                reset)
     return [dict(zip(KERNELS, map(tuple, row))) for row in rows]

@@ -475,6 +475,77 @@ def test_buffer_sizes_must_be_integers(mesh, kwargs, name):
         jax_ep.Buffer(mesh, "ep", backend="xla", **kwargs)
 
 
+# ---- low-latency transport -------------------------------------------------------------------------------
+
+LL_SIZES = dict(num_max_dispatch_tokens_per_rank=T, hidden=H, num_experts=E)
+
+
+@pytest.mark.parametrize("transport", ["NVSHMEM", "peer_stores", "", None])
+def test_buffer_bad_low_latency_transport(mesh, transport):
+    text = f"jax_ep.Buffer: low_latency_transport must be one of ('auto', 'nvshmem'), got {transport!r}"
+    with pytest.raises(ValueError, match=msg(text)):
+        jax_ep.Buffer(mesh, "ep", backend="xla", low_latency_transport=transport, **LL_SIZES)
+
+
+def test_buffer_bad_low_latency_transport_environment(mesh, monkeypatch):
+    monkeypatch.setenv("JAX_EP_LL_TRANSPORT", "ibgda")
+    text = "jax_ep.Buffer: $JAX_EP_LL_TRANSPORT must be one of ('auto', 'nvshmem') or unset, got 'ibgda'"
+    with pytest.raises(ValueError, match=msg(text)):
+        jax_ep.Buffer(mesh, "ep", backend="xla", **LL_SIZES)
+
+
+@pytest.mark.parametrize("sizes", [LL_SIZES, {}], ids=["low_latency_sizes", "no_sizes"])
+def test_nvshmem_transport_needs_the_cuda_kernels(mesh, sizes):
+    with pytest.raises(ValueError, match=msg("jax_ep.Buffer: low_latency_transport='nvshmem' is for the cuda "
+                                             "low-latency kernels; this Buffer has the 'xla' backend")):
+        jax_ep.Buffer(mesh, "ep", backend="xla", low_latency_transport="nvshmem", **sizes)
+
+
+def test_forced_nvshmem_transport_is_ignored_where_no_kernels_run(mesh, monkeypatch):
+    """The environment forces the transport of the Buffers it can apply to; an xla Buffer has no transport."""
+    monkeypatch.setenv("JAX_EP_LL_TRANSPORT", "nvshmem")
+    assert jax_ep.Buffer(mesh, "ep", backend="xla", **LL_SIZES).low_latency_transport is None
+
+
+def resolve(requested, *, environ=None, low_latency=True, one_process_per_gpu=False):
+    return jax_ep.buffer.resolve_low_latency_transport(requested, backend="cuda", low_latency=low_latency,
+                                                        one_process_per_gpu=one_process_per_gpu, environ=environ or {})
+
+
+def test_transport_resolution_of_a_cuda_buffer():
+    """What a cuda Buffer (which a CPU run cannot create) resolves to: peer stores unless NVSHMEM is asked for,
+    by argument or environment; nothing without low-latency sizes."""
+    assert resolve("auto") == "peer_stores"
+    assert resolve("auto", environ={"JAX_EP_LL_TRANSPORT": "auto"}) == "peer_stores"
+    assert resolve("auto", environ={"JAX_EP_LL_TRANSPORT": ""}) == "peer_stores"
+    assert resolve("auto", environ={"JAX_EP_LL_TRANSPORT": "nvshmem"}, low_latency=False) is None
+    with pytest.raises(ValueError, match="this Buffer has no low-latency sizes"):
+        resolve("nvshmem", low_latency=False)
+
+
+@pytest.mark.parametrize("forced_by", ["argument", "environment"])
+def test_nvshmem_transport_with_one_process_driving_several_gpus(forced_by):
+    """NVSHMEM has one PE per process: forcing it for a Buffer whose process drives several GPUs (or whose mesh
+    leaves processes out) is an error that names the setting, not a silent fallback."""
+    requested, environ = ("nvshmem", {}) if forced_by == "argument" else ("auto", {"JAX_EP_LL_TRANSPORT": "nvshmem"})
+    source = "low_latency_transport='nvshmem'" if forced_by == "argument" else "$JAX_EP_LL_TRANSPORT=nvshmem"
+    with pytest.raises(ValueError, match=msg(f"jax_ep.Buffer: {source} needs one process per GPU over every process")):
+        resolve(requested, environ=environ, one_process_per_gpu=False)
+
+
+def test_one_process_per_gpu_of_a_mesh(mesh):
+    """This CPU run is one process with 8 devices: a mesh of several of them is not one process per device, a
+    mesh of one device is (the process owns exactly that device of the mesh)."""
+    assert not jax_ep.buffer.one_process_per_gpu(mesh)
+    assert jax_ep.buffer.one_process_per_gpu(Mesh(np.array(jax.devices()[:1]), ("ep",)))
+
+
+def test_nvshmem_transport_needs_an_nvshmem_build(monkeypatch):
+    monkeypatch.setattr(jax_ep._native, "with_nvshmem", lambda: False)
+    with pytest.raises(RuntimeError, match="needs NVSHMEM, but this jax_ep was built without it"):
+        resolve("nvshmem", one_process_per_gpu=True)
+
+
 # ---- destroyed Buffer -------------------------------------------------------------------------------------
 
 DESTROYED = "jax_ep: this Buffer was destroyed; create a new one"

@@ -22,7 +22,7 @@ def cuda_standin(low_latency_offset=0):
     if not cuda_low_latency.available():
         pytest.skip("this build has no CUDA low-latency kernels")
     buf = jax_ep.Buffer(mesh_of(R), "ep", backend="xla", num_max_dispatch_tokens_per_rank=M, hidden=H, num_experts=E)
-    buf.backend, buf.low_latency_offset = "cuda", low_latency_offset
+    buf.backend, buf.low_latency_offset, buf.low_latency_transport = "cuda", low_latency_offset, "peer_stores"
     return buf
 
 
@@ -50,7 +50,8 @@ def test_ops_and_gradients_lower_to_the_custom_calls():
         return d_x, d_w, d.recv_x[1], out
 
     text = lower(buf, body, X, IDX, W)
-    calls = re.findall(r"custom_call @(jax_ep_low_latency_\w+)\([^\n]*ll_offset = 4096[^\n]*num_max_tokens = 16", text)
+    calls = re.findall(r"custom_call @(jax_ep_low_latency_\w+)\([^\n]*ll_offset = 4096[^\n]*num_max_tokens = 16[^\n]*"
+                       r"transport = 0", text)
     assert sorted(set(calls)) == ["jax_ep_low_latency_combine_recv", "jax_ep_low_latency_combine_send",
                                   "jax_ep_low_latency_dispatch_recv", "jax_ep_low_latency_dispatch_send"], calls
     assert "payload = 2" in text  # FP8 with UE8M0 scales
@@ -69,6 +70,11 @@ def test_topk_beyond_the_kernels_limit():
 
 
 def test_region_size():
-    # header + 2 sets of (2 flag arrays + (token, slot) per slot row + E*M dispatch rows + 16*M combine rows)
-    flags, meta, rows = 2 * 256, 8 * 16 * 8, 2 * 512
-    assert jax_ep.low_latency_buffer_bytes(M, H, R, E) == 256 + 2 * (flags + meta + E * M * rows + 16 * M * rows)
+    # header + staging rows + 2 sets of (2 flag arrays + E*M dispatch rows + 16*M combine rows); a dispatch row
+    # is a 48-byte row header and 2H bytes, a combine row 2H bytes; the flag arrays and the row arrays each
+    # start 256-byte aligned (here every size already is a multiple of 256).
+    dispatch_row, combine_row = 48 + 2 * H, 2 * H
+    flags = 2 * 256
+    assert (M * dispatch_row) % 256 == 0 and (E * M * dispatch_row) % 256 == 0
+    set_bytes = flags + E * M * dispatch_row + 16 * M * combine_row
+    assert jax_ep.low_latency_buffer_bytes(M, H, R, E) == 512 + M * dispatch_row + 2 * set_bytes

@@ -1,5 +1,5 @@
-// CUDA XLA FFI handlers of the low-latency mode: decode buffers and attributes, find this device's rank by
-// (buffer_id, DeviceOrdinal), check that the Buffer's workspace holds the LL region, call csrc/api.h.
+// CUDA XLA FFI handlers of the low-latency mode: decode buffers and attributes, find this device's rank and LL
+// region by (buffer_id, DeviceOrdinal, transport), check that the region is large enough, call csrc/api.h.
 // Command-buffer compatible: the kernels keep their call numbers on the device and the handlers never sync.
 #include <string>
 #include <utility>
@@ -24,27 +24,32 @@ ffi::Error Launched(const char* op, cudaError_t err) {
   return ffi::Error::Internal(std::string("jax_ep ") + op + ": kernel launch failed: " + cudaGetErrorString(err));
 }
 
-// The attributes every LL handler takes, decoded into a launch: the Buffer's rank on this device and the
-// sizes its LL region was made for.
-ffi::Error MakeCall(const char* op, cudaStream_t stream, int32_t device, int64_t buffer_id, int64_t ll_offset,
-                    int64_t max_tokens, int64_t hidden, int64_t num_experts, int64_t timeout_ns,
+// The attributes every LL handler takes, decoded into a launch: the Buffer's rank on this device, its LL
+// region under the Buffer's transport and the sizes that region was made for.
+ffi::Error MakeCall(const char* op, cudaStream_t stream, int32_t device, int64_t buffer_id, int64_t transport,
+                    int64_t ll_offset, int64_t max_tokens, int64_t hidden, int64_t num_experts, int64_t timeout_ns,
                     LowLatencyCall* call) {
-  if (!intranode_lookup(buffer_id, device, &call->group))
-    return Invalid(op, "no intranode state of buffer " + std::to_string(buffer_id) + " on CUDA device " +
-                           std::to_string(device) + " (create the Buffer with backend='cuda' over a mesh holding "
-                           "this device and keep it alive while programs that use it run)");
+  if (transport != static_cast<int64_t>(LowLatencyTransport::kPeerStores) &&
+      transport != static_cast<int64_t>(LowLatencyTransport::kNvshmem))
+    return Invalid(op, "unknown transport " + std::to_string(transport));
+  if (ll_offset < 0 || ll_offset % kLowLatencyAlign)
+    return Invalid(op, "the low-latency region offset " + std::to_string(ll_offset) + " is not 256-byte aligned");
+  int64_t available = 0;
+  if (const std::string missing = low_latency_lookup(buffer_id, device, static_cast<LowLatencyTransport>(transport),
+                                                     ll_offset, call, &available);
+      !missing.empty())
+    return Invalid(op, missing + " (create the Buffer with backend='cuda' over a mesh holding this device and keep "
+                                 "it alive while programs that use it run)");
   const int num_ranks = call->group.num_ranks;
   if (max_tokens < 1 || hidden < 128 || hidden % 128 || timeout_ns < 1)
     return Invalid(op, "num_max_tokens, timeout_ns must be positive and hidden a multiple of 128");
   if (num_experts < num_ranks || num_experts % num_ranks || num_experts > kLowLatencyMaxExperts)
     return Invalid(op, "num_experts must be a multiple of the ranks, at most " + std::to_string(kLowLatencyMaxExperts));
   const int64_t needed = LowLatencyLayout(max_tokens, hidden, num_experts).total;
-  if (ll_offset < 0 || ll_offset % kLowLatencyAlign || ll_offset + needed > call->group.workspace_bytes)
-    return Invalid(op, "the low-latency region needs " + std::to_string(needed) + " bytes at a 256-byte aligned "
-                           "offset (" + std::to_string(ll_offset) + ") of the workspace, which has " +
-                           std::to_string(call->group.workspace_bytes) + " bytes: create the Buffer with "
-                           "num_max_dispatch_tokens_per_rank, hidden and num_experts");
-  call->ll_offset = ll_offset;
+  if (needed > available)
+    return Invalid(op, "the low-latency region needs " + std::to_string(needed) + " bytes, the Buffer has " +
+                           std::to_string(available) + " at offset " + std::to_string(ll_offset) +
+                           ": create the Buffer with num_max_dispatch_tokens_per_rank, hidden and num_experts");
   call->num_max_tokens = max_tokens;
   call->hidden = hidden;
   call->num_experts = num_experts;
@@ -71,14 +76,14 @@ bool IsPayload(int64_t payload) { return payload >= 0 && payload <= 2; }
 ffi::Error DispatchSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer topk_idx,
                             ffi::Result<ffi::AnyBuffer> token, ffi::Result<ffi::AnyBuffer> invalid_ids,
                             ffi::Result<ffi::AnyBuffer> position, ffi::Result<ffi::AnyBuffer> expert_count,
-                            int64_t payload, int64_t round_scale, int64_t buffer_id, int64_t ll_offset,
-                            int64_t num_max_tokens, int64_t num_experts, int64_t timeout_ns) {
+                            int64_t payload, int64_t round_scale, int64_t buffer_id, int64_t transport,
+                            int64_t ll_offset, int64_t num_max_tokens, int64_t num_experts, int64_t timeout_ns) {
   constexpr const char* kOp = "low_latency_dispatch (send)";
   const auto x_dims = x.dimensions();
   if (x.element_type() != ffi::DataType::BF16 || x_dims.size() != 2) return Invalid(kOp, "x must be bf16 [T, H]");
   LowLatencyCall call;
-  if (auto err = MakeCall(kOp, stream, device, buffer_id, ll_offset, num_max_tokens, x_dims[1], num_experts,
-                          timeout_ns, &call);
+  if (auto err = MakeCall(kOp, stream, device, buffer_id, transport, ll_offset, num_max_tokens, x_dims[1],
+                          num_experts, timeout_ns, &call);
       err.failure())
     return err;
   const auto idx_dims = topk_idx.dimensions();
@@ -106,12 +111,12 @@ ffi::Error DispatchSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
 
 // rets: recv_x, [scales], recv_count, src_token_index, src_topk_index, layout_range.
 ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer token, ffi::RemainingRets rets,
-                            int64_t hidden, int64_t payload, int64_t buffer_id, int64_t ll_offset,
+                            int64_t hidden, int64_t payload, int64_t buffer_id, int64_t transport, int64_t ll_offset,
                             int64_t num_max_tokens, int64_t num_experts, int64_t timeout_ns) {
   constexpr const char* kOp = "low_latency_dispatch (receive)";
   LowLatencyCall call;
-  if (auto err = MakeCall(kOp, stream, device, buffer_id, ll_offset, num_max_tokens, hidden, num_experts, timeout_ns,
-                          &call);
+  if (auto err = MakeCall(kOp, stream, device, buffer_id, transport, ll_offset, num_max_tokens, hidden, num_experts,
+                          timeout_ns, &call);
       err.failure())
     return err;
   if (!IsPayload(payload) || token.element_type() != ffi::DataType::U32) return Invalid(kOp, "bad token or payload");
@@ -152,14 +157,14 @@ ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
 
 ffi::Error CombineSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y, ffi::AnyBuffer src_token_index,
                            ffi::AnyBuffer src_topk_index, ffi::AnyBuffer layout_range,
-                           ffi::Result<ffi::AnyBuffer> token, int64_t buffer_id, int64_t ll_offset,
+                           ffi::Result<ffi::AnyBuffer> token, int64_t buffer_id, int64_t transport, int64_t ll_offset,
                            int64_t num_max_tokens, int64_t num_experts, int64_t timeout_ns) {
   constexpr const char* kOp = "low_latency_combine (send)";
   const auto y_dims = y.dimensions();
   if (y_dims.size() != 3) return Invalid(kOp, "y must be bf16 [L, R*M, H]");
   LowLatencyCall call;
-  if (auto err = MakeCall(kOp, stream, device, buffer_id, ll_offset, num_max_tokens, y_dims[2], num_experts,
-                          timeout_ns, &call);
+  if (auto err = MakeCall(kOp, stream, device, buffer_id, transport, ll_offset, num_max_tokens, y_dims[2],
+                          num_experts, timeout_ns, &call);
       err.failure())
     return err;
   const int64_t ranks = call.group.num_ranks, experts_per_rank = num_experts / ranks;
@@ -181,13 +186,14 @@ ffi::Error CombineSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y
 
 ffi::Error CombineRecvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer token, ffi::AnyBuffer topk_idx,
                            ffi::AnyBuffer topk_weights, ffi::Result<ffi::AnyBuffer> out, int64_t buffer_id,
-                           int64_t ll_offset, int64_t num_max_tokens, int64_t num_experts, int64_t timeout_ns) {
+                           int64_t transport, int64_t ll_offset, int64_t num_max_tokens, int64_t num_experts,
+                           int64_t timeout_ns) {
   constexpr const char* kOp = "low_latency_combine (receive)";
   const auto out_dims = out->dimensions();
   if (out->element_type() != ffi::DataType::BF16 || out_dims.size() != 2) return Invalid(kOp, "out must be bf16 [T, H]");
   LowLatencyCall call;
-  if (auto err = MakeCall(kOp, stream, device, buffer_id, ll_offset, num_max_tokens, out_dims[1], num_experts,
-                          timeout_ns, &call);
+  if (auto err = MakeCall(kOp, stream, device, buffer_id, transport, ll_offset, num_max_tokens, out_dims[1],
+                          num_experts, timeout_ns, &call);
       err.failure())
     return err;
   const auto idx_dims = topk_idx.dimensions();
@@ -214,6 +220,7 @@ auto Bound() {
 template <typename Binding>
 auto WithCallAttrs(Binding binding) {
   return std::move(binding).template Attr<int64_t>("buffer_id")
+      .template Attr<int64_t>("transport")
       .template Attr<int64_t>("ll_offset")
       .template Attr<int64_t>("num_max_tokens")
       .template Attr<int64_t>("num_experts")

@@ -81,9 +81,15 @@ NB_MODULE(_C, m) {
         "Waits for and frees every group of buffer_id; returns '' or the CUDA errors met.");
   m.def("intranode_errors", &jax_ep::intranode_errors, nb::arg("buffer_id"),
         "One line per rank of buffer_id whose kernel timed out waiting for a peer (readable after the trap).");
-  m.def("low_latency_kernel_times", &jax_ep::low_latency_kernel_times, nb::arg("buffer_id"),
-        nb::arg("device_ordinals"), nb::arg("ll_offset"), nb::arg("reset") = false,
-        "Per device: [(calls, summed ns)] of the LL kernels (route, dispatch send/recv, combine send/recv).");
+  m.def(
+      "low_latency_kernel_times",
+      [](int64_t buffer_id, const std::vector<int>& device_ordinals, int transport, int64_t ll_offset, bool reset) {
+        return jax_ep::low_latency_kernel_times(buffer_id, device_ordinals,
+                                                static_cast<jax_ep::LowLatencyTransport>(transport), ll_offset, reset);
+      },
+      nb::arg("buffer_id"), nb::arg("device_ordinals"), nb::arg("transport"), nb::arg("ll_offset"),
+      nb::arg("reset") = false,
+      "Per device: [(calls, summed ns)] of the LL kernels (route, dispatch send/recv, combine send/recv).");
   m.def("low_latency_errors", &jax_ep::low_latency_errors, nb::arg("buffer_id"), nb::arg("device_ordinals"),
         "One line per device whose low-latency kernel of buffer_id timed out (op, rank, peer, call).");
   m.def("intranode_kernel_times", &jax_ep::intranode_kernel_times, nb::arg("buffer_id"), nb::arg("reset") = false,
@@ -108,6 +114,11 @@ NB_MODULE(_C, m) {
   m.def("nvshmem_is_initialized", &jax_ep::nvshmem_is_initialized);
   m.def("nvshmem_ring_check", &jax_ep::nvshmem_ring_check,
         "Collective: every PE puts its rank to the next one; returns what this PE received.");
+  m.def("nvshmem_region_create", &jax_ep::nvshmem_region_create, nb::arg("buffer_id"), nb::arg("device_ordinal"),
+        nb::arg("bytes"), nb::arg("pes"),
+        "Collective over every PE: zeroed symmetric memory for (buffer_id, device); pes[r]: the PE of EP rank r.");
+  m.def("nvshmem_region_destroy", &jax_ep::nvshmem_region_destroy, nb::arg("buffer_id"), nb::arg("release"),
+        "Forgets buffer_id's regions; with release (collective) frees them. Returns '' or the errors met.");
 #else
   m.attr("with_nvshmem") = false;
 #endif

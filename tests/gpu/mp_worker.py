@@ -13,6 +13,10 @@ key-value store. MODE:
            the coordination service when process 0 leaves).
   nvshmem  bootstraps NVSHMEM through the key-value store and runs its ring check; prints
            "RING <rank> <value read>".
+  ll_third_send  every process runs three low-latency dispatch sends before the first receive
+           (test_low_latency.third_send_worker): each third send waits for a credit that never comes and
+           times out; prints RAISED and RECORD lines as `timeout` does, then exits without teardown.
+The low-latency transport follows $JAX_EP_LL_TRANSPORT, which the launcher sets for the NVSHMEM runs.
 """
 from __future__ import annotations
 
@@ -60,6 +64,10 @@ def main(mode: str, process_id: int, num_processes: int, port: int, pytest_args:
     sys.path.insert(0, str(TESTS))
     if mode == "timeout":
         run_timeout(process_id, num_processes)
+    if mode == "ll_third_send":
+        from gpu.test_low_latency import third_send_worker
+
+        third_send_worker(num_processes)  # exits the process
     if mode == "nvshmem":
         from jax_ep import nvshmem
 

@@ -6,7 +6,7 @@
 #     full: all of it, then the GPU tests again on the Ampere (sm_80) code path: built for sm_80 + PTX only,
 #     which the driver compiles for the Hopper GPU at load time; final: full without the xla suite (fits
 #     one 10-minute call); mp: build, the intranode tests in one process, then with one process per GPU;
-#     ll: the low-latency tests and benchmark; accept: every GPU test and the benchmarks in both process models;
+#     ll: the low-latency tests (NVSHMEM transport too) and benchmark; accept: every GPU test and the benchmarks in both process models;
 #     nvshmem: an unstripped build, then the NVSHMEM bootstrap probes (tests/gpu/nvshmem_probe).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -50,7 +50,8 @@ fi
 if [ "$mode" = ll ]; then  # low-latency kernels in both process models, NVSHMEM bootstrap, LL benchmark
   step ll_tests 300 python3 -m pytest -q -rs tests/gpu/test_low_latency.py
   PYTHONFAULTHANDLER=1 NVSHMEM_DEBUG=INFO step mp_nvshmem 90 python3 -m pytest -q -rs tests/gpu/test_multiprocess_gpu.py -k "nvshmem and 2"
-  step mp_ll 240 python3 -m pytest -q -rs tests/gpu/test_multiprocess_gpu.py -k "suite and low_latency and 4"
+  step mp_ll 240 python3 -m pytest -q -rs tests/gpu/test_multiprocess_gpu.py -k "suite and low_latency and peer_stores and 4"
+  step mp_ll_nvshmem 480 python3 -m pytest -q -rs tests/gpu/test_multiprocess_gpu.py -k "low_latency and nvshmem"
   step bench_ll 150 python3 -m jax_ep.bench low_latency --no-baselines --json "$OUT/ll.json"
   grep -hE "^(FAILED|ERROR)" "$OUT"/*.log | head -20
   grep -hE "^\[" "$OUT/bench_ll.log" | tail -30

@@ -49,9 +49,10 @@ def buffer(R: int, backend: str) -> jax_ep.Buffer:
     return jax_ep.Buffer(mesh(R), "ep", backend=backend)
 
 
-def spmd(R: int, body):
+def spmd(R: int, body, gather: bool = True):
     """jit(shard_map(body)): every argument and result split along its leading axis over the R ranks. With one
-    process per GPU, host inputs become global arrays and the results are gathered to every process."""
+    process per GPU, host inputs become global arrays and the results are gathered to every process (unless
+    `gather` is False: a program expected to fail runs nothing after it)."""
     fn = jax.jit(jax.shard_map(body, mesh=mesh(R), in_specs=P("ep"), out_specs=P("ep")))
     if not MULTI_PROCESS:
         return fn
@@ -60,7 +61,8 @@ def spmd(R: int, body):
     def run(*args):
         args = jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, sharding, lambda i: a[i], dtype=a.dtype),
                             args)
-        return multihost_utils.process_allgather(fn(*args), tiled=True)
+        out = fn(*args)
+        return multihost_utils.process_allgather(out, tiled=True) if gather else out
 
     return run
 

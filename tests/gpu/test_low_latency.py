@@ -1,5 +1,6 @@
-"""The CUDA low-latency kernels (Buffer(backend="cuda") with low-latency sizes, one process driving the GPUs)
-against the NumPy oracle and the `xla` backend: dispatch bit for bit (BF16; FP8 values and scales in every
+"""The CUDA low-latency kernels (Buffer(backend="cuda") with low-latency sizes; run by plain pytest with one
+process driving the GPUs, and by test_multiprocess_gpu.py with one process per GPU on both transports, peer
+stores and NVSHMEM) against the NumPy oracle and the `xla` backend: dispatch bit for bit (BF16; FP8 values and scales in every
 scale mode), the handle, recv_count, statistics and invalid ids; combine bit for bit against the oracle's
 float32 k-order sum; determinism; several calls in a row (both buffer sets, two results in flight, receives
 out of order) and in a jitted loop, with default and forced command buffers; two micro-batches overlapped
@@ -9,6 +10,7 @@ wait that a third send in flight runs into.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 import jax
@@ -156,8 +158,15 @@ def test_max_tokens_512_and_topk_11(R):
         check_oracle(run_ll(R, M, "cuda", mode, x, idx, w, y, stats), exp, out, mode, f"{mode}: ")
 
 
+def test_buffer_transport_follows_the_setting():
+    """The Buffers of this suite use the transport the environment asks for (test_multiprocess_gpu.py runs the
+    suite with JAX_EP_LL_TRANSPORT=nvshmem): the suite cannot pass on peer stores when NVSHMEM was asked for."""
+    expected = "nvshmem" if os.environ.get("JAX_EP_LL_TRANSPORT") == "nvshmem" else "peer_stores"
+    assert ll_buffer(RANKS[0], 8, 128, 2 * RANKS[0]).low_latency_transport == expected
+
+
 def test_topk_beyond_kernel_limit_rejected():
-    R, M, H, E = 2, 8, 128, 4
+    R, M, H, E = RANKS[0], 8, 128, 2 * RANKS[0]
     buf = ll_buffer(R, M, H, E)
     x = np.zeros((R * M, H), O.BF16)
     idx = np.zeros((R * M, 17), np.int32)
@@ -341,7 +350,8 @@ def test_two_micro_batches_overlap_computation(R):
 @pytest.mark.parametrize("R", [2])
 def test_third_send_in_flight_times_out(R):
     """Three dispatch sends before the first receive: the third waits for a credit that only that receive
-    gives, times out, records the op and the credit wait, and traps; the error reaches Python."""
+    gives, times out, records the op and the credit wait, and traps; the error reaches Python. (With one process
+    per GPU, test_multiprocess_gpu.py runs third_send_worker in every process, on both transports.)"""
     proc = run_worker("third_send", R, script=__file__)
     assert "RAISED" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     record = [line for line in proc.stdout.splitlines() if line.startswith("RECORD")]
@@ -359,7 +369,7 @@ def third_send_worker(R: int):
         first, _ = jax.lax.optimization_barrier((sends[0], sends[2]))
         return sum(jax_ep.low_latency_dispatch_recv(buf, p).recv_count for p in (first, sends[1], sends[2]))
 
-    report_timeout(lambda: spmd(R, body)(flat(x), flat(idx)), buf)
+    report_timeout(lambda: spmd(R, body, gather=False)(flat(x), flat(idx)), buf)
 
 
 if __name__ == "__main__":  # run_worker's subprocess

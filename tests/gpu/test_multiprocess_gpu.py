@@ -1,8 +1,12 @@
 """The cuda backend with one process per GPU (ARCHITECTURE.md §2): R `jax.distributed` processes on localhost,
 each owning one GPU, one global EP mesh; the Buffer maps its peers' memory through CUDA IPC handles exchanged
 in the key-value store. Each process runs tests/gpu/test_intranode.py and test_low_latency.py (through
-mp_worker.py), so the whole oracle/xla/gradient/determinism suites hold in this process model too; a second test leaves one process out
-of a dispatch and checks that the others fail within the timeout, naming the op and the absent rank."""
+mp_worker.py), so the whole oracle/xla/gradient/determinism suites hold in this process model too, and
+test_low_latency.py once more with the NVSHMEM low-latency transport forced (JAX_EP_LL_TRANSPORT=nvshmem: the
+low-latency regions are NVSHMEM symmetric memory, rows travel as NVSHMEM puts). Bounded waits: one test leaves
+one process out of a dispatch and checks that the others fail within the timeout, naming the op and the absent
+rank; another sends a third low-latency dispatch before the first receive on every rank (both transports) and
+checks that each fails within the timeout, naming the credit wait."""
 from __future__ import annotations
 
 import os
@@ -21,6 +25,19 @@ WORKER = Path(__file__).resolve().parent / "mp_worker.py"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RANKS = [2, 4]
 SUITE_TIMEOUT_S = 420
+# The environment of the workers per low-latency transport (NVSHMEM: no NVLink multicast; XLA allocates on
+# demand, leaving room for NVSHMEM's symmetric heap).
+TRANSPORT_ENV = {
+    "peer_stores": {},
+    "nvshmem": {"JAX_EP_LL_TRANSPORT": "nvshmem", "NVSHMEM_DISABLE_NVLS": "1", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
+}
+
+
+def needs_nvshmem(transport: str) -> None:
+    from jax_ep import nvshmem
+
+    if transport == "nvshmem" and not nvshmem.available():
+        pytest.skip("built without NVSHMEM")
 
 
 def _free_port() -> int:
@@ -29,12 +46,15 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(mode: str, R: int, extra: list[str], timeout_s: float, tmp_path) -> tuple[list[int | None], list[str]]:
-    """Runs R worker processes; returns their exit codes (None: killed at the deadline) and outputs."""
+def launch(mode: str, R: int, extra: list[str], timeout_s: float, tmp_path,
+           env_extra: dict | None = None) -> tuple[list[int | None], list[str]]:
+    """Runs R worker processes (with `env_extra` added to their environment); returns their exit codes (None:
+    killed at the deadline) and outputs."""
     if len(cuda_devices()) < R:
         pytest.skip(f"needs {R} GPUs")
     port = _free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), *sys.path]), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), *sys.path]), PYTHONUNBUFFERED="1",
+               **(env_extra or {}))
     env.pop("CUDA_VISIBLE_DEVICES", None)  # every process sees every GPU (CUDA IPC between them) and owns one
     procs, logs = [], []
     for pid in range(R):
@@ -64,9 +84,15 @@ def report(codes, outputs) -> str:
 
 
 @pytest.mark.parametrize("R", RANKS)
-@pytest.mark.parametrize("suite", ["test_intranode.py", "test_low_latency.py"])
-def test_suite_one_process_per_gpu(suite, R, tmp_path):
-    codes, outputs = launch("pytest", R, [str(Path(__file__).parent / suite), "-x"], SUITE_TIMEOUT_S, tmp_path)
+@pytest.mark.parametrize("suite, transport", [("test_intranode.py", "peer_stores"),
+                                              ("test_low_latency.py", "peer_stores"),
+                                              ("test_low_latency.py", "nvshmem")])
+def test_suite_one_process_per_gpu(suite, transport, R, tmp_path):
+    """The suite in every process; the low-latency suite on each transport (its first test checks that its
+    Buffers use the transport asked for)."""
+    needs_nvshmem(transport)
+    codes, outputs = launch("pytest", R, [str(Path(__file__).parent / suite), "-x"], SUITE_TIMEOUT_S, tmp_path,
+                            TRANSPORT_ENV[transport])
     assert codes == [0] * R, report(codes, outputs)
     for out in outputs:  # the suite ran (only the tests that start their own single-process worker skip)
         summary = re.search(r"(\d+) passed(?:, (\d+) skipped)?", out)
@@ -86,6 +112,23 @@ def test_process_that_never_joins_times_out(R, tmp_path):
         records = [line for line in out.splitlines() if line.startswith("RECORD")]
         assert records and f"dispatch timed out on rank {rank}" in records[0], report(codes, outputs)
         assert f"waiting for rank {R - 1} to publish its inputs" in records[0], records[0]
+
+
+@pytest.mark.parametrize("R", RANKS)
+@pytest.mark.parametrize("transport", list(TRANSPORT_ENV))
+def test_low_latency_third_send_times_out(transport, R, tmp_path):
+    """Every process sends three low-latency dispatches before the first receive: each third send waits for a
+    credit that only that receive gives, so every process fails within a bounded time (the Buffer's 2 s timeout
+    plus start-up), and its record names the op, itself and the credit wait."""
+    needs_nvshmem(transport)
+    codes, outputs = launch("ll_third_send", R, [], 150, tmp_path, TRANSPORT_ENV[transport])
+    assert None not in codes, report(codes, outputs)
+    for rank, out in enumerate(outputs):
+        raised = [line for line in out.splitlines() if line.startswith("RAISED after")]
+        assert raised and float(raised[0].split()[2]) < 60, report(codes, outputs)
+        records = [line for line in out.splitlines() if line.startswith("RECORD")]
+        assert records and f"low_latency_dispatch (send) timed out on rank {rank}" in records[0], report(codes, outputs)
+        assert "to finish receiving call 1 (a credit" in records[0], records[0]
 
 
 @pytest.mark.parametrize("R", RANKS)

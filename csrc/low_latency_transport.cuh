@@ -1,0 +1,89 @@
+// How the low-latency kernels write into other ranks' LL regions (ARCHITECTURE.md §4): the few remote-write
+// sites of low_latency.cu go through one of these policies, a template parameter of each kernel that writes
+// remotely, so there is one kernel source for both transports. Every remote word is named by (rank, byte
+// offset in the LL region); the layout (low_latency_state.h) is the same on every rank.
+//
+// The three operations and the ordering they promise:
+//   put_warp        warp-collective: copies bytes from local memory to (rank, offset). Not yet visible there.
+//   finish_puts     warp-collective, after a warp's puts: they are visible at their targets before anything
+//                   lane 0 writes afterwards (so lane 0 may then count them done, e.g. with an atomic).
+//   signal          one thread: writes a 64-bit word (a flag or a credit) at (rank, offset), ordered after
+//                   every write this thread has observed as finished (its own, or other threads' seen through
+//                   a barrier or an atomic); the receiver reads it with an acquire load on its own memory.
+// Receivers only ever read their own region: waits stay local and bounded (low_latency.cu, wait_until).
+#pragma once
+#include <cstdint>
+
+#include "api.h"
+#include "device_common.cuh"
+
+#if defined(JAX_EP_WITH_NVSHMEM)
+#include <nvshmem.h>
+#include <nvshmemx.h>
+#endif
+
+namespace jax_ep {
+namespace {
+
+// Row copies keep this many 16-byte loads in flight per lane (one warp's copy over NVLink is bound by
+// latency, not bandwidth).
+constexpr int kCopyUnroll = 8;
+
+// Inside one NVLink domain: plain stores through the peers' mapped regions (peer access or CUDA IPC).
+struct PeerStores {
+  __device__ static void put_warp(const LowLatencyCall& c, int rank, int64_t offset, const void* src, int64_t bytes,
+                                  int lane) {
+    // Sources were written during this call (the staged rows) or are XLA inputs: read at L2.
+    warp_copy_row<kCopyUnroll>(c.peer_regions[rank] + offset, src, bytes, lane, LoadL2{});
+  }
+  __device__ static void finish_puts(int lane) {
+    __syncwarp();
+    if (lane == 0) __threadfence_system();  // cumulative over the warp's stores, which __syncwarp ordered before
+    __syncwarp();
+  }
+  __device__ static void signal(const LowLatencyCall& c, int rank, int64_t offset, uint64_t value) {
+    store_release_sys(reinterpret_cast<uint64_t*>(c.peer_regions[rank] + offset), value);
+  }
+};
+
+#if defined(JAX_EP_WITH_NVSHMEM)
+// NVSHMEM symmetric memory: the local address of a word is its symmetric address on every PE. Today every
+// PE of a group is on one host (NVSHMEM moves the bytes over NVLink); the same calls reach PEs on other nodes.
+// Multi-node note: put sources are the staged rows (symmetric) for dispatch, but XLA's expert outputs for
+// combine, which network transports can only read once registered (nvshmemx_buffer_register) or staged.
+struct NvshmemPuts {
+  __device__ static void put_warp(const LowLatencyCall& c, int rank, int64_t offset, const void* src, int64_t bytes,
+                                  int /*lane*/) {
+    nvshmemx_putmem_nbi_warp(c.region + offset, src, static_cast<size_t>(bytes), c.pes[rank]);
+  }
+  __device__ static void finish_puts(int lane) {
+    __syncwarp();
+    if (lane == 0) nvshmem_quiet();  // the puts are delivered (for NVLink peers: a system-scope fence)
+    __syncwarp();
+  }
+  __device__ static void signal(const LowLatencyCall& c, int rank, int64_t offset, uint64_t value) {
+    // A signal to an NVLink peer is a relaxed store: the fence orders it after what this thread observed.
+    nvshmem_fence();
+    nvshmemx_signal_op(reinterpret_cast<uint64_t*>(c.region + offset), value, NVSHMEM_SIGNAL_SET, c.pes[rank]);
+  }
+};
+#endif
+
+// Calls launch(policy) with the policy of the call's transport; cudaErrorInvalidValue for a transport this
+// build lacks (the handlers report that before launching).
+template <typename Launch>
+cudaError_t with_transport(const LowLatencyCall& c, Launch launch) {
+  switch (c.transport) {
+    case LowLatencyTransport::kPeerStores:
+      return launch(PeerStores{});
+#if defined(JAX_EP_WITH_NVSHMEM)
+    case LowLatencyTransport::kNvshmem:
+      return launch(NvshmemPuts{});
+#endif
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+}  // namespace jax_ep
