@@ -472,8 +472,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(const __grid_co
       int s = 0;
       while (i >= begins[s + 1]) ++s;
       const int64_t out_row = j * rows_per_expert + i;
-      const char* src = base + layout.dispatch_rows +
-                        ((static_cast<int64_t>(j) * num_ranks + s) * max_tokens + (i - begins[s])) * layout.dispatch_slot_bytes;
+      const int64_t slot = (static_cast<int64_t>(j) * num_ranks + s) * max_tokens + (i - begins[s]);
+      const char* src = base + layout.dispatch_rows + slot * layout.dispatch_slot_bytes;
       warp_copy(static_cast<char*>(a.recv_x) + out_row * value_bytes, src + format.value(0), value_bytes, lane);
       if (scale_bytes)
         warp_copy(static_cast<char*>(a.recv_scales) + out_row * scale_bytes, src + format.scales, scale_bytes, lane);
