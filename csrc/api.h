@@ -253,11 +253,10 @@ std::string low_latency_lookup(int64_t buffer_id, int device_ordinal, LowLatency
 struct LowLatencyDispatchSendArgs {
   const void* x = nullptr;            // bf16 [num_tokens, H]
   const int32_t* topk_idx = nullptr;  // [num_tokens, num_topk]; ids outside [0, E) are sent nowhere
-  int64_t num_tokens = 0, num_topk = 0;  // num_tokens <= M, num_topk <= kLowLatencyMaxTopk
+  int64_t num_tokens = 0, num_topk = 0;  // 1 <= num_tokens <= M, num_topk <= kLowLatencyMaxTopk, and
+                                         // num_tokens * num_topk <= kLowLatencyMaxEntries
   LowLatencyPayload payload = LowLatencyPayload::kBF16;
   bool round_scale = false;           // FP8: scales rounded up to powers of two (implied by kFP8UE8M0)
-  int32_t* position = nullptr;        // scratch [num_tokens, num_topk]: slot of each entry, -1 for none
-  int32_t* expert_count = nullptr;    // scratch [E]: this rank's tokens per expert
   int32_t* invalid_ids = nullptr;     // scalar: entries outside [-1, E)
   uint32_t* token = nullptr;          // scalar: this call's number, for the receive
 };
@@ -298,8 +297,8 @@ cudaError_t low_latency_combine_recv(const LowLatencyCall& call, const LowLatenc
 // One line per device of `device_ordinals` whose LL kernel of `buffer_id` timed out (readable after the trap).
 std::vector<std::string> low_latency_errors(int64_t buffer_id, const std::vector<int>& device_ordinals);
 // Per device of buffer_id in this process: (calls, summed nanoseconds) of each LL kernel (LowLatencyKernel
-// order: dispatch route, dispatch send, dispatch receive, combine send, combine receive) since the last
-// reset; `reset` zeroes them. Call only while no kernel of the buffer runs.
+// order: dispatch send, dispatch receive, combine send, combine receive) since the last reset; `reset` zeroes
+// them. Call only while no kernel of the buffer runs.
 std::vector<std::vector<std::pair<uint64_t, uint64_t>>> low_latency_kernel_times(
     int64_t buffer_id, const std::vector<int>& device_ordinals, LowLatencyTransport transport, int64_t ll_offset,
     bool reset);

@@ -7,12 +7,14 @@
 // Protocol of call c of one op (dispatch and combine keep separate counters, regions and credits):
 //  send:  reads c = (own calls) + 1 from the device (graph replay advances it), waits until every peer's
 //         receive of call c - 2 finished reading buffer set c % 2 (a credit: peers may drift, and at most two
-//         calls of an op are between send and receive), writes its rows into set c % 2 of the receivers,
-//         then, once every block is done, one flag per (expert, source) carrying the tag c (and for dispatch
-//         the row count). Flags carry the call number instead of being cleaned between calls, so a stale
-//         flag of call c - 2 never reads as ready and no cleaning pass races with a fast peer.
-//  recv:  takes c from the send's token, waits (bounded) for every flag of its set to carry c, copies the
-//         rows into the outputs, and when every block is done writes "set c % 2 read up to call c" into the
+//         calls of an op are between send and receive), writes its rows into set c % 2 of the receivers, and
+//         raises one flag per (expert, source) carrying the tag c (and for dispatch the row count) as soon as
+//         that expert's rows from this source are written, not when the whole grid is done. Flags carry the
+//         call number instead of being cleaned between calls, so a stale flag of call c - 2 never reads as
+//         ready and no cleaning pass races with a fast peer.
+//  recv:  takes c from the send's token and waits (bounded) only for the flags the work at hand needs: the
+//         dispatch receive packs an expert once that expert's flags carry c, the combine receive sums a token
+//         once its experts' flags do; when every block is done it writes "set c % 2 read up to call c" into the
 //         credit words of every sender.
 // Every wait is bounded by timeout_ns: on expiry the kernel fills the host-mapped error record (op, rank,
 // peer, call) and traps. A third send of one op before the receive of the first waits for a credit that
@@ -61,8 +63,8 @@ __host__ __device__ constexpr int64_t credit_offset(bool dispatch, int from, uin
          (static_cast<int64_t>(from) * 2 + set) * static_cast<int64_t>(sizeof(uint64_t));
 }
 
-__device__ __forceinline__ int global_warp() { return (blockIdx.x * kThreads + threadIdx.x) / 32; }
-__device__ __forceinline__ int num_global_warps() { return gridDim.x * kWarps; }
+__device__ __forceinline__ int global_warp() { return (blockIdx.x * blockDim.x + threadIdx.x) / 32; }
+__device__ __forceinline__ int num_global_warps() { return gridDim.x * blockDim.x / 32; }
 
 // ---- bounded waits -----------------------------------------------------------------------------------------
 
@@ -168,9 +170,14 @@ __device__ __forceinline__ uint2 cast_to_fp8(const float (&v)[kLaneChannels], bo
   float s = __fmul_rn(amax, 1.f / kFp8Max);  // amax * float32(1/448), DeepEP's rounding
   if (round_scale) s = round_up_to_power_of_two(s);
   *scale = s;
+  // x / s as fp8.py divides; a power-of-two scale has an exact reciprocal, and the product then rounds to the
+  // same float as the quotient (both are the exact x * 2^-k rounded once), for a cheaper cast.
+  const float inverse = __frcp_rn(s);
   uint8_t q[kLaneChannels];
 #pragma unroll
-  for (int i = 0; i < kLaneChannels; ++i) q[i] = __nv_cvt_float_to_fp8(__fdiv_rn(v[i], s), __NV_SATFINITE, __NV_E4M3);
+  for (int i = 0; i < kLaneChannels; ++i)
+    q[i] = __nv_cvt_float_to_fp8(round_scale ? __fmul_rn(v[i], inverse) : __fdiv_rn(v[i], s), __NV_SATFINITE,
+                                 __NV_E4M3);
   uint2 out;
   memcpy(&out, q, sizeof(out));
   return out;
@@ -195,53 +202,32 @@ struct TokenParts {
 
 // ---- dispatch ---------------------------------------------------------------------------------------------
 
-// Before the send: position[t, k] = rank of token t among this rank's tokens routed to expert topk_idx[t, k]
-// (token order), on the first entry of each distinct expert of t; -1 elsewhere. A warp takes one expert and
-// scans the tokens 32 at a time (a ballot gives the prefix count): no atomics, so deterministic.
-__global__ void __launch_bounds__(kThreads) dispatch_route_kernel(const __grid_constant__ LowLatencyCall c,
-                                                                  const __grid_constant__ LowLatencyDispatchSendArgs a) {
-  const int lane = threadIdx.x % 32;
-  const int64_t num_tokens = a.num_tokens, num_topk = a.num_topk;
-  const int32_t num_experts = static_cast<int32_t>(c.num_experts);
-  LowLatencyHeader* own = own_header(c);
-  start_clock(own, kDispatchRoute);
-  if (blockIdx.x == 0) {  // entries outside [0, E) get no position; those outside [-1, E) are counted
-    __shared__ int32_t invalid;
-    if (threadIdx.x == 0) invalid = 0;
-    __syncthreads();
-    int32_t own = 0;
-    for (int64_t i = threadIdx.x; i < num_tokens * num_topk; i += kThreads) {
-      const int32_t e = a.topk_idx[i];
-      if (e < 0 || e >= num_experts) {
-        a.position[i] = -1;
-        own += e != -1;
-      }
-    }
-    if (own) atomicAdd(&invalid, own);
-    __syncthreads();
-    if (threadIdx.x == 0) *a.invalid_ids = invalid;
-  }
-  for (int32_t e = global_warp(); e < num_experts; e += num_global_warps()) {
-    int32_t routed = 0;
-    for (int64_t first = 0; first < num_tokens; first += 32) {
-      const int64_t t = first + lane;
-      int32_t k_first = -1;
-      if (t < num_tokens) {
-        for (int64_t k = 0; k < num_topk; ++k) {
-          if (a.topk_idx[t * num_topk + k] != e) continue;
-          if (k_first < 0)
-            k_first = static_cast<int32_t>(k);
-          else
-            a.position[t * num_topk + k] = -1;  // a repeat of the expert: its row is the first entry's
-        }
-      }
-      const unsigned routed_lanes = __ballot_sync(kFullMask, k_first >= 0);
-      if (k_first >= 0) a.position[t * num_topk + k_first] = routed + __popc(routed_lanes & ((1u << lane) - 1u));
-      routed += __popc(routed_lanes);
-    }
-    if (lane == 0) a.expert_count[e] = routed;
-  }
-  is_last_block(own, kDispatchRoute);
+// The send runs one token per block at a time, its 16 warps first casting the token's row into the staging row
+// together, then putting it to the token's experts in pieces (DeepEP's shape). Enough warps keep many stores in
+// flight per SM while T is about the number of SMs.
+constexpr int kSendThreads = 512;
+constexpr int kSendWarps = kSendThreads / 32;
+
+// The send counter of expert e (LowLatencyLayout::dispatch_counters, uint64): every row sent to e adds 1 once its
+// bytes are written, and the warp that counts e's rows adds (rows << 32) + kSentTag - rows. So the low 32 bits read
+// kSentTag, and the high 32 bits the row count, exactly when e's rows are all written and counted, in whatever
+// order the additions come; the thread whose addition completes it raises e's flag, at once, on e's rank.
+constexpr uint32_t kSentTag = 1u << 30;  // above any row count (at most kLowLatencyMaxEntries)
+
+template <typename Transport>
+__device__ void count_toward_flag(const LowLatencyCall& c, const LowLatencyLayout& layout, uint32_t call, int32_t e,
+                                  uint64_t addition) {
+  unsigned long long* counter = reinterpret_cast<unsigned long long*>(c.region + layout.dispatch_counters) + e;
+  __threadfence();  // release: the rows this thread saw finished (through a barrier) before its addition
+  const uint64_t total = atomicAdd(counter, addition) + addition;
+  if (static_cast<uint32_t>(total) != kSentTag) return;
+  __threadfence();  // acquire: every other addition's rows before the flag
+  atomicExch(counter, 0ull);  // nothing else adds to it in this call; the next call's kernel starts after this one
+  const int num_ranks = c.group.num_ranks;
+  const int32_t experts_per_rank = static_cast<int32_t>(c.num_experts / num_ranks);
+  const int64_t flag = layout.set_offset(call & 1) + layout.dispatch_flags +
+                       ((e % experts_per_rank) * num_ranks + c.group.rank) * static_cast<int64_t>(sizeof(uint64_t));
+  Transport::signal(c, e / experts_per_rank, flag, (uint64_t{call} << 32) | (total >> 32));
 }
 
 // Byte offsets inside a dispatch slot row: the DispatchRowHeader, the values, then (FP8) the scales.
@@ -249,14 +235,181 @@ struct DispatchRowFormat {
   int64_t value_bytes;  // per channel: 2 (BF16) or 1 (FP8)
   int64_t scale_bytes;  // per 128 channels: 0 (BF16), 4 (FP8 float32 scales) or 1 (UE8M0 exponent bytes)
   int64_t scales;       // offset of the scales
+  int64_t message;      // bytes a receiver gets: the used part of the row, rounded up to 16 (inside the slot)
 
   __device__ DispatchRowFormat(LowLatencyPayload payload, int64_t hidden)
       : value_bytes(payload == LowLatencyPayload::kBF16 ? 2 : 1),
         scale_bytes(payload == LowLatencyPayload::kFP8 ? 4 : payload == LowLatencyPayload::kFP8UE8M0 ? 1 : 0),
-        scales(static_cast<int64_t>(sizeof(DispatchRowHeader)) + hidden * value_bytes) {}
+        scales(static_cast<int64_t>(sizeof(DispatchRowHeader)) + hidden * value_bytes),
+        message((scales + hidden / kGroup * scale_bytes + 15) / 16 * 16) {}
   __device__ int64_t value(int64_t channel) const { return sizeof(DispatchRowHeader) + channel * value_bytes; }
   __device__ int64_t scale(int64_t channel) const { return scales + channel / kGroup * scale_bytes; }
 };
+
+// Casts this lane's 8 channels at `channel` (all lanes call it: FP8 groups reduce across 16 lanes) and stores them
+// into the staging row; lanes past the row store nothing.
+__device__ __forceinline__ void stage_channels(const uint4& raw, int64_t channel, bool inside, LowLatencyPayload payload,
+                                               bool round_scale, const DispatchRowFormat& format, char* staged,
+                                               int lane) {
+  if (payload == LowLatencyPayload::kBF16) {
+    if (inside) *reinterpret_cast<uint4*>(staged + format.value(channel)) = raw;
+    return;
+  }
+  float v[kLaneChannels], scale = 0.f;
+  bf16x8_to_float(raw, v);
+  const uint2 q = cast_to_fp8(v, round_scale, &scale);
+  if (!inside) return;  // hidden is a multiple of 128: whole 16-lane groups are inside or not
+  *reinterpret_cast<uint2*>(staged + format.value(channel)) = q;
+  if (lane % (kGroup / kLaneChannels) == 0) {  // the group's first lane writes its scale
+    if (payload == LowLatencyPayload::kFP8UE8M0)  // byte i of packed word w is group 4w + i: one byte per group
+      *reinterpret_cast<uint8_t*>(staged + format.scale(channel)) = static_cast<uint8_t>(__float_as_uint(scale) >> 23);
+    else
+      *reinterpret_cast<float*>(staged + format.scale(channel)) = scale;
+  }
+}
+
+// Where the current token of a send block goes: its distinct valid experts, in top-k order, and its slot
+// position at each (its rank among this rank's tokens routed to that expert, in token order).
+struct SendTargets {
+  int32_t expert[kLowLatencyMaxTopk];
+  int32_t position[kLowLatencyMaxTopk];
+  int32_t count;
+};
+
+// Whether entry k of a top-k row is the first naming its expert (ids outside [0, E) are -1 and name none).
+__device__ __forceinline__ bool first_naming(const int16_t* row, int64_t k) {
+  if (row[k] < 0) return false;
+  for (int64_t before = 0; before < k; ++before)
+    if (row[before] == row[k]) return false;
+  return true;
+}
+
+// The send, routing included. Each block copies topk_idx into shared memory and counts, for the experts it is
+// given (spread over all blocks), the tokens routed to each; then takes tokens t = block, block + blocks, ...: a
+// running per-expert count of the tokens before t gives t's slot positions; the 16 warps cast t's row into the
+// staging row (FP8: one scale per 128 channels, 16 lanes a group) with its header, then put it in pieces into
+// the slot of each distinct expert of t, on that expert's rank. Once a token's rows are written, its experts'
+// send counters advance; a completed counter raises that expert's flag (count_toward_flag), so a receiver can
+// start on an expert while other experts' rows are still being sent.
+template <typename Transport>
+__global__ void __launch_bounds__(kSendThreads) dispatch_send_kernel(const __grid_constant__ LowLatencyCall c,
+                                                                     const __grid_constant__ LowLatencyDispatchSendArgs a) {
+  extern __shared__ int32_t send_shared[];  // [E] tokens before the current one per expert; then int16 [T, K] ids
+  __shared__ SendTargets targets;
+  __shared__ int32_t invalid;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, me = c.group.rank, num_ranks = c.group.num_ranks;
+  const int64_t hidden = c.hidden, num_topk = a.num_topk, num_tokens = a.num_tokens, max_tokens = c.num_max_tokens;
+  const int32_t num_experts = static_cast<int32_t>(c.num_experts);
+  const int32_t experts_per_rank = num_experts / num_ranks;
+  const LowLatencyLayout layout(max_tokens, hidden, num_experts);
+  LowLatencyHeader* own = own_header(c);
+  start_clock(own, kDispatchSendKernel);
+  if (threadIdx.x == 0) invalid = 0;
+  const uint32_t call = next_call(&own->dispatch_calls), set = call & 1;
+  wait_for_credits(c, LowLatencyOp::kDispatchSend, call, /*dispatch=*/true);  // before any row or flag is written
+
+  // Routing in shared memory: ids outside [0, E) become -1 (block 0 counts those outside [-1, E)).
+  int32_t* tokens_before = send_shared;
+  int16_t* topk = reinterpret_cast<int16_t*>(send_shared + num_experts);
+  for (int32_t e = threadIdx.x; e < num_experts; e += blockDim.x) tokens_before[e] = 0;
+  int32_t invalid_here = 0;
+  for (int64_t i = threadIdx.x; i < num_tokens * num_topk; i += blockDim.x) {
+    const int32_t e = a.topk_idx[i];
+    const bool valid = e >= 0 && e < num_experts;
+    topk[i] = static_cast<int16_t>(valid ? e : -1);
+    invalid_here += !valid && e != -1;
+  }
+  if (blockIdx.x == 0 && invalid_here) atomicAdd(&invalid, invalid_here);
+  __syncthreads();
+  if (blockIdx.x == 0 && threadIdx.x == 0) *a.invalid_ids = invalid;
+
+  // Rows per expert (tokens naming it), a warp per expert, 32 tokens per ballot.
+  for (int32_t e = blockIdx.x + gridDim.x * warp; e < num_experts; e += gridDim.x * kSendWarps) {
+    uint32_t rows = 0;
+    for (int64_t first = 0; first < num_tokens; first += 32) {
+      const int64_t t = first + lane;
+      bool names = false;
+      for (int64_t k = 0; t < num_tokens && k < num_topk; ++k) names |= topk[t * num_topk + k] == e;
+      rows += __popc(__ballot_sync(kFullMask, names));
+    }
+    if (lane == 0) count_toward_flag<Transport>(c, layout, call, e, (uint64_t{rows} << 32) + kSentTag - rows);
+  }
+
+  const DispatchRowFormat format(a.payload, hidden);
+  const int64_t chunks = (hidden + kChunk - 1) / kChunk;
+  const int64_t slots = layout.set_offset(set) + layout.dispatch_rows;
+  const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(a.x);
+  int64_t counted = 0;  // tokens_before counts the tokens [0, counted)
+  for (int64_t t = blockIdx.x; t < num_tokens; t += gridDim.x) {
+    for (int64_t u = counted + threadIdx.x; u < t; u += blockDim.x)
+      for (int64_t k = 0; k < num_topk; ++k)
+        if (first_naming(topk + u * num_topk, k)) atomicAdd(&tokens_before[topk[u * num_topk + k]], 1);
+    counted = t;
+    __syncthreads();
+
+    char* staged = c.region + layout.dispatch_staging + t * layout.dispatch_slot_bytes;
+    const int16_t* row = topk + t * num_topk;
+    if (warp == 0) {  // targets and the row header
+      const bool first = lane < num_topk && first_naming(row, lane);
+      const unsigned firsts = __ballot_sync(kFullMask, first);
+      if (first) {
+        const int index = __popc(firsts & ((1u << lane) - 1u));
+        targets.expert[index] = row[lane];
+        targets.position[index] = tokens_before[row[lane]];
+      }
+      if (lane == 0) targets.count = __popc(firsts);
+      DispatchRowHeader* header = reinterpret_cast<DispatchRowHeader*>(staged);
+      if (lane < kLowLatencyMaxTopk) header->experts[lane] = lane < num_topk ? row[lane] : int16_t{-1};
+      if (lane == 0) header->token = static_cast<int32_t>(t);
+    }
+    // The cast: warp w takes chunks w, w + 16, ...; the loads of kPrefetch chunks are issued together.
+    constexpr int kPrefetch = 4;
+    for (int64_t batch = warp; batch < chunks; batch += kPrefetch * kSendWarps) {
+      uint4 raw[kPrefetch];
+#pragma unroll
+      for (int p = 0; p < kPrefetch; ++p) {
+        const int64_t ch = (batch + p * kSendWarps) * kChunk + lane * kLaneChannels;
+        raw[p] = ch < hidden ? __ldg(reinterpret_cast<const uint4*>(x + t * hidden + ch)) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int p = 0; p < kPrefetch; ++p) {
+        const int64_t chunk = batch + p * kSendWarps;
+        if (chunk >= chunks) break;  // warp-uniform
+        const int64_t ch = chunk * kChunk + lane * kLaneChannels;
+        stage_channels(raw[p], ch, ch < hidden, a.payload, a.round_scale, format, staged, lane);
+      }
+    }
+    __syncthreads();  // the row is staged, the targets known
+
+    // The puts: the row's message in `pieces` 16-byte aligned pieces per target, a warp per (target, piece).
+    const int num_targets = targets.count;
+    if (num_targets > 0) {
+      const int pieces = max(1, kSendWarps / num_targets);
+      const int64_t piece_bytes = ((format.message + pieces - 1) / pieces + 15) / 16 * 16;
+      bool put = false;
+      for (int item = warp; item < num_targets * pieces; item += kSendWarps) {
+        const int target = item / pieces;
+        const int64_t begin = (item % pieces) * piece_bytes, end = min(begin + piece_bytes, format.message);
+        if (begin >= end) continue;
+        const int32_t e = targets.expert[target], position = targets.position[target];
+        // position < M always (T <= M is checked); the test keeps writes inside the region regardless.
+        if (position >= max_tokens) continue;
+        const int64_t slot = slots + ((static_cast<int64_t>(e % experts_per_rank) * num_ranks + me) * max_tokens +
+                                      position) * layout.dispatch_slot_bytes;
+        Transport::put_warp(c, e / experts_per_rank, slot + begin, staged + begin, end - begin, lane);
+        put = true;
+      }
+      if (put) Transport::finish_puts(lane);
+    }
+    __syncthreads();  // every piece of the token's rows is written
+    if (threadIdx.x < num_targets) count_toward_flag<Transport>(c, layout, call, targets.expert[threadIdx.x], 1);
+  }
+
+  if (is_last_block(own, kDispatchSendKernel) && threadIdx.x == 0) {
+    own->dispatch_calls = call;
+    *a.token = call;
+  }
+}
 
 // The handle entries of a received row, from its header: the source token and the top-k slot of `expert` in
 // it (the first entry naming the expert; -1 if none does, which only a corrupt row could cause).
@@ -272,123 +425,19 @@ __device__ __forceinline__ void write_row_source(const DispatchRowHeader* h, int
   }
 }
 
-// The send: a warp takes (token, part), loads each 256-channel chunk once, casts it (FP8: one scale per 128
-// channels, 16 lanes a group) into the token's staging row, then puts its part of that row (and part 0 the
-// row header) into the slot of every distinct expert of the token, on that expert's rank. The last block then
-// raises one flag per expert: (call << 32) | rows sent to it.
-template <typename Transport>
-__global__ void __launch_bounds__(kThreads) dispatch_send_kernel(const __grid_constant__ LowLatencyCall c,
-                                                                 const __grid_constant__ LowLatencyDispatchSendArgs a,
-                                                                 TokenParts split) {
-  const int lane = threadIdx.x % 32, me = c.group.rank, num_ranks = c.group.num_ranks;
-  const int64_t hidden = c.hidden, num_topk = a.num_topk, max_tokens = c.num_max_tokens;
-  const int32_t experts_per_rank = static_cast<int32_t>(c.num_experts / num_ranks);
-  const LowLatencyLayout layout(max_tokens, hidden, c.num_experts);
-  LowLatencyHeader* own = own_header(c);
-  start_clock(own, kDispatchSendKernel);
-  const uint32_t call = next_call(&own->dispatch_calls), set = call & 1;
-  wait_for_credits(c, LowLatencyOp::kDispatchSend, call, /*dispatch=*/true);
-
-  const bool fp8 = a.payload != LowLatencyPayload::kBF16, ue8m0 = a.payload == LowLatencyPayload::kFP8UE8M0;
-  const DispatchRowFormat format(a.payload, hidden);
-  const int64_t slots = layout.set_offset(set) + layout.dispatch_rows;
-  const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(a.x);
-  for (int64_t item = global_warp(); item < a.num_tokens * split.parts; item += num_global_warps()) {
-    const int64_t t = item / split.parts, part = item % split.parts;
-    int32_t expert = -1, position = -1;
-    if (lane < num_topk) {
-      position = a.position[t * num_topk + lane];
-      if (position >= 0) expert = a.topk_idx[t * num_topk + lane];
-    }
-    // position < max_tokens always (T <= M is checked); the test keeps writes inside the region regardless.
-    const unsigned targets = __ballot_sync(kFullMask, position >= 0 && position < max_tokens);
-    char* staged = c.region + layout.dispatch_staging + t * layout.dispatch_slot_bytes;
-    if (part == 0 && lane < kLowLatencyMaxTopk) {  // the row header
-      DispatchRowHeader* h = reinterpret_cast<DispatchRowHeader*>(staged);
-      int32_t id = -1;
-      if (lane < num_topk) id = a.topk_idx[t * num_topk + lane];
-      h->experts[lane] = static_cast<int16_t>(id >= 0 && id < c.num_experts ? id : -1);
-      if (lane == 0) h->token = static_cast<int32_t>(t);
-    }
-    const int64_t chunk_begin = part * split.chunks_per_part * kChunk;
-    const int64_t chunk_end = min(chunk_begin + split.chunks_per_part * kChunk, hidden);
-    if (chunk_begin >= chunk_end && part != 0) continue;
-    // Loads of kPrefetch chunks are issued together, so their latency is paid once per kPrefetch chunks.
-    constexpr int kPrefetch = 4;
-    uint4 prefetched[kPrefetch];
-    for (int64_t chunk = chunk_begin, u = 0; chunk < chunk_end; chunk += kChunk, ++u) {
-      if (u % kPrefetch == 0) {
-#pragma unroll
-        for (int p = 0; p < kPrefetch; ++p) {
-          const int64_t ch = chunk + p * kChunk + lane * kLaneChannels;
-          prefetched[p] = ch < chunk_end ? __ldg(reinterpret_cast<const uint4*>(x + t * hidden + ch))
-                                         : make_uint4(0, 0, 0, 0);
-        }
-      }
-      const int64_t ch = chunk + lane * kLaneChannels;
-      const bool active = ch < hidden;  // hidden is a multiple of 128: whole 16-lane groups are active or not
-      uint4 raw = prefetched[0];
-#pragma unroll
-      for (int p = 1; p < kPrefetch; ++p)
-        if (u % kPrefetch == p) raw = prefetched[p];
-      if (!fp8) {
-        if (active) *reinterpret_cast<uint4*>(staged + format.value(ch)) = raw;
-        continue;
-      }
-      float v[kLaneChannels], scale = 0.f;
-      bf16x8_to_float(raw, v);
-      const uint2 q = cast_to_fp8(v, a.round_scale, &scale);
-      if (!active) continue;
-      *reinterpret_cast<uint2*>(staged + format.value(ch)) = q;
-      if (lane % (kGroup / kLaneChannels) == 0) {  // the group's first lane writes its scale
-        if (ue8m0)  // byte i of packed word w is group 4w + i: the packed scales are one byte per group
-          *reinterpret_cast<uint8_t*>(staged + format.scale(ch)) = static_cast<uint8_t>(__float_as_uint(scale) >> 23);
-        else
-          *reinterpret_cast<float*>(staged + format.scale(ch)) = scale;
-      }
-    }
-    __syncwarp();  // the part is staged: every lane reads what the others wrote
-    // This warp's bytes of the row: its values (from the row's start for part 0: the header too) and scales.
-    const int64_t values_begin = part == 0 ? 0 : format.value(chunk_begin), values_end = format.value(chunk_end);
-    const int64_t scales_begin = format.scale(chunk_begin), scales_end = format.scale(chunk_end);
-    for (unsigned todo = targets; todo; todo &= todo - 1) {
-      const int target_lane = __ffs(todo) - 1;
-      const int32_t e = __shfl_sync(kFullMask, expert, target_lane);
-      const int32_t pos = __shfl_sync(kFullMask, position, target_lane);
-      const int32_t j = e % experts_per_rank;
-      const int64_t slot = slots + ((j * num_ranks + me) * max_tokens + pos) * layout.dispatch_slot_bytes;
-      const int rank = e / experts_per_rank;
-      Transport::put_warp(c, rank, slot + values_begin, staged + values_begin, values_end - values_begin, lane);
-      if (scales_end > scales_begin)
-        Transport::put_warp(c, rank, slot + scales_begin, staged + scales_begin, scales_end - scales_begin, lane);
-    }
-  }
-  Transport::finish_puts(lane);
-
-  if (!is_last_block(own, kDispatchSendKernel)) return;
-  for (int32_t e = threadIdx.x; e < c.num_experts; e += kThreads) {
-    const int32_t rank = e / experts_per_rank, j = e % experts_per_rank;
-    Transport::signal(c, rank, layout.set_offset(set) + layout.dispatch_flags + (j * num_ranks + me) * 8,
-                      (uint64_t{call} << 32) | static_cast<uint32_t>(a.expert_count[e]));
-  }
-  if (threadIdx.x == 0) {
-    own->dispatch_calls = call;
-    *a.token = call;
-  }
-}
-
-// The receive: waits for the L*R flags of its set, packs each local expert's rows by (source rank, position)
-// into the outputs (rows past recv_count keep whatever the buffer held; their handle entries are -1).
+// The receive: a block takes (local expert j, split) units. Its first R threads wait for j's R flags (one per
+// source rank) and the block derives j's packing (rows grouped by source rank, each source's rows in its slot
+// order, which is token order); then its warps copy every `splits`-th row of j into the outputs and fill the
+// handle past recv_count with -1 (rows past recv_count keep whatever the output held). An expert is packed as
+// soon as its own flags are in, while other experts' rows may still be on their way.
 template <typename Transport>
 __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(const __grid_constant__ LowLatencyCall c,
-                                                                 const __grid_constant__ LowLatencyDispatchRecvArgs a) {
-  extern __shared__ int32_t counts_and_begins[];  // [L*R] rows per (expert, source), then [L*R] first rows
-  const int lane = threadIdx.x % 32, me = c.group.rank, num_ranks = c.group.num_ranks;
-  const int64_t hidden = c.hidden, max_tokens = c.num_max_tokens;
+                                                                 const __grid_constant__ LowLatencyDispatchRecvArgs a,
+                                                                 int32_t splits) {
+  __shared__ int32_t counts[kMaxIntranodeRanks], begins[kMaxIntranodeRanks + 1];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, me = c.group.rank, num_ranks = c.group.num_ranks;
+  const int64_t hidden = c.hidden, max_tokens = c.num_max_tokens, rows_per_expert = num_ranks * max_tokens;
   const int32_t experts_per_rank = static_cast<int32_t>(c.num_experts / num_ranks);
-  const int32_t pairs = experts_per_rank * num_ranks;
-  int32_t* counts = counts_and_begins;
-  int32_t* begins = counts_and_begins + pairs;
   const LowLatencyLayout layout(max_tokens, hidden, c.num_experts);
   const uint32_t call = *a.token, set = call & 1;
   const char* base = c.region + layout.set_offset(set);
@@ -396,52 +445,47 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(const __grid_co
   start_clock(own, kDispatchRecvKernel);
 
   const uint64_t* flags = reinterpret_cast<const uint64_t*>(base + layout.dispatch_flags);
-  for (int32_t i = threadIdx.x; i < pairs; i += kThreads) {
-    const uint64_t seen = wait_until(c, LowLatencyOp::kDispatchRecv, LowLatencyWait::kFlag, i % num_ranks, call,
-                                     [&] { return load_acquire_sys(flags + i); },
-                                     [&](uint64_t v) { return static_cast<uint32_t>(v >> 32) == call; });
-    counts[i] = min(static_cast<int32_t>(static_cast<uint32_t>(seen)), static_cast<int32_t>(max_tokens));
-  }
-  __syncthreads();
-  for (int32_t j = threadIdx.x; j < experts_per_rank; j += kThreads) {
-    int32_t running = 0;
-    for (int s = 0; s < num_ranks; ++s) {
-      begins[j * num_ranks + s] = running;
-      running += counts[j * num_ranks + s];
-    }
-    if (blockIdx.x == 0) {
-      a.recv_count[j] = running;
-      for (int s = 0; s < num_ranks; ++s) {
-        a.layout_range[(j * num_ranks + s) * 2] = begins[j * num_ranks + s];
-        a.layout_range[(j * num_ranks + s) * 2 + 1] = counts[j * num_ranks + s];
-      }
-    }
-  }
-  __syncthreads();
-
   const DispatchRowFormat format(a.payload, hidden);
   const int64_t value_bytes = hidden * format.value_bytes, scale_bytes = hidden / kGroup * format.scale_bytes;
-  const int64_t rows_per_expert = num_ranks * max_tokens;
-  for (int64_t slot = global_warp(); slot < pairs * max_tokens; slot += num_global_warps()) {
-    const int32_t pair = static_cast<int32_t>(slot / max_tokens), pos = static_cast<int32_t>(slot % max_tokens);
-    if (pos >= counts[pair]) continue;
-    const int32_t j = pair / num_ranks;
-    const int64_t out_row = j * rows_per_expert + begins[pair] + pos;
-    const char* src = base + layout.dispatch_rows + slot * layout.dispatch_slot_bytes;
-    warp_copy(static_cast<char*>(a.recv_x) + out_row * value_bytes, src + format.value(0), value_bytes, lane);
-    if (scale_bytes)
-      warp_copy(static_cast<char*>(a.recv_scales) + out_row * scale_bytes, src + format.scales, scale_bytes, lane);
-    write_row_source(reinterpret_cast<const DispatchRowHeader*>(src), me * experts_per_rank + j, lane,
-                     a.src_token_index + out_row, a.src_topk_index + out_row);
-  }
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < experts_per_rank * rows_per_expert;
-       i += static_cast<int64_t>(gridDim.x) * kThreads) {
-    const int32_t j = static_cast<int32_t>(i / rows_per_expert);
-    const int32_t last = j * num_ranks + num_ranks - 1;
-    if (i % rows_per_expert >= begins[last] + counts[last]) {
-      a.src_token_index[i] = -1;
-      a.src_topk_index[i] = -1;
+  for (int64_t unit = blockIdx.x; unit < static_cast<int64_t>(experts_per_rank) * splits; unit += gridDim.x) {
+    const int32_t j = static_cast<int32_t>(unit / splits), split = static_cast<int32_t>(unit % splits);
+    if (threadIdx.x < num_ranks) {
+      const int s = threadIdx.x;
+      const uint64_t seen = wait_until(c, LowLatencyOp::kDispatchRecv, LowLatencyWait::kFlag, s, call,
+                                       [&] { return load_acquire_sys(flags + j * num_ranks + s); },
+                                       [&](uint64_t v) { return static_cast<uint32_t>(v >> 32) == call; });
+      counts[s] = min(static_cast<int32_t>(static_cast<uint32_t>(seen)), static_cast<int32_t>(max_tokens));
     }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      begins[0] = 0;
+      for (int s = 0; s < num_ranks; ++s) begins[s + 1] = begins[s] + counts[s];
+    }
+    __syncthreads();
+    const int32_t received = begins[num_ranks];
+    if (split == 0 && threadIdx.x < num_ranks) {
+      a.layout_range[(j * num_ranks + threadIdx.x) * 2] = begins[threadIdx.x];
+      a.layout_range[(j * num_ranks + threadIdx.x) * 2 + 1] = counts[threadIdx.x];
+      if (threadIdx.x == 0) a.recv_count[j] = received;
+    }
+    for (int32_t i = split + splits * warp; i < received; i += splits * kWarps) {
+      int s = 0;
+      while (i >= begins[s + 1]) ++s;
+      const int64_t out_row = j * rows_per_expert + i;
+      const int64_t slot = (static_cast<int64_t>(j) * num_ranks + s) * max_tokens + (i - begins[s]);
+      const char* src = base + layout.dispatch_rows + slot * layout.dispatch_slot_bytes;
+      warp_copy(static_cast<char*>(a.recv_x) + out_row * value_bytes, src + format.value(0), value_bytes, lane);
+      if (scale_bytes)
+        warp_copy(static_cast<char*>(a.recv_scales) + out_row * scale_bytes, src + format.scales, scale_bytes, lane);
+      write_row_source(reinterpret_cast<const DispatchRowHeader*>(src), me * experts_per_rank + j, lane,
+                       a.src_token_index + out_row, a.src_topk_index + out_row);
+    }
+    for (int64_t i = received + split * kThreads + threadIdx.x; i < rows_per_expert;
+         i += static_cast<int64_t>(splits) * kThreads) {
+      a.src_token_index[j * rows_per_expert + i] = -1;
+      a.src_topk_index[j * rows_per_expert + i] = -1;
+    }
+    __syncthreads();  // counts and begins are the next unit's
   }
 
   if (is_last_block(own, kDispatchRecvKernel)) give_credits<Transport>(c, call, /*dispatch=*/true);
@@ -449,61 +493,62 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(const __grid_co
 
 // ---- combine ----------------------------------------------------------------------------------------------
 
-// The send: a warp takes an output row (local expert j, row i < its count), finds its source rank from
-// layout_range and puts the row into the source's slot (token, top-k slot). The last block then raises, on
-// every source rank, the flag of each local expert.
+// The send: a block takes (local expert j, source rank s) pairs p = block, block + blocks, ...; its warps take
+// the pairs' rows in turn and put each into the source's slot (token, top-k slot); once its rows are written the
+// block raises each of its pairs' flags on the source (the source can sum a token as soon as the flags of its
+// experts are in). Handle values outside their ranges send nothing.
 template <typename Transport>
 __global__ void __launch_bounds__(kThreads) combine_send_kernel(const __grid_constant__ LowLatencyCall c,
                                                                 const __grid_constant__ LowLatencyCombineSendArgs a) {
-  const int lane = threadIdx.x % 32, me = c.group.rank, num_ranks = c.group.num_ranks;
-  const int64_t hidden = c.hidden, max_tokens = c.num_max_tokens;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, me = c.group.rank, num_ranks = c.group.num_ranks;
+  const int64_t hidden = c.hidden, max_tokens = c.num_max_tokens, rows_per_expert = num_ranks * max_tokens;
   const int32_t experts_per_rank = static_cast<int32_t>(c.num_experts / num_ranks);
+  const int32_t pairs = experts_per_rank * num_ranks;
   const LowLatencyLayout layout(max_tokens, hidden, c.num_experts);
   LowLatencyHeader* own = own_header(c);
   start_clock(own, kCombineSendKernel);
   const uint32_t call = next_call(&own->combine_calls), set = call & 1;
   wait_for_credits(c, LowLatencyOp::kCombineSend, call, /*dispatch=*/false);
 
-  // The handle's (first row, rows) per (local expert, source) in shared memory: most rows of [L, R*M] are past
-  // recv_count, and a warp skips them without a global load.
-  extern __shared__ int32_t ranges[];  // [L, R, 2]
-  for (int32_t i = threadIdx.x; i < experts_per_rank * num_ranks * 2; i += kThreads) ranges[i] = a.layout_range[i];
-  __syncthreads();
-  const int64_t rows_per_expert = num_ranks * max_tokens;
-  for (int64_t item = global_warp(); item < experts_per_rank * rows_per_expert; item += num_global_warps()) {
-    const int64_t j = item / rows_per_expert, row = item % rows_per_expert;
-    bool inside = false;
-    if (lane < num_ranks) {
-      const int32_t begin = ranges[(j * num_ranks + lane) * 2];
-      const int32_t count = ranges[(j * num_ranks + lane) * 2 + 1];
-      inside = row >= begin && row < static_cast<int64_t>(begin) + count;
+  const char* y = static_cast<const char*>(a.y);
+  int64_t rows_before = 0;  // rows of this block's earlier pairs: row r of the block goes to warp r % kWarps
+  bool put = false;
+  for (int32_t p = blockIdx.x; p < pairs; p += gridDim.x) {
+    const int64_t begin = min(static_cast<int64_t>(max(a.layout_range[2 * p], 0)), rows_per_expert);
+    const int64_t count =
+        min(static_cast<int64_t>(max(a.layout_range[2 * p + 1], 0)), min(max_tokens, rows_per_expert - begin));
+    const int64_t first = ((warp - rows_before) % kWarps + kWarps) % kWarps;
+    rows_before += count;
+    const int32_t j = p / num_ranks, src = p % num_ranks;
+    for (int64_t i = first; i < count; i += kWarps) {
+      const int64_t item = j * rows_per_expert + begin + i;
+      const int32_t t = a.src_token_index[item], k = a.src_topk_index[item];
+      if (t < 0 || t >= max_tokens || k < 0 || k >= kLowLatencyMaxTopk) continue;  // not from a dispatch handle
+      const int64_t slot = layout.set_offset(set) + layout.combine_rows +
+                           (static_cast<int64_t>(t) * kLowLatencyMaxTopk + k) * layout.combine_slot_bytes;
+      Transport::put_warp(c, src, slot, y + item * layout.combine_slot_bytes, layout.combine_slot_bytes, lane);
+      put = true;
     }
-    const unsigned sources = __ballot_sync(kFullMask, inside);
-    if (!sources) continue;  // a row past recv_count
-    const int src = __ffs(sources) - 1;
-    const int32_t t = a.src_token_index[item], k = a.src_topk_index[item];
-    if (t < 0 || t >= max_tokens || k < 0 || k >= kLowLatencyMaxTopk) continue;  // not from a dispatch handle
-    const int64_t slot = layout.set_offset(set) + layout.combine_rows +
-                         (static_cast<int64_t>(t) * kLowLatencyMaxTopk + k) * layout.combine_slot_bytes;
-    Transport::put_warp(c, src, slot, static_cast<const char*>(a.y) + item * layout.combine_slot_bytes,
-                        layout.combine_slot_bytes, lane);
   }
-  Transport::finish_puts(lane);
+  if (put) Transport::finish_puts(lane);
+  __syncthreads();  // every row of the block's pairs is written
+  for (int64_t p = blockIdx.x + static_cast<int64_t>(gridDim.x) * threadIdx.x; p < pairs;
+       p += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const int32_t j = static_cast<int32_t>(p / num_ranks), src = static_cast<int32_t>(p % num_ranks);
+    Transport::signal(c, src,
+                      layout.set_offset(set) + layout.combine_flags + (me * experts_per_rank + j) * sizeof(uint64_t),
+                      call);
+  }
 
-  if (!is_last_block(own, kCombineSendKernel)) return;
-  for (int32_t i = threadIdx.x; i < experts_per_rank * num_ranks; i += kThreads) {
-    const int32_t j = i / num_ranks, src = i % num_ranks;
-    Transport::signal(c, src, layout.set_offset(set) + layout.combine_flags + (me * experts_per_rank + j) * 8, call);
-  }
-  if (threadIdx.x == 0) {
+  if (is_last_block(own, kCombineSendKernel) && threadIdx.x == 0) {
     own->combine_calls = call;
     *a.token = call;
   }
 }
 
-// The receive: waits for the E flags of its set, then a warp takes (token, part) and sums, for k in order,
-// w[t, k] * row of (t, first entry of expert k) in float32 (one rounding per product and per sum, as the
-// reference), and writes BF16.
+// The receive: a warp takes (token, part), waits for the flags of the token's experts (a lane per distinct
+// expert), then sums, for k in order, w[t, k] * row of (t, first entry of expert k) in float32 (one rounding per
+// product and per sum, as the reference), and writes BF16.
 template <typename Transport>
 __global__ void __launch_bounds__(kThreads) combine_recv_kernel(const __grid_constant__ LowLatencyCall c,
                                                                 const __grid_constant__ LowLatencyCombineRecvArgs a,
@@ -511,6 +556,7 @@ __global__ void __launch_bounds__(kThreads) combine_recv_kernel(const __grid_con
   const int lane = threadIdx.x % 32;
   const int64_t hidden = c.hidden, num_topk = a.num_topk;
   const int32_t num_experts = static_cast<int32_t>(c.num_experts);
+  const int32_t experts_per_rank = static_cast<int32_t>(num_experts / c.group.num_ranks);
   const LowLatencyLayout layout(c.num_max_tokens, hidden, num_experts);
   const uint32_t call = *a.token, set = call & 1;
   const char* base = c.region + layout.set_offset(set);
@@ -518,13 +564,6 @@ __global__ void __launch_bounds__(kThreads) combine_recv_kernel(const __grid_con
   start_clock(own, kCombineRecvKernel);
 
   const uint64_t* flags = reinterpret_cast<const uint64_t*>(base + layout.combine_flags);
-  const int32_t experts_per_rank = static_cast<int32_t>(num_experts / c.group.num_ranks);
-  for (int32_t e = threadIdx.x; e < num_experts; e += kThreads)
-    wait_until(c, LowLatencyOp::kCombineRecv, LowLatencyWait::kFlag, e / experts_per_rank, call,
-               [&] { return load_acquire_sys(flags + e); },
-               [&](uint64_t v) { return static_cast<uint32_t>(v) == call; });
-  __syncthreads();
-
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(a.out);
   for (int64_t item = global_warp(); item < a.num_tokens * split.parts; item += num_global_warps()) {
     const int64_t t = item / split.parts, part = item % split.parts;
@@ -539,6 +578,11 @@ __global__ void __launch_bounds__(kThreads) combine_recv_kernel(const __grid_con
       const int32_t other = __shfl_sync(kFullMask, expert, k);
       if (k < lane && other == expert && slot == lane) slot = k;
     }
+    if (expert >= 0 && slot == lane)
+      wait_until(c, LowLatencyOp::kCombineRecv, LowLatencyWait::kFlag, expert / experts_per_rank, call,
+                 [&] { return load_acquire_sys(flags + expert); },
+                 [&](uint64_t v) { return static_cast<uint32_t>(v) == call; });
+    __syncwarp();  // the lanes' acquires order every lane's row loads below
     const int64_t chunk_end = min((part + 1) * split.chunks_per_part * kChunk, hidden);
     for (int64_t chunk = part * split.chunks_per_part * kChunk; chunk < chunk_end; chunk += kChunk) {
       const int64_t ch = chunk + lane * kLaneChannels;
@@ -591,31 +635,36 @@ TokenParts token_parts(const LowLatencyCall& c, int64_t num_tokens) {
 }  // namespace
 
 cudaError_t low_latency_dispatch_send(const LowLatencyCall& call, const LowLatencyDispatchSendArgs& args) {
-  if (args.num_topk > kLowLatencyMaxTopk || args.num_tokens > call.num_max_tokens) return cudaErrorInvalidValue;
-  dispatch_route_kernel<<<blocks_for_warps(call, call.num_experts), kThreads, 0, call.stream>>>(call, args);
-  JAX_EP_CUDA_RETURN(cudaGetLastError());
-  const TokenParts split = token_parts(call, args.num_tokens);
+  if (args.num_topk > kLowLatencyMaxTopk || args.num_tokens < 1 || args.num_tokens > call.num_max_tokens ||
+      args.num_tokens * args.num_topk > kLowLatencyMaxEntries || call.num_experts > kLowLatencyMaxExperts)
+    return cudaErrorInvalidValue;
+  // Shared memory: a running count per expert and the routing as int16 (at most 32 KB at the bounds).
+  const size_t shared = sizeof(int32_t) * static_cast<size_t>(call.num_experts) +
+                        sizeof(int16_t) * static_cast<size_t>(args.num_tokens * args.num_topk);
+  // A block per token (T <= SMs at DeepEP's decode shape), every SM at most.
+  const int blocks = static_cast<int>(std::min<int64_t>(call.group.device_sms, args.num_tokens));
   return with_transport(call, [&](auto transport) {
-    dispatch_send_kernel<decltype(transport)>
-        <<<blocks_for_warps(call, args.num_tokens * split.parts), kThreads, 0, call.stream>>>(call, args, split);
+    dispatch_send_kernel<decltype(transport)><<<blocks, kSendThreads, shared, call.stream>>>(call, args);
     return cudaGetLastError();
   });
 }
 
 cudaError_t low_latency_dispatch_recv(const LowLatencyCall& call, const LowLatencyDispatchRecvArgs& args) {
-  if (call.num_experts > kLowLatencyMaxExperts) return cudaErrorInvalidValue;
-  const size_t shared = 2 * sizeof(int32_t) * static_cast<size_t>(call.num_experts);
+  // Units (local expert, split): enough splits of each expert's rows to give every SM a unit.
+  const int64_t experts_per_rank = call.num_experts / call.group.num_ranks;
+  const int32_t splits = static_cast<int32_t>(
+      std::clamp<int64_t>((call.group.device_sms + experts_per_rank - 1) / experts_per_rank, 1, kWarps));
+  const int blocks = static_cast<int>(std::min<int64_t>(call.group.device_sms, experts_per_rank * splits));
   return with_transport(call, [&](auto transport) {
-    dispatch_recv_kernel<decltype(transport)><<<call.group.device_sms, kThreads, shared, call.stream>>>(call, args);
+    dispatch_recv_kernel<decltype(transport)><<<blocks, kThreads, 0, call.stream>>>(call, args, splits);
     return cudaGetLastError();
   });
 }
 
 cudaError_t low_latency_combine_send(const LowLatencyCall& call, const LowLatencyCombineSendArgs& args) {
-  if (call.num_experts > kLowLatencyMaxExperts) return cudaErrorInvalidValue;
-  const size_t shared = 2 * sizeof(int32_t) * static_cast<size_t>(call.num_experts);  // L*R = E ranges
+  const int blocks = static_cast<int>(std::min<int64_t>(call.group.device_sms, call.num_experts));  // L*R pairs
   return with_transport(call, [&](auto transport) {
-    combine_send_kernel<decltype(transport)><<<call.group.device_sms, kThreads, shared, call.stream>>>(call, args);
+    combine_send_kernel<decltype(transport)><<<blocks, kThreads, 0, call.stream>>>(call, args);
     return cudaGetLastError();
   });
 }

@@ -5,6 +5,8 @@
 // NVSHMEM symmetric allocation (NVSHMEM transport); either way the layout is the same and every offset below
 // is relative to the region's start, so one offset names the same word on every rank. It holds:
 //   header                                   512 bytes: this rank's call counters and credits (below)
+//   dispatch_counters [E] uint64             the send's progress per expert, this rank's own (low_latency.cu,
+//                                            count_toward_flag); zero between calls
 //   dispatch_staging [M] x dispatch slot     this rank's rows as sent (cast, with their header): the source of
 //                                            the copies or NVSHMEM puts into the receivers' slots
 //   set 0, set 1                              two buffer sets; call c of an op uses set c % 2
@@ -30,15 +32,18 @@ namespace jax_ep {
 
 // Top-k entries a token may have in low-latency mode: the combine region keeps one row per (token, k).
 inline constexpr int kLowLatencyMaxTopk = 16;
-// Experts of a low-latency Buffer: the receive kernel keeps two int32 per (local expert, source rank) in
-// shared memory (32 KB at this bound); expert ids travel as int16 in the row headers.
+// Experts of a low-latency Buffer: the send keeps a count per expert in shared memory (16 KB at this bound);
+// expert ids travel as int16 in the row headers and the send's shared routing.
 inline constexpr int kLowLatencyMaxExperts = 4096;
+// Top-k entries of one dispatch (T * K): the send keeps the routing in shared memory as int16 (16 KB at this
+// bound, e.g. T = 512 tokens with K = 16).
+inline constexpr int64_t kLowLatencyMaxEntries = 8192;
 inline constexpr int64_t kLowLatencyAlign = 256;
 inline constexpr int64_t kLowLatencyHeaderBytes = 512;
 
 // The LL kernels, as indexed in the header's per-kernel fields and by low_latency_kernel_times.
-enum LowLatencyKernel : int { kDispatchRoute = 0, kDispatchSendKernel, kDispatchRecvKernel, kCombineSendKernel,
-                              kCombineRecvKernel, kLowLatencyKernels };
+enum LowLatencyKernel : int { kDispatchSendKernel = 0, kDispatchRecvKernel, kCombineSendKernel, kCombineRecvKernel,
+                              kLowLatencyKernels };
 
 // Call numbers are 32-bit and compared modulo 2^32 (see `call_reached`), so they never run out.
 struct LowLatencyHeader {
@@ -77,7 +82,7 @@ __host__ __device__ inline int64_t ll_align(int64_t bytes) {
 struct LowLatencyLayout {
   int64_t dispatch_slot_bytes = 0;  // DispatchRowHeader + 2H (a BF16 row; FP8 values and scales are smaller)
   int64_t combine_slot_bytes = 0;   // 2H: a BF16 row
-  int64_t dispatch_staging = 0;     // region offsets
+  int64_t dispatch_counters = 0, dispatch_staging = 0;  // region offsets
   int64_t sets = 0, set_bytes = 0;
   int64_t dispatch_flags = 0, combine_flags = 0, dispatch_rows = 0, combine_rows = 0;  // offsets inside a set
   int64_t total = 0;
@@ -85,7 +90,8 @@ struct LowLatencyLayout {
   __host__ __device__ LowLatencyLayout(int64_t max_tokens, int64_t hidden, int64_t num_experts) {
     dispatch_slot_bytes = static_cast<int64_t>(sizeof(DispatchRowHeader)) + 2 * hidden;
     combine_slot_bytes = 2 * hidden;
-    dispatch_staging = kLowLatencyHeaderBytes;
+    dispatch_counters = kLowLatencyHeaderBytes;
+    dispatch_staging = dispatch_counters + ll_align(num_experts * 8);
     sets = dispatch_staging + ll_align(max_tokens * dispatch_slot_bytes);
     dispatch_flags = 0;
     combine_flags = ll_align(num_experts * 8);

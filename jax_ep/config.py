@@ -36,9 +36,10 @@ LOW_LATENCY_MAX_TOPK = 16
 
 def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int) -> int:
     """Bytes of the low-latency region of each rank (csrc/low_latency_state.h, LowLatencyLayout): a 512-byte
-    header of call counters and credits, the staging rows (this rank's `M` rows as sent, each a 48-byte row
-    header of source token and top-k ids followed by `2 * hidden` bytes: a BF16 row, or the smaller FP8 values
-    and scales), then two buffer sets (calls alternate between them), each
+    header of call counters and credits, the send's progress counter per expert (8 bytes each), the staging rows
+    (this rank's `M` rows as sent, each a 48-byte row header of source token and top-k ids followed by
+    `2 * hidden` bytes: a BF16 row, or the smaller FP8 values and scales), then two buffer sets (calls alternate
+    between them), each
 
     - per expert: a dispatch flag and a combine flag (8 bytes each, each array 256-byte aligned);
     - the dispatch receive slots: `M` rows per (local expert, source rank), i.e. `E * M` rows of 48 + 2 * hidden
@@ -51,7 +52,7 @@ def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int,
     dispatch_row, combine_row = _DISPATCH_ROW_HEADER + 2 * hidden, 2 * hidden
     flags = 2 * _aligned(experts * 8)
     per_set = flags + _aligned(experts * tokens * dispatch_row) + tokens * LOW_LATENCY_MAX_TOPK * combine_row
-    return _LOW_LATENCY_HEADER + _aligned(tokens * dispatch_row) + 2 * per_set
+    return _LOW_LATENCY_HEADER + _aligned(experts * 8) + _aligned(tokens * dispatch_row) + 2 * per_set
 
 
 _LOW_LATENCY_HEADER = 512

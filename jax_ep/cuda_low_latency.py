@@ -34,6 +34,7 @@ COMBINE_SEND_TARGET = "jax_ep_low_latency_combine_send"
 COMBINE_RECV_TARGET = "jax_ep_low_latency_combine_recv"
 
 MAX_EXPERTS = 4096  # csrc kLowLatencyMaxExperts
+MAX_ENTRIES = 8192  # csrc kLowLatencyMaxEntries: tokens * top-k of one dispatch (the send's routing in shared memory)
 _PAYLOAD_BF16, _PAYLOAD_FP8, _PAYLOAD_FP8_UE8M0 = 0, 1, 2  # csrc LowLatencyPayload
 TRANSPORTS = {"peer_stores": 0, "nvshmem": 1}  # Buffer.low_latency_transport -> csrc LowLatencyTransport
 
@@ -97,14 +98,12 @@ def dispatch_send(x, topk_idx, *, params: LowLatencyParams, use_fp8, round_scale
     """Casts and writes this rank's rows into the receivers' slots. Returns (token, invalid_ids)."""
     num_tokens, num_topk = topk_idx.shape
     check_topk("low_latency_dispatch", num_topk)
+    if num_tokens * num_topk > MAX_ENTRIES:
+        raise ValueError(f"jax_ep.low_latency_dispatch (cuda): at most {MAX_ENTRIES} top-k entries per rank (tokens * "
+                         f"top-k, e.g. 512 * 16), got {num_tokens} * {num_topk}")
     aval = jax.typeof(x)
-    result_types = (
-        aval.update(shape=(), dtype=jnp.uint32),
-        aval.update(shape=(), dtype=int32),
-        aval.update(shape=(num_tokens, num_topk), dtype=int32),  # scratch: slot of each top-k entry
-        aval.update(shape=(params.num_experts,), dtype=int32),   # scratch: tokens per expert
-    )
-    token, invalid, _, _ = jax.ffi.ffi_call(DISPATCH_SEND_TARGET, result_types)(
+    result_types = (aval.update(shape=(), dtype=jnp.uint32), aval.update(shape=(), dtype=int32))
+    token, invalid = jax.ffi.ffi_call(DISPATCH_SEND_TARGET, result_types)(
         x, topk_idx, payload=np.int64(_payload(use_fp8, use_ue8m0)), round_scale=np.int64(round_scale),
         **params.attributes())
     return token, invalid
@@ -155,7 +154,7 @@ def errors(buffer) -> list[str]:
     return list(_native._C.low_latency_errors(buffer.buffer_id, _local_ordinals(buffer)))
 
 
-KERNELS = ("dispatch route", "dispatch send", "dispatch recv", "combine send", "combine recv")
+KERNELS = ("dispatch send", "dispatch recv", "combine send", "combine recv")
 
 
 def kernel_times(buffer, reset: bool = False) -> list[dict[str, tuple[int, int]]]:

@@ -69,12 +69,25 @@ def test_topk_beyond_the_kernels_limit():
         lower(buf, lambda x, i: jax_ep.low_latency_dispatch(buf, x, i).recv_count, X, ((T, 17), jnp.int32))
 
 
+def test_topk_entries_beyond_the_kernels_limit():
+    """The send keeps a rank's routing in shared memory: T * K <= 8192."""
+    tokens, topk = 1024, 9
+    buf = jax_ep.Buffer(mesh_of(R), "ep", backend="xla", num_max_dispatch_tokens_per_rank=tokens, hidden=H,
+                        num_experts=E)
+    buf.backend, buf.low_latency_offset, buf.low_latency_transport = "cuda", 0, "peer_stores"
+    with pytest.raises(ValueError, match=r"at most 8192 top-k entries per rank \(tokens \* top-k, e.g. 512 \* 16\), "
+                                         r"got 1024 \* 9"):
+        lower(buf, lambda x, i: jax_ep.low_latency_dispatch(buf, x, i).recv_count, ((tokens, H), jnp.bfloat16),
+              ((tokens, topk), jnp.int32))
+
+
 def test_region_size():
-    # header + staging rows + 2 sets of (2 flag arrays + E*M dispatch rows + 16*M combine rows); a dispatch row
-    # is a 48-byte row header and 2H bytes, a combine row 2H bytes; the flag arrays and the row arrays each
-    # start 256-byte aligned (here every size already is a multiple of 256).
+    # header + a send counter per expert + staging rows + 2 sets of (2 flag arrays + E*M dispatch rows + 16*M
+    # combine rows); a dispatch row is a 48-byte row header and 2H bytes, a combine row 2H bytes; the counters,
+    # the flag arrays and the row arrays each start 256-byte aligned (here every size but the counters' already
+    # is a multiple of 256).
     dispatch_row, combine_row = 48 + 2 * H, 2 * H
-    flags = 2 * 256
+    counters, flags = 256, 2 * 256  # E * 8 = 64 bytes, aligned up
     assert (M * dispatch_row) % 256 == 0 and (E * M * dispatch_row) % 256 == 0
     set_bytes = flags + E * M * dispatch_row + 16 * M * combine_row
-    assert jax_ep.low_latency_buffer_bytes(M, H, R, E) == 512 + M * dispatch_row + 2 * set_bytes
+    assert jax_ep.low_latency_buffer_bytes(M, H, R, E) == 512 + counters + M * dispatch_row + 2 * set_bytes

@@ -75,7 +75,6 @@ bool IsPayload(int64_t payload) { return payload >= 0 && payload <= 2; }
 
 ffi::Error DispatchSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer topk_idx,
                             ffi::Result<ffi::AnyBuffer> token, ffi::Result<ffi::AnyBuffer> invalid_ids,
-                            ffi::Result<ffi::AnyBuffer> position, ffi::Result<ffi::AnyBuffer> expert_count,
                             int64_t payload, int64_t round_scale, int64_t buffer_id, int64_t transport,
                             int64_t ll_offset, int64_t num_max_tokens, int64_t num_experts, int64_t timeout_ns) {
   constexpr const char* kOp = "low_latency_dispatch (send)";
@@ -88,12 +87,13 @@ ffi::Error DispatchSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
     return err;
   const auto idx_dims = topk_idx.dimensions();
   if (idx_dims.size() != 2 || !IsMatrix(topk_idx, ffi::DataType::S32, x_dims[0], idx_dims[1]) ||
-      idx_dims[1] > kLowLatencyMaxTopk || x_dims[0] > num_max_tokens)
-    return Invalid(kOp, "topk_idx must be int32 [T, K] with T <= num_max_tokens and K <= " +
-                            std::to_string(kLowLatencyMaxTopk));
+      idx_dims[1] > kLowLatencyMaxTopk || x_dims[0] < 1 || x_dims[0] > num_max_tokens ||
+      x_dims[0] * idx_dims[1] > kLowLatencyMaxEntries)
+    return Invalid(kOp, "topk_idx must be int32 [T, K] with 1 <= T <= num_max_tokens, K <= " +
+                            std::to_string(kLowLatencyMaxTopk) + " and T * K <= " +
+                            std::to_string(kLowLatencyMaxEntries));
   if (!IsPayload(payload)) return Invalid(kOp, "unknown payload");
-  if (token->element_type() != ffi::DataType::U32 || !IsMatrix(*position, ffi::DataType::S32, x_dims[0], idx_dims[1]) ||
-      expert_count->element_count() != static_cast<size_t>(num_experts) || invalid_ids->element_count() != 1)
+  if (token->element_type() != ffi::DataType::U32 || invalid_ids->element_count() != 1)
     return Invalid(kOp, "wrong result shapes");
   LowLatencyDispatchSendArgs a;
   a.x = x.untyped_data();
@@ -102,8 +102,6 @@ ffi::Error DispatchSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
   a.num_topk = idx_dims[1];
   a.payload = static_cast<LowLatencyPayload>(payload);
   a.round_scale = round_scale != 0 || a.payload == LowLatencyPayload::kFP8UE8M0;
-  a.position = static_cast<int32_t*>(position->untyped_data());
-  a.expert_count = static_cast<int32_t*>(expert_count->untyped_data());
   a.invalid_ids = static_cast<int32_t*>(invalid_ids->untyped_data());
   a.token = static_cast<uint32_t*>(token->untyped_data());
   return Launched(kOp, low_latency_dispatch_send(call, a));
@@ -233,8 +231,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchSend, DispatchSendImpl,
                               WithCallAttrs(Bound()
                                                 .Arg<ffi::AnyBuffer>()
                                                 .Arg<ffi::AnyBuffer>()
-                                                .Ret<ffi::AnyBuffer>()
-                                                .Ret<ffi::AnyBuffer>()
                                                 .Ret<ffi::AnyBuffer>()
                                                 .Ret<ffi::AnyBuffer>()
                                                 .Attr<int64_t>("payload")

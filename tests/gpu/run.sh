@@ -53,8 +53,10 @@ if [ "$mode" = ll ]; then  # low-latency kernels in both process models, NVSHMEM
   step mp_ll 240 python3 -m pytest -q -rs tests/gpu/test_multiprocess_gpu.py -k "suite and low_latency and peer_stores and 4"
   step mp_ll_nvshmem 480 python3 -m pytest -q -rs tests/gpu/test_multiprocess_gpu.py -k "low_latency and nvshmem"
   step bench_ll 150 python3 -m jax_ep.bench low_latency --no-baselines --json "$OUT/ll.json"
+  JAX_EP_LL_TRANSPORT=nvshmem step bench_ll_nvshmem 200 python3 -m jax_ep.bench low_latency --processes 4 \
+    --no-baselines --json "$OUT/ll_nvshmem.json"
   grep -hE "^(FAILED|ERROR)" "$OUT"/*.log | head -20
-  grep -hE "^\[" "$OUT/bench_ll.log" | tail -30
+  grep -hE "^\[" "$OUT/bench_ll.log" "$OUT/bench_ll_nvshmem.log" | tail -40
   printf '\n== summary\n'; printf '%s\n' "${summary[@]}"
   exit 0
 fi

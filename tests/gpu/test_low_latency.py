@@ -139,6 +139,18 @@ def test_routing_modes(R, routing):
     check_oracle(run_ll(R, M, "cuda", "bf16", x, idx, w, y, stats), exp, out, "bf16")
 
 
+@pytest.mark.parametrize("R", RANKS)
+def test_few_tokens_many_experts(R):
+    """Fewer tokens than SMs and many more experts than the send's counting warps: every warp counts several
+    experts, most experts get no row (flags with count 0), several (expert, source) pairs fall to one block of
+    the combine send, and each expert's rows are split over several receive blocks."""
+    T, H, K, E, M = 5, 256, 8, 64 * R, 8
+    x, idx, w, y, stats = make_inputs(R, T, H, K, E, M, seed=13, p_invalid=0.05)
+    for mode in ("bf16", "fp8_ue8m0"):
+        exp, out = expected(x, idx, w, y, stats, E, M, mode)
+        check_oracle(run_ll(R, M, "cuda", mode, x, idx, w, y, stats), exp, out, mode, f"{mode}: ")
+
+
 @pytest.mark.parametrize("H", [2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192])
 def test_deepep_hidden_sizes(H):
     R = RANKS[-1] if len(jax.devices()) >= RANKS[-1] else 2
