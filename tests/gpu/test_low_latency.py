@@ -144,7 +144,7 @@ def test_few_tokens_many_experts(R):
     """Fewer tokens than SMs and many more experts than the send's counting warps: every warp counts several
     experts, most experts get no row (flags with count 0), several (expert, source) pairs fall to one block of
     the combine send, and each expert's rows are split over several receive blocks."""
-    T, H, K, E, M = 5, 256, 8, 64 * R, 8
+    T, H, K, E, M = 5, 512, 8, 64 * R, 8  # UE8M0 packs four 128-channel scales per int32: H % 512 == 0
     x, idx, w, y, stats = make_inputs(R, T, H, K, E, M, seed=13, p_invalid=0.05)
     for mode in ("bf16", "fp8_ue8m0"):
         exp, out = expected(x, idx, w, y, stats, E, M, mode)
