@@ -37,11 +37,11 @@ if [ "$mode" = nvshmem ]; then
   exit 0
 fi
 if [ "$mode" = accept ]; then  # every GPU test (both process models), the demo, the benchmarks in both models
-  step gpu_tests 330 python3 -m pytest -q -rs tests/gpu
+  step gpu_tests 420 python3 -m pytest -q -rs tests/gpu
   step demo 60 python3 -m jax_ep.demo
   step bench 120 python3 -m jax_ep.bench intranode --sms 24 64 --json "$OUT/bench.json"
   step bench_mp 120 python3 -m jax_ep.bench intranode --processes 4 --sms 24 64 --no-baselines --json "$OUT/bench_mp.json"
-  step bench_ll 120 python3 -m jax_ep.bench low_latency --json "$OUT/ll.json"
+  step bench_ll 120 python3 -m jax_ep.bench low_latency ${BENCH_LL_FLAGS:-} --json "$OUT/ll.json"
   grep -hE "^(FAILED|ERROR)" "$OUT"/*.log | head -20
   grep -hE "^\[(intranode|low_latency)\]" "$OUT"/bench*.log | grep -vE "timing loop" | tail -45
   printf '\n== summary\n'; printf '%s\n' "${summary[@]}"
