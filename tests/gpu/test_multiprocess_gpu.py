@@ -56,12 +56,15 @@ def launch(mode: str, R: int, extra: list[str], timeout_s: float, tmp_path,
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), *sys.path]), PYTHONUNBUFFERED="1",
                **(env_extra or {}))
     env.pop("CUDA_VISIBLE_DEVICES", None)  # every process sees every GPU (CUDA IPC between them) and owns one
+    # stdout and stderr go to separate files, so that a library's log line on stderr never splits a line the
+    # worker prints (the tests parse its RECORD and RAISED lines).
     procs, logs = [], []
     for pid in range(R):
-        log = open(tmp_path / f"{mode}{R}_{pid}.log", "w+")
-        logs.append(log)
+        out = open(tmp_path / f"{mode}{R}_{pid}.out", "w+")
+        err = open(tmp_path / f"{mode}{R}_{pid}.err", "w+")
+        logs.append((out, err))
         procs.append(subprocess.Popen([sys.executable, str(WORKER), mode, str(pid), str(R), str(port), *extra],
-                                      cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+                                      cwd=REPO_ROOT, env=env, stdout=out, stderr=err))
     deadline = time.monotonic() + timeout_s
     codes = []
     for proc in procs:
@@ -72,10 +75,13 @@ def launch(mode: str, R: int, extra: list[str], timeout_s: float, tmp_path,
             proc.wait()
             codes.append(None)
     outputs = []
-    for log in logs:
-        log.seek(0)
-        outputs.append(log.read())
-        log.close()
+    for out, err in logs:
+        text = []
+        for log in (err, out):  # stdout last: the report shows the tail
+            log.seek(0)
+            text.append(log.read())
+            log.close()
+        outputs.append("\n".join(text))
     return codes, outputs
 
 
