@@ -12,6 +12,8 @@ namespace ffi = xla::ffi;
 namespace jax_ep::ffi_handlers {
 namespace {
 
+using namespace buffer_args;
+
 ffi::Error Invalid(const char* op, const std::string& message) {
   return ffi::Error::InvalidArgument(std::string("jax_ep ") + op + ": " + message);
 }
@@ -22,46 +24,6 @@ ffi::Error Launched(const char* op, cudaError_t err) {
     return Invalid(op, "the Buffer's workspace is too small to stage this call's inputs for peers in other "
                        "processes (jax_ep checks this while tracing; create the Buffer with a larger num_nvl_bytes)");
   return ffi::Error::Internal(std::string("jax_ep ") + op + ": kernel launch failed: " + cudaGetErrorString(err));
-}
-
-ffi::Error Collect(const ffi::RemainingArgs& args, std::vector<ffi::AnyBuffer>* out) {
-  for (size_t i = 0; i < args.size(); ++i) {
-    auto buffer = args.get<ffi::AnyBuffer>(i);
-    if (!buffer.has_value()) return buffer.error();
-    out->push_back(*buffer);
-  }
-  return ffi::Error::Success();
-}
-
-ffi::Error Collect(const ffi::RemainingRets& rets, std::vector<ffi::AnyBuffer>* out) {
-  for (size_t i = 0; i < rets.size(); ++i) {
-    auto buffer = rets.get<ffi::AnyBuffer>(i);
-    if (!buffer.has_value()) return buffer.error();
-    out->push_back(**buffer);
-  }
-  return ffi::Error::Success();
-}
-
-int64_t LeadingDim(const ffi::AnyBuffer& buffer) {
-  const auto dims = buffer.dimensions();
-  return dims.size() == 0 ? 1 : dims[0];
-}
-
-// Bytes of one row: everything after the leading axis.
-int64_t RowBytes(const ffi::AnyBuffer& buffer) {
-  const auto dims = buffer.dimensions();
-  int64_t elements = 1;
-  for (size_t i = 1; i < dims.size(); ++i) elements *= dims[i];
-  return elements * static_cast<int64_t>(ffi::ByteWidth(buffer.element_type()));
-}
-
-bool AsFloatType(ffi::DataType dtype, FloatType* out) {
-  switch (dtype) {
-    case ffi::DataType::F32: *out = FloatType::kF32; return true;
-    case ffi::DataType::BF16: *out = FloatType::kBF16; return true;
-    case ffi::DataType::F16: *out = FloatType::kF16; return true;
-    default: return false;
-  }
 }
 
 ffi::Error MakeCall(const char* op, cudaStream_t stream, int32_t device, int64_t buffer_id, int64_t num_sms,
