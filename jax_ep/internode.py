@@ -240,8 +240,9 @@ def _check_same_sizes(buffer, timeout_s: float) -> None:
     if jax.process_count() == 1:
         return
     client = cuda_backend._kv_client()
+    buffer.collective_name = cuda_backend._collective_name(buffer)
     sizes = dict(num_ranks=buffer.num_ranks, ranks_per_node=buffer.ranks_per_node, num_rdma_bytes=buffer.num_rdma_bytes)
-    key = f"jax_ep/buffer/{buffer.buffer_id}/internode/{{}}".format
+    key = f"{buffer.collective_name}/internode/{{}}".format
     client.key_value_set(key(jax.process_index()), json.dumps(sizes))
     for process in range(jax.process_count()):
         try:
