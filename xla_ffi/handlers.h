@@ -1,6 +1,7 @@
 // Handler symbols defined in cpu_handlers.cc, cuda_handlers.cc, intranode_handlers.cc, low_latency_handlers.cc and
 // internode_handlers.cc, exported by module.cc.
 #pragma once
+#include <string>
 #include <vector>
 
 #include "api.h"
@@ -61,6 +62,60 @@ inline bool AsFloatType(xla::ffi::DataType dtype, FloatType* out) {
     case xla::ffi::DataType::F16: *out = FloatType::kF16; return true;
     default: return false;
   }
+}
+
+// The operands and results every normal-mode dispatch handler decodes alike (Args: DispatchArgs or
+// InternodeDispatchArgs, whose fields share names). args: x payloads (num_payloads: 1, or 2 for the FP8 pair),
+// topk_idx, [topk_weights]; rets: recv payloads, recv_topk_idx, [recv_topk_weights], num_recv_tokens,
+// num_recv_tokens_per_expert, num_dropped, invalid_ids, recv_src_index, is_token_in_rank, then `handle_results`
+// of the kernel's own, from index *next on. `op` prefixes the error messages (e.g. "jax_ep dispatch").
+template <typename Args>
+xla::ffi::Error DecodeDispatch(const std::string& op, const std::vector<xla::ffi::AnyBuffer>& args,
+                               const std::vector<xla::ffi::AnyBuffer>& rets, int64_t num_payloads,
+                               int64_t num_experts, int64_t expert_alignment, int num_ranks, size_t handle_results,
+                               Args* a, size_t* next) {
+  namespace ffi = xla::ffi;
+  auto invalid = [&](const std::string& message) { return ffi::Error::InvalidArgument(op + ": " + message); };
+  if (num_payloads < 1 || num_payloads > 2) return invalid("num_payloads must be 1 or 2");
+  const size_t payloads = static_cast<size_t>(num_payloads);
+  if (args.size() != payloads + 1 && args.size() != payloads + 2) return invalid("wrong number of operands");
+  const bool has_weights = args.size() == payloads + 2;
+  if (rets.size() != payloads + (has_weights ? 8 : 7) + handle_results) return invalid("wrong number of results");
+  const ffi::AnyBuffer& topk_idx = args[payloads];
+  const auto idx_dims = topk_idx.dimensions();
+  if (topk_idx.element_type() != ffi::DataType::S32 || idx_dims.size() != 2)
+    return invalid("topk_idx must be int32 [num_tokens, num_topk]");
+  if (num_experts < num_ranks || num_experts % num_ranks) return invalid("num_experts must be a multiple of the ranks");
+  if (idx_dims[1] < 1 || idx_dims[1] > 32) return invalid("1 to 32 top-k entries per token");
+  a->num_payloads = static_cast<int32_t>(payloads);
+  a->num_tokens = idx_dims[0];
+  a->num_topk = idx_dims[1];
+  a->num_experts = num_experts;
+  a->capacity = LeadingDim(rets[0]);
+  a->expert_alignment = expert_alignment;
+  for (size_t p = 0; p < payloads; ++p) {
+    if (LeadingDim(args[p]) != a->num_tokens || LeadingDim(rets[p]) != a->capacity ||
+        RowBytes(args[p]) != RowBytes(rets[p]))
+      return invalid("payload shapes disagree with topk_idx or the capacity");
+    a->x[p] = args[p].untyped_data();
+    a->x_row_bytes[p] = RowBytes(args[p]);
+    a->recv_x[p] = rets[p].untyped_data();
+  }
+  a->topk_idx = static_cast<const int32_t*>(topk_idx.untyped_data());
+  size_t i = payloads;
+  a->recv_topk_idx = static_cast<int32_t*>(rets[i++].untyped_data());
+  if (has_weights) {
+    a->topk_weights = static_cast<const float*>(args[payloads + 1].untyped_data());
+    a->recv_topk_weights = static_cast<float*>(rets[i++].untyped_data());
+  }
+  a->num_recv_tokens = static_cast<int32_t*>(rets[i++].untyped_data());
+  a->num_recv_tokens_per_expert = static_cast<int32_t*>(rets[i++].untyped_data());
+  a->num_dropped = static_cast<int32_t*>(rets[i++].untyped_data());
+  a->invalid_ids = static_cast<int32_t*>(rets[i++].untyped_data());
+  a->recv_src_index = static_cast<int32_t*>(rets[i++].untyped_data());
+  a->is_token_in_rank = static_cast<bool*>(rets[i++].untyped_data());
+  *next = i;
+  return ffi::Error::Success();
 }
 
 }  // namespace buffer_args
