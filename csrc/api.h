@@ -205,6 +205,107 @@ std::string nvshmem_region_destroy(int64_t buffer_id, bool release);
 }  // namespace jax_ep
 #endif
 
+#if defined(JAX_EP_WITH_NVSHMEM)
+#include "internode_state.h"
+
+namespace jax_ep {
+
+// ---- Internode normal mode (internode.cu, internode_runtime.cu; layouts in internode_state.h) ---------------
+// The normal-mode contract over N nodes of P ranks, one process per GPU. Every rank owns one NVSHMEM symmetric
+// region (allocated collectively by every PE of the job): the header, then `region_bytes` that each op lays
+// out for its shapes. Network traffic goes through NVSHMEM puts and signals, between the ranks of one local
+// index ("rails"); NVLink traffic inside a node reads the node peers' regions through nvshmem_ptr mappings.
+
+struct IntranodeError;  // the timeout record, shared with the intranode mode (intranode_state.h)
+
+// One rank as a kernel launch needs it (copied into the kernel's parameters).
+struct InternodeRank {
+  int32_t rank = 0, num_ranks = 0;
+  int32_t ranks_per_node = 0, num_nodes = 0;
+  int32_t node = 0, local = 0;                   // rank = node * ranks_per_node + local
+  int32_t device_sms = 0;
+  int32_t pe_of_rank[kMaxInternodeRanks] = {};   // NVSHMEM PE of every EP rank
+  char* region = nullptr;                        // this rank's symmetric region (header first)
+  char* node_regions[kMaxRanksPerNode] = {};     // the regions of this node's ranks by local index, mapped here
+  int64_t region_bytes = 0;                      // bytes after the header
+  IntranodeError* error = nullptr;               // this rank's record (pinned host memory, mapped)
+};
+
+// Runtime (internode_runtime.cu). Collective over every NVSHMEM PE (nvshmem_malloc/free), in the same order on
+// every process; failures throw std::runtime_error / std::invalid_argument. pe_of_rank[g] is the PE of EP rank
+// g; ranks of one node must reach each other's symmetric memory by loads and stores (checked).
+void internode_create(int64_t buffer_id, int device_ordinal, int rank, int ranks_per_node,
+                      const std::vector<int>& pe_of_rank, int64_t region_bytes);
+// Waits for the device, then frees the region (collective); returns "" or the CUDA errors met.
+std::string internode_destroy(int64_t buffer_id);
+bool internode_lookup(int64_t buffer_id, int device_ordinal, InternodeRank* out);
+// One line per rank of buffer_id in this process whose kernel timed out (op, rank, the rank it waited for, what).
+std::vector<std::string> internode_errors(int64_t buffer_id);
+// (calls, summed kernel nanoseconds) per device of buffer_id in this process since the last reset.
+std::vector<std::pair<uint64_t, uint64_t>> internode_kernel_times(int64_t buffer_id, bool reset);
+
+struct InternodeCall {
+  InternodeRank group;
+  int32_t num_sms = 0;
+  int64_t timeout_ns = 0;
+  cudaStream_t stream = nullptr;
+};
+
+// Normal dispatch over nodes; outputs as DispatchArgs's. The handle's relay part describes this rank as a relay:
+// relay_row [N*T, P]: row on node peer j of token t of rank (s, local) (index s*T + t), -1 where that peer has
+// none (not routed there, or dropped); relay_token [N*T]: whether that token came into this node at all.
+struct InternodeDispatchArgs {
+  int32_t num_payloads = 0;  // 1, or 2 for the FP8 pair
+  const void* x[2] = {};
+  int64_t x_row_bytes[2] = {};
+  const int32_t* topk_idx = nullptr;
+  const float* topk_weights = nullptr;  // or null
+  int64_t num_tokens = 0, num_topk = 0, num_experts = 0, capacity = 0, expert_alignment = 1;
+  void* recv_x[2] = {};
+  int32_t* recv_topk_idx = nullptr;
+  float* recv_topk_weights = nullptr;   // null iff topk_weights is
+  int32_t* num_recv_tokens = nullptr;
+  int32_t* num_recv_tokens_per_expert = nullptr;
+  int32_t* num_dropped = nullptr;
+  int32_t* invalid_ids = nullptr;
+  int32_t* recv_src_index = nullptr;    // [capacity]: source rank * T + source token; padding R*T
+  bool* is_token_in_rank = nullptr;     // [T, R]
+  int32_t* relay_row = nullptr;         // [N*T, P]
+  bool* relay_token = nullptr;          // [N*T]
+};
+// cudaErrorMemoryAllocation: the shapes need more than region_bytes; cudaErrorInvalidValue: bad sizes.
+cudaError_t internode_dispatch(const InternodeCall& call, const InternodeDispatchArgs& args);
+
+// New data [T, row_bytes] along an earlier dispatch's routing (recv_src_index and is_token_in_rank).
+struct InternodeCachedDispatchArgs {
+  const void* x = nullptr;
+  int64_t row_bytes = 0, num_tokens = 0, capacity = 0;
+  const int32_t* recv_src_index = nullptr;
+  const bool* is_token_in_rank = nullptr;
+  void* recv_x = nullptr;
+};
+cudaError_t internode_cached_dispatch(const InternodeCall& call, const InternodeCachedDispatchArgs& args);
+
+// out[t] = (sum over nodes m in order of partial_m[t]) + bias[t], cast to out_type, where partial_m[t] = the sum
+// over node m's ranks j in order of y_(m,j)[row of t] (float32 both, each starting from 0).
+struct InternodeCombineArgs {
+  const void* y = nullptr;  // [capacity, row_elements]
+  FloatType y_type = FloatType::kF32;
+  int64_t row_elements = 0, capacity = 0, num_tokens = 0;
+  const int32_t* recv_src_index = nullptr;   // [capacity]: which rows of y are valid
+  const bool* is_token_in_rank = nullptr;    // [T, R]: which nodes hold partials of this rank's tokens
+  const int32_t* relay_row = nullptr;        // [N*T, P]
+  const bool* relay_token = nullptr;         // [N*T]
+  const void* bias = nullptr;
+  FloatType bias_type = FloatType::kF32;
+  void* out = nullptr;
+  FloatType out_type = FloatType::kF32;
+};
+cudaError_t internode_combine(const InternodeCall& call, const InternodeCombineArgs& args);
+
+}  // namespace jax_ep
+#endif
+
 #if defined(JAX_EP_WITH_CUDA)
 namespace jax_ep {
 

@@ -56,6 +56,19 @@ __device__ __noinline__ void fail_on_timeout(unsigned* error_claimed, IntranodeE
   __trap();
 }
 
+// Spins until *flag >= target (acquire loads at system scope). Past timeout_ns it calls
+// on_timeout(seen, waited_ns), which records the wait and traps (fail_on_timeout): it does not return.
+template <typename Word, typename OnTimeout>
+__device__ __forceinline__ void wait_at_least(const Word* flag, Word target, int64_t timeout_ns, OnTimeout on_timeout) {
+  Word seen = load_acquire_sys(flag);
+  if (seen >= target) return;
+  const uint64_t start = now_ns();
+  while ((seen = load_acquire_sys(flag)) < target) {
+    const int64_t waited = static_cast<int64_t>(now_ns() - start);
+    if (waited > timeout_ns) on_timeout(seen, waited);
+  }
+}
+
 // Loads of row data. LoadNonCoherent: inputs a peer published before the arrival barrier this block passed
 // (XLA buffers, or rows a staged peer copied earlier in the same call), through the non-coherent path without
 // L1 allocation (rows are read once; this block never read those addresses before the barrier, so no stale
@@ -92,7 +105,15 @@ struct LoadNonCoherent {
 struct LoadL2 {
   template <typename T>
   __device__ __forceinline__ T operator()(const T* ptr) const {
-    if constexpr (sizeof(T) == 16) {
+    if constexpr (sizeof(T) > 16 && sizeof(T) % 16 == 0) {  // e.g. eight float32: 16-byte loads
+      T out;
+#pragma unroll
+      for (int i = 0; i < static_cast<int>(sizeof(T) / 16); ++i) {
+        const uint4 v = __ldcg(reinterpret_cast<const uint4*>(ptr) + i);
+        memcpy(reinterpret_cast<char*>(&out) + 16 * i, &v, 16);
+      }
+      return out;
+    } else if constexpr (sizeof(T) == 16) {
       const uint4 v = __ldcg(reinterpret_cast<const uint4*>(ptr));
       T out;
       memcpy(&out, &v, 16);
@@ -138,6 +159,17 @@ __device__ __forceinline__ void warp_zero_units(Unit* dst, int64_t n, int lane) 
 // Widest unit (16 bytes down to 1) that divides the row size and both addresses.
 __device__ __forceinline__ int unit_bytes(uintptr_t bits) {
   return bits % 16 == 0 ? 16 : bits % 8 == 0 ? 8 : bits % 4 == 0 ? 4 : bits % 2 == 0 ? 2 : 1;
+}
+
+// A warp zeroes a row with the widest stores its size and address allow.
+__device__ __forceinline__ void warp_zero_row(void* dst, int64_t bytes, int lane) {
+  switch (unit_bytes(reinterpret_cast<uintptr_t>(dst) | bytes)) {
+    case 16: return warp_zero_units(static_cast<uint4*>(dst), bytes / 16, lane);
+    case 8: return warp_zero_units(static_cast<uint2*>(dst), bytes / 8, lane);
+    case 4: return warp_zero_units(static_cast<uint32_t*>(dst), bytes / 4, lane);
+    case 2: return warp_zero_units(static_cast<uint16_t*>(dst), bytes / 2, lane);
+    default: return warp_zero_units(static_cast<uint8_t*>(dst), bytes, lane);
+  }
 }
 
 template <int kUnroll, typename Load>

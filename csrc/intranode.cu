@@ -19,15 +19,14 @@
 // Kernel parameters are __grid_constant__: indexed by rank at run time without a copy to local memory.
 // Blocks wait on block 0 of their own rank, so the grid must be co-resident: at most one block per SM.
 // A wait that exceeds timeout_ns fills the rank's host-mapped error record and traps (see api.h).
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <algorithm>
 #include <cstring>
 
 #include "api.h"
 #include "device_common.cuh"
+#include "float_rows.cuh"
 #include "intranode_state.h"
+#include "normal_dispatch.cuh"
 
 namespace jax_ep {
 namespace {
@@ -71,16 +70,6 @@ __device__ void warp_copy_row_pair(void* dst, const void* src, int64_t bytes, vo
   if (has_side) static_cast<uint4*>(side_dst)[lane] = side;
 }
 
-__device__ void warp_zero_row(void* dst, int64_t bytes, int lane) {
-  switch (unit_bytes(reinterpret_cast<uintptr_t>(dst) | bytes)) {
-    case 16: return warp_zero_units(static_cast<uint4*>(dst), bytes / 16, lane);
-    case 8: return warp_zero_units(static_cast<uint2*>(dst), bytes / 8, lane);
-    case 4: return warp_zero_units(static_cast<uint32_t*>(dst), bytes / 4, lane);
-    case 2: return warp_zero_units(static_cast<uint16_t*>(dst), bytes / 2, lane);
-    default: return warp_zero_units(static_cast<uint8_t*>(dst), bytes, lane);
-  }
-}
-
 __device__ __forceinline__ const char* row_of(const void* base, int64_t row, int64_t row_bytes) {
   return static_cast<const char*>(base) + row * row_bytes;
 }
@@ -99,15 +88,10 @@ struct CallContext {  // per block, in shared memory
 
 __device__ __forceinline__ void wait_for_flag(const IntranodeRank& g, const uint64_t* flag, uint64_t call,
                                               IntranodeOp op, IntranodeWait wait, int peer, int64_t timeout_ns) {
-  uint64_t seen = load_acquire_sys(flag);
-  if (seen >= call) return;
-  const uint64_t start = now_ns();
-  while ((seen = load_acquire_sys(flag)) < call) {
-    const int64_t waited = static_cast<int64_t>(now_ns() - start);
-    if (waited > timeout_ns)
-      fail_on_timeout(&g.states[g.rank]->error_claimed, g.error, g.rank, static_cast<int32_t>(op),
-                      static_cast<int32_t>(wait), peer, call, seen, waited);
-  }
+  wait_at_least(flag, call, timeout_ns, [&](uint64_t seen, int64_t waited) {
+    fail_on_timeout(&g.states[g.rank]->error_claimed, g.error, g.rank, static_cast<int32_t>(op),
+                    static_cast<int32_t>(wait), peer, call, seen, waited);
+  });
 }
 
 // Staged groups: one input region copied into this rank's workspace before the arrival, row by row (a row of
@@ -316,12 +300,10 @@ __device__ __forceinline__ void route_own_tokens(const DispatchArgs& a, int num_
   if (threadIdx.x == 0) *a.invalid_ids = invalid;
 }
 
-// A warp receives token t of rank src_rank into `row`: payload rows, top-k ids remapped to local ids,
-// weights where kept, the source index, and this row's (distinct) local experts in the per-expert counts.
+// A warp receives token t of rank src_rank into `row`: payload rows and the top-k row (store_received_topk).
 __device__ __forceinline__ void receive_token(const DispatchArgs& a, const IntranodeView& src, int src_rank, int me,
                                               int num_ranks, int64_t t, int32_t row, int lane) {
   const int num_topk = static_cast<int>(a.num_topk);
-  const int32_t experts_per_rank = static_cast<int32_t>(a.num_experts / num_ranks);
   const int32_t* src_idx = static_cast<const int32_t*>(src.pointers[2]);
   const float* src_weights = static_cast<const float*>(src.pointers[3]);
   int32_t expert = -1;
@@ -337,15 +319,7 @@ __device__ __forceinline__ void receive_token(const DispatchArgs& a, const Intra
   else
     warp_copy_row(row_of(a.recv_x[0], row, a.x_row_bytes[0]), row_of(src.pointers[0], t, a.x_row_bytes[0]),
                   a.x_row_bytes[0], lane);
-  const bool here = expert >= 0 && expert < a.num_experts && expert / experts_per_rank == me;
-  const int32_t local = here ? expert - me * experts_per_rank : -1;
-  if (lane < num_topk) {
-    a.recv_topk_idx[static_cast<int64_t>(row) * num_topk + lane] = local;
-    if (a.recv_topk_weights) a.recv_topk_weights[static_cast<int64_t>(row) * num_topk + lane] = here ? weight : 0.f;
-  }
-  const uint32_t same = __match_any_sync(kFullMask, local);
-  if (local >= 0 && lane == __ffs(same) - 1) atomicAdd(&a.num_recv_tokens_per_expert[local], 1);
-  if (lane == 0) a.recv_src_index[row] = static_cast<int32_t>(src_rank * a.num_tokens + t);
+  store_received_topk(a, me, num_ranks, src_rank, t, row, expert, weight, lane);
 }
 
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_constant__ IntranodeRank g,
@@ -395,42 +369,16 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
   }
   __syncthreads();
 
-  // Received rows: warps take the (source rank, source token) pairs in a strided order, 32 at a time
-  // (one lane each reads where the pair lands), then copy the pairs that land here one after another.
-  // Pair p is token p / R of source (p + me) % R: sources interleave, starting at a different rank on
-  // every receiver, so all ranks' outgoing links carry traffic at once (source-major order would make
-  // every receiver read from rank 0 first, then rank 1, ...). Rows still land in (source, token) order.
-  const int warp_id = global_warp(), num_warps = num_global_warps();
-  const int64_t num_pairs = num_ranks * num_tokens;
-  for (int64_t first = warp_id; first < num_pairs; first += 32LL * num_warps) {
-    const int64_t pair = first + static_cast<int64_t>(lane) * num_warps;
-    const int s = static_cast<int>((pair + me) % num_ranks);
-    const int64_t t = pair / num_ranks;
-    int32_t row = -1;
-    if (pair < num_pairs) {
-      const volatile int32_t* offsets = static_cast<const int32_t*>(ctx.views[s].pointers[4]);
-      const int32_t offset = offsets[t * num_ranks + me];
-      if (offset >= 0 && source_base[s] + offset < capacity) row = source_base[s] + offset;
-    }
-    for (uint32_t todo = __ballot_sync(kFullMask, row >= 0); todo; todo &= todo - 1) {
-      const int src_lane = __ffs(todo) - 1;
-      const int src = __shfl_sync(kFullMask, s, src_lane);
-      const int64_t src_token = __shfl_sync(kFullMask, t, src_lane);
-      const int32_t src_row = __shfl_sync(kFullMask, row, src_lane);
-      receive_token(a, ctx.views[src], src, me, num_ranks, src_token, src_row, lane);
-    }
-  }
-
-  // Padding rows.
-  for (int64_t row = num_recv + warp_id; row < capacity; row += num_warps) {
-    for (int p = 0; p < a.num_payloads; ++p)
-      warp_zero_row(row_of(a.recv_x[p], row, a.x_row_bytes[p]), a.x_row_bytes[p], lane);
-    for (int64_t k = lane; k < a.num_topk; k += 32) {
-      a.recv_topk_idx[row * a.num_topk + k] = -1;
-      if (a.recv_topk_weights) a.recv_topk_weights[row * a.num_topk + k] = 0.f;
-    }
-    if (lane == 0) a.recv_src_index[row] = static_cast<int32_t>(num_pairs);
-  }
+  // Received rows, in (source rank, token) order (see for_each_received_pair), then the padding rows.
+  for_each_received_pair(
+      num_ranks, num_tokens, me,
+      [&](int s, int64_t t) {
+        const volatile int32_t* offsets = static_cast<const int32_t*>(ctx.views[s].pointers[4]);
+        const int32_t offset = offsets[t * num_ranks + me];
+        return offset >= 0 && source_base[s] + offset < capacity ? source_base[s] + offset : -1;
+      },
+      [&](int src, int64_t t, int32_t row) { receive_token(a, ctx.views[src], src, me, num_ranks, t, row, lane); });
+  write_padding_rows(a, num_ranks, num_recv);
 
   // Handle: the row of each of this rank's tokens on each rank (-1 where not sent or dropped).
   for (int64_t j = blockIdx.x * kThreads + threadIdx.x; j < num_tokens * num_ranks; j += gridDim.x * kThreads) {
@@ -439,14 +387,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
     a.send_row[j] = row < capacity ? static_cast<int32_t>(row) : -1;
   }
 
-  finish_call(g, ctx, IntranodeOp::kDispatch, timeout_ns, [&] {
-    if (a.expert_alignment <= 1) return;
-    for (int64_t j = threadIdx.x; j < experts_per_rank; j += kThreads) {
-      const int64_t count = __ldcg(a.num_recv_tokens_per_expert + j);
-      a.num_recv_tokens_per_expert[j] =
-          static_cast<int32_t>((count + a.expert_alignment - 1) / a.expert_alignment * a.expert_alignment);
-    }
-  });
+  finish_call(g, ctx, IntranodeOp::kDispatch, timeout_ns, [&] { align_expert_counts(a, num_ranks); });
 }
 
 // ---- cached dispatch ---------------------------------------------------------------------------------------
@@ -472,24 +413,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // ---- combine -----------------------------------------------------------------------------------------------
-
-template <typename T, int N>
-struct alignas(sizeof(T) * N < 16 ? sizeof(T) * N : 16) Pack {
-  T v[N];
-};
-
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 
 // out[t] = (acc = 0; acc += y_r[row of t on r] for r = 0..R-1 where kept) + bias[t], cast to Out: the
 // float32 rank-order sum of ARCHITECTURE.md §3. A warp reduces one token; lanes take kVec elements each.

@@ -15,11 +15,20 @@ then the pure-JAX baselines (the `xla` backend's low-latency ops, dense all_to_a
 the speedup over the best of them. Bytes as DeepEP counts them per valid (token, expert) pair: H + H/128·4 +
 16 (FP8 dispatch), 2H (BF16 dispatch, combine), on the sending rank, averaged over ranks.
 
+internode: the internode normal mode (NVSHMEM between nodes, NVLink inside them; one process per GPU, so with
+--processes), DeepEP's internode shape by default (T=4096, H=7168, K=8, E=256), on nodes of --ranks-per-node
+GPUs (default: the GPUs of each host). Bandwidth as DeepEP's test_internode counts it, per rank, averaged over
+ranks: "RDMA" = (token, destination node) pairs, the token's own node included, x row bytes; "NVL" = received
+rows x row bytes (BF16: 2H, FP8: H (1 + 4/128)); combine the same as the dispatch it reverses. On one host
+(e.g. 4 GPUs as 2 nodes x 2) the "RDMA" traffic is NVSHMEM over NVLink, not a network figure.
+
 Process models (ARCHITECTURE.md §2): by default one process drives every local GPU. With `--processes N` this
 command is a launcher: it starts N copies of itself, process i owning GPU i, joined through `jax.distributed`
 on localhost, which run the same measurements over the global mesh (collectively: the same programs in the
 same order); process 0 prints and writes --json/--plot, the others' output is shown only when they fail. With
-JAX_PLATFORMS=cpu each process owns one CPU device and collectives go through gloo (for testing).
+JAX_PLATFORMS=cpu each process owns one CPU device and collectives go through gloo (for testing). Across hosts,
+run the launcher on every host with `--nodes M --node-rank i --coordinator HOST:PORT` (host 0's address): host i
+starts processes i*N .. i*N+N-1 of the M*N.
 """
 from __future__ import annotations
 
@@ -45,7 +54,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep import cuda_backend, cuda_low_latency
+from jax_ep import cuda_backend, cuda_low_latency, internode
 from jax_ep.config import FP8_GROUP
 
 
@@ -56,8 +65,9 @@ def _process_model(args) -> str:
 def _mesh(args) -> Mesh:
     """The EP mesh: with --processes every device of the job (one per process), else this process's devices."""
     devices = jax.devices() if args.processes else jax.local_devices()[: args.ranks or None]
-    if args.processes and len(devices) != args.processes:
-        raise RuntimeError(f"--processes {args.processes}: the job has {len(devices)} devices, want one per process")
+    if args.processes and len(devices) != args.processes * args.nodes:
+        raise RuntimeError(f"--processes {args.processes} on {args.nodes} host(s): the job has {len(devices)} devices, "
+                           "want one per process")
     return Mesh(np.array(devices), ("ep",))
 
 
@@ -131,6 +141,13 @@ def _time_per_op(mesh, op, fn_args, args, unroll: bool = True, before_timing=Non
         return time.perf_counter() - start
 
     return statistics.median((wall(long) - wall(short)) / args.iters for _ in range(args.repeats))
+
+
+def _timed_with_kernels(mesh, op, fn_args, args, kernel_times) -> tuple[float, float]:
+    """(in-jit seconds per op, bare kernel seconds per op) of a jax_ep kernel op; kernel_times(reset=False) gives
+    [(calls, summed ns)] per GPU of this process (the kernels' own %globaltimer spans)."""
+    seconds = _time_per_op(mesh, op, fn_args, args, before_timing=lambda: kernel_times(reset=True))
+    return seconds, float(np.mean([ns / calls for calls, ns in kernel_times()])) * 1e-9
 
 
 # ---- pure-JAX baselines (per rank, inside shard_map) ----------------------------------------------------------
@@ -306,9 +323,7 @@ def intranode(args) -> list[dict]:
                 """(in-jit seconds per op, bare kernel seconds per op or None)."""
                 if backend != "cuda":
                     return _time_per_op(mesh, op, fn_args, args), None
-                seconds = _time_per_op(mesh, op, fn_args, args, before_timing=lambda: cuda_backend.kernel_times(buf, reset=True))
-                times = cuda_backend.kernel_times(buf)
-                return seconds, float(np.mean([ns / calls for calls, ns in times])) * 1e-9
+                return _timed_with_kernels(mesh, op, fn_args, args, functools.partial(cuda_backend.kernel_times, buf))
 
             if backend == "cuda" and not args.processes:
                 store_ceiling(buf, sms)
@@ -318,6 +333,86 @@ def intranode(args) -> list[dict]:
                 report(backend, "dispatch", payload, sms, seconds, nbytes, kernel_seconds)
             seconds, kernel_seconds = timed(combine, (d[1], d[0]))
             report(backend, "combine", "BF16", sms, seconds, bf16_bytes, kernel_seconds)
+    return records
+
+
+def internode_bench(args) -> list[dict]:
+    """The internode normal mode: dispatch (BF16, FP8) and combine (BF16) at each --sms, DeepEP's byte counts."""
+    if not args.processes:
+        raise SystemExit("internode mode needs one process per GPU: pass --processes N (and --ranks-per-node P)")
+    mesh = _mesh(args)
+    devices, num_ranks = list(mesh.devices.flat), mesh.devices.size
+    T, H, K, E = args.tokens, args.hidden, args.topk, args.experts
+    per_node = args.ranks_per_node or internode.ranks_per_node_of(mesh, "ep", None)
+    num_nodes = num_ranks // per_node
+    rng = np.random.default_rng(0)
+    topk_idx_host = _topk_idx(rng, num_ranks, T, K, E)
+    topk_idx = _global(mesh, topk_idx_host)
+    x = _global(mesh, rng.standard_normal((num_ranks * T, H), dtype=np.float32).astype(jnp.bfloat16))
+    x_fp8 = _spmd(mesh, jax_ep.per_token_cast_to_fp8)(x)
+
+    # DeepEP's test_internode counts, per rank then averaged: (token, node) pairs and received rows.
+    in_node = np.any(topk_idx_host[:, :, None] // (E // num_nodes) == np.arange(num_nodes), axis=1)  # [R*T, N]
+    own_node = np.repeat(np.arange(num_ranks) // per_node, T)
+    rdma_rows = float(in_node.sum()) / num_ranks
+    cross_rows = float(in_node.sum() - in_node[np.arange(num_ranks * T), own_node].sum()) / num_ranks
+    in_rank = np.any(topk_idx_host[:, :, None] // (E // num_ranks) == np.arange(num_ranks), axis=1)  # [R*T, R]
+    recv_rows = float(in_rank.sum()) / num_ranks
+    fp8_factor = (1 + 4 / FP8_GROUP) / 2
+    one_host = len({internode._process_hosts()[d.process_index] for d in devices}) == 1
+    print(f"[internode] {num_ranks} ranks = {num_nodes} nodes x {per_node} ({devices[0].device_kind}), one process per "
+          f"GPU, T={T} H={H} K={K} E={E}, {args.iters} ops per timed loop, median of {args.repeats}; per rank "
+          f"{rdma_rows:.0f} (token, node) pairs ({cross_rows:.0f} to other nodes), {recv_rows:.0f} received rows; "
+          "kernel t: process 0's GPU", flush=True)
+    if one_host:
+        print("[internode] every rank is on one host: the RDMA figures are NVSHMEM traffic over NVLink between the "
+              "emulated nodes, not network figures", flush=True)
+    records = []
+
+    def report(backend, op, payload, sms, seconds, kernel_seconds=None):
+        factor = fp8_factor if payload == "FP8" else 1.0
+        rdma_bytes, nvl_bytes = rdma_rows * H * 2 * factor, recv_rows * H * 2 * factor
+        record = dict(backend=backend, op=op, payload=payload, num_sms=sms, num_ranks=num_ranks, num_nodes=num_nodes,
+                      ranks_per_node=per_node, tokens=T, hidden=H, topk=K, experts=E, one_host=one_host,
+                      rdma_rows=rdma_rows, cross_node_rows=cross_rows, recv_rows=recv_rows, t_us=seconds * 1e6,
+                      rdma_gbps=rdma_bytes / seconds / 1e9, nvl_gbps=nvl_bytes / seconds / 1e9)
+        sm_text = "" if sms is None else f", SMs {sms}"
+        line = (f"[internode] {backend} {op} ({payload}{sm_text}): {record['rdma_gbps']:.2f} GB/s (RDMA), "
+                f"{record['nvl_gbps']:.2f} GB/s (NVL), t: {record['t_us']:.2f} us")
+        if kernel_seconds:
+            record.update(kernel_us=kernel_seconds * 1e6, in_jit_overhead=seconds / kernel_seconds - 1)
+            line += f", kernel t: {record['kernel_us']:.2f} us"
+        records.append(record)
+        print(line, flush=True)
+
+    num_rdma_bytes = max(jax_ep.internode_buffer_bytes(T, H, num_ranks, K, per_node, fp8=fp8) for fp8 in (False, True))
+    print(f"[internode] Buffer num_rdma_bytes={num_rdma_bytes} ({num_rdma_bytes / 2**20:.0f} MiB per GPU); combine "
+          "sends float32 partials between nodes (twice the counted RDMA bytes of BF16)", flush=True)
+    for sms in args.sms:
+        with jax_ep.Buffer(mesh, "ep", backend="cuda", config=jax_ep.Config(num_sms=sms), ranks_per_node=per_node,
+                           num_rdma_bytes=num_rdma_bytes) as buf:
+            if not buf.internode:
+                raise RuntimeError(f"the Buffer did not take the internode kernels: {buf}")
+            kernel_times = functools.partial(internode.kernel_times, buf)
+
+            def dispatch(idx, payload):
+                return jax_ep.dispatch(buf, payload, idx, num_experts=E)
+
+            def combine(handle, y):
+                return jax_ep.combine(buf, y, handle).x
+
+            d = _spmd(mesh, lambda i, p: (lambda r: (r.recv_x, r.handle))(dispatch(i, p)))(topk_idx, x)
+            for payload, data in (("BF16", x), ("FP8", x_fp8)):
+                report("cuda", "dispatch", payload, sms,
+                       *_timed_with_kernels(mesh, dispatch, (topk_idx, data), args, kernel_times))
+            report("cuda", "combine", "BF16", sms,
+                   *_timed_with_kernels(mesh, combine, (d[1], d[0]), args, kernel_times))
+    if args.baselines:
+        for backend, op, payload, result in _baseline_times(mesh, args, topk_idx, x, E):
+            if isinstance(result, str):
+                print(f"[internode] {backend}: {result}", flush=True)
+            else:
+                report(backend, op, payload, None, result)
     return records
 
 
@@ -563,7 +658,8 @@ def _launch(args, argv: list[str]) -> int:
     """--processes N: runs N copies of this command, process i owning GPU i (every process sees every GPU, for
     CUDA IPC), joined through jax.distributed on a free localhost port. Process 0's output passes through,
     the others' goes to log files whose last lines are printed when they fail. Returns 0 when all succeeded."""
-    port = _free_port()
+    coordinator = args.coordinator or f"127.0.0.1:{_free_port()}"
+    first = args.node_rank * args.processes  # this host's first process
     package_root = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ, PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p))
@@ -577,8 +673,8 @@ def _launch(args, argv: list[str]) -> int:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
         try:
             for i, log in enumerate(logs):
-                command = [sys.executable, "-m", "jax_ep.bench", *argv, "--process-id", str(i),
-                           "--coordinator-port", str(port)]
+                command = [sys.executable, "-m", "jax_ep.bench", *argv, "--process-id", str(first + i),
+                           "--local-device", str(i), "--coordinator", coordinator]
                 procs.append(subprocess.Popen(command, env=env, stdout=None if i == 0 else log,
                                               stderr=None if i == 0 else log))
             codes = _wait_for(procs, args.deadline)
@@ -590,27 +686,28 @@ def _launch(args, argv: list[str]) -> int:
             what = f"exited with code {code}" if code is not None else "was killed (deadline, or a peer failed)"
             log.seek(0)
             tail = "its output is above" if i == 0 else "last lines:\n" + "".join(log.readlines()[-40:])
-            print(f"[bench] process {i} of {args.processes} {what}; {tail}", file=sys.stderr, flush=True)
+            print(f"[bench] process {first + i} of {args.processes * args.nodes} {what}; {tail}", file=sys.stderr,
+                  flush=True)
         for log in logs:
             log.close()
     return 0 if codes == [0] * args.processes else 1
 
 
 def _join(args) -> None:
-    """A worker of --processes joins jax.distributed as process `process_id`: on GPU owning GPU `process_id`
-    only, on CPU with its CPU device (gloo collectives)."""
+    """A worker of --processes joins jax.distributed as process `process_id`: on GPU owning its host's GPU
+    `local_device` only, on CPU with its CPU device (gloo collectives)."""
     owned = {}
     if _on_cpu():
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     else:
-        owned["local_device_ids"] = [args.process_id]
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.coordinator_port}",
-                               num_processes=args.processes, process_id=args.process_id,
-                               initialization_timeout=120, **owned)
+        owned["local_device_ids"] = [args.local_device]
+    jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.processes * args.nodes,
+                               process_id=args.process_id, initialization_timeout=120, **owned)
 
 
 # DeepEP's benchmark shapes: (tokens per rank, hidden, top-k, experts).
-DEFAULT_SHAPES = {"intranode": (4096, 7168, 8, 256), "low_latency": (128, 7168, 8, 288)}
+DEFAULT_SHAPES = {"intranode": (4096, 7168, 8, 256), "low_latency": (128, 7168, 8, 288),
+                  "internode": (4096, 7168, 8, 256)}
 
 
 def main(argv=None) -> int:
@@ -623,8 +720,16 @@ def main(argv=None) -> int:
                              "one process driving every GPU")
     parser.add_argument("--deadline", type=float, default=1800,
                         help="with --processes: seconds after which the processes still running are killed")
+    parser.add_argument("--nodes", type=int, default=1,
+                        help="with --processes: hosts running the launcher (each starts --processes workers)")
+    parser.add_argument("--node-rank", type=int, default=0, help="with --nodes: this host's index")
+    parser.add_argument("--coordinator", help="with --nodes: HOST:PORT of the jax.distributed coordinator "
+                                              "(on host 0; default: a free port on localhost)")
+    parser.add_argument("--ranks-per-node", type=int, default=0,
+                        help="internode: GPUs per node (default: the GPUs of each host); e.g. 2 runs 4 GPUs of one "
+                             "host as 2 nodes x 2")
     parser.add_argument("--process-id", type=int, help=argparse.SUPPRESS)  # a worker of --processes
-    parser.add_argument("--coordinator-port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--local-device", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--tokens", type=int, help="tokens per rank (default 4096 intranode, 128 low_latency)")
     parser.add_argument("--hidden", type=int, help="default 7168")
     parser.add_argument("--topk", type=int, help="default 8")
@@ -653,16 +758,19 @@ def main(argv=None) -> int:
     for name, default in zip(("tokens", "hidden", "topk", "experts"), DEFAULT_SHAPES[args.mode]):
         if getattr(args, name) is None:
             setattr(args, name, default)
-    if args.mode == "low_latency" and args.plot:
+    if args.mode != "intranode" and args.plot:
         parser.error("--plot draws the intranode SM sweep only")
     if args.processes < 0 or (args.processes and args.ranks not in (0, args.processes)):
         parser.error("--processes N runs N ranks, one per process (leave --ranks out)")
+    if args.nodes < 1 or not 0 <= args.node_rank < args.nodes or (args.nodes > 1 and not args.coordinator):
+        parser.error("--nodes M needs --node-rank in [0, M) and --coordinator HOST:PORT")
     if args.processes and args.process_id is None:
         return _launch(args, sys.argv[1:] if argv is None else list(argv))
     if args.process_id is not None:
         _join(args)
     try:
-        records = intranode(args) if args.mode == "intranode" else low_latency(args)
+        modes = {"intranode": intranode, "low_latency": low_latency, "internode": internode_bench}
+        records = modes[args.mode](args)
         if jax.process_index() == 0:
             if args.json:
                 with open(args.json, "w") as f:

@@ -9,7 +9,7 @@ from typing import Literal
 import jax
 from jax.sharding import Mesh
 
-from jax_ep import _native, cuda_backend
+from jax_ep import _native, cuda_backend, internode
 from jax_ep._checks import is_int
 from jax_ep.config import HIDDEN_ALIGNMENT, Config
 
@@ -113,6 +113,13 @@ class Buffer:
     process per GPU over every process of the job; creating the Buffer initialises NVSHMEM and is collective).
     The environment variable JAX_EP_LL_TRANSPORT=nvshmem makes "auto" mean "nvshmem" (for tests and benchmarks).
     The resolved choice is `buffer.low_latency_transport`: "peer_stores", "nvshmem", or None.
+
+    `ranks_per_node`: GPUs per node along the EP axis (EP rank g sits on node g // ranks_per_node). When it is
+    below the axis size, or when it is not given and the axis spans several hosts, the cuda backend runs the
+    internode normal mode (NVSHMEM between nodes, NVLink inside them; one process per GPU, see
+    `jax_ep.internode`). Setting it on one host (e.g. 2 on 4 GPUs) runs that mode with NVSHMEM carrying the
+    traffic between the "nodes". `num_rdma_bytes` (internode mode): the per-GPU NVSHMEM region, default 1 GiB;
+    `jax_ep.internode_buffer_bytes(...)` gives what given shapes need; a call that needs more raises.
     """
 
     def __init__(
@@ -127,6 +134,8 @@ class Buffer:
         num_experts: int | None = None,
         num_nvl_bytes: int | None = None,
         low_latency_transport: LowLatencyTransport = "auto",
+        ranks_per_node: int | None = None,
+        num_rdma_bytes: int | None = None,
     ):
         if not isinstance(mesh, Mesh):
             raise TypeError(f"jax_ep.Buffer: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
@@ -139,7 +148,8 @@ class Buffer:
             raise TypeError(f"jax_ep.Buffer: config must be a jax_ep.Config, got {type(config).__name__}")
         self.config = config if config is not None else Config()
         for name, value in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank), ("hidden", hidden),
-                            ("num_experts", num_experts), ("num_nvl_bytes", num_nvl_bytes)):
+                            ("num_experts", num_experts), ("num_nvl_bytes", num_nvl_bytes),
+                            ("num_rdma_bytes", num_rdma_bytes)):
             if value is not None and not is_int(value):
                 raise TypeError(f"jax_ep.Buffer: {name} must be an integer, got {value!r}")
         self.platform = _platform_of(mesh)
@@ -157,6 +167,13 @@ class Buffer:
             )
         if num_nvl_bytes is not None and num_nvl_bytes < 0:
             raise ValueError(f"jax_ep.Buffer: num_nvl_bytes must be >= 0, got {num_nvl_bytes}")
+        if num_rdma_bytes is not None and num_rdma_bytes < 0:
+            raise ValueError(f"jax_ep.Buffer: num_rdma_bytes must be >= 0, got {num_rdma_bytes}")
+        if ranks_per_node is not None:
+            ranks_per_node = internode.ranks_per_node_of(mesh, axis_name, ranks_per_node)  # checks it
+        self.ranks_per_node = ranks_per_node  # set below when the cuda backend finds the nodes itself
+        self.num_rdma_bytes = internode.DEFAULT_NUM_RDMA_BYTES if num_rdma_bytes is None else int(num_rdma_bytes)
+        self.internode = False  # the cuda backend runs the internode kernels
         self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank
         self.hidden = hidden
         self.num_experts = num_experts
@@ -165,21 +182,49 @@ class Buffer:
         self.low_latency_offset = None  # byte offset of the low-latency region in its allocation (cuda)
         self.buffer_id = next(_buffer_ids)  # this process's name of the Buffer in jax_ep._C
         self.collective_name = None  # its key-value store name when it spans processes (cuda_backend)
-        if self.backend == "cuda" and backend == "auto" and cuda_backend.unsupported_reason(mesh, axis_name):
-            self.backend = "xla"  # e.g. more ranks than the kernels support: the portable backend serves it
         has_low_latency_sizes = None not in (num_max_dispatch_tokens_per_rank, hidden, num_experts)
         self.low_latency_transport = resolve_low_latency_transport(
             low_latency_transport, backend=self.backend, low_latency=has_low_latency_sizes,
             one_process_per_gpu=one_process_per_gpu(mesh))
         if self.backend == "cuda":
-            try:
-                cuda_backend.create(self)
-            except cuda_backend.SpansHostsError:
-                if backend != "auto":
-                    raise
-                self.backend = "xla"  # every process sees the same hosts, so all fall back together
+            self._create_cuda(auto=backend == "auto")
+            if self.backend != "cuda" or self.internode:  # fell back, or internode (it has no low-latency ops)
                 self.low_latency_transport = None
         self._alive = True
+
+    def _create_cuda(self, auto: bool) -> None:
+        """The cuda backend's device state: the internode kernels when the EP axis spans several nodes, else the
+        intranode ones. With backend='auto' a mesh the kernels cannot serve falls back to the xla backend (every
+        process sees the same mesh and hosts, so all fall back together)."""
+        try:
+            per_node = internode.ranks_per_node_of(self.mesh, self.axis_name, self.ranks_per_node)
+        except internode.IrregularNodesError:
+            if not auto:
+                raise
+            self.backend = "xla"
+            return
+        if per_node < self.num_ranks:
+            self.ranks_per_node = per_node
+            reason = internode.unsupported_reason(self)
+            if reason:
+                if not auto:
+                    raise NotImplementedError(f"jax_ep.Buffer: {reason}")
+                warnings.warn(f"jax_ep.Buffer: the EP axis spans {self.num_ranks // per_node} nodes of {per_node} "
+                              f"ranks, but {reason}; backend='auto' uses the xla backend", RuntimeWarning, stacklevel=3)
+                self.backend = "xla"
+                return
+            self.internode = True
+            internode.create(self)
+            return
+        if auto and cuda_backend.unsupported_reason(self.mesh, self.axis_name):
+            self.backend = "xla"  # e.g. more ranks than the kernels support: the portable backend serves it
+            return
+        try:
+            cuda_backend.create(self)
+        except cuda_backend.SpansHostsError:
+            if not auto:
+                raise
+            self.backend = "xla"
 
     @property
     def alive(self) -> bool:
@@ -192,7 +237,7 @@ class Buffer:
     def destroy(self) -> None:
         """Releases the buffer's device memory. Idempotent."""
         if self._alive and self.backend == "cuda":
-            problems = cuda_backend.destroy(self)
+            problems = internode.destroy(self) if self.internode else cuda_backend.destroy(self)
             if problems:
                 warnings.warn(f"jax_ep.Buffer.destroy: {problems}", RuntimeWarning, stacklevel=2)
         self._alive = False
@@ -204,7 +249,10 @@ class Buffer:
         self.destroy()
 
     def __repr__(self) -> str:
+        nodes = ""
+        if self.internode:
+            nodes = f", internode: {self.num_ranks // self.ranks_per_node} nodes x {self.ranks_per_node}"
         return (
-            f"Buffer(axis={self.axis_name!r}, ranks={self.num_ranks}, backend={self.backend!r}, "
+            f"Buffer(axis={self.axis_name!r}, ranks={self.num_ranks}, backend={self.backend!r}{nodes}, "
             f"platform={self.platform!r})"
         )

@@ -346,8 +346,12 @@ def kernel_times(buffer, reset: bool = False) -> list[tuple[int, int]]:
 
 
 def errors(buffer) -> list[str]:
-    """One line per rank of this process whose kernel (normal or low-latency mode) timed out waiting for a peer
-    (op, rank, peer, call)."""
+    """One line per rank of this process whose kernel (normal, low-latency or internode mode) timed out waiting
+    for a peer (op, rank, peer, call)."""
+    if buffer.internode:
+        from jax_ep import internode  # which builds on this module
+
+        return internode.errors(buffer)
     return list(_native._C.intranode_errors(buffer.buffer_id)) + cuda_low_latency.errors(buffer)
 
 
@@ -371,22 +375,37 @@ def dispatch(x_leaves, topk_idx, topk_weights, *, params: KernelParams, num_rank
     row_bytes = tuple(_row_bytes(leaf) for leaf in x_leaves)
     _check_staging("dispatch", params,
                    dispatch_staging_bytes(num_tokens, row_bytes, num_topk, num_ranks, topk_weights is not None))
+    routing = ((num_tokens, num_ranks), int32)
+    outs, (_send_offset, send_row) = call_dispatch(
+        DISPATCH_TARGET, x_leaves, topk_idx, topk_weights, (routing, routing), params=params, num_ranks=num_ranks,
+        num_experts=num_experts, capacity=capacity, expert_alignment=expert_alignment)
+    *results, recv_src_index, is_token_in_rank = outs
+    return (*results, IntranodeHandle(recv_src_index, is_token_in_rank, send_row))
+
+
+def call_dispatch(target: str, x_leaves, topk_idx, topk_weights, handle_types, *, params, num_ranks, num_experts,
+                  capacity, expert_alignment):
+    """The normal-mode dispatch FFI call (intranode or internode kernels): its operands, the results every
+    dispatch kernel writes and then results of `handle_types` ((shape, dtype) pairs). Returns ((recv leaves,
+    recv_topk_idx, recv_topk_weights or None, num_recv_tokens, num_recv_tokens_per_expert, num_dropped,
+    invalid_ids, recv_src_index, is_token_in_rank), the results of handle_types)."""
+    num_tokens, num_topk = topk_idx.shape
     aval = jax.typeof(x_leaves[0])
 
     def result(shape, dtype):
         return aval.update(shape=shape, dtype=dtype)
 
-    routing = (num_tokens, num_ranks)
     result_types = [result((capacity, *leaf.shape[1:]), leaf.dtype) for leaf in x_leaves]
     result_types.append(result((capacity, num_topk), int32))
     if topk_weights is not None:
         result_types.append(result((capacity, num_topk), jnp.float32))
     result_types += [
         result((), int32), result((num_experts // num_ranks,), int32), result((), int32), result((), int32),
-        result((capacity,), int32), result(routing, jnp.bool_), result(routing, int32), result(routing, int32),
+        result((capacity,), int32), result((num_tokens, num_ranks), jnp.bool_),
+        *(result(shape, dtype) for shape, dtype in handle_types),
     ]
     operands = (*x_leaves, topk_idx) + (() if topk_weights is None else (topk_weights,))
-    outs = list(jax.ffi.ffi_call(DISPATCH_TARGET, result_types)(
+    outs = list(jax.ffi.ffi_call(target, result_types)(
         *operands, num_payloads=np.int64(len(x_leaves)), num_experts=np.int64(num_experts),
         expert_alignment=np.int64(expert_alignment), **params.attributes(),
     ))
@@ -394,9 +413,8 @@ def dispatch(x_leaves, topk_idx, topk_weights, *, params: KernelParams, num_rank
     outs = outs[len(x_leaves):]
     recv_topk_idx = outs.pop(0)
     recv_topk_weights = None if topk_weights is None else outs.pop(0)
-    num_recv, per_expert, dropped, invalid, recv_src_index, is_token_in_rank, _send_offset, send_row = outs
-    handle = IntranodeHandle(recv_src_index, is_token_in_rank, send_row)
-    return (recv_leaves, recv_topk_idx, recv_topk_weights, num_recv, per_expert, dropped, invalid, handle)
+    common, extra = outs[:6], outs[6:]
+    return (recv_leaves, recv_topk_idx, recv_topk_weights, *common), tuple(extra)
 
 
 def cached_dispatch(leaf, handle, *, params: KernelParams) -> jax.Array:
@@ -413,19 +431,24 @@ def combine(y, handle: IntranodeHandle, *, params: KernelParams, bias=None, out_
     if not isinstance(handle, IntranodeHandle):
         raise TypeError("jax_ep.combine (cuda): the handle must come from a dispatch of the cuda backend, got "
                         f"{type(handle).__name__}")
-    # The kernel reads f32/bf16/f16 and writes y's type or f32; other types widen to f32 first, exactly as
-    # the float32 sum would (the xla backend's semantics).
-    if y.dtype not in _FLOAT_TYPES:
-        y = y.astype(jnp.float32)
-    if bias is not None and bias.dtype not in (y.dtype, jnp.float32):
-        bias = bias.astype(jnp.float32)
-    kernel_out = out_dtype if out_dtype in (y.dtype, jnp.float32) else jnp.float32
+    y, bias, kernel_out = combine_kernel_types(y, bias, out_dtype)
     num_tokens = handle.send_row.shape[0]
     _check_staging("combine", params, _staged(y.shape[0] * _row_bytes(y)))
     result_type = jax.typeof(y).update(shape=(num_tokens, *y.shape[1:]), dtype=kernel_out)
     operands = (y, handle.send_row, handle.recv_src_index) + (() if bias is None else (bias,))
     out = jax.ffi.ffi_call(COMBINE_TARGET, result_type)(*operands, **params.attributes())
     return out.astype(out_dtype)
+
+
+def combine_kernel_types(y, bias, out_dtype):
+    """(y, bias, the kernel's output dtype) as the combine kernels take them: they read f32/bf16/f16 rows and
+    write y's type or f32; other types widen to f32 first, exactly as the float32 sum would (the xla backend's
+    semantics), and the caller casts the kernel's output to out_dtype."""
+    if y.dtype not in _FLOAT_TYPES:
+        y = y.astype(jnp.float32)
+    if bias is not None and bias.dtype not in (y.dtype, jnp.float32):
+        bias = bias.astype(jnp.float32)
+    return y, bias, out_dtype if out_dtype in (y.dtype, jnp.float32) else jnp.float32
 
 
 def store_probe(token, *, params: KernelParams, num_ranks: int, bytes_per_peer: int) -> jax.Array:

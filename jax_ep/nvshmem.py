@@ -3,6 +3,8 @@ creates and the `jax.distributed` key-value store carries to every process. jax_
 process: keep XLA's experimental NVSHMEM flag (`--xla_gpu_experimental_enable_nvshmem`) off."""
 from __future__ import annotations
 
+import os
+
 import jax
 
 from jax_ep import _native
@@ -14,12 +16,17 @@ def available() -> bool:
     return _native.with_nvshmem()
 
 
-def initialize(timeout_s: float = 60.0) -> None:
-    """Collective over every jax process (each with exactly one local GPU); a no-op once done."""
+def initialize(timeout_s: float = 60.0, symmetric_bytes: int | None = None) -> None:
+    """Collective over every jax process (each with exactly one local GPU); a no-op once done.
+
+    symmetric_bytes: the symmetric heap per PE that the caller needs; used as NVSHMEM_SYMMETRIC_SIZE when that
+    variable is not set (NVSHMEM reads it once, here)."""
     if not available():
         raise RuntimeError("jax_ep: this build has no NVSHMEM (install the cuda12/cuda13 extra and rebuild)")
     if _native._C.nvshmem_is_initialized():
         return
+    if symmetric_bytes is not None and "NVSHMEM_SYMMETRIC_SIZE" not in os.environ:
+        os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(int(symmetric_bytes))
     from jax._src import distributed
 
     client = distributed.global_state.client

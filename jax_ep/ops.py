@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import _checks, _native, cuda_backend, cuda_low_latency, xla_backend
+from jax_ep import _checks, _native, cuda_backend, cuda_low_latency, internode, xla_backend
 from jax_ep.buffer import Buffer
 from jax_ep.types import (
     CombineResult,
@@ -103,7 +103,13 @@ class _NormalSpec:
     num_experts: int
     capacity: int
     expert_alignment: int
-    kernel: cuda_backend.KernelParams | None = None  # the cuda backend's buffer id, SM count and timeout
+    # The kernels' buffer id, SM count and timeout: backend "cuda" (intranode) or "internode" (the cuda backend
+    # over several nodes).
+    kernel: cuda_backend.KernelParams | internode.InternodeParams | None = None
+
+
+# The kernel modules by _NormalSpec.backend: the same per-rank functions (dispatch, cached_dispatch, combine).
+_KERNELS = {"cuda": cuda_backend, "internode": internode}
 
 
 def _backend_dispatch(spec: _NormalSpec, x, topk_idx, topk_weights):
@@ -112,8 +118,8 @@ def _backend_dispatch(spec: _NormalSpec, x, topk_idx, topk_weights):
             _leaves(x), topk_idx, topk_weights, axis_name=spec.axis_name, num_ranks=spec.num_ranks,
             num_experts=spec.num_experts, capacity=spec.capacity, expert_alignment=spec.expert_alignment,
         )
-    if spec.backend == "cuda":
-        return cuda_backend.dispatch(
+    if spec.backend in _KERNELS:
+        return _KERNELS[spec.backend].dispatch(
             _leaves(x), topk_idx, topk_weights, params=spec.kernel, num_ranks=spec.num_ranks,
             num_experts=spec.num_experts, capacity=spec.capacity, expert_alignment=spec.expert_alignment,
         )
@@ -123,17 +129,19 @@ def _backend_dispatch(spec: _NormalSpec, x, topk_idx, topk_weights):
 def _backend_cached_dispatch(spec: _NormalSpec, leaf, handle):
     if spec.backend == "xla":
         return xla_backend.cached_dispatch(leaf, handle, axis_name=spec.axis_name)
-    if spec.backend == "cuda":
-        return cuda_backend.cached_dispatch(leaf, handle, params=spec.kernel)
+    if spec.backend in _KERNELS:
+        return _KERNELS[spec.backend].cached_dispatch(leaf, handle, params=spec.kernel)
     raise NotImplementedError(f"jax_ep: no {spec.backend!r} cached dispatch kernel in this build")
 
 
-def _backend_combine(spec: _NormalSpec, leaf, handle):
-    """float32 [T, ...]: rows summed over the ranks that received each token, in rank order."""
+def _backend_combine(spec: _NormalSpec, leaf, handle, bias=None, out_dtype=jnp.float32):
+    """[T, ...] of out_dtype: rows summed in float32 over the ranks that received each token (in rank order;
+    internode: per node, then over nodes), plus `bias` in float32, cast once."""
     if spec.backend == "xla":
-        return xla_backend.combine(leaf, handle, axis_name=spec.axis_name, num_ranks=spec.num_ranks)
-    if spec.backend == "cuda":
-        return cuda_backend.combine(leaf, handle, params=spec.kernel)
+        out = xla_backend.combine(leaf, handle, axis_name=spec.axis_name, num_ranks=spec.num_ranks)
+        return (out if bias is None else out + bias.astype(jnp.float32)).astype(out_dtype)
+    if spec.backend in _KERNELS:  # the kernel adds the bias and casts (one pass over [T, H])
+        return _KERNELS[spec.backend].combine(leaf, handle, params=spec.kernel, bias=bias, out_dtype=out_dtype)
     raise NotImplementedError(f"jax_ep: no {spec.backend!r} combine kernel in this build")
 
 
@@ -181,13 +189,7 @@ _cached_dispatch.defvjp(_cached_dispatch_fwd, _cached_dispatch_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _combine(spec, y, handle, topk_weights, bias):
-    if spec.backend == "cuda":  # the kernel adds the bias and casts (one pass over [T, H])
-        out = cuda_backend.combine(y, handle, params=spec.kernel, bias=bias, out_dtype=y.dtype)
-    else:
-        out = _backend_combine(spec, y, handle)
-        if bias is not None:
-            out = out + bias.astype(jnp.float32)
-        out = out.astype(y.dtype)
+    out = _backend_combine(spec, y, handle, bias, y.dtype)
     weights = None if topk_weights is None else _backend_combine(spec, topk_weights, handle)
     return CombineResult(out, weights)
 
@@ -210,12 +212,16 @@ _combine.defvjp(_combine_fwd, _combine_bwd)
 def _normal_spec(op: str, buffer: Buffer, num_experts, capacity=None, expert_alignment=1) -> _NormalSpec:
     buffer.check_alive()
     num_ranks = _checks.num_ranks(op, buffer.axis_name, buffer.num_ranks)
+    if buffer.internode:
+        backend, kernel = "internode", internode.params(buffer)
+    else:
+        backend, kernel = buffer.backend, cuda_backend.kernel_params(buffer) if buffer.backend == "cuda" else None
     return _NormalSpec(
-        backend=buffer.backend, axis_name=buffer.axis_name, num_ranks=num_ranks,
+        backend=backend, axis_name=buffer.axis_name, num_ranks=num_ranks,
         num_experts=0 if num_experts is None else _checks.num_experts(op, num_experts, num_ranks),
         capacity=0 if capacity is None else _checks.positive(op, "max_recv_tokens", capacity),
         expert_alignment=_checks.positive(op, "expert_alignment", expert_alignment),
-        kernel=cuda_backend.kernel_params(buffer) if buffer.backend == "cuda" else None,
+        kernel=kernel,
     )
 
 

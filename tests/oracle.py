@@ -5,6 +5,7 @@ Written from the text of §3 and the team's choices where §3 is silent, never f
 - a top-k row may repeat an expert: counts are per distinct (token, expert), recv_topk_idx keeps every entry;
 - normal dispatch below capacity keeps the first C rows in (source rank, source token) order, drops the rest;
 - combine accumulates in float32 as `acc = 0; for r in 0..R-1: acc = acc + y_r[row]`, then `+ bias`, then casts;
+  internode combine sums per node first (float32, rank order), then the nodes' partials (float32, node order);
 - low-latency rows of a local expert are the distinct (source rank, source token) pairs in that order;
 - FP8: per row and 128 channels, scale = max(amax, 1e-4) / 448 (optionally rounded up to a power of two),
   value = x / scale as float8_e4m3fn; UE8M0 packs the biased exponents of four scales per int32, little-endian.
@@ -189,6 +190,40 @@ def combine(
         acc = acc + np.asarray(bias).astype(F32)
     w = None if topk_weights is None else _sum_back_f32(np.asarray(topk_weights), route)
     return acc.astype(y.dtype), w
+
+
+def combine_internode(
+    y: np.ndarray,
+    route: Routing,
+    ranks_per_node: int,
+    topk_weights: np.ndarray | None = None,
+    bias: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """combine() with the internode order (§3 "Internode normal mode": reduce inside the node, then across
+    nodes). Ranks r = node * ranks_per_node + j. For every home token: per node m, partial_m = 0;
+    partial_m = partial_m + y_r[row] for the node's ranks r that kept it, in r order (float32); then acc = 0;
+    acc = acc + partial_m for m = 0, 1, ... (float32); then + bias; then cast. A node that kept nothing adds
+    +0.0, which changes no sum that starts from +0.0."""
+    y = np.asarray(y)
+    acc = _sum_back_by_node_f32(y, route, ranks_per_node)
+    if bias is not None:
+        acc = acc + np.asarray(bias).astype(F32)
+    w = None if topk_weights is None else _sum_back_by_node_f32(np.asarray(topk_weights), route, ranks_per_node)
+    return acc.astype(y.dtype), w
+
+
+def _sum_back_by_node_f32(v: np.ndarray, route: Routing, ranks_per_node: int) -> np.ndarray:
+    R, T = route.num_ranks, route.num_tokens
+    assert R % ranks_per_node == 0, (R, ranks_per_node)
+    partial = np.zeros((R // ranks_per_node, R, T) + v.shape[2:], dtype=F32)
+    for r, rw in enumerate(route.rows):  # r ascending: within a node, local rank order
+        if len(rw):
+            part = partial[r // ranks_per_node]
+            part[rw[:, 0], rw[:, 1]] = part[rw[:, 0], rw[:, 1]] + v[r, : len(rw)].astype(F32)
+    acc = np.zeros((R, T) + v.shape[2:], dtype=F32)
+    for part in partial:  # node order
+        acc = acc + part
+    return acc
 
 
 # --- normal-mode VJPs ---------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """python -m jax_ep.bench {low_latency,intranode} --processes 2 on CPU, tiny: the launcher starts two
 jax.distributed processes (one CPU device each, gloo), both run the benchmark over the global 2-rank mesh,
 process 0 alone prints and writes the JSON, which records the process model; a failing worker makes the
-launcher exit non-zero with that worker's last lines."""
+launcher exit non-zero with that worker's last lines. The internode mode refuses to run without one process per
+GPU, and a launch over several hosts without a coordinator."""
 from __future__ import annotations
 
 import json
@@ -62,3 +63,19 @@ def test_failing_worker_fails_the_launcher(tmp_path):
     assert "[bench] process 1 of 2 exited with code 1; last lines:" in run.stderr, run.stderr
     assert "backend='cuda' needs CUDA devices" in run.stderr.split("[bench] process 1 of 2")[1], run.stderr
     assert not path.exists()
+
+
+def test_internode_needs_one_process_per_gpu():
+    run = subprocess.run([sys.executable, "-m", "jax_ep.bench", "internode", "--tokens", "8", "--hidden", "128"],
+                         cwd=REPO_ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode != 0 and "internode mode needs one process per GPU: pass --processes N" in run.stderr, \
+        run.stdout + run.stderr
+
+
+def test_several_hosts_need_a_coordinator():
+    run = subprocess.run([sys.executable, "-m", "jax_ep.bench", "internode", "--processes", "4", "--nodes", "2"],
+                         cwd=REPO_ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 2 and "--nodes M needs --node-rank in [0, M) and --coordinator HOST:PORT" in run.stderr, \
+        run.stderr

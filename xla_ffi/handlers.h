@@ -1,6 +1,10 @@
-// Handler symbols defined in cpu_handlers.cc, cuda_handlers.cc, intranode_handlers.cc and low_latency_handlers.cc,
-// exported by module.cc.
+// Handler symbols defined in cpu_handlers.cc, cuda_handlers.cc, intranode_handlers.cc, low_latency_handlers.cc and
+// internode_handlers.cc, exported by module.cc.
 #pragma once
+#include <string>
+#include <vector>
+
+#include "api.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ep::ffi_handlers {
@@ -15,6 +19,108 @@ inline xla::ffi::Error CheckLayoutArgs(const xla::ffi::Buffer<xla::ffi::S32>& to
   return xla::ffi::Error::Success();
 }
 
+#if defined(JAX_EP_WITH_CUDA)
+// Decoding of the normal-mode handlers' buffers (intranode_handlers.cc, internode_handlers.cc). In a namespace of
+// their own so that a handler file's local helpers cannot clash with them.
+namespace buffer_args {
+
+inline xla::ffi::Error Collect(const xla::ffi::RemainingArgs& args, std::vector<xla::ffi::AnyBuffer>* out) {
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto buffer = args.get<xla::ffi::AnyBuffer>(i);
+    if (!buffer.has_value()) return buffer.error();
+    out->push_back(*buffer);
+  }
+  return xla::ffi::Error::Success();
+}
+
+inline xla::ffi::Error Collect(const xla::ffi::RemainingRets& rets, std::vector<xla::ffi::AnyBuffer>* out) {
+  for (size_t i = 0; i < rets.size(); ++i) {
+    auto buffer = rets.get<xla::ffi::AnyBuffer>(i);
+    if (!buffer.has_value()) return buffer.error();
+    out->push_back(**buffer);
+  }
+  return xla::ffi::Error::Success();
+}
+
+inline int64_t LeadingDim(const xla::ffi::AnyBuffer& buffer) {
+  const auto dims = buffer.dimensions();
+  return dims.size() == 0 ? 1 : dims[0];
+}
+
+// Bytes of one row: everything after the leading axis.
+inline int64_t RowBytes(const xla::ffi::AnyBuffer& buffer) {
+  const auto dims = buffer.dimensions();
+  int64_t elements = 1;
+  for (size_t i = 1; i < dims.size(); ++i) elements *= dims[i];
+  return elements * static_cast<int64_t>(xla::ffi::ByteWidth(buffer.element_type()));
+}
+
+inline bool AsFloatType(xla::ffi::DataType dtype, FloatType* out) {
+  switch (dtype) {
+    case xla::ffi::DataType::F32: *out = FloatType::kF32; return true;
+    case xla::ffi::DataType::BF16: *out = FloatType::kBF16; return true;
+    case xla::ffi::DataType::F16: *out = FloatType::kF16; return true;
+    default: return false;
+  }
+}
+
+// The operands and results every normal-mode dispatch handler decodes alike (Args: DispatchArgs or
+// InternodeDispatchArgs, whose fields share names). args: x payloads (num_payloads: 1, or 2 for the FP8 pair),
+// topk_idx, [topk_weights]; rets: recv payloads, recv_topk_idx, [recv_topk_weights], num_recv_tokens,
+// num_recv_tokens_per_expert, num_dropped, invalid_ids, recv_src_index, is_token_in_rank, then `handle_results`
+// of the kernel's own, from index *next on. `op` prefixes the error messages (e.g. "jax_ep dispatch").
+template <typename Args>
+xla::ffi::Error DecodeDispatch(const std::string& op, const std::vector<xla::ffi::AnyBuffer>& args,
+                               const std::vector<xla::ffi::AnyBuffer>& rets, int64_t num_payloads,
+                               int64_t num_experts, int64_t expert_alignment, int num_ranks, size_t handle_results,
+                               Args* a, size_t* next) {
+  namespace ffi = xla::ffi;
+  auto invalid = [&](const std::string& message) { return ffi::Error::InvalidArgument(op + ": " + message); };
+  if (num_payloads < 1 || num_payloads > 2) return invalid("num_payloads must be 1 or 2");
+  const size_t payloads = static_cast<size_t>(num_payloads);
+  if (args.size() != payloads + 1 && args.size() != payloads + 2) return invalid("wrong number of operands");
+  const bool has_weights = args.size() == payloads + 2;
+  if (rets.size() != payloads + (has_weights ? 8 : 7) + handle_results) return invalid("wrong number of results");
+  const ffi::AnyBuffer& topk_idx = args[payloads];
+  const auto idx_dims = topk_idx.dimensions();
+  if (topk_idx.element_type() != ffi::DataType::S32 || idx_dims.size() != 2)
+    return invalid("topk_idx must be int32 [num_tokens, num_topk]");
+  if (num_experts < num_ranks || num_experts % num_ranks) return invalid("num_experts must be a multiple of the ranks");
+  if (idx_dims[1] < 1 || idx_dims[1] > 32) return invalid("1 to 32 top-k entries per token");
+  a->num_payloads = static_cast<int32_t>(payloads);
+  a->num_tokens = idx_dims[0];
+  a->num_topk = idx_dims[1];
+  a->num_experts = num_experts;
+  a->capacity = LeadingDim(rets[0]);
+  a->expert_alignment = expert_alignment;
+  for (size_t p = 0; p < payloads; ++p) {
+    if (LeadingDim(args[p]) != a->num_tokens || LeadingDim(rets[p]) != a->capacity ||
+        RowBytes(args[p]) != RowBytes(rets[p]))
+      return invalid("payload shapes disagree with topk_idx or the capacity");
+    a->x[p] = args[p].untyped_data();
+    a->x_row_bytes[p] = RowBytes(args[p]);
+    a->recv_x[p] = rets[p].untyped_data();
+  }
+  a->topk_idx = static_cast<const int32_t*>(topk_idx.untyped_data());
+  size_t i = payloads;
+  a->recv_topk_idx = static_cast<int32_t*>(rets[i++].untyped_data());
+  if (has_weights) {
+    a->topk_weights = static_cast<const float*>(args[payloads + 1].untyped_data());
+    a->recv_topk_weights = static_cast<float*>(rets[i++].untyped_data());
+  }
+  a->num_recv_tokens = static_cast<int32_t*>(rets[i++].untyped_data());
+  a->num_recv_tokens_per_expert = static_cast<int32_t*>(rets[i++].untyped_data());
+  a->num_dropped = static_cast<int32_t*>(rets[i++].untyped_data());
+  a->invalid_ids = static_cast<int32_t*>(rets[i++].untyped_data());
+  a->recv_src_index = static_cast<int32_t*>(rets[i++].untyped_data());
+  a->is_token_in_rank = static_cast<bool*>(rets[i++].untyped_data());
+  *next = i;
+  return ffi::Error::Success();
+}
+
+}  // namespace buffer_args
+#endif
+
 XLA_FFI_DECLARE_HANDLER_SYMBOL(LayoutCpu);
 #if defined(JAX_EP_WITH_CUDA)
 XLA_FFI_DECLARE_HANDLER_SYMBOL(LayoutCuda);
@@ -26,6 +132,11 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyDispatchSend);  // low_latency_handlers
 XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyDispatchRecv);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyCombineSend);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyCombineRecv);
+#endif
+#if defined(JAX_EP_WITH_NVSHMEM)
+XLA_FFI_DECLARE_HANDLER_SYMBOL(InternodeDispatch);  // internode_handlers.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(InternodeCachedDispatch);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(InternodeCombine);
 #endif
 
 }  // namespace jax_ep::ffi_handlers

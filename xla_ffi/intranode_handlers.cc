@@ -12,6 +12,8 @@ namespace ffi = xla::ffi;
 namespace jax_ep::ffi_handlers {
 namespace {
 
+using namespace buffer_args;
+
 ffi::Error Invalid(const char* op, const std::string& message) {
   return ffi::Error::InvalidArgument(std::string("jax_ep ") + op + ": " + message);
 }
@@ -22,46 +24,6 @@ ffi::Error Launched(const char* op, cudaError_t err) {
     return Invalid(op, "the Buffer's workspace is too small to stage this call's inputs for peers in other "
                        "processes (jax_ep checks this while tracing; create the Buffer with a larger num_nvl_bytes)");
   return ffi::Error::Internal(std::string("jax_ep ") + op + ": kernel launch failed: " + cudaGetErrorString(err));
-}
-
-ffi::Error Collect(const ffi::RemainingArgs& args, std::vector<ffi::AnyBuffer>* out) {
-  for (size_t i = 0; i < args.size(); ++i) {
-    auto buffer = args.get<ffi::AnyBuffer>(i);
-    if (!buffer.has_value()) return buffer.error();
-    out->push_back(*buffer);
-  }
-  return ffi::Error::Success();
-}
-
-ffi::Error Collect(const ffi::RemainingRets& rets, std::vector<ffi::AnyBuffer>* out) {
-  for (size_t i = 0; i < rets.size(); ++i) {
-    auto buffer = rets.get<ffi::AnyBuffer>(i);
-    if (!buffer.has_value()) return buffer.error();
-    out->push_back(**buffer);
-  }
-  return ffi::Error::Success();
-}
-
-int64_t LeadingDim(const ffi::AnyBuffer& buffer) {
-  const auto dims = buffer.dimensions();
-  return dims.size() == 0 ? 1 : dims[0];
-}
-
-// Bytes of one row: everything after the leading axis.
-int64_t RowBytes(const ffi::AnyBuffer& buffer) {
-  const auto dims = buffer.dimensions();
-  int64_t elements = 1;
-  for (size_t i = 1; i < dims.size(); ++i) elements *= dims[i];
-  return elements * static_cast<int64_t>(ffi::ByteWidth(buffer.element_type()));
-}
-
-bool AsFloatType(ffi::DataType dtype, FloatType* out) {
-  switch (dtype) {
-    case ffi::DataType::F32: *out = FloatType::kF32; return true;
-    case ffi::DataType::BF16: *out = FloatType::kBF16; return true;
-    case ffi::DataType::F16: *out = FloatType::kF16; return true;
-    default: return false;
-  }
 }
 
 ffi::Error MakeCall(const char* op, cudaStream_t stream, int32_t device, int64_t buffer_id, int64_t num_sms,
@@ -89,49 +51,12 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t device, ffi::RemainingArgs 
   std::vector<ffi::AnyBuffer> args, rets;
   if (auto err = Collect(remaining_args, &args); err.failure()) return err;
   if (auto err = Collect(remaining_rets, &rets); err.failure()) return err;
-  if (num_payloads < 1 || num_payloads > 2) return Invalid(kOp, "num_payloads must be 1 or 2");
-  const size_t payloads = static_cast<size_t>(num_payloads);
-  if (args.size() != payloads + 1 && args.size() != payloads + 2) return Invalid(kOp, "wrong number of operands");
-  const bool has_weights = args.size() == payloads + 2;
-  if (rets.size() != payloads + (has_weights ? 10 : 9)) return Invalid(kOp, "wrong number of results");
-
-  const ffi::AnyBuffer& topk_idx = args[payloads];
-  const auto idx_dims = topk_idx.dimensions();
-  if (topk_idx.element_type() != ffi::DataType::S32 || idx_dims.size() != 2)
-    return Invalid(kOp, "topk_idx must be int32 [num_tokens, num_topk]");
-  const int num_ranks = call.group.num_ranks;
-  if (num_experts < num_ranks || num_experts % num_ranks)
-    return Invalid(kOp, "num_experts must be a multiple of the ranks");
-  if (idx_dims[1] > 32) return Invalid(kOp, "at most 32 top-k entries per token");
-
   DispatchArgs a;
-  a.num_payloads = static_cast<int32_t>(payloads);
-  a.num_tokens = idx_dims[0];
-  a.num_topk = idx_dims[1];
-  a.num_experts = num_experts;
-  a.capacity = LeadingDim(rets[0]);
-  a.expert_alignment = expert_alignment;
-  for (size_t p = 0; p < payloads; ++p) {
-    if (LeadingDim(args[p]) != a.num_tokens || LeadingDim(rets[p]) != a.capacity ||
-        RowBytes(args[p]) != RowBytes(rets[p]))
-      return Invalid(kOp, "payload shapes disagree with topk_idx or the capacity");
-    a.x[p] = args[p].untyped_data();
-    a.x_row_bytes[p] = RowBytes(args[p]);
-    a.recv_x[p] = rets[p].untyped_data();
-  }
-  a.topk_idx = static_cast<const int32_t*>(topk_idx.untyped_data());
-  size_t next = payloads;
-  a.recv_topk_idx = static_cast<int32_t*>(rets[next++].untyped_data());
-  if (has_weights) {
-    a.topk_weights = static_cast<const float*>(args[payloads + 1].untyped_data());
-    a.recv_topk_weights = static_cast<float*>(rets[next++].untyped_data());
-  }
-  a.num_recv_tokens = static_cast<int32_t*>(rets[next++].untyped_data());
-  a.num_recv_tokens_per_expert = static_cast<int32_t*>(rets[next++].untyped_data());
-  a.num_dropped = static_cast<int32_t*>(rets[next++].untyped_data());
-  a.invalid_ids = static_cast<int32_t*>(rets[next++].untyped_data());
-  a.recv_src_index = static_cast<int32_t*>(rets[next++].untyped_data());
-  a.is_token_in_rank = static_cast<bool*>(rets[next++].untyped_data());
+  size_t next = 0;
+  if (auto err = DecodeDispatch(std::string("jax_ep ") + kOp, args, rets, num_payloads, num_experts, expert_alignment,
+                                call.group.num_ranks, /*handle_results=*/2, &a, &next);
+      err.failure())
+    return err;
   a.send_offset = static_cast<int32_t*>(rets[next++].untyped_data());
   a.send_row = static_cast<int32_t*>(rets[next++].untyped_data());
   return Launched(kOp, intranode_dispatch(call, a));

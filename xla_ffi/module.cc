@@ -1,5 +1,5 @@
-// The nanobind module jax_ep._C: FFI handler capsules per (target, platform), build facts and the intranode
-// runtime entry points (C++ exceptions from the runtime become Python exceptions).
+// The nanobind module jax_ep._C: FFI handler capsules per (target, platform), build facts, region sizes and the
+// intranode, NVSHMEM and internode runtime entry points (C++ exceptions from the runtime become Python exceptions).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
@@ -7,6 +7,7 @@
 
 #include "api.h"
 #include "handlers.h"
+#include "internode_state.h"
 
 namespace nb = nanobind;
 
@@ -41,6 +42,11 @@ nb::dict Registrations() {
   targets["jax_ep_low_latency_combine_send"] = cuda_only(Capsule(LowLatencyCombineSend));
   targets["jax_ep_low_latency_combine_recv"] = cuda_only(Capsule(LowLatencyCombineRecv));
 #endif
+#if defined(JAX_EP_WITH_NVSHMEM)
+  targets["jax_ep_internode_dispatch"] = cuda_only(Capsule(InternodeDispatch));
+  targets["jax_ep_internode_cached_dispatch"] = cuda_only(Capsule(InternodeCachedDispatch));
+  targets["jax_ep_internode_combine"] = cuda_only(Capsule(InternodeCombine));
+#endif
   return targets;
 }
 
@@ -49,6 +55,23 @@ nb::dict Registrations() {
 NB_MODULE(_C, m) {
   m.doc() = "jax_ep native extension: XLA FFI handlers and the device runtime";
   m.def("registrations", &Registrations, "{target name: {platform: FFI handler capsule}}");
+  // Internode region sizes (internode_state.h), in every build: jax_ep/internode.py mirrors them and a CPU test
+  // compares the two.
+  m.def(
+      "internode_dispatch_bytes",
+      [](int64_t num_nodes, int64_t ranks_per_node, int64_t num_tokens, int64_t num_topk, int64_t payload_bytes) {
+        return jax_ep::InternodeDispatchLayout(num_nodes, ranks_per_node, num_tokens, num_topk, payload_bytes).total;
+      },
+      nb::arg("num_nodes"), nb::arg("ranks_per_node"), nb::arg("num_tokens"), nb::arg("num_topk"),
+      nb::arg("payload_bytes"), "Region bytes of an internode dispatch (num_topk=0: cached dispatch).");
+  m.def(
+      "internode_combine_bytes",
+      [](int64_t num_nodes, int64_t num_tokens, int64_t capacity, int64_t row_elements, int64_t item_bytes) {
+        return jax_ep::InternodeCombineLayout(num_nodes, num_tokens, capacity, row_elements, item_bytes).total;
+      },
+      nb::arg("num_nodes"), nb::arg("num_tokens"), nb::arg("capacity"), nb::arg("row_elements"), nb::arg("item_bytes"),
+      "Region bytes of an internode combine.");
+  m.attr("internode_header_bytes") = jax_ep::kInternodeHeaderBytes;
 #if defined(JAX_EP_WITH_CUDA)
   m.def("create_intranode", &jax_ep::intranode_create, nb::arg("buffer_id"), nb::arg("device_ordinals"),
         nb::arg("workspace_bytes"), nb::arg("staging_bytes"),
@@ -119,6 +142,17 @@ NB_MODULE(_C, m) {
         "Collective over every PE: zeroed symmetric memory for (buffer_id, device); pes[r]: the PE of EP rank r.");
   m.def("nvshmem_region_destroy", &jax_ep::nvshmem_region_destroy, nb::arg("buffer_id"), nb::arg("release"),
         "Forgets buffer_id's regions; with release (collective) frees them. Returns '' or the errors met.");
+  // ---- internode normal mode ----
+  m.def("create_internode", &jax_ep::internode_create, nb::arg("buffer_id"), nb::arg("device_ordinal"), nb::arg("rank"),
+        nb::arg("ranks_per_node"), nb::arg("pe_of_rank"), nb::arg("region_bytes"),
+        "Collective over every NVSHMEM PE: allocates this rank's symmetric region (header + region_bytes) and maps "
+        "its node peers' regions (pe_of_rank: the PE of every EP rank).");
+  m.def("destroy_internode", &jax_ep::internode_destroy, nb::arg("buffer_id"),
+        "Collective: waits for the device and frees the region of buffer_id; returns '' or the errors met.");
+  m.def("internode_errors", &jax_ep::internode_errors, nb::arg("buffer_id"),
+        "One line per rank of buffer_id in this process whose internode kernel timed out (readable after the trap).");
+  m.def("internode_kernel_times", &jax_ep::internode_kernel_times, nb::arg("buffer_id"), nb::arg("reset") = false,
+        "[(calls, summed kernel ns)] per device of buffer_id in this process since the last reset.");
 #else
   m.attr("with_nvshmem") = false;
 #endif

@@ -17,6 +17,7 @@ key-value store. MODE:
            (test_low_latency.third_send_worker): each third send waits for a credit that never comes and
            times out; prints RAISED and RECORD lines as `timeout` does, then exits without teardown.
 The low-latency transport follows $JAX_EP_LL_TRANSPORT, which the launcher sets for the NVSHMEM runs.
+  internode_timeout  as timeout, with an internode Buffer (NUM_PROCESSES / 2 ranks per node).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ TESTS = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 2.0
 
 
-def run_timeout(process_id: int, num_processes: int) -> None:
+def run_timeout(process_id: int, num_processes: int, ranks_per_node: int | None = None) -> None:
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
@@ -39,7 +40,8 @@ def run_timeout(process_id: int, num_processes: int) -> None:
 
     R = num_processes
     mesh = Mesh(np.array(jax.devices()), ("ep",))
-    buf = jax_ep.Buffer(mesh, "ep", backend="cuda", config=jax_ep.Config(timeout_s=TIMEOUT_S))
+    buf = jax_ep.Buffer(mesh, "ep", backend="cuda", config=jax_ep.Config(timeout_s=TIMEOUT_S),
+                        ranks_per_node=ranks_per_node, num_rdma_bytes=None if ranks_per_node is None else 64 << 20)
     if process_id == R - 1:  # never joins; stays alive (its memory mapped by the others) while they wait on it
         time.sleep(TIMEOUT_S * 10)
         os._exit(0)
@@ -68,6 +70,8 @@ def main(mode: str, process_id: int, num_processes: int, port: int, pytest_args:
         from gpu.test_low_latency import third_send_worker
 
         third_send_worker(num_processes)  # exits the process
+    if mode == "internode_timeout":
+        run_timeout(process_id, num_processes, ranks_per_node=max(num_processes // 2, 1))
     if mode == "nvshmem":
         from jax_ep import nvshmem
 

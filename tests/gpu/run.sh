@@ -7,7 +7,9 @@
 #     which the driver compiles for the Hopper GPU at load time; final: full without the xla suite (fits
 #     one 10-minute call); mp: build, the intranode tests in one process, then with one process per GPU;
 #     ll: the low-latency tests (NVSHMEM transport too) and benchmark; accept: every GPU test and the benchmarks in both process models;
-#     nvshmem: an unstripped build, then the NVSHMEM bootstrap probes (tests/gpu/nvshmem_probe).
+#     nvshmem: an unstripped build, then the NVSHMEM bootstrap probes (tests/gpu/nvshmem_probe);
+#     internode: the internode tests as 4 processes (2 nodes x 2 GPUs, and 4 x 1) and 2 (2 x 1), the bounded wait,
+#     and the internode benchmark as 2 x 2.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # never NVLink multicast
@@ -57,6 +59,16 @@ if [ "$mode" = ll ]; then  # low-latency kernels in both process models, NVSHMEM
     --no-baselines --json "$OUT/ll_nvshmem.json"
   grep -hE "^(FAILED|ERROR)" "$OUT"/*.log | head -20
   grep -hE "^\[" "$OUT/bench_ll.log" "$OUT/bench_ll_nvshmem.log" | tail -40
+  printf '\n== summary\n'; printf '%s\n' "${summary[@]}"
+  exit 0
+fi
+if [ "$mode" = internode ]; then
+  step internode4 450 python3 -m pytest -q -rs tests/gpu/test_multiprocess_gpu.py -k "internode_suite and 4"
+  step internode_timeout 300 python3 -m pytest -q -rs tests/gpu/test_multiprocess_gpu.py -k "internode and never_joins"
+  step internode2 450 python3 -m pytest -q -rs tests/gpu/test_multiprocess_gpu.py -k "internode_suite and 2"
+  step bench_internode 400 python3 -m jax_ep.bench internode --processes 4 --ranks-per-node 2 --sms 24 64 --json "$OUT/internode.json"
+  grep -hE "^(FAILED|ERROR)|AssertionError|timed out" "$OUT"/internode*.log | head -20
+  grep -hE "^\[internode\]" "$OUT/bench_internode.log" | tail -20
   printf '\n== summary\n'; printf '%s\n' "${summary[@]}"
   exit 0
 fi

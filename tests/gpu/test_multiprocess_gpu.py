@@ -6,7 +6,9 @@ test_low_latency.py once more with the NVSHMEM low-latency transport forced (JAX
 low-latency regions are NVSHMEM symmetric memory, rows travel as NVSHMEM puts). Bounded waits: one test leaves
 one process out of a dispatch and checks that the others fail within the timeout, naming the op and the absent
 rank; another sends a third low-latency dispatch before the first receive on every rank (both transports) and
-checks that each fails within the timeout, naming the credit wait."""
+checks that each fails within the timeout, naming the credit wait.
+The internode mode runs only in this process model: its suite (test_internode.py) runs as R processes, R=4 as
+2 nodes x 2 GPUs (NVSHMEM between the "nodes"), and its bounded-wait test leaves one process out likewise."""
 from __future__ import annotations
 
 import os
@@ -149,3 +151,39 @@ def test_nvshmem_bootstrap_and_puts(R, tmp_path):
     assert codes == [0] * R, report(codes, outputs)
     for rank, out in enumerate(outputs):
         assert f"RING {rank} {(rank - 1) % R}" in out, report(codes, outputs)
+
+
+@pytest.mark.parametrize("R", RANKS)
+def test_internode_suite(R, tmp_path):
+    """tests/gpu/test_internode.py as R processes: R=4 as 2 nodes x 2 GPUs and 4 x 1, R=2 as 2 x 1."""
+    from jax_ep import internode
+
+    if not internode.available():
+        pytest.skip("built without NVSHMEM (no internode kernels)")
+    codes, outputs = launch("pytest", R, [str(Path(__file__).parent / "test_internode.py"), "-x"], SUITE_TIMEOUT_S,
+                            tmp_path)
+    assert codes == [0] * R, report(codes, outputs)
+    for out in outputs:
+        summary = re.search(r"(\d+) passed(?:, (\d+) skipped)?", out)
+        assert summary and int(summary.group(1)) >= 28 and summary.group(2) is None, report(codes, outputs)
+
+
+@pytest.mark.parametrize("R", RANKS)
+def test_internode_process_that_never_joins_times_out(R, tmp_path):
+    """The last process creates the internode Buffer (R/2 ranks per node) but never runs the dispatch: every
+    other one raises within a bounded time with a record naming the op and itself; the absent rank's node peers
+    and its peers on the same rail (same local index), which wait for it directly, name it."""
+    from jax_ep import internode
+
+    if not internode.available():
+        pytest.skip("built without NVSHMEM (no internode kernels)")
+    codes, outputs = launch("internode_timeout", R, [], 150, tmp_path)
+    assert None not in codes[:-1], report(codes, outputs)
+    per_node, absent = max(R // 2, 1), R - 1
+    for rank, out in enumerate(outputs[:-1]):
+        raised = [line for line in out.splitlines() if line.startswith("RAISED after")]
+        assert raised and float(raised[0].split()[2]) < 60, report(codes, outputs)
+        records = [line for line in out.splitlines() if line.startswith("RECORD")]
+        assert records and f"internode dispatch timed out on rank {rank}" in records[0], report(codes, outputs)
+        if rank // per_node == absent // per_node or rank % per_node == absent % per_node:
+            assert f"waiting for rank {absent} " in records[0], records[0]

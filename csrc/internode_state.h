@@ -1,0 +1,136 @@
+// Internode normal mode: the symmetric region every rank allocates with NVSHMEM (same offsets on every PE),
+// its fixed header and the per-call layouts of the space after it. Plain C++ (no CUDA types): the kernels
+// (internode.cu), the runtime (internode_runtime.cu), the FFI handlers and the nanobind module (which exports
+// the sizes so that jax_ep/internode.py's mirror of them is tested) share it.
+//
+// Ranks: EP rank g = node * ranks_per_node + local. Network traffic only flows between ranks of the same local
+// index on different nodes ("rails"); inside a node, ranks read each other's regions through NVLink
+// (nvshmem_ptr). A rank relays into its node the tokens of the ranks with its local index on every node.
+#pragma once
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define JAX_EP_HOST_DEVICE __host__ __device__
+#else
+#define JAX_EP_HOST_DEVICE
+#endif
+
+namespace jax_ep {
+
+inline constexpr int kMaxInternodeRanks = 64;  // node masks and routing tables are sized for this
+inline constexpr int kMaxRanksPerNode = 8;     // one NVLink domain, as the intranode groups
+inline constexpr int64_t kInternodeAlign = 256;
+inline constexpr int64_t kInternodeHeaderBytes = 4096;
+
+JAX_EP_HOST_DEVICE inline int64_t internode_align(int64_t bytes) {
+  return (bytes + kInternodeAlign - 1) / kInternodeAlign * kInternodeAlign;
+}
+
+JAX_EP_HOST_DEVICE inline int64_t internode_align16(int64_t bytes) { return (bytes + 15) / 16 * 16; }
+
+// The first kInternodeHeaderBytes of a rank's region. Flags hold call numbers (every rank runs the same ops in
+// the same order, so call n is the same op everywhere) and only grow: no op ever cleans them.
+struct InternodeHeader {
+  uint64_t calls_completed;  // calls this rank finished; the running call is calls_completed + 1
+  uint32_t blocks_finished;  // blocks of the running call that finished (the last one ends the call)
+  uint32_t grid_arrivals;    // in-kernel grid barriers of the running call: gridDim.x per barrier passed
+  unsigned error_claimed;    // the first block that times out fills the error record
+  uint32_t unused;
+  // Written by other nodes through NVSHMEM signals (index: the writer's node):
+  uint64_t arrived[kMaxInternodeRanks];  // [m]: latest call whose puts from rank (m, local) into this region completed
+  uint64_t credit[kMaxInternodeRanks];   // [m]: latest call after which rank (m, local) reads nothing of its region
+                                         //      and its node peers neither: this rank may put the next call's data
+  // Written by node peers through NVLink (index: the writer's local index):
+  uint64_t ready[kMaxRanksPerNode];      // [j]: latest call for which node peer j's region can be read
+  uint64_t released[kMaxRanksPerNode];   // [j]: latest call after which node peer j reads nothing of this region
+  // Kernel time of every call (%globaltimer, block 0's start to the last block's end), for the benchmark.
+  uint64_t call_start_ns;
+  uint64_t timed_calls;
+  uint64_t timed_ns;
+};
+static_assert(sizeof(InternodeHeader) <= kInternodeHeaderBytes, "the header fits its reserved bytes");
+
+// Dispatch (num_topk > 0) and cached dispatch (num_topk == 0) after the header, for N nodes of P ranks and T
+// tokens per rank:
+//   slots     [N][T] x slot_bytes   slot (s, t): token t of rank (s, local), payload rows back to back; this
+//                                   rank's own tokens in slot (node, t), where node peers read them and the
+//                                   puts to other nodes take them from (NVSHMEM sources must be symmetric)
+//   meta      [N] x meta_bytes      per source node s: that rank's topk_idx [T][K] int32 and topk_weights
+//                                   [T][K] f32 (topk part), then its routing into this node (routing part):
+//                                   counts [P] int32 (its tokens per node rank; 256 bytes reserved), then
+//                                   offsets [T][P] int32 (token t's index among its tokens for rank (node, j),
+//                                   in token order, or -1)
+//   outgoing  [N] x routing_bytes   this rank's routing into node m, put from here into node m's meta
+// Fixed slots need no count exchange before the data moves, and every output is deterministic.
+struct InternodeDispatchLayout {
+  int64_t num_tokens = 0, ranks_per_node = 0;
+  int64_t payload_bytes = 0, slot_bytes = 0, slots = 0;
+  int64_t topk_bytes = 0, weights = 0;  // weights: offset of topk_weights inside the topk part
+  int64_t routing_bytes = 0, meta_bytes = 0, meta = 0, outgoing = 0;
+  int64_t total = 0;
+
+  JAX_EP_HOST_DEVICE InternodeDispatchLayout(int64_t num_nodes, int64_t ranks_per_node_, int64_t num_tokens_,
+                                             int64_t num_topk, int64_t payload_bytes_)
+      : num_tokens(num_tokens_), ranks_per_node(ranks_per_node_), payload_bytes(payload_bytes_) {
+    slot_bytes = internode_align16(payload_bytes);
+    slots = 0;
+    if (num_topk > 0) {
+      weights = internode_align(num_tokens * num_topk * 4);
+      topk_bytes = 2 * weights;
+      routing_bytes = kInternodeAlign + internode_align(num_tokens * ranks_per_node * 4);
+    }
+    meta_bytes = topk_bytes + routing_bytes;
+    meta = internode_align(num_nodes * num_tokens * slot_bytes);
+    outgoing = meta + num_nodes * meta_bytes;
+    total = outgoing + num_nodes * routing_bytes;
+  }
+  JAX_EP_HOST_DEVICE int64_t slot(int64_t source_node, int64_t token) const {
+    return slots + (source_node * num_tokens + token) * slot_bytes;
+  }
+  JAX_EP_HOST_DEVICE int64_t topk_of(int64_t source_node) const { return meta + source_node * meta_bytes; }
+  JAX_EP_HOST_DEVICE int64_t routing_of(int64_t source_node) const { return topk_of(source_node) + topk_bytes; }
+  JAX_EP_HOST_DEVICE int64_t outgoing_of(int64_t node) const { return outgoing + node * routing_bytes; }
+  // Inside a routing part: counts at 0, offsets from here.
+  static constexpr int64_t kOffsets = kInternodeAlign;
+};
+
+// Combine after the header, for capacity C and rows of E elements:
+//   staged    [C] x staged_row_bytes    this rank's valid y rows, where the node peers that relay their tokens
+//                                       read them
+//   received  [N][T] x partial_bytes    float32 partial sums for this rank's tokens, by the node that reduced them
+//   sending   [N][T] x partial_bytes    partials this rank reduced for the tokens of rank (s, local), put from here
+struct InternodeCombineLayout {
+  int64_t num_tokens = 0;
+  int64_t staged_row_bytes = 0, staged = 0;
+  int64_t partial_bytes = 0, received = 0, sending = 0;
+  int64_t total = 0;
+
+  JAX_EP_HOST_DEVICE InternodeCombineLayout(int64_t num_nodes, int64_t num_tokens_, int64_t capacity,
+                                            int64_t row_elements, int64_t y_item_bytes)
+      : num_tokens(num_tokens_) {
+    staged_row_bytes = internode_align16(row_elements * y_item_bytes);
+    partial_bytes = internode_align16(row_elements * 4);
+    received = internode_align(capacity * staged_row_bytes);
+    sending = received + internode_align(num_nodes * num_tokens * partial_bytes);
+    total = sending + num_nodes * num_tokens * partial_bytes;
+  }
+  JAX_EP_HOST_DEVICE int64_t received_row(int64_t node, int64_t token) const {
+    return received + (node * num_tokens + token) * partial_bytes;
+  }
+  JAX_EP_HOST_DEVICE int64_t sending_row(int64_t node, int64_t token) const {
+    return sending + (node * num_tokens + token) * partial_bytes;
+  }
+};
+
+// Error-record values (IntranodeError.op / .wait) of the internode kernels; the intranode and low-latency
+// modes use 1..4 and 10..13.
+enum class InternodeOp : int32_t { kDispatch = 20, kCachedDispatch = 21, kCombine = 22 };
+enum class InternodeWait : int32_t {
+  kCredit = 20,   // a sender waited for rank (m, local) to free its region after the previous call
+  kArrival = 21,  // waited for rank (m, local)'s puts of this call (rows, or combine partials)
+  kReady = 22,    // waited for node peer j to make its region readable (relayed rows, or staged y)
+  kRelease = 23,  // waited for node peer j to finish reading this rank's region
+  kGrid = 24,     // waited for this rank's own blocks (in-kernel grid barrier)
+};
+
+}  // namespace jax_ep

@@ -1,0 +1,317 @@
+"""Internode normal mode of the `cuda` backend (ARCHITECTURE.md §3 "Internode normal mode"): the kernels of
+csrc/internode.cu through `jax.ffi.ffi_call`, for an EP axis over N nodes of P = `ranks_per_node` GPUs, one
+process per GPU, NVSHMEM owned by jax_ep.
+
+EP rank g = node * P + local. Each token crosses the network once per destination node: rank (n, l) puts it
+into the NVSHMEM region of rank (m, l) (its "relay" on node m), and every rank of node m pulls the tokens it
+needs from its node's relays over NVLink, writing the normal-mode outputs in (source rank, source token)
+order, bit for bit those of the intranode kernels and the `xla` backend. Combine reduces inside the node, then
+across nodes: relay (m, l) sums the node's rows of each token of rank (s, l) in float32 in local-rank order and
+puts that float32 partial to (s, l), which sums the nodes' partials in float32 in node order, adds the bias and
+casts. So the result is the flat rank-order sum of the intranode mode with the additions regrouped by node: it
+can differ from it in the last bits, and is deterministic. Partials travel as float32 (exact, twice the bytes
+of BF16 rows on the network for BF16 y).
+
+Memory: one NVSHMEM symmetric region per GPU of `num_rdma_bytes` (plus a 4 KiB header), allocated collectively
+by every process when the Buffer is created; each op lays out its part of it from its shapes
+(csrc/internode_state.h, mirrored by `dispatch_region_bytes` / `combine_region_bytes` here) and a call that
+needs more raises while tracing. `internode_buffer_bytes` gives what given shapes need. jax_ep initialises
+NVSHMEM at the first internode Buffer and, when NVSHMEM_SYMMETRIC_SIZE is unset, sizes its symmetric heap for
+that Buffer (with room for NVSHMEM's own allocations); set it yourself when several internode Buffers live at
+once.
+
+Bounded waits, lifetime and ordering rules are the intranode mode's (see `jax_ep.cuda_backend`); creation and
+`destroy()` are collective over every process of the job (NVSHMEM allocations are).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import socket
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ep import _native, cuda_backend
+from jax_ep._checks import is_int
+
+DISPATCH_TARGET = "jax_ep_internode_dispatch"
+CACHED_DISPATCH_TARGET = "jax_ep_internode_cached_dispatch"
+COMBINE_TARGET = "jax_ep_internode_combine"
+
+MAX_RANKS = 64  # csrc kMaxInternodeRanks
+MAX_RANKS_PER_NODE = 8  # csrc kMaxRanksPerNode
+HEADER_BYTES = 4096  # csrc kInternodeHeaderBytes
+DEFAULT_NUM_RDMA_BYTES = 1 << 30
+# Room left in NVSHMEM's symmetric heap, when jax_ep sizes it, for NVSHMEM's own allocations.
+NVSHMEM_HEAP_MARGIN = 256 << 20
+CREATION_TIMEOUT_S = 120.0
+
+int32 = jnp.int32
+
+
+class InternodeHandle(NamedTuple):
+    """Normal-mode routing of the internode kernels. The first two fields equal `XlaHandle`'s bit for bit (the
+    `xla` backend and cached dispatch of either mode accept this handle); combine here needs the relay part."""
+
+    recv_src_index: jax.Array  # int32 [C]: source rank * T + source token of each row; R*T for padding rows
+    is_token_in_rank: jax.Array  # bool [T, R]: this rank's tokens per destination
+    relay_row: jax.Array  # int32 [N*T, P]: row on node rank j of token t of rank (s, local) (index s*T + t), or -1
+    relay_token: jax.Array  # bool [N*T]: whether token t of rank (s, local) came into this node
+
+
+@dataclasses.dataclass(frozen=True)
+class InternodeParams:
+    """Static parameters of every internode call: FFI attributes, and the sizes the trace-time checks need."""
+
+    buffer_id: int
+    num_sms: int
+    timeout_ns: int
+    num_rdma_bytes: int
+    num_nodes: int
+    ranks_per_node: int
+
+    def attributes(self) -> dict:
+        return dict(buffer_id=np.int64(self.buffer_id), num_sms=np.int64(self.num_sms),
+                    timeout_ns=np.int64(self.timeout_ns))
+
+
+def params(buffer) -> InternodeParams:
+    return InternodeParams(buffer.buffer_id, buffer.config.num_sms, int(buffer.config.timeout_s * 1e9),
+                           buffer.num_rdma_bytes, buffer.num_ranks // buffer.ranks_per_node, buffer.ranks_per_node)
+
+
+def available() -> bool:
+    """Whether this build has the internode kernels (CUDA with NVSHMEM)."""
+    return _native.has_target(DISPATCH_TARGET, "cuda")
+
+
+# ---- region sizes (mirror csrc/internode_state.h; tests compare the two) -------------------------------------
+
+def _aligned(nbytes: int, alignment: int = 256) -> int:
+    return -(-nbytes // alignment) * alignment
+
+
+def dispatch_region_bytes(num_nodes: int, ranks_per_node: int, num_tokens: int, num_topk: int,
+                          payload_bytes: int) -> int:
+    """Region bytes of a dispatch (num_topk=0: cached dispatch) whose token rows are payload_bytes long: a slot
+    per (source node, token), and with top-k the per-source-node topk_idx/weights and routing, and this rank's
+    outgoing routing per node."""
+    slots = _aligned(num_nodes * num_tokens * _aligned(payload_bytes, 16))
+    if num_topk == 0:
+        return slots
+    topk = 2 * _aligned(num_tokens * num_topk * 4)
+    routing = 256 + _aligned(num_tokens * ranks_per_node * 4)
+    return slots + num_nodes * (topk + routing) + num_nodes * routing
+
+
+def combine_region_bytes(num_nodes: int, num_tokens: int, capacity: int, row_elements: int, item_bytes: int) -> int:
+    """Region bytes of a combine of y [capacity, row_elements]: the staged rows of y, then float32 partials
+    received and sent per (node, token)."""
+    partial = _aligned(row_elements * 4, 16)
+    return (_aligned(capacity * _aligned(row_elements * item_bytes, 16)) + _aligned(num_nodes * num_tokens * partial)
+            + num_nodes * num_tokens * partial)
+
+
+def internode_buffer_bytes(num_tokens: int, hidden: int, num_ranks: int, num_topk: int, ranks_per_node: int, *,
+                           capacity: int | None = None, fp8: bool = False) -> int:
+    """`num_rdma_bytes` an internode Buffer needs so that the normal-mode ops of these sizes and their gradients
+    run: the largest of a dispatch of BF16 rows (or the FP8 pair with fp8=True) with weights, a cached dispatch
+    of float32 rows (a cotangent) and a combine of float32 rows (capacity defaults to R*T).
+
+    Roughly N*T token rows for dispatch, and capacity + 2*N*T float32 rows for combine: at DeepEP's shape
+    (T=4096, H=7168, R=16 on 2 nodes, default capacity) about 2.3 GB; a smaller `max_recv_tokens` shrinks the
+    combine part."""
+    num_nodes = num_ranks // ranks_per_node
+    capacity = num_ranks * num_tokens if capacity is None else capacity
+    payload = hidden + hidden // 128 * 4 if fp8 else 2 * hidden
+    return max(dispatch_region_bytes(num_nodes, ranks_per_node, num_tokens, num_topk, payload),
+               dispatch_region_bytes(num_nodes, ranks_per_node, num_tokens, 0, 4 * hidden),
+               combine_region_bytes(num_nodes, num_tokens, capacity, hidden, 4))
+
+
+def _check_region(op: str, params: InternodeParams, need: int) -> None:
+    if need > params.num_rdma_bytes:
+        raise ValueError(
+            f"jax_ep.{op} (cuda, internode): this call needs {need} bytes of the Buffer's NVSHMEM region, the Buffer "
+            f"has num_rdma_bytes={params.num_rdma_bytes}; create it with num_rdma_bytes >= {need} "
+            "(jax_ep.internode_buffer_bytes computes it from the shapes)")
+
+
+# ---- topology ----------------------------------------------------------------------------------------------------
+
+@functools.cache
+def _process_hosts() -> tuple[str, ...]:
+    """The host name of every jax process, by process index (collective the first time: every process publishes
+    its own in the jax.distributed key-value store)."""
+    if jax.process_count() == 1:
+        return (socket.gethostname(),)
+    client = cuda_backend._kv_client()
+    client.key_value_set(f"jax_ep/host/{jax.process_index()}", socket.gethostname())
+    timeout_ms = int(CREATION_TIMEOUT_S * 1000)
+    return tuple(client.blocking_key_value_get(f"jax_ep/host/{p}", timeout_ms) for p in range(jax.process_count()))
+
+
+class IrregularNodesError(NotImplementedError):
+    """The EP axis spans hosts, but not as consecutive blocks of equal size (the internode layout)."""
+
+
+def ranks_per_node_of(mesh, axis_name: str, ranks_per_node: int | None) -> int:
+    """P of the EP axis: `ranks_per_node` when given (checked: it divides the axis), else from where its devices
+    are: the axis size when one process drives them all or they are on one host, else the ranks per host, which
+    must form consecutive blocks of equal size in every EP group (IrregularNodesError otherwise). Finding the
+    hosts is collective over the processes the first time."""
+    num_ranks = int(mesh.shape[axis_name])
+    if ranks_per_node is not None:
+        if not is_int(ranks_per_node) or not 1 <= ranks_per_node <= num_ranks or num_ranks % ranks_per_node:
+            raise ValueError(f"jax_ep.Buffer: ranks_per_node must be a positive divisor of the {num_ranks} ranks on "
+                             f"axis {axis_name!r}, got {ranks_per_node!r}")
+        return int(ranks_per_node)
+    if not cuda_backend.spans_processes(mesh, axis_name):
+        return num_ranks
+    hosts = _process_hosts()
+    sizes = {ranks_per_host([hosts[d.process_index] for d in group], axis_name)
+             for group in cuda_backend._ep_groups(mesh, axis_name)}
+    if len(sizes) != 1:
+        raise IrregularNodesError(f"jax_ep.Buffer: EP groups of axis {axis_name!r} have different ranks per host")
+    return sizes.pop()
+
+
+def ranks_per_host(hosts: list[str], axis_name: str = "ep") -> int:
+    """Ranks per node of an EP group whose rank g runs on host hosts[g]: every host's ranks must be consecutive
+    and equally many (IrregularNodesError otherwise)."""
+    size = hosts.count(hosts[0])
+    blocks = [tuple(hosts[i:i + size]) for i in range(0, len(hosts), size)]
+    if len(hosts) % size or any(len(set(b)) != 1 for b in blocks) or len({b[0] for b in blocks}) != len(blocks):
+        raise IrregularNodesError(
+            f"jax_ep.Buffer: the EP axis {axis_name!r} spans the hosts {hosts} (by rank); internode mode needs every "
+            "host's ranks consecutive and equally many per host (order the mesh by host, or pass ranks_per_node)")
+    return size
+
+
+def unsupported_reason(buffer) -> str | None:
+    """Why the internode kernels cannot serve `buffer` (its mesh, sizes and this build), or None."""
+    if not available():
+        return ("this jax_ep build has no internode kernels (they need NVSHMEM: install the cuda12/cuda13 extra and "
+                "rebuild jax_ep with nvcc on the PATH)")
+    num_ranks, per_node = buffer.num_ranks, buffer.ranks_per_node
+    if num_ranks > MAX_RANKS:
+        return f"internode mode supports up to {MAX_RANKS} ranks per EP axis, the axis has {num_ranks}"
+    if per_node > MAX_RANKS_PER_NODE:
+        return f"internode mode supports up to {MAX_RANKS_PER_NODE} ranks per node, got {per_node}"
+    processes = [d.process_index for d in buffer.mesh.devices.flat]
+    if len(set(processes)) != len(processes):
+        return ("internode mode needs one process per GPU (jax.distributed.initialize(..., local_device_ids=[i])); "
+                "some process drives several GPUs of the mesh")
+    if sorted(processes) != list(range(jax.process_count())):
+        return "internode mode needs the mesh to hold a GPU of every process (NVSHMEM allocates collectively)"
+    if None not in (buffer.num_max_dispatch_tokens_per_rank, buffer.hidden, buffer.num_experts):
+        return ("the low-latency ops are not implemented across nodes; create the internode Buffer without "
+                "num_max_dispatch_tokens_per_rank")
+    return None
+
+
+# ---- runtime -----------------------------------------------------------------------------------------------------
+
+def create(buffer) -> None:
+    """Collective over every process: checks that every process passed the same sizes, initialises NVSHMEM
+    (once per process) and allocates this process's rank's region."""
+    from jax_ep import nvshmem
+
+    me = jax.process_index()
+    group = next(g for g in cuda_backend._ep_groups(buffer.mesh, buffer.axis_name)
+                 if any(d.process_index == me for d in g))
+    rank = next(i for i, d in enumerate(group) if d.process_index == me)
+    # Processes reach this at different times (start-up, compilation): wait for each other longer than the
+    # kernels' bound on a stalled peer.
+    timeout_s = max(buffer.config.timeout_s, CREATION_TIMEOUT_S)
+    _check_same_sizes(buffer, timeout_s)
+    nvshmem.initialize(timeout_s, symmetric_bytes=HEADER_BYTES + buffer.num_rdma_bytes + NVSHMEM_HEAP_MARGIN)
+    _native._C.create_internode(buffer.buffer_id, int(group[rank].local_hardware_id), rank, buffer.ranks_per_node,
+                                [int(d.process_index) for d in group], buffer.num_rdma_bytes)
+
+
+def _check_same_sizes(buffer, timeout_s: float) -> None:
+    """Every process publishes its Buffer sizes and reads everyone's, so that all raise together on a mismatch
+    (before the collective allocation, which would otherwise wait forever)."""
+    if jax.process_count() == 1:
+        return
+    client = cuda_backend._kv_client()
+    buffer.collective_name = cuda_backend._collective_name(buffer)
+    sizes = dict(num_ranks=buffer.num_ranks, ranks_per_node=buffer.ranks_per_node, num_rdma_bytes=buffer.num_rdma_bytes)
+    key = f"{buffer.collective_name}/internode/{{}}".format
+    client.key_value_set(key(jax.process_index()), json.dumps(sizes))
+    for process in range(jax.process_count()):
+        try:
+            theirs = json.loads(client.blocking_key_value_get(key(process), int(timeout_s * 1000)))
+        except Exception as e:  # the client raises a runtime error on its deadline
+            raise RuntimeError(f"jax_ep.Buffer: process {process} did not create internode Buffer #{buffer.buffer_id} "
+                               f"within {timeout_s} s: {e}") from e
+        if theirs != sizes:
+            raise ValueError(f"jax_ep.Buffer: process {process} created internode Buffer #{buffer.buffer_id} with "
+                             f"{theirs}, this process with {sizes}; every process must pass the same sizes")
+
+
+def destroy(buffer) -> str:
+    """Collective: frees this process's region after its GPU finished; returns '' or the problems met."""
+    return _native._C.destroy_internode(buffer.buffer_id)
+
+
+def errors(buffer) -> list[str]:
+    """One line per rank of this process whose internode kernel timed out (op, rank, the rank it waited for)."""
+    return list(_native._C.internode_errors(buffer.buffer_id))
+
+
+def kernel_times(buffer, reset: bool = False) -> list[tuple[int, int]]:
+    """(calls, summed kernel nanoseconds) of this process's GPU since the last reset (see cuda_backend)."""
+    return [tuple(t) for t in _native._C.internode_kernel_times(buffer.buffer_id, reset)]
+
+
+# ---- ops (per rank, inside shard_map) ----------------------------------------------------------------------------
+
+def dispatch(x_leaves, topk_idx, topk_weights, *, params: InternodeParams, num_ranks, num_experts, capacity,
+             expert_alignment):
+    """Normal dispatch. Returns (recv leaves, recv_topk_idx, recv_topk_weights, num_recv_tokens,
+    num_recv_tokens_per_expert, num_dropped, invalid_ids, handle), as `xla_backend.dispatch`."""
+    num_tokens, num_topk = topk_idx.shape
+    cuda_backend.check_dispatch(num_ranks, num_tokens, num_topk)
+    payload = sum(cuda_backend._row_bytes(leaf) for leaf in x_leaves)
+    _check_region("dispatch", params,
+                  dispatch_region_bytes(params.num_nodes, params.ranks_per_node, num_tokens, num_topk, payload))
+    relayed = params.num_nodes * num_tokens
+    outs, (relay_row, relay_token) = cuda_backend.call_dispatch(
+        DISPATCH_TARGET, x_leaves, topk_idx, topk_weights,
+        (((relayed, params.ranks_per_node), int32), ((relayed,), jnp.bool_)), params=params, num_ranks=num_ranks,
+        num_experts=num_experts, capacity=capacity, expert_alignment=expert_alignment)
+    *results, recv_src_index, is_token_in_rank = outs
+    return (*results, InternodeHandle(recv_src_index, is_token_in_rank, relay_row, relay_token))
+
+
+def cached_dispatch(leaf, handle, *, params: InternodeParams) -> jax.Array:
+    """Dispatch new data [T, ...] along the routing of `handle` (any normal-mode handle) -> [C, ...]."""
+    num_tokens, capacity = handle.is_token_in_rank.shape[0], handle.recv_src_index.shape[0]
+    _check_region("cached dispatch", params, dispatch_region_bytes(params.num_nodes, params.ranks_per_node, num_tokens,
+                                                                   0, cuda_backend._row_bytes(leaf)))
+    result_type = jax.typeof(leaf).update(shape=(capacity, *leaf.shape[1:]), dtype=leaf.dtype)
+    return jax.ffi.ffi_call(CACHED_DISPATCH_TARGET, result_type)(leaf, handle.recv_src_index, handle.is_token_in_rank,
+                                                                  **params.attributes())
+
+
+def combine(y, handle, *, params: InternodeParams, bias=None, out_dtype=jnp.float32) -> jax.Array:
+    """y [C, ...] -> [T, ...] of out_dtype: each token's rows summed in float32 per node (local rank order), the
+    nodes' partials in float32 in node order, plus `bias` in float32, cast once."""
+    if not isinstance(handle, InternodeHandle):
+        raise TypeError("jax_ep.combine (cuda, internode): the handle must come from a dispatch of this Buffer, got "
+                        f"{type(handle).__name__}")
+    y, bias, kernel_out = cuda_backend.combine_kernel_types(y, bias, out_dtype)
+    num_tokens = handle.is_token_in_rank.shape[0]
+    row_elements = int(np.prod(y.shape[1:], dtype=np.int64))
+    _check_region("combine", params, combine_region_bytes(params.num_nodes, num_tokens, y.shape[0], row_elements,
+                                                          np.dtype(y.dtype).itemsize))
+    result_type = jax.typeof(y).update(shape=(num_tokens, *y.shape[1:]), dtype=kernel_out)
+    operands = (y, *handle) + (() if bias is None else (bias,))
+    out = jax.ffi.ffi_call(COMBINE_TARGET, result_type)(*operands, **params.attributes())
+    return out.astype(out_dtype)
