@@ -10,9 +10,9 @@
 //     slot (n, t) of rank (m, l) for every other node m that holds one of its experts: once per (token,
 //     destination node). Before the first put to (m, l) in a call, the sender waits for (m, l)'s credit
 //     for call c - 1 (its region is free again).
-//  2. Relay. After all blocks sent (grid barrier), block 0 completes the puts (nvshmem_quiet), signals
-//     arrived[n] = c to every (m, l), waits until every (m, l) signalled this rank, and tells its node peers
-//     that its region is ready (a release store into each peer's header).
+//  2. Relay. After all blocks sent (grid barrier), block 0 completes the puts (nvshmem_quiet) and signals
+//     arrived[n] = c to every (m, l); every block waits until every (m, l) signalled this rank; block 0 then
+//     tells its node peers that its region is ready (a release store into each peer's header).
 //  3. Receive. Every block waits until all P ranks of its node are ready, reads the per-source counts from
 //     their regions (the routing of source (s, l') sits in relay (n, l')'s region), and pulls the tokens
 //     routed to it over NVLink into its outputs in (source rank, source token) order, as the intranode kernel.
@@ -284,12 +284,15 @@ __device__ void send_own_tokens(const InternodeRank& g, const CallContext& ctx, 
   }
 }
 
-// Block 0, after a grid barrier that follows send_own_tokens: the sends complete and are signalled; once every
-// other node's rows for this rank arrived, the node peers may read this rank's region.
+// Every block, after a grid barrier that follows send_own_tokens: block 0 completes the sends and signals them;
+// once every other node's rows for this rank arrived, block 0 lets the node peers read this rank's region.
+// Every block waits for the rails itself (not only block 0): otherwise the other blocks, waiting in
+// wait_node_ready for this rank's own ready flag, would time out first when a rail peer stalls, and the error
+// record would name this rank instead of the stalled peer.
 __device__ void relay_when_arrived(const InternodeRank& g, const CallContext& ctx, InternodeOp op, int64_t timeout_ns) {
-  signal_rails(g, ctx);
+  if (blockIdx.x == 0) signal_rails(g, ctx);
   wait_rails(g, ctx, op, timeout_ns);
-  publish_ready(g, ctx);
+  if (blockIdx.x == 0) publish_ready(g, ctx);
 }
 
 // ---- dispatch ----------------------------------------------------------------------------------------------------
@@ -439,7 +442,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                              static_cast<int32_t>(a.num_experts / g.num_nodes)};
   send_own_tokens(g, ctx, layout, rows, gridDim.x > 1 ? 1 : 0, nodes_of, kOp, timeout_ns);
   grid_barrier(g, ctx, 0, kOp, timeout_ns);
-  if (blockIdx.x == 0) relay_when_arrived(g, ctx, kOp, timeout_ns);
+  relay_when_arrived(g, ctx, kOp, timeout_ns);
   wait_node_ready(g, ctx, kOp, timeout_ns);
 
   // Counts of every source rank for every rank of this node (from the relays' regions), and their prefix sums
@@ -516,7 +519,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   send_own_tokens(g, ctx, layout, rows, 0, NodesOfRanks{a.is_token_in_rank, g.num_ranks, g.ranks_per_node}, kOp,
                   timeout_ns);
   grid_barrier(g, ctx, 0, kOp, timeout_ns);
-  if (blockIdx.x == 0) relay_when_arrived(g, ctx, kOp, timeout_ns);
+  relay_when_arrived(g, ctx, kOp, timeout_ns);
   wait_node_ready(g, ctx, kOp, timeout_ns);
 
   const int64_t num_pairs = g.num_ranks * a.num_tokens;
