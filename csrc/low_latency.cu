@@ -106,31 +106,6 @@ __device__ __forceinline__ void give_credits(const LowLatencyCall& c, uint32_t c
     Transport::signal(c, threadIdx.x, credit_offset(dispatch, c.group.rank, call & 1), call);
 }
 
-// Every kernel calls this first: block 0 notes the start time of the call.
-__device__ __forceinline__ void start_clock(LowLatencyHeader* own, LowLatencyKernel kernel) {
-  if (blockIdx.x == 0 && threadIdx.x == 0) own->kernel_start[kernel] = now_ns();
-}
-
-// Every block calls this after its work; true in the one block that finished last, which then sees every
-// other block's writes (and may publish them to peers with release stores). That block also adds the call's
-// time (block 0's start to now) to the kernel's sums.
-__device__ __forceinline__ bool is_last_block(LowLatencyHeader* own, LowLatencyKernel kernel) {
-  __shared__ bool last;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence_system();
-    last = atomicAdd(&own->blocks_finished[kernel], 1u) == gridDim.x - 1;
-    if (last) {
-      own->blocks_finished[kernel] = 0;  // every block has counted: ready for the next call
-      own->kernel_ns[kernel] += now_ns() - *reinterpret_cast<volatile uint64_t*>(&own->kernel_start[kernel]);
-      own->kernel_calls[kernel] += 1;
-    }
-    __threadfence_system();
-  }
-  __syncthreads();
-  return last;
-}
-
 // The call number of a send half: one more than the calls this rank completed (read by every block at start;
 // only the last block of a call advances it).
 __device__ __forceinline__ uint32_t next_call(const uint32_t* completed) {
@@ -138,6 +113,87 @@ __device__ __forceinline__ uint32_t next_call(const uint32_t* completed) {
   if (threadIdx.x == 0) call = *reinterpret_cast<const volatile uint32_t*>(completed) + 1;
   __syncthreads();
   return call;
+}
+
+// ---- per-call trace (LowLatencyTrace) ------------------------------------------------------------------------
+
+__device__ __forceinline__ LowLatencyTrace* trace_slot(const LowLatencyCall& c, const LowLatencyLayout& layout,
+                                                       LowLatencyKernel kernel, uint32_t call) {
+  return reinterpret_cast<LowLatencyTrace*>(c.region + layout.trace) + kernel * kLowLatencyTraceCalls +
+         call % kLowLatencyTraceCalls;
+}
+
+__host__ __device__ inline LowLatencyTrace prepared_trace() {
+  LowLatencyTrace trace{};
+  trace.first_start = trace.first_flag = ~0ull;
+  return trace;
+}
+
+// A flag raised (sends) or a wait for flags satisfied (receives), now.
+__device__ __forceinline__ void trace_flag(LowLatencyTrace* trace, uint64_t ns) {
+  atomicMin(reinterpret_cast<unsigned long long*>(&trace->first_flag), static_cast<unsigned long long>(ns));
+  atomicMax(reinterpret_cast<unsigned long long*>(&trace->last_flag), static_cast<unsigned long long>(ns));
+}
+
+// A block's start and its time per phase, kept by thread 0 in shared memory (no registers held through the
+// kernel); the other threads' calls do nothing, so that a kernel marks the end of a phase right after the
+// barrier that ends it, as the block sees it.
+struct BlockClock {
+  uint64_t start, last;
+  uint64_t phase_ns[kLowLatencyPhases];
+};
+
+__device__ __forceinline__ BlockClock& block_clock() {
+  __shared__ BlockClock clock;
+  return clock;
+}
+
+__device__ __forceinline__ void clock_begin() {
+  if (threadIdx.x != 0) return;
+  BlockClock& clock = block_clock();
+  clock.start = clock.last = now_ns();
+  for (int p = 0; p < kLowLatencyPhases; ++p) clock.phase_ns[p] = 0;
+}
+
+__device__ __forceinline__ void clock_mark(int phase) {
+  if (threadIdx.x != 0) return;
+  BlockClock& clock = block_clock();
+  const uint64_t ns = now_ns();
+  clock.phase_ns[phase] += ns - clock.last;
+  clock.last = ns;
+}
+
+// Every block calls this after its work: adds its start and its phases (over `units`) to the call's trace and
+// returns true in the one block that finished last, which then sees every other block's writes (and may
+// publish them to peers with release stores). That block also closes the call's trace and prepares the slot of
+// the kernel's next call.
+__device__ bool finish_block(const LowLatencyCall& c, const LowLatencyLayout& layout, LowLatencyKernel kernel,
+                             uint32_t call, uint64_t units) {
+  __shared__ bool last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const BlockClock& clock = block_clock();
+    LowLatencyTrace* trace = trace_slot(c, layout, kernel, call);
+    atomicMin(reinterpret_cast<unsigned long long*>(&trace->first_start), static_cast<unsigned long long>(clock.start));
+    atomicMax(reinterpret_cast<unsigned long long*>(&trace->last_start), static_cast<unsigned long long>(clock.start));
+    atomicAdd(reinterpret_cast<unsigned long long*>(&trace->units), static_cast<unsigned long long>(units));
+    for (int p = 0; p < kLowLatencyPhases; ++p)
+      if (clock.phase_ns[p])
+        atomicAdd(reinterpret_cast<unsigned long long*>(&trace->phase_ns[p]),
+                  static_cast<unsigned long long>(clock.phase_ns[p]));
+    LowLatencyHeader* own = own_header(c);
+    __threadfence_system();
+    last = atomicAdd(&own->blocks_finished[kernel], 1u) == gridDim.x - 1;
+    if (last) {
+      own->blocks_finished[kernel] = 0;  // every block has counted: ready for the next call
+      trace->end = now_ns();
+      trace->call = call;
+      *trace_slot(c, layout, kernel, call + 1) = prepared_trace();
+    }
+    __threadfence_system();
+  }
+  __syncthreads();
+  return last;
 }
 
 // ---- row copies --------------------------------------------------------------------------------------------
@@ -228,6 +284,7 @@ __device__ void count_toward_flag(const LowLatencyCall& c, const LowLatencyLayou
   const int64_t flag = layout.set_offset(call & 1) + layout.dispatch_flags +
                        ((e % experts_per_rank) * num_ranks + c.group.rank) * static_cast<int64_t>(sizeof(uint64_t));
   Transport::signal(c, e / experts_per_rank, flag, (uint64_t{call} << 32) | (total >> 32));
+  trace_flag(trace_slot(c, layout, kDispatchSendKernel, call), now_ns());
 }
 
 // Byte offsets inside a dispatch slot row: the DispatchRowHeader, the values, then (FP8) the scales.
@@ -303,7 +360,8 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_send_kernel(const __gri
   const int32_t experts_per_rank = num_experts / num_ranks;
   const LowLatencyLayout layout(max_tokens, hidden, num_experts);
   LowLatencyHeader* own = own_header(c);
-  start_clock(own, kDispatchSendKernel);
+  enum { kRouting, kCast, kPuts, kFlags };  // phases, as kLowLatencyPhaseNames names them
+  clock_begin();
   if (threadIdx.x == 0) invalid = 0;
   const uint32_t call = next_call(&own->dispatch_calls), set = call & 1;
   wait_for_credits(c, LowLatencyOp::kDispatchSend, call, /*dispatch=*/true);  // before any row or flag is written
@@ -346,6 +404,7 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_send_kernel(const __gri
         if (first_naming(topk + u * num_topk, k)) atomicAdd(&tokens_before[topk[u * num_topk + k]], 1);
     counted = t;
     __syncthreads();
+    clock_mark(kRouting);
 
     char* staged = c.region + layout.dispatch_staging + t * layout.dispatch_slot_bytes;
     const int16_t* row = topk + t * num_topk;
@@ -380,6 +439,7 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_send_kernel(const __gri
       }
     }
     __syncthreads();  // the row is staged, the targets known
+    clock_mark(kCast);
 
     // The puts: the row's message in `pieces` 16-byte aligned pieces per target, a warp per (target, piece).
     const int num_targets = targets.count;
@@ -402,10 +462,12 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_send_kernel(const __gri
       if (put) Transport::finish_puts(lane);
     }
     __syncthreads();  // every piece of the token's rows is written
+    clock_mark(kPuts);
     if (threadIdx.x < num_targets) count_toward_flag<Transport>(c, layout, call, targets.expert[threadIdx.x], 1);
+    clock_mark(kFlags);
   }
 
-  if (is_last_block(own, kDispatchSendKernel) && threadIdx.x == 0) {
+  if (finish_block(c, layout, kDispatchSendKernel, call, 1) && threadIdx.x == 0) {
     own->dispatch_calls = call;
     *a.token = call;
   }
@@ -441,12 +503,13 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(const __grid_co
   const LowLatencyLayout layout(max_tokens, hidden, c.num_experts);
   const uint32_t call = *a.token, set = call & 1;
   const char* base = c.region + layout.set_offset(set);
-  LowLatencyHeader* own = own_header(c);
-  start_clock(own, kDispatchRecvKernel);
+  enum { kWaiting, kCopying };  // phases, as kLowLatencyPhaseNames names them
+  clock_begin();
 
   const uint64_t* flags = reinterpret_cast<const uint64_t*>(base + layout.dispatch_flags);
   const DispatchRowFormat format(a.payload, hidden);
   const int64_t value_bytes = hidden * format.value_bytes, scale_bytes = hidden / kGroup * format.scale_bytes;
+  uint64_t units = 0;
   for (int64_t unit = blockIdx.x; unit < static_cast<int64_t>(experts_per_rank) * splits; unit += gridDim.x) {
     const int32_t j = static_cast<int32_t>(unit / splits), split = static_cast<int32_t>(unit % splits);
     if (threadIdx.x < num_ranks) {
@@ -460,8 +523,10 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(const __grid_co
     if (threadIdx.x == 0) {
       begins[0] = 0;
       for (int s = 0; s < num_ranks; ++s) begins[s + 1] = begins[s] + counts[s];
+      trace_flag(trace_slot(c, layout, kDispatchRecvKernel, call), now_ns());
     }
     __syncthreads();
+    clock_mark(kWaiting);
     const int32_t received = begins[num_ranks];
     if (split == 0 && threadIdx.x < num_ranks) {
       a.layout_range[(j * num_ranks + threadIdx.x) * 2] = begins[threadIdx.x];
@@ -486,9 +551,11 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(const __grid_co
       a.src_topk_index[j * rows_per_expert + i] = -1;
     }
     __syncthreads();  // counts and begins are the next unit's
+    clock_mark(kCopying);
+    ++units;
   }
 
-  if (is_last_block(own, kDispatchRecvKernel)) give_credits<Transport>(c, call, /*dispatch=*/true);
+  if (finish_block(c, layout, kDispatchRecvKernel, call, units)) give_credits<Transport>(c, call, /*dispatch=*/true);
 }
 
 // ---- combine ----------------------------------------------------------------------------------------------
@@ -506,9 +573,11 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(const __grid_con
   const int32_t pairs = experts_per_rank * num_ranks;
   const LowLatencyLayout layout(max_tokens, hidden, c.num_experts);
   LowLatencyHeader* own = own_header(c);
-  start_clock(own, kCombineSendKernel);
+  enum { kCredits, kPuts, kFlags };  // phases, as kLowLatencyPhaseNames names them
+  clock_begin();
   const uint32_t call = next_call(&own->combine_calls), set = call & 1;
   wait_for_credits(c, LowLatencyOp::kCombineSend, call, /*dispatch=*/false);
+  clock_mark(kCredits);
 
   const char* y = static_cast<const char*>(a.y);
   int64_t rows_before = 0;  // rows of this block's earlier pairs: row r of the block goes to warp r % kWarps
@@ -532,15 +601,18 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(const __grid_con
   }
   if (put) Transport::finish_puts(lane);
   __syncthreads();  // every row of the block's pairs is written
+  clock_mark(kPuts);
   for (int64_t p = blockIdx.x + static_cast<int64_t>(gridDim.x) * threadIdx.x; p < pairs;
        p += static_cast<int64_t>(gridDim.x) * kThreads) {
     const int32_t j = static_cast<int32_t>(p / num_ranks), src = static_cast<int32_t>(p % num_ranks);
     Transport::signal(c, src,
                       layout.set_offset(set) + layout.combine_flags + (me * experts_per_rank + j) * sizeof(uint64_t),
                       call);
+    trace_flag(trace_slot(c, layout, kCombineSendKernel, call), now_ns());
   }
+  clock_mark(kFlags);
 
-  if (is_last_block(own, kCombineSendKernel) && threadIdx.x == 0) {
+  if (finish_block(c, layout, kCombineSendKernel, call, 1) && threadIdx.x == 0) {
     own->combine_calls = call;
     *a.token = call;
   }
@@ -548,11 +620,15 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(const __grid_con
 
 // The receive: a warp takes (token, part), waits for the flags of the token's experts (a lane per distinct
 // expert), then sums, for k in order, w[t, k] * row of (t, first entry of expert k) in float32 (one rounding per
-// product and per sum, as the reference), and writes BF16.
+// product and per sum, as the reference), and writes BF16. Its trace is per (token, part): lane 0 times the
+// wait (reading the routing included) and the sum, the block adds them up in shared memory.
 template <typename Transport>
 __global__ void __launch_bounds__(kThreads) combine_recv_kernel(const __grid_constant__ LowLatencyCall c,
                                                                 const __grid_constant__ LowLatencyCombineRecvArgs a,
                                                                 TokenParts split) {
+  enum { kWaiting, kSumming };  // phases, as kLowLatencyPhaseNames names them
+  __shared__ unsigned long long item_ns[2], items, first_ready, last_ready;
+  clock_begin();
   const int lane = threadIdx.x % 32;
   const int64_t hidden = c.hidden, num_topk = a.num_topk;
   const int32_t num_experts = static_cast<int32_t>(c.num_experts);
@@ -560,12 +636,16 @@ __global__ void __launch_bounds__(kThreads) combine_recv_kernel(const __grid_con
   const LowLatencyLayout layout(c.num_max_tokens, hidden, num_experts);
   const uint32_t call = *a.token, set = call & 1;
   const char* base = c.region + layout.set_offset(set);
-  LowLatencyHeader* own = own_header(c);
-  start_clock(own, kCombineRecvKernel);
+  if (threadIdx.x == 0) {
+    item_ns[kWaiting] = item_ns[kSumming] = items = last_ready = 0;
+    first_ready = ~0ull;
+  }
+  __syncthreads();
 
   const uint64_t* flags = reinterpret_cast<const uint64_t*>(base + layout.combine_flags);
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(a.out);
   for (int64_t item = global_warp(); item < a.num_tokens * split.parts; item += num_global_warps()) {
+    const uint64_t begin = lane == 0 ? now_ns() : 0;
     const int64_t t = item / split.parts, part = item % split.parts;
     int32_t expert = -1, slot = lane;
     float weight = 0.f;
@@ -583,6 +663,13 @@ __global__ void __launch_bounds__(kThreads) combine_recv_kernel(const __grid_con
                  [&] { return load_acquire_sys(flags + expert); },
                  [&](uint64_t v) { return static_cast<uint32_t>(v) == call; });
     __syncwarp();  // the lanes' acquires order every lane's row loads below
+    uint64_t ready = 0;
+    if (lane == 0) {
+      ready = now_ns();
+      atomicAdd(&item_ns[kWaiting], static_cast<unsigned long long>(ready - begin));
+      atomicMin(&first_ready, static_cast<unsigned long long>(ready));
+      atomicMax(&last_ready, static_cast<unsigned long long>(ready));
+    }
     const int64_t chunk_end = min((part + 1) * split.chunks_per_part * kChunk, hidden);
     for (int64_t chunk = part * split.chunks_per_part * kChunk; chunk < chunk_end; chunk += kChunk) {
       const int64_t ch = chunk + lane * kLaneChannels;
@@ -616,9 +703,23 @@ __global__ void __launch_bounds__(kThreads) combine_recv_kernel(const __grid_con
       for (int i = 0; i < kLaneChannels; ++i) packed[i] = __float2bfloat16_rn(acc[i]);
       *reinterpret_cast<uint4*>(out + t * hidden + ch) = *reinterpret_cast<const uint4*>(packed);
     }
+    if (lane == 0) {
+      atomicAdd(&item_ns[kSumming], static_cast<unsigned long long>(now_ns() - ready));
+      atomicAdd(&items, 1ull);
+    }
   }
 
-  if (is_last_block(own, kCombineRecvKernel)) give_credits<Transport>(c, call, /*dispatch=*/false);
+  __syncthreads();  // the block's items are timed
+  if (threadIdx.x == 0) {
+    block_clock().phase_ns[kWaiting] = item_ns[kWaiting];
+    block_clock().phase_ns[kSumming] = item_ns[kSumming];
+    if (items) {
+      LowLatencyTrace* trace = trace_slot(c, layout, kCombineRecvKernel, call);
+      trace_flag(trace, first_ready);
+      trace_flag(trace, last_ready);
+    }
+  }
+  if (finish_block(c, layout, kCombineRecvKernel, call, items)) give_credits<Transport>(c, call, /*dispatch=*/false);
 }
 
 // ---- launches ----------------------------------------------------------------------------------------------
@@ -713,10 +814,10 @@ std::string low_latency_lookup(int64_t buffer_id, int device_ordinal, LowLatency
   return "unknown low-latency transport " + std::to_string(static_cast<int>(transport));
 }
 
-std::vector<std::vector<std::pair<uint64_t, uint64_t>>> low_latency_kernel_times(
-    int64_t buffer_id, const std::vector<int>& device_ordinals, LowLatencyTransport transport, int64_t ll_offset,
-    bool reset) {
-  std::vector<std::vector<std::pair<uint64_t, uint64_t>>> times;
+std::vector<std::vector<uint64_t>> low_latency_trace(int64_t buffer_id, const std::vector<int>& device_ordinals,
+                                                     LowLatencyTransport transport, int64_t ll_offset, bool reset) {
+  constexpr size_t kWords = kLowLatencyTraceBytes / sizeof(uint64_t);
+  std::vector<std::vector<uint64_t>> traces;
   int current = 0;
   JAX_EP_CUDA_THROW(cudaGetDevice(&current));
   for (int device : device_ordinals) {
@@ -724,20 +825,23 @@ std::vector<std::vector<std::pair<uint64_t, uint64_t>>> low_latency_kernel_times
     int64_t available = 0;
     if (!low_latency_lookup(buffer_id, device, transport, ll_offset, &call, &available).empty()) continue;
     JAX_EP_CUDA_THROW(cudaSetDevice(device));
-    LowLatencyHeader* h = reinterpret_cast<LowLatencyHeader*>(call.region);
-    uint64_t calls[kLowLatencyKernels], ns[kLowLatencyKernels];
-    JAX_EP_CUDA_THROW(cudaMemcpy(calls, h->kernel_calls, sizeof(calls), cudaMemcpyDeviceToHost));
-    JAX_EP_CUDA_THROW(cudaMemcpy(ns, h->kernel_ns, sizeof(ns), cudaMemcpyDeviceToHost));
+    char* trace = call.region + kLowLatencyTraceOffset;
+    std::vector<uint64_t> words(kWords);
+    JAX_EP_CUDA_THROW(cudaMemcpy(words.data(), trace, kLowLatencyTraceBytes, cudaMemcpyDeviceToHost));
     if (reset) {
-      JAX_EP_CUDA_THROW(cudaMemset(h->kernel_calls, 0, sizeof(calls)));
-      JAX_EP_CUDA_THROW(cudaMemset(h->kernel_ns, 0, sizeof(ns)));
+      const std::vector<LowLatencyTrace> prepared(kLowLatencyKernels * kLowLatencyTraceCalls, prepared_trace());
+      JAX_EP_CUDA_THROW(cudaMemcpy(trace, prepared.data(), kLowLatencyTraceBytes, cudaMemcpyHostToDevice));
     }
-    std::vector<std::pair<uint64_t, uint64_t>> row;
-    for (int k = 0; k < kLowLatencyKernels; ++k) row.emplace_back(calls[k], ns[k]);
-    times.push_back(row);
+    traces.push_back(std::move(words));
   }
   JAX_EP_CUDA_THROW(cudaSetDevice(current));
-  return times;
+  return traces;
+}
+
+std::pair<std::vector<std::string>, std::vector<std::vector<std::string>>> low_latency_trace_fields() {
+  std::vector<std::vector<std::string>> phases;
+  for (const auto& names : kLowLatencyPhaseNames) phases.emplace_back(std::begin(names), std::end(names));
+  return {std::vector<std::string>(std::begin(kLowLatencyTraceFields), std::end(kLowLatencyTraceFields)), phases};
 }
 
 std::vector<std::string> low_latency_errors(int64_t buffer_id, const std::vector<int>& device_ordinals) {
