@@ -34,8 +34,7 @@ namespace jax_ep {
 
 // Top-k entries a token may have in low-latency mode: the combine region keeps one row per (token, k).
 inline constexpr int kLowLatencyMaxTopk = 16;
-// Experts of a low-latency Buffer: the send keeps a count per expert in shared memory (16 KB at this bound);
-// expert ids travel as int16 in the row headers and the send's shared routing.
+// Experts of a low-latency Buffer: expert ids travel as int16 in the row headers and the send's shared routing.
 inline constexpr int kLowLatencyMaxExperts = 4096;
 // Top-k entries of one dispatch (T * K): the send keeps the routing in shared memory as int16 (16 KB at this
 // bound, e.g. T = 512 tokens with K = 16).
