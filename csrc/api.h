@@ -397,12 +397,13 @@ cudaError_t low_latency_combine_recv(const LowLatencyCall& call, const LowLatenc
 
 // One line per device of `device_ordinals` whose LL kernel of `buffer_id` timed out (readable after the trap).
 std::vector<std::string> low_latency_errors(int64_t buffer_id, const std::vector<int>& device_ordinals);
-// Per device of buffer_id in this process: (calls, summed nanoseconds) of each LL kernel (LowLatencyKernel
-// order: dispatch send, dispatch receive, combine send, combine receive) since the last reset; `reset` zeroes
-// them. Call only while no kernel of the buffer runs.
-std::vector<std::vector<std::pair<uint64_t, uint64_t>>> low_latency_kernel_times(
-    int64_t buffer_id, const std::vector<int>& device_ordinals, LowLatencyTransport transport, int64_t ll_offset,
-    bool reset);
+// Per device of buffer_id in this process: the raw LowLatencyTrace ring of every LL kernel (low_latency_state.h;
+// LowLatencyKernel order, kLowLatencyTraceCalls slots each, 64-bit words named by low_latency_trace_fields);
+// `reset` then prepares every slot for the next calls. Call only while no kernel of the buffer runs.
+std::vector<std::vector<uint64_t>> low_latency_trace(int64_t buffer_id, const std::vector<int>& device_ordinals,
+                                                     LowLatencyTransport transport, int64_t ll_offset, bool reset);
+// The names of a trace slot's words: the fields every kernel has, then per kernel its phases ("-": unused).
+std::pair<std::vector<std::string>, std::vector<std::vector<std::string>>> low_latency_trace_fields();
 
 }  // namespace jax_ep
 #endif

@@ -84,18 +84,14 @@ __device__ __forceinline__ uint64_t wait_until(const LowLatencyCall& c, LowLaten
   return seen;
 }
 
-// Send halves, before writing into set call % 2 of the peers: every peer's receive of call - 2 (the previous
-// user of that set) has finished reading it, as the credit words it wrote into this rank's header say.
-// Threads < num_ranks wait, one peer each.
-__device__ __forceinline__ void wait_for_credits(const LowLatencyCall& c, LowLatencyOp op, uint32_t call,
-                                                 bool dispatch) {
-  if (threadIdx.x < c.group.num_ranks) {
-    const int peer = threadIdx.x;
-    const uint64_t* credit = reinterpret_cast<const uint64_t*>(c.region + credit_offset(dispatch, peer, call & 1));
-    wait_until(c, op, LowLatencyWait::kCredit, peer, call, [&] { return load_acquire_sys(credit); },
-               [&](uint64_t seen) { return call_reached(static_cast<uint32_t>(seen), call - 2); });
-  }
-  __syncthreads();
+// Send halves, before writing into set call % 2 of the peers: peer `peer`'s receive of call - 2 (the previous
+// user of that set) has finished reading it, as the credit word it wrote into this rank's header says. One
+// thread per peer waits; a barrier after it holds the block's other threads back.
+__device__ __forceinline__ void wait_for_credit(const LowLatencyCall& c, LowLatencyOp op, uint32_t call, bool dispatch,
+                                                int peer) {
+  const uint64_t* credit = reinterpret_cast<const uint64_t*>(c.region + credit_offset(dispatch, peer, call & 1));
+  wait_until(c, op, LowLatencyWait::kCredit, peer, call, [&] { return load_acquire_sys(credit); },
+             [&](uint64_t seen) { return call_reached(static_cast<uint32_t>(seen), call - 2); });
 }
 
 // Receive halves, in the last block once every block finished reading set call % 2: tells every sender
@@ -106,38 +102,91 @@ __device__ __forceinline__ void give_credits(const LowLatencyCall& c, uint32_t c
     Transport::signal(c, threadIdx.x, credit_offset(dispatch, c.group.rank, call & 1), call);
 }
 
-// Every kernel calls this first: block 0 notes the start time of the call.
-__device__ __forceinline__ void start_clock(LowLatencyHeader* own, LowLatencyKernel kernel) {
-  if (blockIdx.x == 0 && threadIdx.x == 0) own->kernel_start[kernel] = now_ns();
+// The call number of a send half: one more than the calls this rank completed. Every thread reads it at its
+// start; only the last block of a call advances it, after every block has started.
+__device__ __forceinline__ uint32_t next_call(const uint32_t* completed) {
+  return *reinterpret_cast<const volatile uint32_t*>(completed) + 1;
 }
 
-// Every block calls this after its work; true in the one block that finished last, which then sees every
-// other block's writes (and may publish them to peers with release stores). That block also adds the call's
-// time (block 0's start to now) to the kernel's sums.
-__device__ __forceinline__ bool is_last_block(LowLatencyHeader* own, LowLatencyKernel kernel) {
+// ---- per-call trace (LowLatencyTrace) ------------------------------------------------------------------------
+
+__device__ __forceinline__ LowLatencyTrace* trace_slot(const LowLatencyCall& c, const LowLatencyLayout& layout,
+                                                       LowLatencyKernel kernel, uint32_t call) {
+  return reinterpret_cast<LowLatencyTrace*>(c.region + layout.trace) + kernel * kLowLatencyTraceCalls +
+         call % kLowLatencyTraceCalls;
+}
+
+__host__ __device__ inline LowLatencyTrace prepared_trace() {
+  LowLatencyTrace trace{};
+  trace.first_start = trace.first_flag = ~0ull;
+  return trace;
+}
+
+// A flag raised (sends) or a wait for flags satisfied (receives), now.
+__device__ __forceinline__ void trace_flag(LowLatencyTrace* trace, uint64_t ns) {
+  atomicMin(reinterpret_cast<unsigned long long*>(&trace->first_flag), static_cast<unsigned long long>(ns));
+  atomicMax(reinterpret_cast<unsigned long long*>(&trace->last_flag), static_cast<unsigned long long>(ns));
+}
+
+// A block's start and its time per phase, kept by thread 0 in shared memory (no registers held through the
+// kernel); the other threads' calls do nothing, so that a kernel marks the end of a phase right after the
+// barrier that ends it, as the block sees it.
+struct BlockClock {
+  uint64_t start, last;
+  uint64_t phase_ns[kLowLatencyPhases];
+};
+
+__device__ __forceinline__ BlockClock& block_clock() {
+  __shared__ BlockClock clock;
+  return clock;
+}
+
+__device__ __forceinline__ void clock_begin() {
+  if (threadIdx.x != 0) return;
+  BlockClock& clock = block_clock();
+  clock.start = clock.last = now_ns();
+  for (int p = 0; p < kLowLatencyPhases; ++p) clock.phase_ns[p] = 0;
+}
+
+__device__ __forceinline__ void clock_mark(int phase) {
+  if (threadIdx.x != 0) return;
+  BlockClock& clock = block_clock();
+  const uint64_t ns = now_ns();
+  clock.phase_ns[phase] += ns - clock.last;
+  clock.last = ns;
+}
+
+// Every block calls this after its work: adds its start and its phases (over `units`) to the call's trace and
+// returns true in the one block that finished last, which then sees every other block's writes (and may
+// publish them to peers with release stores). That block also closes the call's trace and prepares the slot of
+// the kernel's next call.
+__device__ bool finish_block(const LowLatencyCall& c, const LowLatencyLayout& layout, LowLatencyKernel kernel,
+                             uint32_t call, uint64_t units) {
   __shared__ bool last;
   __syncthreads();
   if (threadIdx.x == 0) {
+    const BlockClock& clock = block_clock();
+    LowLatencyTrace* trace = trace_slot(c, layout, kernel, call);
+    atomicMin(reinterpret_cast<unsigned long long*>(&trace->first_start), static_cast<unsigned long long>(clock.start));
+    atomicMax(reinterpret_cast<unsigned long long*>(&trace->last_start), static_cast<unsigned long long>(clock.start));
+    atomicAdd(reinterpret_cast<unsigned long long*>(&trace->units), static_cast<unsigned long long>(units));
+    for (int p = 0; p < kLowLatencyPhases; ++p)
+      if (clock.phase_ns[p])
+        atomicAdd(reinterpret_cast<unsigned long long*>(&trace->phase_ns[p]),
+                  static_cast<unsigned long long>(clock.phase_ns[p]));
+    LowLatencyHeader* own = own_header(c);
     __threadfence_system();
     last = atomicAdd(&own->blocks_finished[kernel], 1u) == gridDim.x - 1;
     if (last) {
       own->blocks_finished[kernel] = 0;  // every block has counted: ready for the next call
-      own->kernel_ns[kernel] += now_ns() - *reinterpret_cast<volatile uint64_t*>(&own->kernel_start[kernel]);
-      own->kernel_calls[kernel] += 1;
+      trace->end = now_ns();
+      trace->call = call;
+      *trace_slot(c, layout, kernel, call + 1) = prepared_trace();
     }
     __threadfence_system();
   }
   __syncthreads();
   return last;
-}
-
-// The call number of a send half: one more than the calls this rank completed (read by every block at start;
-// only the last block of a call advances it).
-__device__ __forceinline__ uint32_t next_call(const uint32_t* completed) {
-  __shared__ uint32_t call;
-  if (threadIdx.x == 0) call = *reinterpret_cast<const volatile uint32_t*>(completed) + 1;
-  __syncthreads();
-  return call;
 }
 
 // ---- row copies --------------------------------------------------------------------------------------------
@@ -228,6 +277,7 @@ __device__ void count_toward_flag(const LowLatencyCall& c, const LowLatencyLayou
   const int64_t flag = layout.set_offset(call & 1) + layout.dispatch_flags +
                        ((e % experts_per_rank) * num_ranks + c.group.rank) * static_cast<int64_t>(sizeof(uint64_t));
   Transport::signal(c, e / experts_per_rank, flag, (uint64_t{call} << 32) | (total >> 32));
+  trace_flag(trace_slot(c, layout, kDispatchSendKernel, call), now_ns());
 }
 
 // Byte offsets inside a dispatch slot row: the DispatchRowHeader, the values, then (FP8) the scales.
@@ -276,101 +326,126 @@ struct SendTargets {
   int32_t count;
 };
 
-// Whether entry k of a top-k row is the first naming its expert (ids outside [0, E) are -1 and name none).
-__device__ __forceinline__ bool first_naming(const int16_t* row, int64_t k) {
-  if (row[k] < 0) return false;
-  for (int64_t before = 0; before < k; ++before)
-    if (row[before] == row[k]) return false;
-  return true;
+// Warp 0, before a barrier: token t's targets (positions zeroed for count_positions) and the header of its
+// staging row, read from topk_idx itself so that no barrier after the routing's copy is needed first.
+__device__ __forceinline__ void prepare_targets(const int32_t* topk_idx, int64_t num_topk, int32_t num_experts,
+                                                int64_t t, SendTargets& targets, DispatchRowHeader* header,
+                                                int lane) {
+  int32_t id = lane < num_topk ? topk_idx[t * num_topk + lane] : -1;
+  if (id < 0 || id >= num_experts) id = -1;
+  const unsigned same = __match_any_sync(kFullMask, id);
+  const bool first = id >= 0 && __ffs(same) - 1 == lane;  // the first entry naming its expert
+  const unsigned firsts = __ballot_sync(kFullMask, first);
+  if (first) targets.expert[__popc(firsts & ((1u << lane) - 1u))] = id;
+  if (lane < kLowLatencyMaxTopk) {
+    targets.position[lane] = 0;
+    header->experts[lane] = static_cast<int16_t>(id);
+  }
+  if (lane == 0) {
+    targets.count = __popc(firsts);
+    header->token = static_cast<int32_t>(t);
+  }
 }
 
-// The send, routing included. Each block copies topk_idx into shared memory and counts, for the experts it is
-// given (spread over all blocks), the tokens routed to each; then takes tokens t = block, block + blocks, ...: a
-// running per-expert count of the tokens before t gives t's slot positions; the 16 warps cast t's row into the
-// staging row (FP8: one scale per 128 channels, 16 lanes a group) with its header, then put it in pieces into
-// the slot of each distinct expert of t, on that expert's rank. Once a token's rows are written, its experts'
-// send counters advance; a completed counter raises that expert's flag (count_toward_flag), so a receiver can
-// start on an expert while other experts' rows are still being sent.
+// Lane's token u of the shared routing: its top-k ids, -1 past num_topk and for every entry when u >= end.
+__device__ __forceinline__ void load_ids(const int16_t* topk, int64_t num_topk, int64_t u, int64_t end,
+                                         int32_t (&ids)[kLowLatencyMaxTopk]) {
+#pragma unroll
+  for (int k = 0; k < kLowLatencyMaxTopk; ++k) ids[k] = u < end && k < num_topk ? topk[u * num_topk + k] : -1;
+}
+
+__device__ __forceinline__ bool names(const int32_t (&ids)[kLowLatencyMaxTopk], int32_t expert) {
+  bool found = false;
+#pragma unroll
+  for (int k = 0; k < kLowLatencyMaxTopk; ++k) found |= ids[k] == expert;
+  return found;
+}
+
+// Token t's slot position at each target: the tokens before t naming the target's expert (a token once, however
+// many of its entries name it). Warps take 32 tokens at a time, a ballot per target.
+__device__ __forceinline__ void count_positions(const int16_t* topk, int64_t num_topk, int64_t t,
+                                                SendTargets& targets, int warp, int lane) {
+  const int num_targets = targets.count;
+  for (int64_t first = static_cast<int64_t>(warp) * 32; first < t; first += kSendWarps * 32) {
+    int32_t ids[kLowLatencyMaxTopk];
+    load_ids(topk, num_topk, first + lane, t, ids);
+    for (int j = 0; j < num_targets; ++j) {
+      const unsigned named = __ballot_sync(kFullMask, names(ids, targets.expert[j]));
+      if (lane == 0 && named) atomicAdd(&targets.position[j], __popc(named));
+    }
+  }
+}
+
+// The cast reads a warp's chunks of a row kPrefetch at a time (chunks batch, batch + kSendWarps, ...), every
+// load of a batch issued before the first is used.
+constexpr int kPrefetch = 4;
+
+__device__ __forceinline__ void load_chunks(uint4 (&raw)[kPrefetch], const __nv_bfloat16* row, int64_t batch,
+                                            int64_t hidden, int lane) {
+#pragma unroll
+  for (int p = 0; p < kPrefetch; ++p) {
+    const int64_t ch = (batch + p * kSendWarps) * kChunk + lane * kLaneChannels;
+    raw[p] = ch < hidden ? __ldg(reinterpret_cast<const uint4*>(row + ch)) : make_uint4(0, 0, 0, 0);
+  }
+}
+
+// The send. A block takes tokens t = block, block + blocks, ... (one each at DeepEP's decode shape). Before its
+// first barrier, whose latencies thereby overlap: warp 0 finds t's distinct experts (its targets) in topk_idx,
+// warp 1 waits for the credits (nothing reaches a peer before that barrier), every warp loads its first chunks of
+// x[t], and the block copies the routing into shared memory. Then, per token: its 16 warps cast the row into the
+// staging row (FP8: one scale per 128 channels, 16 lanes a group) and count t's slot position at each target
+// (the tokens before t naming it); then put the staged row into the slot of each target on the target's rank,
+// in pieces, a warp per (target, piece); once they are written, each target's send counter advances. Last, the
+// block adds the row count of the experts it is given (spread over all blocks) to their counters, while its
+// stores drain: a completed counter raises that expert's flag (count_toward_flag), so a receiver can start on
+// an expert while other experts' rows are still being sent.
 template <typename Transport>
 __global__ void __launch_bounds__(kSendThreads) dispatch_send_kernel(const __grid_constant__ LowLatencyCall c,
                                                                      const __grid_constant__ LowLatencyDispatchSendArgs a) {
-  extern __shared__ int32_t send_shared[];  // [E] tokens before the current one per expert; then int16 [T, K] ids
+  extern __shared__ int16_t send_topk[];  // [T, K] the routing; ids outside [0, E) are -1
   __shared__ SendTargets targets;
   __shared__ int32_t invalid;
+  enum { kRouting, kCast, kPuts, kFlags };  // phases, as kLowLatencyPhaseNames names them
+  clock_begin();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, me = c.group.rank, num_ranks = c.group.num_ranks;
   const int64_t hidden = c.hidden, num_topk = a.num_topk, num_tokens = a.num_tokens, max_tokens = c.num_max_tokens;
   const int32_t num_experts = static_cast<int32_t>(c.num_experts);
   const int32_t experts_per_rank = num_experts / num_ranks;
   const LowLatencyLayout layout(max_tokens, hidden, num_experts);
   LowLatencyHeader* own = own_header(c);
-  start_clock(own, kDispatchSendKernel);
-  if (threadIdx.x == 0) invalid = 0;
   const uint32_t call = next_call(&own->dispatch_calls), set = call & 1;
-  wait_for_credits(c, LowLatencyOp::kDispatchSend, call, /*dispatch=*/true);  // before any row or flag is written
-
-  // Routing in shared memory: ids outside [0, E) become -1 (block 0 counts those outside [-1, E)).
-  int32_t* tokens_before = send_shared;
-  int16_t* topk = reinterpret_cast<int16_t*>(send_shared + num_experts);
-  for (int32_t e = threadIdx.x; e < num_experts; e += blockDim.x) tokens_before[e] = 0;
-  int32_t invalid_here = 0;
-  for (int64_t i = threadIdx.x; i < num_tokens * num_topk; i += blockDim.x) {
-    const int32_t e = a.topk_idx[i];
-    const bool valid = e >= 0 && e < num_experts;
-    topk[i] = static_cast<int16_t>(valid ? e : -1);
-    invalid_here += !valid && e != -1;
-  }
-  if (blockIdx.x == 0 && invalid_here) atomicAdd(&invalid, invalid_here);
-  __syncthreads();
-  if (blockIdx.x == 0 && threadIdx.x == 0) *a.invalid_ids = invalid;
-
-  // Rows per expert (tokens naming it), a warp per expert, 32 tokens per ballot.
-  for (int32_t e = blockIdx.x + gridDim.x * warp; e < num_experts; e += gridDim.x * kSendWarps) {
-    uint32_t rows = 0;
-    for (int64_t first = 0; first < num_tokens; first += 32) {
-      const int64_t t = first + lane;
-      bool names = false;
-      for (int64_t k = 0; t < num_tokens && k < num_topk; ++k) names |= topk[t * num_topk + k] == e;
-      rows += __popc(__ballot_sync(kFullMask, names));
-    }
-    if (lane == 0) count_toward_flag<Transport>(c, layout, call, e, (uint64_t{rows} << 32) + kSentTag - rows);
-  }
-
   const DispatchRowFormat format(a.payload, hidden);
   const int64_t chunks = (hidden + kChunk - 1) / kChunk;
   const int64_t slots = layout.set_offset(set) + layout.dispatch_rows;
   const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(a.x);
-  int64_t counted = 0;  // tokens_before counts the tokens [0, counted)
-  for (int64_t t = blockIdx.x; t < num_tokens; t += gridDim.x) {
-    for (int64_t u = counted + threadIdx.x; u < t; u += blockDim.x)
-      for (int64_t k = 0; k < num_topk; ++k)
-        if (first_naming(topk + u * num_topk, k)) atomicAdd(&tokens_before[topk[u * num_topk + k]], 1);
-    counted = t;
-    __syncthreads();
+  auto staged_row = [&](int64_t t) { return c.region + layout.dispatch_staging + t * layout.dispatch_slot_bytes; };
 
-    char* staged = c.region + layout.dispatch_staging + t * layout.dispatch_slot_bytes;
-    const int16_t* row = topk + t * num_topk;
-    if (warp == 0) {  // targets and the row header
-      const bool first = lane < num_topk && first_naming(row, lane);
-      const unsigned firsts = __ballot_sync(kFullMask, first);
-      if (first) {
-        const int index = __popc(firsts & ((1u << lane) - 1u));
-        targets.expert[index] = row[lane];
-        targets.position[index] = tokens_before[row[lane]];
-      }
-      if (lane == 0) targets.count = __popc(firsts);
-      DispatchRowHeader* header = reinterpret_cast<DispatchRowHeader*>(staged);
-      if (lane < kLowLatencyMaxTopk) header->experts[lane] = lane < num_topk ? row[lane] : int16_t{-1};
-      if (lane == 0) header->token = static_cast<int32_t>(t);
+  // Launches have blocks <= T: every block has a first token.
+  int64_t t = blockIdx.x;
+  if (warp == 0) prepare_targets(a.topk_idx, num_topk, num_experts, t, targets,
+                                 reinterpret_cast<DispatchRowHeader*>(staged_row(t)), lane);
+  if (warp == 1 && lane < num_ranks) wait_for_credit(c, LowLatencyOp::kDispatchSend, call, /*dispatch=*/true, lane);
+  uint4 raw[kPrefetch];
+  load_chunks(raw, x + t * hidden, warp, hidden, lane);
+  for (int64_t i = threadIdx.x; i < num_tokens * num_topk; i += blockDim.x) {
+    const int32_t e = a.topk_idx[i];
+    send_topk[i] = static_cast<int16_t>(e >= 0 && e < num_experts ? e : -1);
+  }
+  if (threadIdx.x == 0) invalid = 0;
+  __syncthreads();
+  clock_mark(kRouting);
+
+  for (; t < num_tokens; t += gridDim.x) {
+    if (t != blockIdx.x) {  // a later token: its targets and first chunks, as above for the first
+      if (warp == 0) prepare_targets(a.topk_idx, num_topk, num_experts, t, targets,
+                                     reinterpret_cast<DispatchRowHeader*>(staged_row(t)), lane);
+      load_chunks(raw, x + t * hidden, warp, hidden, lane);
+      __syncthreads();
+      clock_mark(kRouting);
     }
-    // The cast: warp w takes chunks w, w + 16, ...; the loads of kPrefetch chunks are issued together.
-    constexpr int kPrefetch = 4;
+    char* staged = staged_row(t);
     for (int64_t batch = warp; batch < chunks; batch += kPrefetch * kSendWarps) {
-      uint4 raw[kPrefetch];
-#pragma unroll
-      for (int p = 0; p < kPrefetch; ++p) {
-        const int64_t ch = (batch + p * kSendWarps) * kChunk + lane * kLaneChannels;
-        raw[p] = ch < hidden ? __ldg(reinterpret_cast<const uint4*>(x + t * hidden + ch)) : make_uint4(0, 0, 0, 0);
-      }
+      if (batch != warp) load_chunks(raw, x + t * hidden, batch, hidden, lane);  // the first batch is loaded
 #pragma unroll
       for (int p = 0; p < kPrefetch; ++p) {
         const int64_t chunk = batch + p * kSendWarps;
@@ -379,7 +454,9 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_send_kernel(const __gri
         stage_channels(raw[p], ch, ch < hidden, a.payload, a.round_scale, format, staged, lane);
       }
     }
-    __syncthreads();  // the row is staged, the targets known
+    count_positions(send_topk, num_topk, t, targets, warp, lane);  // after the cast: raw's registers are free
+    __syncthreads();  // the row is staged, the positions counted
+    clock_mark(kCast);
 
     // The puts: the row's message in `pieces` 16-byte aligned pieces per target, a warp per (target, piece).
     const int num_targets = targets.count;
@@ -402,51 +479,88 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_send_kernel(const __gri
       if (put) Transport::finish_puts(lane);
     }
     __syncthreads();  // every piece of the token's rows is written
-    if (threadIdx.x < num_targets) count_toward_flag<Transport>(c, layout, call, targets.expert[threadIdx.x], 1);
+    clock_mark(kPuts);
+    if (warp == 0) {  // (only warp 0 reads the targets from here on: it rewrites them for the next token)
+      if (lane < num_targets) count_toward_flag<Transport>(c, layout, call, targets.expert[lane], 1);
+      __syncwarp();
+    }
+    clock_mark(kFlags);
   }
 
-  if (is_last_block(own, kDispatchSendKernel) && threadIdx.x == 0) {
+  // Rows per expert (tokens naming it), a warp per expert, 32 tokens per ballot: counted after the puts, whose
+  // stores are in flight meanwhile (the flags need the counts only once the rows are written).
+  for (int32_t e = blockIdx.x + gridDim.x * warp; e < num_experts; e += gridDim.x * kSendWarps) {
+    uint32_t rows = 0;
+    for (int64_t first = 0; first < num_tokens; first += 32) {
+      int32_t ids[kLowLatencyMaxTopk];
+      load_ids(send_topk, num_topk, first + lane, num_tokens, ids);
+      rows += __popc(__ballot_sync(kFullMask, names(ids, e)));
+    }
+    if (lane == 0) count_toward_flag<Transport>(c, layout, call, e, (uint64_t{rows} << 32) + kSentTag - rows);
+  }
+  if (blockIdx.x == 0) {  // entries outside [-1, E)
+    int32_t invalid_here = 0;
+    for (int64_t i = threadIdx.x; i < num_tokens * num_topk; i += blockDim.x) {
+      const int32_t e = a.topk_idx[i];
+      invalid_here += e < -1 || e >= num_experts;
+    }
+    if (invalid_here) atomicAdd(&invalid, invalid_here);
+  }
+  clock_mark(kFlags);
+
+  const bool last = finish_block(c, layout, kDispatchSendKernel, call, 1);  // barriers: invalid is summed
+  if (blockIdx.x == 0 && threadIdx.x == 0) *a.invalid_ids = invalid;
+  if (last && threadIdx.x == 0) {
     own->dispatch_calls = call;
     *a.token = call;
   }
 }
 
-// The handle entries of a received row, from its header: the source token and the top-k slot of `expert` in
-// it (the first entry naming the expert; -1 if none does, which only a corrupt row could cause).
-__device__ __forceinline__ void write_row_source(const DispatchRowHeader* h, int32_t expert, int lane,
-                                                 int32_t* token, int32_t* topk_slot) {
-  const int32_t id = lane < kLowLatencyMaxTopk
-                         ? static_cast<int16_t>(__ldcg(reinterpret_cast<const unsigned short*>(h->experts + lane)))
-                         : -1;
-  const unsigned named = __ballot_sync(kFullMask, id == expert);
-  if (lane == 0) {
-    *token = __ldcg(&h->token);
-    *topk_slot = named ? __ffs(named) - 1 : -1;
-  }
-}
+// The handle entries of a received row come from its header: the source token, and the top-k slot of the
+// receiving expert in it (the first entry naming the expert; -1 if none does, which only a corrupt row could
+// cause). Loaded before the row's copies, so that the latencies overlap; lane k < 16 loads entry k.
+struct RowSource {
+  int32_t token, id;
 
-// The receive: a block takes (local expert j, split) units. Its first R threads wait for j's R flags (one per
-// source rank) and the block derives j's packing (rows grouped by source rank, each source's rows in its slot
-// order, which is token order); then its warps copy every `splits`-th row of j into the outputs and fill the
-// handle past recv_count with -1 (rows past recv_count keep whatever the output held). An expert is packed as
-// soon as its own flags are in, while other experts' rows may still be on their way.
+  __device__ RowSource(const DispatchRowHeader* h, int lane)
+      : token(__ldcg(&h->token)),
+        id(lane < kLowLatencyMaxTopk
+               ? static_cast<int16_t>(__ldcg(reinterpret_cast<const unsigned short*>(h->experts + lane)))
+               : -1) {}
+
+  __device__ void write(int32_t expert, int lane, int32_t* token_out, int32_t* topk_slot_out) const {
+    const unsigned named = __ballot_sync(kFullMask, id == expert);
+    if (lane == 0) {
+      *token_out = token;
+      *topk_slot_out = named ? __ffs(named) - 1 : -1;
+    }
+  }
+};
+
+// The receive: a block takes (local expert j, split) units (one each: the launch has a block per unit). Its
+// first R threads wait for j's R flags (one per source rank) and the block derives j's packing (rows grouped by
+// source rank, each source's rows in its slot order, which is token order); then its warps copy every
+// `splits`-th row of j into the outputs and fill the handle past recv_count with -1 (rows past recv_count keep
+// whatever the output held). An expert is packed as soon as its own flags are in, while other experts' rows
+// may still be on their way.
 template <typename Transport>
-__global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(const __grid_constant__ LowLatencyCall c,
+__global__ void __launch_bounds__(kThreads, 2) dispatch_recv_kernel(const __grid_constant__ LowLatencyCall c,
                                                                  const __grid_constant__ LowLatencyDispatchRecvArgs a,
                                                                  int32_t splits) {
   __shared__ int32_t counts[kMaxIntranodeRanks], begins[kMaxIntranodeRanks + 1];
+  enum { kWaiting, kCopying };  // phases, as kLowLatencyPhaseNames names them
+  clock_begin();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, me = c.group.rank, num_ranks = c.group.num_ranks;
   const int64_t hidden = c.hidden, max_tokens = c.num_max_tokens, rows_per_expert = num_ranks * max_tokens;
   const int32_t experts_per_rank = static_cast<int32_t>(c.num_experts / num_ranks);
   const LowLatencyLayout layout(max_tokens, hidden, c.num_experts);
   const uint32_t call = *a.token, set = call & 1;
   const char* base = c.region + layout.set_offset(set);
-  LowLatencyHeader* own = own_header(c);
-  start_clock(own, kDispatchRecvKernel);
 
   const uint64_t* flags = reinterpret_cast<const uint64_t*>(base + layout.dispatch_flags);
   const DispatchRowFormat format(a.payload, hidden);
   const int64_t value_bytes = hidden * format.value_bytes, scale_bytes = hidden / kGroup * format.scale_bytes;
+  uint64_t units = 0;
   for (int64_t unit = blockIdx.x; unit < static_cast<int64_t>(experts_per_rank) * splits; unit += gridDim.x) {
     const int32_t j = static_cast<int32_t>(unit / splits), split = static_cast<int32_t>(unit % splits);
     if (threadIdx.x < num_ranks) {
@@ -460,8 +574,10 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(const __grid_co
     if (threadIdx.x == 0) {
       begins[0] = 0;
       for (int s = 0; s < num_ranks; ++s) begins[s + 1] = begins[s] + counts[s];
+      trace_flag(trace_slot(c, layout, kDispatchRecvKernel, call), now_ns());
     }
     __syncthreads();
+    clock_mark(kWaiting);
     const int32_t received = begins[num_ranks];
     if (split == 0 && threadIdx.x < num_ranks) {
       a.layout_range[(j * num_ranks + threadIdx.x) * 2] = begins[threadIdx.x];
@@ -474,11 +590,11 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(const __grid_co
       const int64_t out_row = j * rows_per_expert + i;
       const int64_t slot = (static_cast<int64_t>(j) * num_ranks + s) * max_tokens + (i - begins[s]);
       const char* src = base + layout.dispatch_rows + slot * layout.dispatch_slot_bytes;
+      const RowSource source(reinterpret_cast<const DispatchRowHeader*>(src), lane);
       warp_copy(static_cast<char*>(a.recv_x) + out_row * value_bytes, src + format.value(0), value_bytes, lane);
       if (scale_bytes)
         warp_copy(static_cast<char*>(a.recv_scales) + out_row * scale_bytes, src + format.scales, scale_bytes, lane);
-      write_row_source(reinterpret_cast<const DispatchRowHeader*>(src), me * experts_per_rank + j, lane,
-                       a.src_token_index + out_row, a.src_topk_index + out_row);
+      source.write(me * experts_per_rank + j, lane, a.src_token_index + out_row, a.src_topk_index + out_row);
     }
     for (int64_t i = received + split * kThreads + threadIdx.x; i < rows_per_expert;
          i += static_cast<int64_t>(splits) * kThreads) {
@@ -486,41 +602,51 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(const __grid_co
       a.src_topk_index[j * rows_per_expert + i] = -1;
     }
     __syncthreads();  // counts and begins are the next unit's
+    clock_mark(kCopying);
+    ++units;
   }
 
-  if (is_last_block(own, kDispatchRecvKernel)) give_credits<Transport>(c, call, /*dispatch=*/true);
+  if (finish_block(c, layout, kDispatchRecvKernel, call, units)) give_credits<Transport>(c, call, /*dispatch=*/true);
 }
 
 // ---- combine ----------------------------------------------------------------------------------------------
 
-// The send: a block takes (local expert j, source rank s) pairs p = block, block + blocks, ...; its warps take
-// the pairs' rows in turn and put each into the source's slot (token, top-k slot); once its rows are written the
+// The send: a block of 4 warps takes (local expert j, source rank s) pairs p = block, block + blocks, ... (one
+// each: the launch has a block per pair, so that every row gets a warp of its own at decode sizes, and small
+// blocks, so that E = 288 of them are resident at once, 3 per SM); its warps take the
+// pairs' rows in turn and put each into the source's slot (token, top-k slot); once its rows are written the
 // block raises each of its pairs' flags on the source (the source can sum a token as soon as the flags of its
 // experts are in). Handle values outside their ranges send nothing.
+constexpr int kCombineSendThreads = 128;
+constexpr int kCombineSendWarps = kCombineSendThreads / 32;
+
 template <typename Transport>
-__global__ void __launch_bounds__(kThreads) combine_send_kernel(const __grid_constant__ LowLatencyCall c,
-                                                                const __grid_constant__ LowLatencyCombineSendArgs a) {
+__global__ void __launch_bounds__(kCombineSendThreads) combine_send_kernel(
+    const __grid_constant__ LowLatencyCall c, const __grid_constant__ LowLatencyCombineSendArgs a) {
+  enum { kCredits, kPuts, kFlags };  // phases, as kLowLatencyPhaseNames names them
+  clock_begin();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, me = c.group.rank, num_ranks = c.group.num_ranks;
   const int64_t hidden = c.hidden, max_tokens = c.num_max_tokens, rows_per_expert = num_ranks * max_tokens;
   const int32_t experts_per_rank = static_cast<int32_t>(c.num_experts / num_ranks);
   const int32_t pairs = experts_per_rank * num_ranks;
   const LowLatencyLayout layout(max_tokens, hidden, c.num_experts);
   LowLatencyHeader* own = own_header(c);
-  start_clock(own, kCombineSendKernel);
   const uint32_t call = next_call(&own->combine_calls), set = call & 1;
-  wait_for_credits(c, LowLatencyOp::kCombineSend, call, /*dispatch=*/false);
+  if (threadIdx.x < num_ranks) wait_for_credit(c, LowLatencyOp::kCombineSend, call, /*dispatch=*/false, threadIdx.x);
+  __syncthreads();  // no row is written before every credit is in
+  clock_mark(kCredits);
 
   const char* y = static_cast<const char*>(a.y);
-  int64_t rows_before = 0;  // rows of this block's earlier pairs: row r of the block goes to warp r % kWarps
+  int64_t rows_before = 0;  // rows of this block's earlier pairs: row r of the block goes to warp r % kCombineSendWarps
   bool put = false;
   for (int32_t p = blockIdx.x; p < pairs; p += gridDim.x) {
     const int64_t begin = min(static_cast<int64_t>(max(a.layout_range[2 * p], 0)), rows_per_expert);
     const int64_t count =
         min(static_cast<int64_t>(max(a.layout_range[2 * p + 1], 0)), min(max_tokens, rows_per_expert - begin));
-    const int64_t first = ((warp - rows_before) % kWarps + kWarps) % kWarps;
+    const int64_t first = ((warp - rows_before) % kCombineSendWarps + kCombineSendWarps) % kCombineSendWarps;
     rows_before += count;
     const int32_t j = p / num_ranks, src = p % num_ranks;
-    for (int64_t i = first; i < count; i += kWarps) {
+    for (int64_t i = first; i < count; i += kCombineSendWarps) {
       const int64_t item = j * rows_per_expert + begin + i;
       const int32_t t = a.src_token_index[item], k = a.src_topk_index[item];
       if (t < 0 || t >= max_tokens || k < 0 || k >= kLowLatencyMaxTopk) continue;  // not from a dispatch handle
@@ -532,15 +658,18 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(const __grid_con
   }
   if (put) Transport::finish_puts(lane);
   __syncthreads();  // every row of the block's pairs is written
+  clock_mark(kPuts);
   for (int64_t p = blockIdx.x + static_cast<int64_t>(gridDim.x) * threadIdx.x; p < pairs;
-       p += static_cast<int64_t>(gridDim.x) * kThreads) {
+       p += static_cast<int64_t>(gridDim.x) * kCombineSendThreads) {
     const int32_t j = static_cast<int32_t>(p / num_ranks), src = static_cast<int32_t>(p % num_ranks);
     Transport::signal(c, src,
                       layout.set_offset(set) + layout.combine_flags + (me * experts_per_rank + j) * sizeof(uint64_t),
                       call);
+    trace_flag(trace_slot(c, layout, kCombineSendKernel, call), now_ns());
   }
+  clock_mark(kFlags);
 
-  if (is_last_block(own, kCombineSendKernel) && threadIdx.x == 0) {
+  if (finish_block(c, layout, kCombineSendKernel, call, 1) && threadIdx.x == 0) {
     own->combine_calls = call;
     *a.token = call;
   }
@@ -548,11 +677,15 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(const __grid_con
 
 // The receive: a warp takes (token, part), waits for the flags of the token's experts (a lane per distinct
 // expert), then sums, for k in order, w[t, k] * row of (t, first entry of expert k) in float32 (one rounding per
-// product and per sum, as the reference), and writes BF16.
+// product and per sum, as the reference), and writes BF16. Its trace is per (token, part): lane 0 times the
+// wait (reading the routing included) and the sum, the block adds them up in shared memory.
 template <typename Transport>
 __global__ void __launch_bounds__(kThreads) combine_recv_kernel(const __grid_constant__ LowLatencyCall c,
                                                                 const __grid_constant__ LowLatencyCombineRecvArgs a,
                                                                 TokenParts split) {
+  enum { kWaiting, kSumming };  // phases, as kLowLatencyPhaseNames names them
+  __shared__ unsigned long long item_ns[2], items, first_ready, last_ready;
+  clock_begin();
   const int lane = threadIdx.x % 32;
   const int64_t hidden = c.hidden, num_topk = a.num_topk;
   const int32_t num_experts = static_cast<int32_t>(c.num_experts);
@@ -560,12 +693,16 @@ __global__ void __launch_bounds__(kThreads) combine_recv_kernel(const __grid_con
   const LowLatencyLayout layout(c.num_max_tokens, hidden, num_experts);
   const uint32_t call = *a.token, set = call & 1;
   const char* base = c.region + layout.set_offset(set);
-  LowLatencyHeader* own = own_header(c);
-  start_clock(own, kCombineRecvKernel);
+  if (threadIdx.x == 0) {
+    item_ns[kWaiting] = item_ns[kSumming] = items = last_ready = 0;
+    first_ready = ~0ull;
+  }
+  __syncthreads();
 
   const uint64_t* flags = reinterpret_cast<const uint64_t*>(base + layout.combine_flags);
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(a.out);
   for (int64_t item = global_warp(); item < a.num_tokens * split.parts; item += num_global_warps()) {
+    const uint64_t begin = lane == 0 ? now_ns() : 0;
     const int64_t t = item / split.parts, part = item % split.parts;
     int32_t expert = -1, slot = lane;
     float weight = 0.f;
@@ -583,6 +720,13 @@ __global__ void __launch_bounds__(kThreads) combine_recv_kernel(const __grid_con
                  [&] { return load_acquire_sys(flags + expert); },
                  [&](uint64_t v) { return static_cast<uint32_t>(v) == call; });
     __syncwarp();  // the lanes' acquires order every lane's row loads below
+    uint64_t ready = 0;
+    if (lane == 0) {
+      ready = now_ns();
+      atomicAdd(&item_ns[kWaiting], static_cast<unsigned long long>(ready - begin));
+      atomicMin(&first_ready, static_cast<unsigned long long>(ready));
+      atomicMax(&last_ready, static_cast<unsigned long long>(ready));
+    }
     const int64_t chunk_end = min((part + 1) * split.chunks_per_part * kChunk, hidden);
     for (int64_t chunk = part * split.chunks_per_part * kChunk; chunk < chunk_end; chunk += kChunk) {
       const int64_t ch = chunk + lane * kLaneChannels;
@@ -616,9 +760,23 @@ __global__ void __launch_bounds__(kThreads) combine_recv_kernel(const __grid_con
       for (int i = 0; i < kLaneChannels; ++i) packed[i] = __float2bfloat16_rn(acc[i]);
       *reinterpret_cast<uint4*>(out + t * hidden + ch) = *reinterpret_cast<const uint4*>(packed);
     }
+    if (lane == 0) {
+      atomicAdd(&item_ns[kSumming], static_cast<unsigned long long>(now_ns() - ready));
+      atomicAdd(&items, 1ull);
+    }
   }
 
-  if (is_last_block(own, kCombineRecvKernel)) give_credits<Transport>(c, call, /*dispatch=*/false);
+  __syncthreads();  // the block's items are timed
+  if (threadIdx.x == 0) {
+    block_clock().phase_ns[kWaiting] = item_ns[kWaiting];
+    block_clock().phase_ns[kSumming] = item_ns[kSumming];
+    if (items) {
+      LowLatencyTrace* trace = trace_slot(c, layout, kCombineRecvKernel, call);
+      trace_flag(trace, first_ready);
+      trace_flag(trace, last_ready);
+    }
+  }
+  if (finish_block(c, layout, kCombineRecvKernel, call, items)) give_credits<Transport>(c, call, /*dispatch=*/false);
 }
 
 // ---- launches ----------------------------------------------------------------------------------------------
@@ -638,9 +796,8 @@ cudaError_t low_latency_dispatch_send(const LowLatencyCall& call, const LowLaten
   if (args.num_topk > kLowLatencyMaxTopk || args.num_tokens < 1 || args.num_tokens > call.num_max_tokens ||
       args.num_tokens * args.num_topk > kLowLatencyMaxEntries || call.num_experts > kLowLatencyMaxExperts)
     return cudaErrorInvalidValue;
-  // Shared memory: a running count per expert and the routing as int16 (at most 32 KB at the bounds).
-  const size_t shared = sizeof(int32_t) * static_cast<size_t>(call.num_experts) +
-                        sizeof(int16_t) * static_cast<size_t>(args.num_tokens * args.num_topk);
+  // Shared memory: the routing as int16 (at most 16 KB at the bounds).
+  const size_t shared = sizeof(int16_t) * static_cast<size_t>(args.num_tokens * args.num_topk);
   // A block per token (T <= SMs at DeepEP's decode shape), every SM at most.
   const int blocks = static_cast<int>(std::min<int64_t>(call.group.device_sms, args.num_tokens));
   return with_transport(call, [&](auto transport) {
@@ -650,11 +807,13 @@ cudaError_t low_latency_dispatch_send(const LowLatencyCall& call, const LowLaten
 }
 
 cudaError_t low_latency_dispatch_recv(const LowLatencyCall& call, const LowLatencyDispatchRecvArgs& args) {
-  // Units (local expert, split): enough splits of each expert's rows to give every SM a unit.
+  // Units (local expert, split): enough splits of each expert's rows to give every SM a unit, and a block per
+  // unit (L blocks when L >= SMs, else fewer than 2 per SM): a block that took a second unit after its first
+  // would end the kernel a unit later (132 blocks over L * 2 = 144 units at DeepEP's decode shape did).
   const int64_t experts_per_rank = call.num_experts / call.group.num_ranks;
   const int32_t splits = static_cast<int32_t>(
       std::clamp<int64_t>((call.group.device_sms + experts_per_rank - 1) / experts_per_rank, 1, kWarps));
-  const int blocks = static_cast<int>(std::min<int64_t>(call.group.device_sms, experts_per_rank * splits));
+  const int blocks = static_cast<int>(experts_per_rank * splits);
   return with_transport(call, [&](auto transport) {
     dispatch_recv_kernel<decltype(transport)><<<blocks, kThreads, 0, call.stream>>>(call, args, splits);
     return cudaGetLastError();
@@ -662,9 +821,12 @@ cudaError_t low_latency_dispatch_recv(const LowLatencyCall& call, const LowLaten
 }
 
 cudaError_t low_latency_combine_send(const LowLatencyCall& call, const LowLatencyCombineSendArgs& args) {
-  const int blocks = static_cast<int>(std::min<int64_t>(call.group.device_sms, call.num_experts));  // L*R pairs
+  // A block per (local expert, source rank) pair, L*R = E of them: at decode sizes a few rows each, so that every
+  // row gets a warp and the blocks are even (132 blocks of 8 warps over 288 pairs left 24 blocks with a third
+  // pair and 11 rows).
+  const int blocks = static_cast<int>(call.num_experts);
   return with_transport(call, [&](auto transport) {
-    combine_send_kernel<decltype(transport)><<<blocks, kThreads, 0, call.stream>>>(call, args);
+    combine_send_kernel<decltype(transport)><<<blocks, kCombineSendThreads, 0, call.stream>>>(call, args);
     return cudaGetLastError();
   });
 }
@@ -713,10 +875,10 @@ std::string low_latency_lookup(int64_t buffer_id, int device_ordinal, LowLatency
   return "unknown low-latency transport " + std::to_string(static_cast<int>(transport));
 }
 
-std::vector<std::vector<std::pair<uint64_t, uint64_t>>> low_latency_kernel_times(
-    int64_t buffer_id, const std::vector<int>& device_ordinals, LowLatencyTransport transport, int64_t ll_offset,
-    bool reset) {
-  std::vector<std::vector<std::pair<uint64_t, uint64_t>>> times;
+std::vector<std::vector<uint64_t>> low_latency_trace(int64_t buffer_id, const std::vector<int>& device_ordinals,
+                                                     LowLatencyTransport transport, int64_t ll_offset, bool reset) {
+  constexpr size_t kWords = kLowLatencyTraceBytes / sizeof(uint64_t);
+  std::vector<std::vector<uint64_t>> traces;
   int current = 0;
   JAX_EP_CUDA_THROW(cudaGetDevice(&current));
   for (int device : device_ordinals) {
@@ -724,20 +886,23 @@ std::vector<std::vector<std::pair<uint64_t, uint64_t>>> low_latency_kernel_times
     int64_t available = 0;
     if (!low_latency_lookup(buffer_id, device, transport, ll_offset, &call, &available).empty()) continue;
     JAX_EP_CUDA_THROW(cudaSetDevice(device));
-    LowLatencyHeader* h = reinterpret_cast<LowLatencyHeader*>(call.region);
-    uint64_t calls[kLowLatencyKernels], ns[kLowLatencyKernels];
-    JAX_EP_CUDA_THROW(cudaMemcpy(calls, h->kernel_calls, sizeof(calls), cudaMemcpyDeviceToHost));
-    JAX_EP_CUDA_THROW(cudaMemcpy(ns, h->kernel_ns, sizeof(ns), cudaMemcpyDeviceToHost));
+    char* trace = call.region + kLowLatencyTraceOffset;
+    std::vector<uint64_t> words(kWords);
+    JAX_EP_CUDA_THROW(cudaMemcpy(words.data(), trace, kLowLatencyTraceBytes, cudaMemcpyDeviceToHost));
     if (reset) {
-      JAX_EP_CUDA_THROW(cudaMemset(h->kernel_calls, 0, sizeof(calls)));
-      JAX_EP_CUDA_THROW(cudaMemset(h->kernel_ns, 0, sizeof(ns)));
+      const std::vector<LowLatencyTrace> prepared(kLowLatencyKernels * kLowLatencyTraceCalls, prepared_trace());
+      JAX_EP_CUDA_THROW(cudaMemcpy(trace, prepared.data(), kLowLatencyTraceBytes, cudaMemcpyHostToDevice));
     }
-    std::vector<std::pair<uint64_t, uint64_t>> row;
-    for (int k = 0; k < kLowLatencyKernels; ++k) row.emplace_back(calls[k], ns[k]);
-    times.push_back(row);
+    traces.push_back(std::move(words));
   }
   JAX_EP_CUDA_THROW(cudaSetDevice(current));
-  return times;
+  return traces;
+}
+
+std::pair<std::vector<std::string>, std::vector<std::vector<std::string>>> low_latency_trace_fields() {
+  std::vector<std::vector<std::string>> phases;
+  for (const auto& names : kLowLatencyPhaseNames) phases.emplace_back(std::begin(names), std::end(names));
+  return {std::vector<std::string>(std::begin(kLowLatencyTraceFields), std::end(kLowLatencyTraceFields)), phases};
 }
 
 std::vector<std::string> low_latency_errors(int64_t buffer_id, const std::vector<int>& device_ordinals) {

@@ -5,6 +5,8 @@
 // NVSHMEM symmetric allocation (NVSHMEM transport); either way the layout is the same and every offset below
 // is relative to the region's start, so one offset names the same word on every rank. It holds:
 //   header                                   512 bytes: this rank's call counters and credits (below)
+//   trace [kernel][kLowLatencyTraceCalls]    LowLatencyTrace: %globaltimer instants of each LL kernel's recent
+//                                            calls on this rank (the benchmark's breakdown; 88 KB)
 //   dispatch_counters [E] uint64             the send's progress per expert, this rank's own (low_latency.cu,
 //                                            count_toward_flag); zero between calls
 //   dispatch_staging [M] x dispatch slot     this rank's rows as sent (cast, with their header): the source of
@@ -32,8 +34,7 @@ namespace jax_ep {
 
 // Top-k entries a token may have in low-latency mode: the combine region keeps one row per (token, k).
 inline constexpr int kLowLatencyMaxTopk = 16;
-// Experts of a low-latency Buffer: the send keeps a count per expert in shared memory (16 KB at this bound);
-// expert ids travel as int16 in the row headers and the send's shared routing.
+// Experts of a low-latency Buffer: expert ids travel as int16 in the row headers and the send's shared routing.
 inline constexpr int kLowLatencyMaxExperts = 4096;
 // Top-k entries of one dispatch (T * K): the send keeps the routing in shared memory as int16 (16 KB at this
 // bound, e.g. T = 512 tokens with K = 16).
@@ -56,13 +57,47 @@ struct LowLatencyHeader {
   // reading. 64-bit words: NVSHMEM signals are 64-bit. Only the low 32 bits (the call number) count.
   uint64_t dispatch_credit[kMaxIntranodeRanks][2];
   uint64_t combine_credit[kMaxIntranodeRanks][2];
-  // Per LowLatencyKernel, for the benchmark's kernel times: %globaltimer at block 0's start of the running
-  // call, and the calls and nanoseconds (block 0's start to the last block's end) summed since a reset.
-  uint64_t kernel_start[kLowLatencyKernels];
-  uint64_t kernel_calls[kLowLatencyKernels];
-  uint64_t kernel_ns[kLowLatencyKernels];
 };
 static_assert(sizeof(LowLatencyHeader) <= kLowLatencyHeaderBytes, "the header has 512 bytes");
+
+// ---- trace: where one call of an LL kernel spent its time, on this rank (read by low_latency_trace) --------
+// Every instant is this GPU's %globaltimer in ns (comparable across the kernels of one GPU, not across GPUs).
+// Call c of an op uses slot c % kLowLatencyTraceCalls of each of its kernels (the send and the receive of a
+// call share the number). Blocks add their share with atomics as they end; the last block of call c writes
+// `end` and `call`, then prepares slot c + 1 (the next call of the same kernel runs after this one, in stream
+// order): minima to ~0, everything else to 0. low_latency_trace(reset) prepares every slot; a slot that was
+// never prepared (a region used before any reset) holds garbage in first_start and first_flag.
+inline constexpr int kLowLatencyTraceCalls = 256;
+inline constexpr int kLowLatencyPhases = 4;
+
+struct LowLatencyTrace {
+  uint64_t call;          // the call number (set with `end`)
+  uint64_t units;         // what phase_ns sums over: blocks, or warps (combine receive); see kPhaseNames
+  uint64_t first_start;   // min over blocks of their start
+  uint64_t last_start;    // max over blocks of their start: first_start to last_start is the launch spread
+  uint64_t first_flag;    // min over the kernel's flags: sends: a flag raised on a receiver; receives: a
+                          // wait for flags satisfied (every flag of one expert, or of one token's experts)
+  uint64_t last_flag;     // max of the same
+  uint64_t end;           // the last block's end; 0 while the call runs
+  uint64_t phase_ns[kLowLatencyPhases];  // time per phase (kLowLatencyPhaseNames) summed over the units
+};
+static_assert(sizeof(LowLatencyTrace) == 11 * sizeof(uint64_t), "the trace reader copies 64-bit words");
+
+// The field names of LowLatencyTrace's words, then per kernel its phases, as the benchmark prints them.
+inline constexpr const char* kLowLatencyTraceFields[] = {"call", "units", "first_start", "last_start",
+                                                         "first_flag", "last_flag", "end"};
+inline constexpr const char* kLowLatencyPhaseNames[kLowLatencyKernels][kLowLatencyPhases] = {
+    {"routing", "cast", "puts", "flags"},       // dispatch send, per block (summed over its tokens)
+    {"waiting", "copying", "-", "-"},           // dispatch receive, per block (summed over its units)
+    {"credits", "puts", "flags", "-"},          // combine send, per block
+    {"waiting", "summing", "-", "-"},           // combine receive, per (token, part) a warp took
+};
+static_assert(sizeof(kLowLatencyTraceFields) / sizeof(kLowLatencyTraceFields[0]) + kLowLatencyPhases ==
+                  sizeof(LowLatencyTrace) / sizeof(uint64_t),
+              "a name per word");
+inline constexpr int64_t kLowLatencyTraceOffset = kLowLatencyHeaderBytes;  // region offset of the trace
+inline constexpr int64_t kLowLatencyTraceBytes =
+    static_cast<int64_t>(kLowLatencyKernels) * kLowLatencyTraceCalls * sizeof(LowLatencyTrace);
 
 // What precedes each dispatched row: the source token and its top-k expert ids, so that the receiver of
 // expert e finds the top-k slot of its row (the first entry naming e) without a per-target write: every
@@ -82,7 +117,7 @@ __host__ __device__ inline int64_t ll_align(int64_t bytes) {
 struct LowLatencyLayout {
   int64_t dispatch_slot_bytes = 0;  // DispatchRowHeader + 2H (a BF16 row; FP8 values and scales are smaller)
   int64_t combine_slot_bytes = 0;   // 2H: a BF16 row
-  int64_t dispatch_counters = 0, dispatch_staging = 0;  // region offsets
+  int64_t trace = 0, dispatch_counters = 0, dispatch_staging = 0;  // region offsets
   int64_t sets = 0, set_bytes = 0;
   int64_t dispatch_flags = 0, combine_flags = 0, dispatch_rows = 0, combine_rows = 0;  // offsets inside a set
   int64_t total = 0;
@@ -90,7 +125,8 @@ struct LowLatencyLayout {
   __host__ __device__ LowLatencyLayout(int64_t max_tokens, int64_t hidden, int64_t num_experts) {
     dispatch_slot_bytes = static_cast<int64_t>(sizeof(DispatchRowHeader)) + 2 * hidden;
     combine_slot_bytes = 2 * hidden;
-    dispatch_counters = kLowLatencyHeaderBytes;
+    trace = kLowLatencyTraceOffset;
+    dispatch_counters = trace + ll_align(kLowLatencyTraceBytes);
     dispatch_staging = dispatch_counters + ll_align(num_experts * 8);
     sets = dispatch_staging + ll_align(max_tokens * dispatch_slot_bytes);
     dispatch_flags = 0;

@@ -5,11 +5,13 @@
 //
 // The three operations and the ordering they promise:
 //   put_warp        warp-collective: copies bytes from local memory to (rank, offset). Not yet visible there.
-//   finish_puts     warp-collective, after a warp's puts: they are visible at their targets before anything
-//                   lane 0 writes afterwards (so lane 0 may then count them done, e.g. with an atomic).
-//   signal          one thread: writes a 64-bit word (a flag or a credit) at (rank, offset), ordered after
-//                   every write this thread has observed as finished (its own, or other threads' seen through
-//                   a barrier or an atomic); the receiver reads it with an acquire load on its own memory.
+//   finish_puts     warp-collective, after a warp's puts: from here on they are ordered like plain stores of
+//                   the warp, so that a release after a barrier (a signal, or a fence and an atomic that the
+//                   signalling thread acquires) publishes them. The kernels always publish puts that way.
+//   signal          one thread: writes a 64-bit word (a flag or a credit) at (rank, offset), a release: ordered
+//                   after every write this thread has observed (its own, or other threads' seen through a
+//                   barrier or an atomic with fences); the receiver reads it with an acquire load on its own
+//                   memory.
 // Receivers only ever read their own region: waits stay local and bounded (low_latency.cu, wait_until).
 #pragma once
 #include <cstdint>
@@ -36,11 +38,10 @@ struct PeerStores {
     // Sources were written during this call (the staged rows) or are XLA inputs: read at L2.
     warp_copy_row<kCopyUnroll>(c.peer_regions[rank] + offset, src, bytes, lane, LoadL2{});
   }
-  __device__ static void finish_puts(int lane) {
-    __syncwarp();
-    if (lane == 0) __threadfence_system();  // cumulative over the warp's stores, which __syncwarp ordered before
-    __syncwarp();
-  }
+  // Plain stores need no fence of their own: the release that publishes them (PTX memory model: a release is
+  // cumulative over the writes its thread observed through the barrier) orders them, as DeepEP's NVLink path
+  // relies on too. A system-scope fence per warp here would wait out the warp's NVLink round trip for nothing.
+  __device__ static void finish_puts(int /*lane*/) { __syncwarp(); }
   __device__ static void signal(const LowLatencyCall& c, int rank, int64_t offset, uint64_t value) {
     store_release_sys(reinterpret_cast<uint64_t*>(c.peer_regions[rank] + offset), value);
   }

@@ -428,6 +428,84 @@ def _independent_compute(a):
     return jnp.sum(jnp.dot(a, a, preferred_element_type=jnp.float32))
 
 
+# ---- the low-latency kernels' own clocks (cuda_low_latency.trace) ---------------------------------------------
+
+# What each kernel's phase times are summed over (csrc/low_latency.cu, the kernels' clock_mark calls).
+_TRACE_UNITS = {"dispatch send": "block", "dispatch recv": "block", "combine send": "block",
+                "combine recv": "(token, part)"}
+
+
+def trace_breakdown(traces: list[dict], op: str) -> dict | None:
+    """Where the time of `op` ("dispatch" or "combine") went on the GPUs, from `cuda_low_latency.trace` of the
+    GPUs that ran it (after a reset before the timed programs): per GPU the median over its calls whose send
+    and receive both finished, then the mean over GPUs, in µs. Every figure is a difference of two instants of
+    one GPU's %globaltimer:
+
+    - send, recv: a kernel's first block start to its last block's end; gap: send end to recv start;
+      op: send start to recv end (the op on the device, what DeepEP's kernel timings measure);
+    - period: send start to the next call's send start (the op's steady-state cost per step: independent of
+      when the host launched each GPU's program), between: recv end to the next send start (the timing
+      loop's chaining ops and launch gaps); both over consecutive calls only;
+    - per kernel: spread (first to last block start), first/last flag (from the first block's start: sends,
+      a flag raised on a receiver; receives, every flag of an expert or of a token found set) and the mean
+      time per unit in each phase;
+    - send_mean, recv_mean: plain means over the same calls (first calls of a program included, whose waits
+      absorb the GPUs' launch skew): what the earlier "kernel time" reported.
+    None when no GPU has a finished call."""
+    kernels = (f"{op} send", f"{op} recv")
+    per_gpu = []
+    for device in traces:
+        send, recv = (device[k] for k in kernels)
+        finished = [(t["first_start"] > 0) & (t["end"] > t["first_start"]) for t in (send, recv)]
+        slots = np.flatnonzero(finished[0] & finished[1] & (send["call"] == recv["call"]))
+        if not len(slots):
+            continue
+        after = (slots + 1) % len(send["call"])
+        chained = finished[0][after] & (send["call"][after] == send["call"][slots] + 1)
+        s, r = ({name: values[slots] for name, values in t.items() if name != "phases"} for t in (send, recv))
+        next_start = send["first_start"][after][chained]
+        f = dict(calls=float(len(slots)), send=s["end"] - s["first_start"], gap=r["first_start"] - s["end"],
+                 recv=r["end"] - r["first_start"], op=r["end"] - s["first_start"],
+                 period=next_start - s["first_start"][chained], between=next_start - r["end"][chained])
+        f["send_mean"], f["recv_mean"] = float(np.mean(f["send"])), float(np.mean(f["recv"]))
+        for kernel, t, phases in zip(kernels, (s, r), (send["phases"], recv["phases"])):
+            f[f"{kernel}: spread"] = t["last_start"] - t["first_start"]
+            raised = t["first_flag"] > 0  # the minimum stays ~0 (-1 here) when no flag was raised or awaited
+            f[f"{kernel}: first flag"] = (t["first_flag"] - t["first_start"])[raised]
+            f[f"{kernel}: last flag"] = (t["last_flag"] - t["first_start"])[raised]
+            for phase, ns in phases.items():
+                f[f"{kernel}: {phase}"] = ns[slots] / np.maximum(t["units"], 1)
+        per_gpu.append({name: float(np.median(v)) if isinstance(v, np.ndarray) else v
+                        for name, v in f.items() if not isinstance(v, np.ndarray) or len(v)})
+    if not per_gpu:
+        return None
+    names = [name for name in per_gpu[0] if all(name in g for g in per_gpu)]
+    out = {name: float(np.mean([g[name] for g in per_gpu])) for name in names}
+    return {name: value if name == "calls" else value / 1e3 for name, value in out.items()} | {"gpus": len(per_gpu)}
+
+
+def _breakdown_lines(b: dict, op: str, kernel_device: str) -> list[str]:
+    """The printed form of trace_breakdown's figures."""
+    lines = [f"on the GPU ({kernel_device}; %globaltimer, median over {b['calls']:.0f} calls): "
+             + (f"an op every {b['period']:.2f} us = " if "period" in b else "")
+             + f"send {b['send']:.2f} + gap {b['gap']:.2f} + recv {b['recv']:.2f}"
+             + (f" + between ops {b['between']:.2f} us (the loop's chaining ops, launches)" if "between" in b else " us")
+             + f"; send start to recv end {b['op']:.2f} us; plain means: send {b['send_mean']:.2f}, "
+             f"recv {b['recv_mean']:.2f} us"]
+    for kernel in (f"{op} send", f"{op} recv"):
+        unit = _TRACE_UNITS[kernel]
+        phases = [name.split(": ", 1)[1] for name in b if name.startswith(f"{kernel}: ")
+                  and name.split(": ", 1)[1] not in ("spread", "first flag", "last flag")]
+        text = (f"{kernel}: blocks start within {b[f'{kernel}: spread']:.2f} us; per {unit}: "
+                + ", ".join(f"{phase} {b[f'{kernel}: {phase}']:.2f}" for phase in phases) + " us")
+        if f"{kernel}: first flag" in b:
+            what = "flags raised" if kernel.endswith("send") else "waits for flags done"
+            text += (f"; {what} from {b[f'{kernel}: first flag']:.2f} to {b[f'{kernel}: last flag']:.2f} us "
+                     "after its first block started")
+        lines.append(text)
+    return lines
+
+
 def low_latency(args) -> dict:
     mesh = _mesh(args)
     devices, num_ranks = list(mesh.devices.flat), mesh.devices.size
@@ -462,37 +540,39 @@ def low_latency(args) -> dict:
     results, splits = [], []
     print(f"[low_latency] {num_ranks} ranks ({devices[0].device_kind}), {_process_model(args)}, "
           f"T={T} H={H} K={K} E={E} M={M}, "
-          f"{pairs:.1f} valid (token, expert) pairs per rank ({remote_pairs:.1f} to other ranks), "
-          f"{args.iters} ops per timed loop, median of {args.repeats}", flush=True)
+          f"{pairs:.1f} valid (token, expert) pairs per rank ({remote_pairs:.1f} to other ranks); "
+          f"times per op: (wall(program of {2 * args.iters} ops) - wall(program of {args.iters} ops)) / "
+          f"{args.iters}, median of {args.repeats} (host clock: the difference also carries how far apart the "
+          "host started the GPUs of each program; the cuda lines' \"on the GPU\" figures do not)", flush=True)
 
-    def report(backend, op, payload, seconds, kernel_us=None):
+    # With one process per GPU, each process reads its own GPU's clocks and process 0 prints.
+    kernel_device = "process 0's GPU" if args.processes else f"mean of the medians of {num_ranks} GPUs"
+
+    def report(backend, op, payload, seconds, breakdown=None):
         nbytes = pair_bytes[op, payload]
         record = dict(backend=backend, op=op, payload=payload, t_us=seconds * 1e6,
                       gbps=pairs * nbytes / seconds / 1e9, nvl_gbps=remote_pairs * nbytes / seconds / 1e9)
-        if kernel_us is not None:
-            record["kernel_us"] = kernel_us
+        if breakdown is not None:
+            record["device_us"] = breakdown
         results.append(record)
         print(f"[low_latency] {backend} [{op} {payload}] {record['t_us']:.2f} us, {record['gbps']:.2f} GB/s "
               f"(DeepEP count), {record['nvl_gbps']:.2f} GB/s (NVL)", flush=True)
-        if kernel_us:
-            print("[low_latency]   kernel time per call (mean over this process's GPUs): "
-                  + ", ".join(f"{k} {us:.2f} us" for k, us in kernel_us.items()), flush=True)
+        for line in _breakdown_lines(breakdown, op, kernel_device) if breakdown else ():
+            print(f"[low_latency]   {line}", flush=True)
 
     def time_op(op, fn_args):
         # Every program chains one payload element as well as the routing: the xla backend's all_gather of x
         # does not depend on the routing and would otherwise run once per timed sequence.
         return _time_per_op(mesh, op, fn_args, args, chain_data=True)
 
-    def time_op_and_kernels(op, fn_args, buf):
-        """time_op, and for a cuda Buffer each LL kernel's mean time per call (µs, mean over this process's
-        GPUs, from the kernels' own %globaltimer counters), else None."""
+    def time_op_and_kernels(op, fn_args, buf, name):
+        """time_op, and for a cuda Buffer the kernels' own account of the timed calls (trace_breakdown of op
+        `name`), else None."""
         if buf.backend != "cuda":
             return time_op(op, fn_args), None
         seconds = _time_per_op(mesh, op, fn_args, args, chain_data=True,
-                               before_timing=lambda: cuda_low_latency.kernel_times(buf, reset=True))
-        per_device = cuda_low_latency.kernel_times(buf)
-        return seconds, {k: float(np.mean([d[k][1] / d[k][0] for d in per_device])) / 1e3
-                         for k in cuda_low_latency.KERNELS if all(d[k][0] for d in per_device)}
+                               before_timing=lambda: cuda_low_latency.trace(buf, reset=True))
+        return seconds, trace_breakdown(cuda_low_latency.trace(buf), name)
 
     chain = time_op(lambda idx, data: data[:1, :1], (topk_idx, x))
     setup["loop_overhead_us"] = chain * 1e6
@@ -513,8 +593,9 @@ def low_latency(args) -> dict:
     def time_all(buf, backend):
         dispatch, combine, combine_routing, y = ops_of(buf)
         for payload, use_fp8 in (("FP8", True), ("BF16", False)):
-            report(backend, "dispatch", payload, *time_op_and_kernels(dispatch(use_fp8), (topk_idx, x), buf))
-        report(backend, "combine", "BF16", *time_op_and_kernels(combine, (combine_routing, y), buf))
+            report(backend, "dispatch", payload,
+                   *time_op_and_kernels(dispatch(use_fp8), (topk_idx, x), buf, "dispatch"))
+        report(backend, "combine", "BF16", *time_op_and_kernels(combine, (combine_routing, y), buf, "combine"))
         return combine_routing, y
 
     with jax_ep.Buffer(mesh, "ep", backend=args.backend, num_max_dispatch_tokens_per_rank=M, hidden=H,

@@ -154,16 +154,28 @@ def errors(buffer) -> list[str]:
     return list(_native._C.low_latency_errors(buffer.buffer_id, _local_ordinals(buffer)))
 
 
-KERNELS = ("dispatch send", "dispatch recv", "combine send", "combine recv")
+KERNELS = ("dispatch send", "dispatch recv", "combine send", "combine recv")  # csrc LowLatencyKernel order
 
 
-def kernel_times(buffer, reset: bool = False) -> list[dict[str, tuple[int, int]]]:
-    """Per local device of `buffer`: {kernel: (calls, summed ns)} of the LL kernels since the last reset, as
-    %globaltimer sees each call from block 0's start to the last block's end (the benchmark's kernel times)."""
+def trace(buffer, reset: bool = False) -> list[dict[str, dict]]:
+    """Per local device of `buffer`: for each LL kernel, its trace of the last 256 calls (csrc/low_latency_state.h,
+    LowLatencyTrace) as {field: int64 array over the ring's slots} with the fields `call`, `units` and the
+    %globaltimer instants `first_start`, `last_start`, `first_flag`, `last_flag`, `end` (ns, comparable within
+    one GPU only; a slot holds a finished call when end > first_start > 0), and `phases`: {phase: ns summed over
+    `units`}. `reset` prepares every slot afterwards: call it before the calls to measure, while none of the
+    buffer's kernels runs (the benchmark's breakdown)."""
     if buffer.low_latency_offset is None:
         raise ValueError("jax_ep: this Buffer has no low-latency region (create it with "
                          "num_max_dispatch_tokens_per_rank, hidden and num_experts on the cuda backend)")
-    rows = _native._C.low_latency_kernel_times(buffer.buffer_id, _local_ordinals(buffer),
-                                               TRANSPORTS[buffer.low_latency_transport], buffer.low_latency_offset,
-                                               reset)
-    return [dict(zip(KERNELS, map(tuple, row))) for row in rows]
+    common, phases = _native._C.low_latency_trace_fields()
+    rings = _native._C.low_latency_trace(buffer.buffer_id, _local_ordinals(buffer),
+                                         TRANSPORTS[buffer.low_latency_transport], buffer.low_latency_offset, reset)
+    devices = []
+    for words in rings:
+        # Instants are below 2**63 ns: as int64 they subtract exactly; a minimum never set reads -1.
+        slots = np.asarray(words, np.uint64).view(np.int64).reshape(len(KERNELS), -1, len(common) + len(phases[0]))
+        devices.append({kernel: {**{name: slots[k, :, i] for i, name in enumerate(common)},
+                                 "phases": {name: slots[k, :, len(common) + i] for i, name in enumerate(phases[k])
+                                            if name != "-"}}
+                        for k, kernel in enumerate(KERNELS)})
+    return devices

@@ -105,14 +105,16 @@ NB_MODULE(_C, m) {
   m.def("intranode_errors", &jax_ep::intranode_errors, nb::arg("buffer_id"),
         "One line per rank of buffer_id whose kernel timed out waiting for a peer (readable after the trap).");
   m.def(
-      "low_latency_kernel_times",
+      "low_latency_trace",
       [](int64_t buffer_id, const std::vector<int>& device_ordinals, int transport, int64_t ll_offset, bool reset) {
-        return jax_ep::low_latency_kernel_times(buffer_id, device_ordinals,
-                                                static_cast<jax_ep::LowLatencyTransport>(transport), ll_offset, reset);
+        return jax_ep::low_latency_trace(buffer_id, device_ordinals, static_cast<jax_ep::LowLatencyTransport>(transport),
+                                         ll_offset, reset);
       },
       nb::arg("buffer_id"), nb::arg("device_ordinals"), nb::arg("transport"), nb::arg("ll_offset"),
       nb::arg("reset") = false,
-      "Per device: [(calls, summed ns)] of the LL kernels (route, dispatch send/recv, combine send/recv).");
+      "Per device: the LL kernels' trace rings as 64-bit words (kernel, slot, word); reset prepares them.");
+  m.def("low_latency_trace_fields", &jax_ep::low_latency_trace_fields,
+        "(names of the trace words every LL kernel has, per kernel the names of its phase words).");
   m.def("low_latency_errors", &jax_ep::low_latency_errors, nb::arg("buffer_id"), nb::arg("device_ordinals"),
         "One line per device whose low-latency kernel of buffer_id timed out (op, rank, peer, call).");
   m.def("intranode_kernel_times", &jax_ep::intranode_kernel_times, nb::arg("buffer_id"), nb::arg("reset") = false,
