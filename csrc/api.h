@@ -46,7 +46,9 @@ namespace jax_ep {
 // before its kernel exits waits until every peer has finished reading its inputs (release barrier). The call
 // sequence number lives on the device, so the ops replay correctly as CUDA graphs. When the group spans
 // processes ("staged"), a peer cannot map XLA's buffers, so each op first copies the inputs its peers read
-// into the start of its own workspace and publishes offsets in it instead of pointers.
+// into the start of its own workspace and publishes offsets in it instead of pointers. The push combine
+// (CombineArgs::push_warps) instead publishes where peers store rows for it (a scratch result, or in a staged group
+// its workspace) and the release barrier then means that no peer still writes there.
 
 inline constexpr int kMaxIntranodeRanks = 8;
 
@@ -142,16 +144,25 @@ enum class FloatType : int32_t { kF32, kBF16, kF16 };
 
 // Normal combine: out[t] = (sum over r in rank order of y_r[send_row[t, r]] in float32) + bias[t], cast
 // to out_type. bias is null or [num_tokens, row_elements] of bias_type (y's type or f32).
+// Two ways to move the rows, with bit-identical results: pull (each rank reads its tokens' rows from the peers'
+// y; a staged group first copies its valid rows of y into its workspace) or push (each rank stores its rows of
+// y into the token's home rank, which reduces them locally; no copy in a staged group).
 struct CombineArgs {
   const void* y = nullptr;  // [capacity, row_elements]
   FloatType y_type = FloatType::kF32;
   int64_t row_elements = 0, capacity = 0, num_tokens = 0;
   const int32_t* send_row = nullptr;  // [num_tokens, num_ranks] from this rank's dispatch handle
-  const int32_t* recv_src_index = nullptr;  // [capacity] from the handle: staged groups copy only valid rows
+  const int32_t* recv_src_index = nullptr;  // [capacity] from the handle: which rows are valid, and whose
   const void* bias = nullptr;
   FloatType bias_type = FloatType::kF32;
   void* out = nullptr;  // [num_tokens, row_elements]
   FloatType out_type = FloatType::kF32;  // y's type or f32
+  // 0: pull. 1 to 16: push, with this many warps of each 16-warp block pushing at the start (the others
+  // reduce from the start; the pushing warps join them once their rows are out).
+  int32_t push_warps = 0;
+  // Push with one process driving the group: scratch of (num_ranks - 1) * num_tokens rows where the peers
+  // store their rows (peers write into it during the call). Staged groups use their workspace (null here).
+  void* slots = nullptr;
 };
 cudaError_t intranode_combine(const IntranodeCall& call, const CombineArgs& args);
 
@@ -315,7 +326,7 @@ namespace jax_ep {
 // source) flags tagged with the call number; two buffer sets alternate per call and credits bound the skew
 // between ranks. See low_latency.cu for the protocol.
 
-// Error-record values of the LL kernels (IntranodeError.op / .wait); the normal mode uses 1..3 and 1..2.
+// Error-record values of the LL kernels (IntranodeError.op / .wait); the normal mode uses 1..4 and 1..4.
 enum class LowLatencyOp : int32_t { kDispatchSend = 10, kDispatchRecv = 11, kCombineSend = 12, kCombineRecv = 13 };
 enum class LowLatencyWait : int32_t {
   kCredit = 10,  // a send waited for a peer to finish receiving call - 2 of the same buffer set

@@ -128,6 +128,11 @@ struct LoadL2 {
       T out;
       memcpy(&out, &v, 4);
       return out;
+    } else if constexpr (sizeof(T) == 2) {  // also one-element packs of 16-bit floats (no volatile copy)
+      const unsigned short v = __ldcg(reinterpret_cast<const unsigned short*>(ptr));
+      T out;
+      memcpy(&out, &v, 2);
+      return out;
     } else {
       return *reinterpret_cast<const volatile T*>(ptr);
     }

@@ -211,19 +211,26 @@ __device__ __forceinline__ void finish_call(const IntranodeRank& g, CallContext&
     own->timed_calls += 1;
     own->blocks_finished = 0;
     own->blocks_staged = 0;
+    own->combine_tickets = 0;
     own->calls_completed = ctx.call;
   }
 }
 
-// Steps 1-3 of an op whose view is only its published input addresses (cached dispatch, combine).
+// Steps 1-3 of an op whose view is its published input addresses and, where `counts` is given (block 0's shared
+// memory, written before this call), counts (cached dispatch, combine).
 __device__ __forceinline__ void publish_inputs_and_wait(const IntranodeRank& g, CallContext& ctx, const StagePlan& plan,
-                                                        IntranodeOp op, int64_t timeout_ns) {
+                                                        IntranodeOp op, int64_t timeout_ns,
+                                                        const int32_t* counts = nullptr) {
   begin_call(g, ctx);
   stage_inputs(g, plan);
   if (blockIdx.x == 0) {
     wait_for_staging(g, plan, ctx.call, op, timeout_ns);
-    if (threadIdx.x == 0)
-      for (int i = 0; i < kMaxPublishedPointers; ++i) g.states[g.rank]->view.pointers[i] = plan.published[i];
+    if (threadIdx.x == 0) {
+      IntranodeView& view = g.states[g.rank]->view;
+      for (int i = 0; i < kMaxPublishedPointers; ++i) view.pointers[i] = plan.published[i];
+      if (counts)
+        for (int r = 0; r < g.num_ranks; ++r) view.counts[r] = counts[r];
+    }
     __syncthreads();
     signal_arrival(g, ctx);
   }
@@ -414,23 +421,62 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // ---- combine -----------------------------------------------------------------------------------------------
 
-// out[t] = (acc = 0; acc += y_r[row of t on r] for r = 0..R-1 where kept) + bias[t], cast to Out: the
-// float32 rank-order sum of ARCHITECTURE.md §3. A warp reduces one token; lanes take kVec elements each.
-// kRanks (2, 4 or 8) >= the group's ranks sizes the per-lane arrays; each lane keeps kRanks * kUnroll = 8
-// 16-byte loads in flight, since NVLink latency, not bandwidth, bounds one warp. More is slower: 12 and 16
-// (with a few spilled registers) gave 258 and 273 GB/s against 370 at 24 SMs on 4×H200.
-template <typename In, typename Bias, typename Out, int kVec, int kRanks>
-__global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_constant__ IntranodeRank g,
-                                                           const __grid_constant__ CombineArgs a,
-                                                           const __grid_constant__ StagePlan plan, int64_t timeout_ns) {
+// out[t] = (acc = 0; acc += rows[r][...] for r = 0..kRanks-1 where rows[r] is set) + bias[t], cast to Out: the
+// float32 rank-order sum of ARCHITECTURE.md §3, by one warp; both combines (pull and push) reduce here, so they
+// agree bit for bit. Lanes take kVec elements each. kRanks (2, 4 or 8) >= the group's ranks sizes the per-lane
+// arrays; each lane keeps kRanks * kUnroll = 8 16-byte loads in flight, since latency, not bandwidth, bounds
+// one warp. More is slower in the pull combine: 12 and 16 (with a few spilled registers) gave 258 and 273 GB/s
+// against 370 at 24 SMs on 4×H200.
+template <typename In, typename Bias, typename Out, int kVec, int kRanks, typename Load>
+__device__ __forceinline__ void reduce_token(const Pack<In, kVec>* const (&rows)[kRanks], const CombineArgs& a,
+                                             int64_t t, int lane, Load load) {
   constexpr int kUnroll = 8 / kRanks;
+  const int64_t vecs = a.row_elements / kVec;
+  const Bias* bias = static_cast<const Bias*>(a.bias);
+  Out* out = static_cast<Out*>(a.out);
+  for (int64_t first = lane; first < vecs; first += 32 * kUnroll) {
+    Pack<In, kVec> packs[kUnroll][kRanks];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+      for (int r = 0; r < kRanks; ++r)
+        if (rows[r] && first + 32 * u < vecs) packs[u][r] = load(rows[r] + first + 32 * u);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t v = first + 32 * u;
+      if (v >= vecs) break;
+      float acc[kVec];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) acc[e] = 0.f;
+#pragma unroll
+      for (int r = 0; r < kRanks; ++r)
+        if (rows[r])
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) acc[e] += to_float(packs[u][r].v[e]);
+      if (bias) {
+        const Pack<Bias, kVec> b = *reinterpret_cast<const Pack<Bias, kVec>*>(bias + t * a.row_elements + v * kVec);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) acc[e] += to_float(b.v[e]);
+      }
+      Pack<Out, kVec> result;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) result.v[e] = from_float<Out>(acc[e]);
+      *reinterpret_cast<Pack<Out, kVec>*>(out + t * a.row_elements + v * kVec) = result;
+    }
+  }
+}
+
+// Pull combine: a warp reduces one token at a time, reading rank r's row y_r[send_row[t, r]] through r's
+// published y (a peer pointer, or in a staged group the copy r made of its valid rows in its workspace).
+template <typename In, typename Bias, typename Out, int kVec, int kRanks>
+__global__ void __launch_bounds__(kThreads, 1) combine_pull_kernel(const __grid_constant__ IntranodeRank g,
+                                                                const __grid_constant__ CombineArgs a,
+                                                                const __grid_constant__ StagePlan plan,
+                                                                int64_t timeout_ns) {
   __shared__ CallContext ctx;
   const int num_ranks = g.num_ranks, lane = threadIdx.x % 32;
   publish_inputs_and_wait(g, ctx, plan, IntranodeOp::kCombine, timeout_ns);
 
-  const int64_t vecs = a.row_elements / kVec;
-  const Bias* bias = static_cast<const Bias*>(a.bias);
-  Out* out = static_cast<Out*>(a.out);
   // Lane r < num_ranks holds the row of the warp's token on rank r, loaded one token ahead so that the
   // load's latency hides behind the previous token's reduction.
   auto load_row = [&](int64_t t) {
@@ -453,37 +499,195 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
                                     static_cast<const In*>(ctx.views[r].pointers[0]) + rank_row * a.row_elements)
                               : nullptr;
     }
-    for (int64_t first = lane; first < vecs; first += 32 * kUnroll) {
-      Pack<In, kVec> packs[kUnroll][kRanks];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-        for (int r = 0; r < kRanks; ++r)
-          if (rows[r] && first + 32 * u < vecs) packs[u][r] = load_nc(rows[r] + first + 32 * u);
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t v = first + 32 * u;
-        if (v >= vecs) break;
-        float acc[kVec];
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) acc[e] = 0.f;
-#pragma unroll
-        for (int r = 0; r < kRanks; ++r)
-          if (rows[r])
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) acc[e] += to_float(packs[u][r].v[e]);
-        if (bias) {
-          const Pack<Bias, kVec> b = *reinterpret_cast<const Pack<Bias, kVec>*>(bias + t * a.row_elements + v * kVec);
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) acc[e] += to_float(b.v[e]);
-        }
-        Pack<Out, kVec> result;
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) result.v[e] = from_float<Out>(acc[e]);
-        *reinterpret_cast<Pack<Out, kVec>*>(out + t * a.row_elements + v * kVec) = result;
+    reduce_token<In, Bias, Out, kVec, kRanks>(rows, a, t, lane, LoadNonCoherent{});
+  }
+  finish_call(g, ctx, IntranodeOp::kCombine, timeout_ns, [] {});
+}
+
+// Push combine. Each rank stores its rows of y into the tokens' home ranks, which reduce them from local memory:
+// one pass of NVLink stores, no staging copy in a staged group, no NVLink reads.
+//  - y's rows are ordered by (source rank, token), so the rows a rank holds for source s are one range of y;
+//    block 0 finds the ranges (find_source_ends) and publishes them with the arrival (view counts).
+//  - The first push_warps warps of every block (CombineArgs::push_warps) take units of unit_rows rows (units
+//    aligned to multiples of unit_rows in y, so that a row's number names its unit) and store each row for
+//    home rank s != this rank into s's slots (s's view: a scratch result, or in a staged group s's workspace)
+//    at [slot_region(this rank, s)][token]. After a unit the warp fences and raises s's flag
+//    combine_ready[this rank][unit] to the call number.
+//  - The other warps reduce from the start; the pushing warps join them once their units are out. Pushing
+//    takes a few warps per SM (each loads a whole row from local memory per round, then stores it); reducing
+//    takes more, since one warp's local reads are bound by latency. Reducing warps take this rank's tokens in
+//    order (a ticket counter). For token t, rank r's row is send_row[t, r] (this rank's handle): a peer's row
+//    is in the slots once the flag of its unit is raised, this rank's own row is read from y in place.
+// No push waits for anything after the arrival barrier, so the reductions, which wait, cannot deadlock. The
+// release barrier (finish_call) then also means that no peer still stores into this rank's slots, so XLA may
+// reuse a scratch result, and a later call's pushes cannot overwrite slots still being reduced.
+
+// Rows per push unit: about kPushUnitBytes (a unit ends with a fence and a flag store; smaller units let the
+// reduction follow the pushes more closely) but at most kPushUnitRows (short rows, e.g. the combined top-k
+// weights, still make a unit for every pushing warp), and at most kMaxCombineUnits units in y.
+constexpr int64_t kPushUnitBytes = 48 << 10;
+constexpr int64_t kPushUnitRows = 64;
+// Rows shorter than this are pushed a lane per row (a warp per row would keep a few lanes busy and wait a
+// round trip per row), longer ones a warp per row.
+constexpr int64_t kPushWarpRowBytes = 32 * 16;
+static_assert(kWarps >= kMaxIntranodeRanks);  // find_source_ends: a warp per rank
+
+// First index i in [0, n) with values[i] >= target (n if none) for ascending values, by a whole warp: 32 probes
+// per round, so a few rounds of loads. For any other values it returns some index in [0, n] and reads only
+// values[0, n).
+__device__ int64_t warp_lower_bound(const int32_t* values, int64_t n, int64_t target, int lane) {
+  int64_t lo = 0, hi = n;  // the answer is in [lo, hi]: values before lo are below target, values[hi] is not
+  while (lo < hi) {
+    const int64_t step = (hi - lo + 31) / 32;
+    const int64_t probe = lo + lane * step;
+    const uint32_t below = __ballot_sync(kFullMask, probe < hi && values[probe] < target);
+    const int k = below == kFullMask ? 32 : __ffs(~below) - 1;  // probes 0..k-1 are below target
+    if (k == 0) break;                                          // values[lo] is not below: the answer is lo
+    hi = min(hi, lo + k * step);  // probe k (when < hi) is not below
+    lo += (k - 1) * step + 1;
+  }
+  return lo;
+}
+
+// Block 0 of a push combine, before it publishes: ends[s] = the first row of y whose source index is at least
+// (s + 1) * T. Warp s searches for ends[s].
+__device__ __forceinline__ void find_source_ends(const CombineArgs& a, int num_ranks, int32_t* ends) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (warp < num_ranks) {
+    const int64_t end = warp_lower_bound(a.recv_src_index, a.capacity, (warp + 1) * a.num_tokens, lane);
+    if (lane == 0) ends[warp] = static_cast<int32_t>(end);
+  }
+}
+
+// Rows of a rank's y that hold tokens of rank s, from the rank's view: [begin, end). Empty where the published
+// ends are not ascending (only for a recv_src_index that no dispatch wrote).
+__device__ __forceinline__ int64_t source_rows_begin(const IntranodeView& view, int s) {
+  return s == 0 ? 0 : view.counts[s - 1];
+}
+
+// Slot region of sender `from` on home rank `to` (from != to): R - 1 regions of T rows each.
+__device__ __forceinline__ int64_t slot_region(int from, int to) { return from < to ? from : from - 1; }
+
+// A lane copies a whole row alone (rows shorter than kPushWarpRowBytes).
+template <typename Unit>
+__device__ __forceinline__ void lane_copy_units(Unit* dst, const Unit* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = load_nc(src + i);
+}
+
+__device__ void lane_copy_row(void* dst, const void* src, int64_t bytes) {
+  switch (unit_bytes(reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | bytes)) {
+    case 16: return lane_copy_units(static_cast<uint4*>(dst), static_cast<const uint4*>(src), bytes / 16);
+    case 8: return lane_copy_units(static_cast<uint2*>(dst), static_cast<const uint2*>(src), bytes / 8);
+    case 4: return lane_copy_units(static_cast<uint32_t*>(dst), static_cast<const uint32_t*>(src), bytes / 4);
+    case 2: return lane_copy_units(static_cast<uint16_t*>(dst), static_cast<const uint16_t*>(src), bytes / 2);
+    default: return lane_copy_units(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), bytes);
+  }
+}
+
+// A push warp's share of this rank's units. Unit u is the (u / (R - 1))-th unit of the rows for peer
+// s = (me + 1 + u % (R - 1)) % R: consecutive units go to different peers, so every link carries traffic.
+template <typename In>
+__device__ void push_rows(const IntranodeRank& g, const CallContext& ctx, const CombineArgs& a, int64_t unit_rows,
+                          int push_warp, int num_push_warps) {
+  const int num_ranks = g.num_ranks, me = g.rank, lane = threadIdx.x % 32;
+  const int64_t num_tokens = a.num_tokens, row_bytes = a.row_elements * static_cast<int64_t>(sizeof(In));
+  const IntranodeView& own = ctx.views[me];
+  int64_t most_units = 0;  // units of the peer with the most
+  for (int s = 0; s < num_ranks; ++s) {
+    const int64_t begin = source_rows_begin(own, s), end = own.counts[s];
+    if (s != me && end > begin) most_units = max(most_units, (end - 1) / unit_rows - begin / unit_rows + 1);
+  }
+  for (int64_t u = push_warp; u < most_units * (num_ranks - 1); u += num_push_warps) {
+    const int s = (me + 1 + static_cast<int>(u % (num_ranks - 1))) % num_ranks;
+    const int64_t begin = source_rows_begin(own, s), end = own.counts[s];
+    const int64_t unit = begin / unit_rows + u / (num_ranks - 1);
+    const int64_t first = max(begin, unit * unit_rows), last = min(end, (unit + 1) * unit_rows);
+    if (first >= last) continue;  // this peer has fewer units
+    char* slots = static_cast<char*>(const_cast<void*>(ctx.views[s].pointers[0])) +
+                  slot_region(me, s) * num_tokens * row_bytes;
+    for (int64_t base = first; base < last; base += 32) {  // lane i looks up row base + i
+      int64_t t = -1;
+      if (base + lane < last) {
+        t = a.recv_src_index[base + lane] - s * num_tokens;
+        if (t < 0 || t >= num_tokens) t = -1;  // not a token of s (only for a recv_src_index no dispatch wrote)
+      }
+      if (row_bytes < kPushWarpRowBytes) {
+        if (t >= 0) lane_copy_row(slots + t * row_bytes, row_of(a.y, base + lane, row_bytes), row_bytes);
+        continue;
+      }
+      for (uint32_t todo = __ballot_sync(kFullMask, t >= 0); todo; todo &= todo - 1) {
+        const int src_lane = __ffs(todo) - 1;
+        warp_copy_row(slots + __shfl_sync(kFullMask, t, src_lane) * row_bytes, row_of(a.y, base + src_lane, row_bytes),
+                      row_bytes, lane);
       }
     }
+    __syncwarp();
+    if (lane == 0) {  // the unit's stores (every lane's, ordered by the warp barrier) before its flag
+      __threadfence_system();
+      store_release_sys(&g.states[s]->combine_ready[me][unit], ctx.call);
+    }
   }
+}
+
+// A warp reduces this rank's tokens, taking them in order from the ticket counter until none is left.
+template <typename In, typename Bias, typename Out, int kVec, int kRanks>
+__device__ void reduce_pushed_tokens(const IntranodeRank& g, const CallContext& ctx, const CombineArgs& a,
+                                     int64_t unit_rows, int64_t timeout_ns) {
+  const int num_ranks = g.num_ranks, me = g.rank, lane = threadIdx.x % 32;
+  IntranodeState* own = g.states[me];
+  const int64_t num_tokens = a.num_tokens;
+  const In* slots = static_cast<const In*>(ctx.views[me].pointers[0]);
+  // Lane r < num_ranks: the rows of rank r's y that can hold this rank's tokens, and the last unit of rank r
+  // whose flag it saw raised in this call.
+  int64_t rows_begin = 0, rows_end = 0, ready_unit = -1;
+  if (lane < num_ranks) {
+    rows_begin = lane == me ? 0 : source_rows_begin(ctx.views[lane], me);
+    rows_end = lane == me ? a.capacity : min(static_cast<int64_t>(ctx.views[lane].counts[me]), a.capacity);
+  }
+  // Lane 0 holds the next ticket; taking the one after it while reducing hides the atomic's latency.
+  uint32_t ticket = lane == 0 ? atomicAdd(&own->combine_tickets, 1u) : 0u;
+  for (;;) {
+    const int64_t t = __shfl_sync(kFullMask, ticket, 0);
+    if (t >= num_tokens) break;
+    if (lane == 0) ticket = atomicAdd(&own->combine_tickets, 1u);
+    int32_t row = -1;
+    if (lane < num_ranks) {
+      row = a.send_row[t * num_ranks + lane];
+      if (row < rows_begin || row >= rows_end) row = -1;
+    }
+    if (row >= 0 && lane != me && row / unit_rows != ready_unit) {
+      ready_unit = row / unit_rows;
+      wait_for_flag(g, &own->combine_ready[lane][ready_unit], ctx.call, IntranodeOp::kCombine,
+                    IntranodeWait::kCombineRows, lane, timeout_ns);
+    }
+    __syncwarp();  // the rows the waiting lanes acquired are visible to the whole warp
+    const Pack<In, kVec>* rows[kRanks];
+#pragma unroll
+    for (int r = 0; r < kRanks; ++r) {
+      const int32_t rank_row = __shfl_sync(kFullMask, row, r);  // lanes >= num_ranks hold -1
+      rows[r] = rank_row < 0 ? nullptr
+                             : reinterpret_cast<const Pack<In, kVec>*>(
+                                   r == me ? static_cast<const In*>(a.y) + rank_row * a.row_elements
+                                           : slots + (slot_region(r, me) * num_tokens + t) * a.row_elements);
+    }
+    // At L2: the slots were written by peers during this call (y was not, but is read once either way).
+    reduce_token<In, Bias, Out, kVec, kRanks>(rows, a, t, lane, LoadL2{});
+  }
+}
+
+template <typename In, typename Bias, typename Out, int kVec, int kRanks>
+__global__ void __launch_bounds__(kThreads, 1) combine_push_kernel(const __grid_constant__ IntranodeRank g,
+                                                                const __grid_constant__ CombineArgs a,
+                                                                const __grid_constant__ StagePlan plan,
+                                                                int64_t unit_rows, int64_t timeout_ns) {
+  __shared__ CallContext ctx;
+  __shared__ int32_t source_ends[kMaxIntranodeRanks];  // block 0: what it publishes as its view's counts
+  if (blockIdx.x == 0) find_source_ends(a, g.num_ranks, source_ends);
+  publish_inputs_and_wait(g, ctx, plan, IntranodeOp::kCombine, timeout_ns, source_ends);
+  const int warp = threadIdx.x / 32;
+  if (warp < a.push_warps)
+    push_rows<In>(g, ctx, a, unit_rows, blockIdx.x * a.push_warps + warp, gridDim.x * a.push_warps);
+  reduce_pushed_tokens<In, Bias, Out, kVec, kRanks>(g, ctx, a, unit_rows, timeout_ns);
   finish_call(g, ctx, IntranodeOp::kCombine, timeout_ns, [] {});
 }
 
@@ -533,7 +737,8 @@ class StagePlanBuilder {
     plan_.published[published_++] = reinterpret_cast<const void*>(offset);
   }
 
-  // Publishes scratch the kernel writes (and peers read): in a staged group it moves into the workspace.
+  // Publishes scratch the kernel writes and peers read (dispatch's send offsets), or that peers write (the push
+  // combine's slots): in a staged group it moves into the workspace.
   template <typename T>
   T* publish_scratch(T* scratch, int64_t bytes) {
     if (!group_.staged) {
@@ -564,25 +769,44 @@ class StagePlanBuilder {
   int64_t end_ = kStagingOffset;
 };
 
+// Rows per push unit (see kPushUnitBytes); sender and receiver derive it from the same shapes.
+int64_t push_unit_rows(int64_t capacity, int64_t row_bytes) {
+  const int64_t for_bytes = std::min((kPushUnitBytes + row_bytes - 1) / std::max<int64_t>(row_bytes, 1), kPushUnitRows);
+  const int64_t for_flags = (capacity + kMaxCombineUnits - 1) / kMaxCombineUnits;
+  return std::max<int64_t>({for_bytes, for_flags, 1});
+}
+
+template <typename In, typename Bias, typename Out, int kVec, int kRanks>
+void launch_combine_kernel(const IntranodeCall& call, const CombineArgs& args, const StagePlan& plan) {
+  if (args.push_warps > 0)
+    combine_push_kernel<In, Bias, Out, kVec, kRanks><<<grid_size(call), kThreads, 0, call.stream>>>(
+        call.group, args, plan, push_unit_rows(args.capacity, args.row_elements * static_cast<int64_t>(sizeof(In))),
+        call.timeout_ns);
+  else
+    combine_pull_kernel<In, Bias, Out, kVec, kRanks>
+        <<<grid_size(call), kThreads, 0, call.stream>>>(call.group, args, plan, call.timeout_ns);
+}
+
 template <typename In, typename Bias, typename Out, int kRanks>
 void launch_combine_for_ranks(const IntranodeCall& call, const CombineArgs& args, const StagePlan& plan) {
   constexpr int kVec = 16 / sizeof(In);  // 16-byte loads where the row allows (XLA buffers are 16-byte aligned)
   if (args.row_elements % kVec == 0)
-    combine_kernel<In, Bias, Out, kVec, kRanks>
-        <<<grid_size(call), kThreads, 0, call.stream>>>(call.group, args, plan, call.timeout_ns);
+    launch_combine_kernel<In, Bias, Out, kVec, kRanks>(call, args, plan);
   else
-    combine_kernel<In, Bias, Out, 1, kRanks>
-        <<<grid_size(call), kThreads, 0, call.stream>>>(call.group, args, plan, call.timeout_ns);
+    launch_combine_kernel<In, Bias, Out, 1, kRanks>(call, args, plan);
 }
 
 template <typename In, typename Bias, typename Out>
 cudaError_t launch_combine(const IntranodeCall& call, const CombineArgs& args) {
+  const int ranks = call.group.num_ranks;
+  const int64_t row_bytes = args.row_elements * static_cast<int64_t>(sizeof(In));
   StagePlanBuilder builder(call.group);
-  builder.publish(args.y, args.capacity, args.row_elements * static_cast<int64_t>(sizeof(In)), args.recv_src_index,
-                  call.group.num_ranks * args.num_tokens);
+  if (args.push_warps > 0)  // view: the slots where peers store their rows for this rank
+    builder.publish_scratch(args.slots, (ranks - 1) * args.num_tokens * row_bytes);
+  else  // view: y (a staged group copies the valid rows: source index below R * T)
+    builder.publish(args.y, args.capacity, row_bytes, args.recv_src_index, ranks * args.num_tokens);
   StagePlan plan;
   if (!builder.finish(&plan)) return cudaErrorMemoryAllocation;
-  const int ranks = call.group.num_ranks;
   if (ranks <= 2)
     launch_combine_for_ranks<In, Bias, Out, 2>(call, args, plan);
   else if (ranks <= 4)
@@ -640,7 +864,10 @@ cudaError_t intranode_store_probe(const IntranodeCall& call, const StoreProbeArg
 cudaError_t intranode_combine(const IntranodeCall& call, const CombineArgs& args) {
   const bool out_ok = args.out_type == args.y_type || args.out_type == FloatType::kF32;
   const bool bias_ok = args.bias == nullptr || args.bias_type == args.y_type || args.bias_type == FloatType::kF32;
-  if (!out_ok || !bias_ok) return cudaErrorInvalidValue;
+  // A push in one process stores into the scratch result (the handler checks that it came).
+  const bool push_ok = args.push_warps >= 0 && args.push_warps <= kWarps &&
+                       (args.push_warps == 0 || call.group.staged || call.group.num_ranks == 1 || args.slots);
+  if (!out_ok || !bias_ok || !push_ok) return cudaErrorInvalidValue;
   switch (args.y_type) {
     case FloatType::kF32: return launch_combine_from<float>(call, args);
     case FloatType::kBF16: return launch_combine_from<__nv_bfloat16>(call, args);

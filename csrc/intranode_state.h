@@ -14,12 +14,18 @@ inline constexpr int kMaxPublishedPointers = 5;
 // a staged region, so a published 0 still means "no such input".
 inline constexpr int64_t kStagingOffset = 256;
 
+// Push combine: the rows of y are pushed in units of consecutive rows; a receiver keeps one readiness flag per
+// (sending rank, unit), so a call uses at most this many units (intranode.cu sizes them from the capacity).
+inline constexpr int64_t kMaxCombineUnits = 4096;
+
 // What a rank publishes for one call; peers read it through its peer pointer once its arrival flag
 // reached the call's sequence number, and it is rewritten only after every peer released the call.
 struct IntranodeView {
   // Addresses of the inputs peers read: pointers, or in a staged group offsets into the publisher's workspace.
   const void* pointers[kMaxPublishedPointers];
-  int32_t counts[kMaxIntranodeRanks];  // dispatch: this rank's tokens that go to each rank
+  // dispatch: this rank's tokens that go to each rank; push combine: the end of each source rank's rows in
+  // this rank's y (rows of source s are [counts[s - 1], counts[s]), from 0 for s = 0)
+  int32_t counts[kMaxIntranodeRanks];
 };
 
 struct IntranodeState {
@@ -28,6 +34,7 @@ struct IntranodeState {
   uint64_t calls_completed;
   uint32_t blocks_finished;  // blocks of the running call that finished their work
   uint32_t blocks_staged;    // staged groups: blocks of the running call that copied their share of the inputs
+  uint32_t combine_tickets;  // push combine: this rank's tokens handed to reducing warps so far in the call
   unsigned error_claimed;    // the first block that fails fills the error record
   uint64_t arrived[kMaxIntranodeRanks];   // [p]: latest call for which rank p published its view
   uint64_t released[kMaxIntranodeRanks];  // [p]: latest call after which rank p reads nothing of ours
@@ -37,10 +44,13 @@ struct IntranodeState {
   uint64_t call_start_ns;
   uint64_t timed_calls;
   uint64_t timed_ns;
+  // Push combine: [p][u] = latest call in which rank p finished storing its unit u of rows destined here
+  // (written by rank p, release; call numbers only grow, so the flags are never cleared).
+  uint64_t combine_ready[kMaxIntranodeRanks][kMaxCombineUnits];
 };
 
 enum class IntranodeOp : int32_t { kDispatch = 1, kCachedDispatch = 2, kCombine = 3, kStoreProbe = 4 };
-enum class IntranodeWait : int32_t { kArrival = 1, kRelease = 2, kStaging = 3 };
+enum class IntranodeWait : int32_t { kArrival = 1, kRelease = 2, kStaging = 3, kCombineRows = 4 };
 
 // Written by a kernel just before it traps; lives in pinned host memory so the host can read it after the
 // trap destroyed the CUDA context. `op` is written last: nonzero means the record is complete.

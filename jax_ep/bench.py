@@ -252,9 +252,11 @@ def intranode(args) -> list[dict]:
     x_fp8 = _spmd(mesh, jax_ep.per_token_cast_to_fp8)(x)
     # Kernel times are per device of this process: with one process per GPU, process 0's GPU (which prints).
     kernel_device = "process 0's GPU" if args.processes else "mean over the GPUs"
+    push_warps = cuda_backend.combine_push_warps(spans_processes=bool(args.processes))  # of the cuda combine
+    combine_method = f"push ({push_warps} pushing warps per block)" if push_warps else "pull"
     print(f"[intranode] {num_ranks} ranks ({devices[0].device_kind}), {_process_model(args)}, T={T} H={H} K={K} "
           f"E={E}, {args.iters} ops per timed loop, median of {args.repeats}"
-          + (f", kernel t: {kernel_device}" if args.sms else ""), flush=True)
+          + (f", kernel t: {kernel_device}, cuda combine: {combine_method}" if args.sms else ""), flush=True)
     records = []
 
     def report(backend, op, payload, sms, seconds, nbytes, kernel_seconds=None):
@@ -333,6 +335,8 @@ def intranode(args) -> list[dict]:
                 report(backend, "dispatch", payload, sms, seconds, nbytes, kernel_seconds)
             seconds, kernel_seconds = timed(combine, (d[1], d[0]))
             report(backend, "combine", "BF16", sms, seconds, bf16_bytes, kernel_seconds)
+            if backend == "cuda":
+                records[-1]["combine_method"] = combine_method
     return records
 
 

@@ -10,6 +10,14 @@ when the group spans processes, the region where each normal-mode op stages the 
 (a peer process cannot map XLA's buffers). That staging region is `num_nvl_bytes` large
 (`normal_buffer_bytes` says what a call needs); a call that needs more raises while tracing.
 
+Combine moves rows one of two ways (same results, bit for bit): "pull" (each rank reads its tokens' rows
+from the peers' `y`; across processes each rank first copies its valid rows of `y` into its workspace) or
+"push" (each rank stores its rows into the tokens' home ranks, which reduce them from local memory: no copy,
+no NVLink reads; in one process the peers store into a scratch result of the call). By default one process
+pulls and a group spanning processes pushes; $JAX_EP_COMBINE=push|pull picks one for every group (read while
+tracing), e.g. to compare them. $JAX_EP_COMBINE_PUSH_WARPS (1 to 16, default 8) tunes the push: how many of
+each block's 16 warps push at the start (the others reduce what has arrived; the pushers join them after).
+
 Bounded waits: a kernel that waits longer than `Config.timeout_s` for a peer writes a record (op, rank, peer)
 to pinned host memory and executes `trap`. The handler cannot see this (under CUDA graphs it does not even
 run), so the trap surfaces at the next synchronisation as an XLA runtime error carrying a CUDA launch
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import socket
 from typing import NamedTuple
 
@@ -39,6 +48,15 @@ DISPATCH_TARGET = "jax_ep_dispatch"
 CACHED_DISPATCH_TARGET = "jax_ep_cached_dispatch"
 COMBINE_TARGET = "jax_ep_combine"
 STORE_PROBE_TARGET = "jax_ep_store_probe"
+
+# Forces the combine's method ("push" or "pull") in every intranode group, and tunes the push (see the module
+# docstring).
+COMBINE_ENV = "JAX_EP_COMBINE"
+_COMBINE_METHODS = ("push", "pull")
+PUSH_WARPS_ENV = "JAX_EP_COMBINE_PUSH_WARPS"
+# Half the warps: pushing is bound by the SM's NVLink stores, which a few warps keep busy, while reducing is
+# bound by each warp's local read latency (see csrc/intranode.cu, push combine).
+DEFAULT_PUSH_WARPS = 8
 
 MAX_RANKS = 8  # csrc kMaxIntranodeRanks
 MAX_TOPK = 32  # one warp lane per top-k entry
@@ -58,22 +76,46 @@ class IntranodeHandle(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class KernelParams:
-    """Static parameters every intranode call carries as FFI attributes, and the staging room of a group that
-    spans processes (None when peers read XLA's buffers directly)."""
+    """Static parameters every intranode call carries as FFI attributes, the staging room of a group that
+    spans processes (None when peers read XLA's buffers directly), and whether combine pushes."""
 
     buffer_id: int
     num_sms: int
     timeout_ns: int
     staging_bytes: int | None = None
+    combine_push_warps: int = 0  # 0: the pull combine; else the push combine with this many pushing warps
 
     def attributes(self) -> dict:
         return dict(buffer_id=np.int64(self.buffer_id), num_sms=np.int64(self.num_sms),
                     timeout_ns=np.int64(self.timeout_ns))
 
 
+def combine_method(spans_processes: bool, environ=os.environ) -> str:
+    """"push" or "pull" (see the module docstring): $JAX_EP_COMBINE when set, else push in a group spanning
+    processes (pulling would first copy every valid row of y into the workspace) and pull in one process (peers
+    read y in place; pushing would need a scratch result of (R - 1) * T rows)."""
+    forced = environ.get(COMBINE_ENV, "")
+    if forced not in ("",) + _COMBINE_METHODS:
+        raise ValueError(f"jax_ep: ${COMBINE_ENV} must be one of {_COMBINE_METHODS} or unset, got {forced!r}")
+    return forced or ("push" if spans_processes else "pull")
+
+
+def combine_push_warps(spans_processes: bool, environ=os.environ) -> int:
+    """0 where combine pulls, else the warps of each block that push ($JAX_EP_COMBINE_PUSH_WARPS, 1 to 16)."""
+    if combine_method(spans_processes, environ) == "pull":
+        return 0
+    value = environ.get(PUSH_WARPS_ENV, "")
+    if not value:
+        return DEFAULT_PUSH_WARPS
+    if not value.isdigit() or not 1 <= int(value) <= 16:
+        raise ValueError(f"jax_ep: ${PUSH_WARPS_ENV} must be an integer from 1 to 16 or unset, got {value!r}")
+    return int(value)
+
+
 def kernel_params(buffer) -> KernelParams:
     return KernelParams(buffer.buffer_id, buffer.config.num_sms, int(buffer.config.timeout_s * 1e9),
-                        buffer.num_nvl_bytes if buffer.spans_processes else None)
+                        buffer.num_nvl_bytes if buffer.spans_processes else None,
+                        combine_push_warps(buffer.spans_processes))
 
 
 # ---- workspace sizing ------------------------------------------------------------------------------------------
@@ -94,17 +136,29 @@ def dispatch_staging_bytes(num_tokens: int, row_bytes: tuple[int, ...], num_topk
     return _staged(*(num_tokens * b for b in row_bytes), topk, topk if with_weights else 0, num_tokens * num_ranks * 4)
 
 
+def combine_staging_bytes(num_tokens: int, row_bytes: int, num_ranks: int, capacity: int, push: bool) -> int:
+    """Workspace bytes a combine uses in a group spanning processes: push, the slots where the peers store
+    their rows ((R - 1) * T rows); pull, the staged copy of y (capacity rows)."""
+    return _staged((num_ranks - 1) * num_tokens * row_bytes if push else capacity * row_bytes)
+
+
 def normal_buffer_bytes(num_tokens: int, hidden: int, num_ranks: int, num_topk: int, *, capacity: int | None = None,
-                        fp8: bool = False) -> int:
+                        fp8: bool = False, combine: str | None = None) -> int:
     """`num_nvl_bytes` a Buffer needs so that the normal-mode ops (dispatch, cached dispatch, combine, their
-    gradients) of these sizes run in a group spanning processes: the largest input any op stages. Rows are
+    gradients) of these sizes run in a group spanning processes: the most workspace any op uses. Rows are
     bfloat16 [T, hidden] (or the FP8 pair with fp8=True) for dispatch and float32 for the combined weights;
-    combine stages y [capacity, hidden] (capacity defaults to R*T) at up to 4 bytes an element."""
+    combine rows are taken at up to 4 bytes an element: the push combine receives (R-1)*T of them, the pull
+    combine stages y [capacity, hidden] (capacity defaults to R*T). `combine` ("push" or "pull") defaults to
+    the method such a group runs ($JAX_EP_COMBINE, else push)."""
+    if combine not in (None,) + _COMBINE_METHODS:
+        raise ValueError(f"jax_ep.normal_buffer_bytes: combine must be one of {_COMBINE_METHODS} or None, "
+                         f"got {combine!r}")
     capacity = num_ranks * num_tokens if capacity is None else capacity
+    push = (combine or combine_method(spans_processes=True)) == "push"
     rows = (hidden, hidden // 128 * 4) if fp8 else (2 * hidden,)
     return max(dispatch_staging_bytes(num_tokens, rows, num_topk, num_ranks, True),
                _staged(num_tokens * 4 * hidden),       # cached dispatch of a float32 cotangent
-               _staged(capacity * 4 * hidden))         # combine of float32 rows
+               combine_staging_bytes(num_tokens, 4 * hidden, num_ranks, capacity, push))  # float32 rows
 
 
 def _row_bytes(leaf) -> int:
@@ -114,7 +168,8 @@ def _row_bytes(leaf) -> int:
 def _check_staging(op: str, params: KernelParams, need: int) -> None:
     if params.staging_bytes is not None and need > params.staging_bytes:
         raise ValueError(
-            f"jax_ep.{op} (cuda): this call stages {need} bytes for peers in other processes, the Buffer has "
+            f"jax_ep.{op} (cuda): this call needs {need} bytes of workspace in a group spanning processes (inputs "
+            f"staged for the peers, or the rows the push combine receives), the Buffer has "
             f"num_nvl_bytes={params.staging_bytes}; create it with num_nvl_bytes >= {need} "
             "(jax_ep.normal_buffer_bytes computes it from the shapes)")
 
@@ -432,11 +487,17 @@ def combine(y, handle: IntranodeHandle, *, params: KernelParams, bias=None, out_
         raise TypeError("jax_ep.combine (cuda): the handle must come from a dispatch of the cuda backend, got "
                         f"{type(handle).__name__}")
     y, bias, kernel_out = combine_kernel_types(y, bias, out_dtype)
-    num_tokens = handle.send_row.shape[0]
-    _check_staging("combine", params, _staged(y.shape[0] * _row_bytes(y)))
-    result_type = jax.typeof(y).update(shape=(num_tokens, *y.shape[1:]), dtype=kernel_out)
+    num_tokens, num_ranks = handle.send_row.shape
+    row_bytes = _row_bytes(y)
+    push = params.combine_push_warps > 0
+    _check_staging("combine", params, combine_staging_bytes(num_tokens, row_bytes, num_ranks, y.shape[0], push))
+    aval = jax.typeof(y)
+    result_types = [aval.update(shape=(num_tokens, *y.shape[1:]), dtype=kernel_out)]
+    if push and params.staging_bytes is None:  # one process: the peers push into a scratch result
+        result_types.append(aval.update(shape=((num_ranks - 1) * num_tokens * row_bytes,), dtype=jnp.uint8))
     operands = (y, handle.send_row, handle.recv_src_index) + (() if bias is None else (bias,))
-    out = jax.ffi.ffi_call(COMBINE_TARGET, result_type)(*operands, **params.attributes())
+    out = jax.ffi.ffi_call(COMBINE_TARGET, result_types)(
+        *operands, push_warps=np.int64(params.combine_push_warps), **params.attributes())[0]
     return out.astype(out_dtype)
 
 

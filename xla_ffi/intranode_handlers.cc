@@ -21,8 +21,9 @@ ffi::Error Invalid(const char* op, const std::string& message) {
 ffi::Error Launched(const char* op, cudaError_t err) {
   if (err == cudaSuccess) return ffi::Error::Success();
   if (err == cudaErrorMemoryAllocation)  // the launch functions' answer when staged inputs do not fit
-    return Invalid(op, "the Buffer's workspace is too small to stage this call's inputs for peers in other "
-                       "processes (jax_ep checks this while tracing; create the Buffer with a larger num_nvl_bytes)");
+    return Invalid(op, "the Buffer's workspace is too small for this call's inputs staged for peers in other "
+                       "processes, or for the rows they push to it (combine); jax_ep checks this while tracing: "
+                       "create the Buffer with a larger num_nvl_bytes");
   return ffi::Error::Internal(std::string("jax_ep ") + op + ": kernel launch failed: " + cudaGetErrorString(err));
 }
 
@@ -80,16 +81,26 @@ ffi::Error CachedDispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
   return Launched(kOp, intranode_cached_dispatch(call, a));
 }
 
-// args: y [C, ...], send_row [T, R], recv_src_index [C], [bias [T, ...]]; result [T, ...] of y's type or float32.
+// args: y [C, ...], send_row [T, R], recv_src_index [C], [bias [T, ...]]; rets: out [T, ...] of y's type or
+// float32, and when pushing in a group of one process the slots ((R - 1) * T rows of y's row bytes, any type):
+// scratch where the peers store their rows. push_warps: 0 pulls, 1 to 16 push (CombineArgs::push_warps).
 ffi::Error CombineImpl(cudaStream_t stream, int32_t device, ffi::RemainingArgs remaining_args,
-                       ffi::Result<ffi::AnyBuffer> out, int64_t buffer_id, int64_t num_sms, int64_t timeout_ns) {
+                       ffi::RemainingRets remaining_rets, int64_t buffer_id, int64_t num_sms, int64_t timeout_ns,
+                       int64_t push_warps) {
   constexpr const char* kOp = "combine";
   IntranodeCall call;
   if (auto err = MakeCall(kOp, stream, device, buffer_id, num_sms, timeout_ns, &call); err.failure()) return err;
-  std::vector<ffi::AnyBuffer> args;
+  std::vector<ffi::AnyBuffer> args, rets;
   if (auto err = Collect(remaining_args, &args); err.failure()) return err;
+  if (auto err = Collect(remaining_rets, &rets); err.failure()) return err;
   if (args.size() != 3 && args.size() != 4)
     return Invalid(kOp, "expects y, send_row, recv_src_index and optionally bias");
+  if (push_warps < 0 || push_warps > 16) return Invalid(kOp, "push_warps must be 0 (pull) or 1 to 16 (push)");
+  const bool with_slots = push_warps > 0 && !call.group.staged;
+  if (rets.size() != (with_slots ? 2u : 1u))
+    return Invalid(kOp, with_slots ? "the push combine in one process expects the result and the slots"
+                                   : "expects one result");
+  const ffi::AnyBuffer* out = &rets[0];
   const ffi::AnyBuffer& y = args[0];
   const ffi::AnyBuffer& send_row = args[1];
   const ffi::AnyBuffer& recv_src_index = args[2];
@@ -120,6 +131,13 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t device, ffi::RemainingArgs r
     a.bias = bias.untyped_data();
   }
   a.out = out->untyped_data();
+  a.push_warps = static_cast<int32_t>(push_warps);
+  if (with_slots) {
+    const int64_t need = (call.group.num_ranks - 1) * a.num_tokens * RowBytes(y);
+    if (static_cast<int64_t>(rets[1].size_bytes()) < need)
+      return Invalid(kOp, "the slots result must hold (num_ranks - 1) * num_tokens rows of y");
+    a.slots = rets[1].untyped_data();
+  }
   const cudaError_t err = intranode_combine(call, a);
   if (err == cudaErrorInvalidValue) return Invalid(kOp, "the result and bias must have y's dtype or float32");
   return Launched(kOp, err);
@@ -186,10 +204,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(IntranodeCombine, CombineImpl,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .RemainingArgs()
-                                  .Ret<ffi::AnyBuffer>()
+                                  .RemainingRets()
                                   .Attr<int64_t>("buffer_id")
                                   .Attr<int64_t>("num_sms")
-                                  .Attr<int64_t>("timeout_ns"),
+                                  .Attr<int64_t>("timeout_ns")
+                                  .Attr<int64_t>("push_warps"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_ep::ffi_handlers

@@ -1,7 +1,9 @@
 """The CUDA intranode normal mode (Buffer(backend="cuda")) against the NumPy oracle and the `xla` backend: bit
 for bit for dispatch (every output, the FP8 pair, the handle), cached dispatch and combine (float32 rank-order
 sums), gradients, determinism, capacity drops, T=0, DeepEP hidden sizes, and a jitted loop with command buffers
-(default flags, and forced in a subprocess), and the bounded wait of a rank whose peers never join.
+(default flags, and forced in a subprocess), and the bounded wait of a rank whose peers never join. Combine runs
+the process model's default method (pull in one process, push across processes, or $JAX_EP_COMBINE), and both
+methods explicitly in the tests that name one.
 
 Both process models run this file: one process driving every GPU (plain pytest), and one process per GPU
 (test_multiprocess_gpu.py starts R processes that each run it; ranks = the process count, inputs become
@@ -14,6 +16,7 @@ import os
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -63,6 +66,19 @@ def spmd(R: int, body, gather: bool = True):
                             args)
         out = fn(*args)
         return multihost_utils.process_allgather(out, tiled=True) if gather else out
+
+    return run
+
+
+def with_combine_method(method: str | None, fn):
+    """`fn` run with $JAX_EP_COMBINE = method ("push" or "pull"), which the cuda backend reads while tracing (at
+    the first call of a jitted function); None leaves the environment as it is."""
+    if method is None:
+        return fn
+
+    def run(*args):
+        with mock.patch.dict(os.environ, {cuda_backend.COMBINE_ENV: method}):
+            return fn(*args)
 
     return run
 
@@ -223,36 +239,39 @@ def test_deepep_hidden_sizes(R, H):
 # Cached dispatch and combine
 # ----------------------------------------------------------------------------------------------------------------
 @functools.cache
-def combine_fn(R: int, backend: str, E: int, with_bias: bool):
+def combine_fn(R: int, backend: str, E: int, with_bias: bool, C=None, method=None):
     buf = buffer(R, backend)
 
     def body(x, idx, w, x2, y, bias):
-        d = jax_ep.dispatch(buf, x, idx, w, num_experts=E)
+        d = jax_ep.dispatch(buf, x, idx, w, num_experts=E, max_recv_tokens=C)
         cached = jax_ep.dispatch(buf, x2, handle=d.handle).recv_x
         c = jax_ep.combine(buf, y, d.handle, topk_weights=d.recv_topk_weights, bias=bias if with_bias else None)
         return cached, c.x, c.topk_weights
 
-    return spmd(R, body)
+    return with_combine_method(method, spmd(R, body))
 
 
-def run_combine(R, backend, E, x, idx, w, x2, y, bias):
-    out = combine_fn(R, backend, E, bias is not None)(flat(x), flat(idx), flat(w), flat(x2), flat(y), flat(bias))
+def run_combine(R, backend, E, x, idx, w, x2, y, bias, C=None, method=None):
+    out = combine_fn(R, backend, E, bias is not None, C, method)(flat(x), flat(idx), flat(w), flat(x2), flat(y),
+                                                                 flat(bias))
     return [ranks(a, R) for a in jax.device_get(out)]
 
 
-def check_combine(R, T, H, K, E, dtype, with_bias, seed=0):
+def check_combine(R, T, H, K, E, dtype, with_bias, seed=0, C=None, method=None):
+    """Cached dispatch and combine (with the combined weights) of the cuda backend == oracle == xla backend, bit
+    for bit; capacity C (default R*T); the cuda combine by `method` (default: the process model's)."""
     x, idx, w = make_case(R, T, H, K, E, seed=seed, dtype=dtype)
     rng = np.random.default_rng(seed + 1)
     x2 = O.make_x(rng, (R, T, 2 * H), np.float32)  # cached dispatch of another width and dtype
-    y = O.make_x(rng, (R, R * T, H), dtype)
+    y = O.make_x(rng, (R, R * T if C is None else C, H), dtype)
     bias = O.make_x(rng, (R, T, H), np.float32) if with_bias else None
-    cached, out, weights = run_combine(R, "cuda", E, x, idx, w, x2, y, bias)
-    ref = O.dispatch(x, idx, w, E)
+    cached, out, weights = run_combine(R, "cuda", E, x, idx, w, x2, y, bias, C, method)
+    ref = O.dispatch(x, idx, w, E, C)
     assert_bits(cached, O.cached_dispatch(x2, ref.routing)[0], "cached dispatch vs oracle")
     exp_out, exp_w = O.combine(y, ref.routing, ref.recv_topk_weights, bias)
     assert_bits(out, exp_out, "combine vs oracle")
     assert_bits(weights, exp_w, "combined topk_weights vs oracle")
-    xla = run_combine(R, "xla", E, x, idx, w, x2, y, bias)
+    xla = run_combine(R, "xla", E, x, idx, w, x2, y, bias, C)
     for name, a, b in zip(("cached dispatch", "combine", "combined weights"), (cached, out, weights), xla):
         assert_bits(a, b, f"{name} vs xla")
 
@@ -262,6 +281,17 @@ def check_combine(R, T, H, K, E, dtype, with_bias, seed=0):
 @pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
 def test_cached_dispatch_and_combine(R, dtype, with_bias):
     check_combine(R, 80, 512, 6, 8 * R, dtype, with_bias, seed=R)
+
+
+@pytest.mark.parametrize("R", RANKS)
+@pytest.mark.parametrize("method", ["push", "pull"])
+@pytest.mark.parametrize("dtype,with_bias,C", [(O.BF16, True, None), (np.float32, False, 50)],
+                         ids=["bf16-bias", "f32-drops"])
+def test_combine_push_and_pull(R, method, dtype, with_bias, C):
+    """Both combine methods in either process model. T and K odd; 1-2 KiB rows, so that a push unit spans
+    dozens of rows and some units hold rows of two home ranks; the float32 weights rows (20 bytes) move one
+    element per lane; C=50 drops tokens (the handle's rows of dropped tokens are -1 on both sides)."""
+    check_combine(R, 77, 512, 5, 8 * R, dtype, with_bias, seed=7, C=C, method=method)
 
 
 @pytest.mark.parametrize("R", RANKS)
@@ -317,11 +347,12 @@ def test_gradients_match_xla(R, dtype):
 
 
 @pytest.mark.parametrize("R", RANKS)
-def test_repeated_runs_identical(R):
+@pytest.mark.parametrize("method", ["pull", "push"])
+def test_repeated_runs_identical(R, method):
     T, H, K, E = 128, 1024, 8, 64
     x, idx, w = make_case(R, T, H, K, E, seed=9)
     y = O.make_x(np.random.default_rng(1), (R, R * T, H), O.BF16)
-    fn = combine_fn(R, "cuda", E, False)
+    fn = combine_fn(R, "cuda", E, False, None, method)
     args = tuple(flat(a) for a in (x, idx, w, x, y, None))
     first = jax.device_get(fn(*args))
     for i in range(10):
@@ -377,11 +408,12 @@ def test_jitted_loop_default_flags(R):
     check_loop(R)
 
 
-def run_worker(mode: str, R: int, xla_flags: str | None = None, script: str = __file__) -> subprocess.CompletedProcess:
+def run_worker(mode: str, R: int, xla_flags: str | None = None, script: str = __file__,
+               env_extra: dict | None = None) -> subprocess.CompletedProcess:
     """A test file as a script in a fresh process (XLA_FLAGS apply at backend start; a trap kills the CUDA
-    context)."""
+    context), with `env_extra` added to its environment."""
     mesh(R)  # skips without R GPUs
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), **(env_extra or {}))
     if xla_flags is not None:
         env["XLA_FLAGS"] = xla_flags
     return subprocess.run([sys.executable, script, mode, str(R)], env=env, capture_output=True, text=True,
@@ -392,10 +424,12 @@ def run_worker(mode: str, R: int, xla_flags: str | None = None, script: str = __
 @pytest.mark.parametrize("R", RANKS)
 def test_jitted_loop_forced_command_buffers(R):
     """Every op captured into CUDA graphs (min graph size 1, loops included): the call sequence lives on the
-    device, so replay stays correct."""
+    device, so replay stays correct; with either combine method (the push combine's flags and token tickets
+    live on the device too)."""
     flags = "--xla_gpu_graph_min_graph_size=1 --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,WHILE,CONDITIONAL"
-    proc = run_worker("loop", R, flags)
-    assert proc.returncode == 0 and "LOOP OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for method in ("pull", "push"):
+        proc = run_worker("loop", R, flags, env_extra={cuda_backend.COMBINE_ENV: method})
+        assert proc.returncode == 0 and "LOOP OK" in proc.stdout, (method, proc.stdout[-3000:] + proc.stderr[-3000:])
 
 
 @needs_one_process

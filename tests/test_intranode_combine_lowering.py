@@ -1,0 +1,113 @@
+"""The cuda backend's intranode combine on CPU, what can be checked without a GPU: how the process model and
+$JAX_EP_COMBINE pick the push or the pull combine (the custom call's push_warps attribute, 0 for pull, and the
+scratch result of a push in one process), $JAX_EP_COMBINE_PUSH_WARPS, the workspace a group spanning processes
+needs, and the error for a Buffer too small for it. Lowering compiles and runs nothing, so a Buffer made for the
+xla backend stands in for a cuda one."""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+from conftest import mesh_of
+from jax_ep import _native, cuda_backend
+
+R, T, H, K, E = 4, 8, 512, 3, 16
+ENV, WARPS_ENV = "JAX_EP_COMBINE", "JAX_EP_COMBINE_PUSH_WARPS"
+
+
+def cuda_standin(spans_processes: bool, num_nvl_bytes: int = 1 << 30):
+    if not _native.has_target(cuda_backend.COMBINE_TARGET, "cuda"):
+        pytest.skip("this build has no CUDA normal-mode kernels")
+    buf = jax_ep.Buffer(mesh_of(R), "ep", backend="xla")
+    buf.backend, buf.spans_processes, buf.num_nvl_bytes = "cuda", spans_processes, num_nvl_bytes
+    return buf
+
+
+def combine_calls(buf, y_dtype=jnp.float32) -> list[str]:
+    """The lowered program's jax_ep_combine custom calls (one line each) of a dispatch + combine."""
+
+    def body(x, idx, y):
+        d = jax_ep.dispatch(buf, x, idx, num_experts=E)
+        return jax_ep.combine(buf, y, d.handle).x
+
+    args = (jnp.zeros((R * T, H), jnp.bfloat16), jnp.zeros((R * T, K), jnp.int32), jnp.zeros((R * R * T, H), y_dtype))
+    text = jax.jit(jax.shard_map(body, mesh=buf.mesh, in_specs=P("ep"), out_specs=P("ep"))).lower(*args).as_text()
+    return [line for line in text.splitlines() if "custom_call @jax_ep_combine(" in line]
+
+
+def slots_bytes(row_bytes: int) -> int:
+    """The push combine's slots: R - 1 regions of T rows."""
+    return (R - 1) * T * row_bytes
+
+
+@pytest.mark.parametrize("spans_processes, forced, push", [
+    (False, None, False), (False, "push", True), (False, "pull", False),
+    (True, None, True), (True, "pull", False), (True, "push", True)])
+def test_process_model_and_environment_pick_the_method(monkeypatch, spans_processes, forced, push):
+    monkeypatch.delenv(WARPS_ENV, raising=False)
+    if forced is None:
+        monkeypatch.delenv(ENV, raising=False)
+    else:
+        monkeypatch.setenv(ENV, forced)
+    (call,) = combine_calls(cuda_standin(spans_processes))
+    assert f"push_warps = {8 if push else 0} : i64" in call, call  # half of each block's 16 warps push
+    results = re.search(r"-> (.*)$", call).group(1)
+    # One process pushing: the peers store into a scratch result of the call; staged groups use the workspace.
+    scratch = f"tensor<{slots_bytes(4 * H)}xui8>"
+    assert (scratch in results) == (push and not spans_processes), results
+    assert f"tensor<{T}x{H}xf32>" in results, results
+
+
+def test_push_warps_from_the_environment(monkeypatch):
+    monkeypatch.setenv(ENV, "push")
+    monkeypatch.setenv(WARPS_ENV, "16")
+    (call,) = combine_calls(cuda_standin(False))
+    assert "push_warps = 16 : i64" in call, call
+    monkeypatch.setenv(ENV, "pull")  # the pull combine has no pushing warps
+    (call,) = combine_calls(cuda_standin(False))
+    assert "push_warps = 0 : i64" in call, call
+
+
+@pytest.mark.parametrize("name, value, message", [
+    (ENV, "both", r"JAX_EP_COMBINE must be one of \('push', 'pull'\)"),
+    (WARPS_ENV, "0", "JAX_EP_COMBINE_PUSH_WARPS must be an integer from 1 to 16"),
+    (WARPS_ENV, "17", "JAX_EP_COMBINE_PUSH_WARPS must be an integer from 1 to 16"),
+    (WARPS_ENV, "half", "JAX_EP_COMBINE_PUSH_WARPS must be an integer from 1 to 16")])
+def test_bad_environment_values(monkeypatch, name, value, message):
+    monkeypatch.setenv(ENV, "push")
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=message):
+        combine_calls(cuda_standin(False))
+
+
+@pytest.mark.parametrize("method", ["push", "pull"])
+def test_workspace_check_names_the_size(monkeypatch, method):
+    """A group spanning processes: combine's workspace is the slots (push) or the staged copy of y [R*T rows]
+    (pull), from byte 256 on in 256-byte aligned regions; one byte less raises, naming the size."""
+    monkeypatch.setenv(ENV, method)
+    rows = R * T if method == "pull" else (R - 1) * T
+    need = 256 + -(-rows * 4 * H // 256) * 256
+    assert len(combine_calls(cuda_standin(True, num_nvl_bytes=need))) == 1
+    with pytest.raises(ValueError, match=rf"combine \(cuda\).*num_nvl_bytes >= {need} "):
+        combine_calls(cuda_standin(True, num_nvl_bytes=need - 1))
+
+
+def test_normal_buffer_bytes_per_method(monkeypatch):
+    """The combine of float32 rows dominates at these sizes: (R-1)*T rows pushed, or C rows staged to pull."""
+    Tb, Hb, Rb, Kb = 4096, 7168, 4, 8
+    pushed = 256 + (Rb - 1) * Tb * 4 * Hb
+    pulled = 256 + Rb * Tb * 4 * Hb
+    assert jax_ep.normal_buffer_bytes(Tb, Hb, Rb, Kb, combine="push") == pushed
+    assert jax_ep.normal_buffer_bytes(Tb, Hb, Rb, Kb, combine="pull") == pulled
+    assert jax_ep.normal_buffer_bytes(Tb, Hb, Rb, Kb, combine="pull", capacity=Tb) == 256 + Tb * 4 * Hb
+    monkeypatch.delenv(ENV, raising=False)  # a group spanning processes pushes by default
+    assert jax_ep.normal_buffer_bytes(Tb, Hb, Rb, Kb) == pushed
+    monkeypatch.setenv(ENV, "pull")
+    assert jax_ep.normal_buffer_bytes(Tb, Hb, Rb, Kb) == pulled
+    with pytest.raises(ValueError, match="combine must be one of"):
+        jax_ep.normal_buffer_bytes(Tb, Hb, Rb, Kb, combine="staged")
