@@ -9,7 +9,10 @@
 #     ll: the low-latency tests (NVSHMEM transport too) and benchmark; accept: every GPU test and the benchmarks in both process models;
 #     nvshmem: an unstripped build, then the NVSHMEM bootstrap probes (tests/gpu/nvshmem_probe);
 #     internode: the internode tests as 4 processes (2 nodes x 2 GPUs, and 4 x 1) and 2 (2 x 1), the bounded wait,
-#     and the internode benchmark as 2 x 2.
+#     and the internode benchmark as 2 x 2;
+#     validate: the first run of new kernels in one 10-minute call, most informative first: intranode and
+#     low-latency tests in one process, the benchmarks (combine pull and push), the 2 x 2 internode suite, the
+#     one-process-per-GPU intranode suite and benchmark.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # never NVLink multicast
@@ -59,6 +62,20 @@ if [ "$mode" = ll ]; then  # low-latency kernels in both process models, NVSHMEM
     --no-baselines --json "$OUT/ll_nvshmem.json"
   grep -hE "^(FAILED|ERROR)" "$OUT"/*.log | head -20
   grep -hE "^\[" "$OUT/bench_ll.log" "$OUT/bench_ll_nvshmem.log" | tail -40
+  printf '\n== summary\n'; printf '%s\n' "${summary[@]}"
+  exit 0
+fi
+if [ "$mode" = validate ]; then
+  step intranode 150 python3 -m pytest -q -rs -x tests/gpu/test_intranode.py
+  step low_latency 90 python3 -m pytest -q -rs -x tests/gpu/test_low_latency.py
+  step bench_pull 60 python3 -m jax_ep.bench intranode --sms 24 64 --no-baselines --json "$OUT/bench_pull.json"
+  JAX_EP_COMBINE=push step bench_push 60 python3 -m jax_ep.bench intranode --sms 24 64 --no-baselines --json "$OUT/bench_push.json"
+  step bench_ll 60 python3 -m jax_ep.bench low_latency --no-baselines --json "$OUT/ll.json"
+  step internode 120 python3 -m pytest -q -rs tests/gpu/test_multiprocess_gpu.py -k "internode_suite and 4"
+  step mp_intranode 150 python3 -m pytest -q -rs tests/gpu/test_multiprocess_gpu.py -k "suite and intranode and 4"
+  step bench_mp 60 python3 -m jax_ep.bench intranode --processes 4 --sms 24 --no-baselines --json "$OUT/bench_mp.json"
+  grep -hE "^(FAILED|ERROR)" "$OUT"/*.log | head -20
+  grep -hE "^\[(intranode|low_latency)\]" "$OUT"/bench*.log | grep -E "combine|dispatch|ceiling|on the GPU|send:|recv:" | tail -40
   printf '\n== summary\n'; printf '%s\n' "${summary[@]}"
   exit 0
 fi
