@@ -201,5 +201,13 @@ __device__ void warp_copy_row(void* dst, const void* src, int64_t bytes, int lan
   }
 }
 
+// Row `row` of a buffer of row_bytes-byte rows (intranode.cu, internode.cu).
+__device__ __forceinline__ const char* row_of(const void* base, int64_t row, int64_t row_bytes) {
+  return static_cast<const char*>(base) + row * row_bytes;
+}
+__device__ __forceinline__ char* row_of(void* base, int64_t row, int64_t row_bytes) {
+  return static_cast<char*>(base) + row * row_bytes;
+}
+
 }  // namespace
 }  // namespace jax_ep

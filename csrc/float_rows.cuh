@@ -4,6 +4,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstdint>
+
 namespace jax_ep {
 namespace {
 
@@ -25,6 +27,23 @@ template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 template <>
 __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+
+// The tail of every combine's reduction: acc (the float32 sum of element v * kVec.. of token t's row) plus the
+// bias row, when there is one, converted to Out and stored as one pack. Shared so that the intranode and
+// internode combines round alike.
+template <typename Bias, typename Out, int kVec>
+__device__ __forceinline__ void add_bias_and_store(float (&acc)[kVec], const Bias* bias, Out* out,
+                                                   int64_t row_elements, int64_t t, int64_t v) {
+  if (bias) {
+    const Pack<Bias, kVec> b = *reinterpret_cast<const Pack<Bias, kVec>*>(bias + t * row_elements + v * kVec);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) acc[e] += to_float(b.v[e]);
+  }
+  Pack<Out, kVec> result;
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) result.v[e] = from_float<Out>(acc[e]);
+  *reinterpret_cast<Pack<Out, kVec>*>(out + t * row_elements + v * kVec) = result;
+}
 
 }  // namespace
 }  // namespace jax_ep

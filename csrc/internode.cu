@@ -63,13 +63,6 @@ __device__ __forceinline__ char* data_of(char* region) { return region + kIntern
 __device__ __forceinline__ int rail_rank(const InternodeRank& g, int node) { return node * g.ranks_per_node + g.local; }
 __device__ __forceinline__ int rail_pe(const InternodeRank& g, int node) { return g.pe_of_rank[rail_rank(g, node)]; }
 
-__device__ __forceinline__ const char* row_of(const void* base, int64_t row, int64_t row_bytes) {
-  return static_cast<const char*>(base) + row * row_bytes;
-}
-__device__ __forceinline__ char* row_of(void* base, int64_t row, int64_t row_bytes) {
-  return static_cast<char*>(base) + row * row_bytes;
-}
-
 __device__ __forceinline__ int global_warp() { return blockIdx.x * kWarps + threadIdx.x / 32; }
 __device__ __forceinline__ int num_global_warps() { return gridDim.x * kWarps; }
 
@@ -628,15 +621,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int e = 0; e < kVec; ++e) acc[e] += p.v[e];
       }
-      if (bias) {
-        const Pack<Bias, kVec> b = *reinterpret_cast<const Pack<Bias, kVec>*>(bias + t * a.row_elements + v * kVec);
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) acc[e] += to_float(b.v[e]);
-      }
-      Pack<Out, kVec> result;
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) result.v[e] = from_float<Out>(acc[e]);
-      *reinterpret_cast<Pack<Out, kVec>*>(out + t * a.row_elements + v * kVec) = result;
+      add_bias_and_store(acc, bias, out, a.row_elements, t, v);
     }
   }
   finish_call(g, ctx, kOp, timeout_ns, [] {});

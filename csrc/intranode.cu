@@ -70,14 +70,6 @@ __device__ void warp_copy_row_pair(void* dst, const void* src, int64_t bytes, vo
   if (has_side) static_cast<uint4*>(side_dst)[lane] = side;
 }
 
-__device__ __forceinline__ const char* row_of(const void* base, int64_t row, int64_t row_bytes) {
-  return static_cast<const char*>(base) + row * row_bytes;
-}
-
-__device__ __forceinline__ char* row_of(void* base, int64_t row, int64_t row_bytes) {
-  return static_cast<char*>(base) + row * row_bytes;
-}
-
 // ---- call synchronisation ----------------------------------------------------------------------------------
 
 struct CallContext {  // per block, in shared memory
@@ -453,15 +445,7 @@ __device__ __forceinline__ void reduce_token(const Pack<In, kVec>* const (&rows)
         if (rows[r])
 #pragma unroll
           for (int e = 0; e < kVec; ++e) acc[e] += to_float(packs[u][r].v[e]);
-      if (bias) {
-        const Pack<Bias, kVec> b = *reinterpret_cast<const Pack<Bias, kVec>*>(bias + t * a.row_elements + v * kVec);
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) acc[e] += to_float(b.v[e]);
-      }
-      Pack<Out, kVec> result;
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) result.v[e] = from_float<Out>(acc[e]);
-      *reinterpret_cast<Pack<Out, kVec>*>(out + t * a.row_elements + v * kVec) = result;
+      add_bias_and_store(acc, bias, out, a.row_elements, t, v);
     }
   }
 }
