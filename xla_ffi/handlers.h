@@ -55,6 +55,21 @@ inline int64_t RowBytes(const xla::ffi::AnyBuffer& buffer) {
   return elements * static_cast<int64_t>(xla::ffi::ByteWidth(buffer.element_type()));
 }
 
+// Elements of one row: everything after the leading axis.
+inline int64_t RowElements(const xla::ffi::AnyBuffer& buffer) {
+  return RowBytes(buffer) / static_cast<int64_t>(xla::ffi::ByteWidth(buffer.element_type()));
+}
+
+inline bool IsMatrix(const xla::ffi::AnyBuffer& buffer, xla::ffi::DataType type, int64_t rows, int64_t cols) {
+  const auto dims = buffer.dimensions();
+  return buffer.element_type() == type && dims.size() == 2 && dims[0] == rows && dims[1] == cols;
+}
+
+inline bool IsVector(const xla::ffi::AnyBuffer& buffer, xla::ffi::DataType type, int64_t size) {
+  const auto dims = buffer.dimensions();
+  return buffer.element_type() == type && dims.size() == 1 && dims[0] == size;
+}
+
 inline bool AsFloatType(xla::ffi::DataType dtype, FloatType* out) {
   switch (dtype) {
     case xla::ffi::DataType::F32: *out = FloatType::kF32; return true;
@@ -62,6 +77,18 @@ inline bool AsFloatType(xla::ffi::DataType dtype, FloatType* out) {
     case xla::ffi::DataType::F16: *out = FloatType::kF16; return true;
     default: return false;
   }
+}
+
+// The optional bias operand of both normal-mode combines (Args: CombineArgs or InternodeCombineArgs, after
+// num_tokens and row_elements are set): floating [num_tokens, ...] with the result's row length. False where
+// it is not; the caller names the error.
+template <typename Args>
+bool DecodeBias(const xla::ffi::AnyBuffer& bias, Args* a) {
+  if (!AsFloatType(bias.element_type(), &a->bias_type) || LeadingDim(bias) != a->num_tokens ||
+      RowElements(bias) != a->row_elements)
+    return false;
+  a->bias = bias.untyped_data();
+  return true;
 }
 
 // The operands and results every normal-mode dispatch handler decodes alike (Args: DispatchArgs or

@@ -42,16 +42,6 @@ ffi::Error MakeCall(const char* op, cudaStream_t stream, int32_t device, int64_t
   return ffi::Error::Success();
 }
 
-bool IsMatrix(const ffi::AnyBuffer& buffer, ffi::DataType type, int64_t rows, int64_t cols) {
-  const auto dims = buffer.dimensions();
-  return buffer.element_type() == type && dims.size() == 2 && dims[0] == rows && dims[1] == cols;
-}
-
-bool IsVector(const ffi::AnyBuffer& buffer, ffi::DataType type, int64_t size) {
-  const auto dims = buffer.dimensions();
-  return buffer.element_type() == type && dims.size() == 1 && dims[0] == size;
-}
-
 // args: x payloads (num_payloads: 1, or 2 for the FP8 pair), topk_idx, [topk_weights].
 // rets: recv payloads, recv_topk_idx, [recv_topk_weights], num_recv_tokens, num_recv_tokens_per_expert,
 //       num_dropped, invalid_ids, recv_src_index, is_token_in_rank, relay_row, relay_token.
@@ -121,10 +111,10 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t device, ffi::RemainingArgs r
   InternodeCombineArgs a;
   if (!AsFloatType(y.element_type(), &a.y_type) || !AsFloatType(out->element_type(), &a.out_type))
     return Invalid(kOp, "y and the result must be float32, bfloat16 or float16");
-  a.row_elements = RowBytes(y) / static_cast<int64_t>(ffi::ByteWidth(y.element_type()));
+  a.row_elements = RowElements(y);
   a.capacity = LeadingDim(y);
   a.num_tokens = LeadingDim(*out);
-  if (RowBytes(*out) / static_cast<int64_t>(ffi::ByteWidth(out->element_type())) != a.row_elements)
+  if (RowElements(*out) != a.row_elements)
     return Invalid(kOp, "y and the result differ in row size");
   const int64_t relayed = static_cast<int64_t>(g.num_nodes) * a.num_tokens;
   if (!IsVector(args[1], ffi::DataType::S32, a.capacity) ||
@@ -139,11 +129,7 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t device, ffi::RemainingArgs r
   a.relay_row = static_cast<const int32_t*>(args[3].untyped_data());
   a.relay_token = static_cast<const bool*>(args[4].untyped_data());
   if (args.size() == 6) {
-    const ffi::AnyBuffer& bias = args[5];
-    if (!AsFloatType(bias.element_type(), &a.bias_type) || LeadingDim(bias) != a.num_tokens ||
-        RowBytes(bias) / static_cast<int64_t>(ffi::ByteWidth(bias.element_type())) != a.row_elements)
-      return Invalid(kOp, "bias must be floating [num_tokens, ...] like the result");
-    a.bias = bias.untyped_data();
+    if (!DecodeBias(args[5], &a)) return Invalid(kOp, "bias must be floating [num_tokens, ...] like the result");
   }
   a.out = out->untyped_data();
   const cudaError_t err = internode_combine(call, a);

@@ -107,15 +107,14 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t device, ffi::RemainingArgs r
   CombineArgs a;
   if (!AsFloatType(y.element_type(), &a.y_type) || !AsFloatType(out->element_type(), &a.out_type))
     return Invalid(kOp, "y and the result must be float32, bfloat16 or float16");
-  const int64_t item = static_cast<int64_t>(ffi::ByteWidth(y.element_type()));
-  a.row_elements = RowBytes(y) / item;
+  a.row_elements = RowElements(y);
   a.capacity = LeadingDim(y);
   a.num_tokens = LeadingDim(*out);
   const auto row_dims = send_row.dimensions();
   if (send_row.element_type() != ffi::DataType::S32 || row_dims.size() != 2 || row_dims[0] != a.num_tokens ||
       row_dims[1] != call.group.num_ranks)
     return Invalid(kOp, "send_row must be int32 [num_tokens, num_ranks]");
-  if (RowBytes(*out) / static_cast<int64_t>(ffi::ByteWidth(out->element_type())) != a.row_elements)
+  if (RowElements(*out) != a.row_elements)
     return Invalid(kOp, "y and the result differ in row size");
   if (recv_src_index.element_type() != ffi::DataType::S32 || recv_src_index.dimensions().size() != 1 ||
       LeadingDim(recv_src_index) != a.capacity)
@@ -124,11 +123,7 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t device, ffi::RemainingArgs r
   a.send_row = static_cast<const int32_t*>(send_row.untyped_data());
   a.recv_src_index = static_cast<const int32_t*>(recv_src_index.untyped_data());
   if (args.size() == 4) {
-    const ffi::AnyBuffer& bias = args[3];
-    if (!AsFloatType(bias.element_type(), &a.bias_type) || LeadingDim(bias) != a.num_tokens ||
-        RowBytes(bias) / static_cast<int64_t>(ffi::ByteWidth(bias.element_type())) != a.row_elements)
-      return Invalid(kOp, "bias must be floating [num_tokens, ...] like the result");
-    a.bias = bias.untyped_data();
+    if (!DecodeBias(args[3], &a)) return Invalid(kOp, "bias must be floating [num_tokens, ...] like the result");
   }
   a.out = out->untyped_data();
   a.push_warps = static_cast<int32_t>(push_warps);

@@ -58,10 +58,7 @@ ffi::Error MakeCall(const char* op, cudaStream_t stream, int32_t device, int64_t
   return ffi::Error::Success();
 }
 
-bool IsMatrix(const ffi::AnyBuffer& buffer, ffi::DataType type, int64_t rows, int64_t cols) {
-  const auto dims = buffer.dimensions();
-  return buffer.element_type() == type && dims.size() == 2 && dims[0] == rows && dims[1] == cols;
-}
+using buffer_args::IsMatrix;  // handlers.h
 
 // Shape [L, R*M, width] of the given type.
 bool IsExpertRows(const ffi::AnyBuffer& buffer, ffi::DataType type, const LowLatencyCall& call, int64_t width) {
