@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from gpu.test_intranode import assert_bits, flat, make_case, ranks
+from gpu.test_intranode import assert_bits, combine_body, dispatch_body, dispatch_results, flat, make_case, ranks
 from jax_ep import cuda_backend, internode
 
 R = jax.process_count()
@@ -79,25 +79,11 @@ def no_timeouts(per_node: int):
 # ----------------------------------------------------------------------------------------------------------------
 @functools.cache
 def dispatch_fn(per_node, E: int, C, alignment: int):
-    buf = buffer(per_node)
-
-    def body(x, idx, w):
-        d = jax_ep.dispatch(buf, x, idx, w, num_experts=E, max_recv_tokens=C, expert_alignment=alignment)
-        scalars = (d.num_recv_tokens[None], d.num_dropped[None], d.invalid_ids[None])
-        return d.recv_x, d.recv_topk_idx, d.recv_topk_weights, d.num_recv_tokens_per_expert[None], scalars, d.handle
-
-    return spmd(body)
+    return spmd(dispatch_body(buffer(per_node), E, C, alignment))
 
 
 def run_dispatch(per_node, x, idx, w, E, C=None, alignment=1):
-    recv_x, recv_idx, recv_w, per_expert, scalars, handle = jax.device_get(
-        dispatch_fn(per_node, E, C, alignment)(flat(x), flat(idx), flat(w)))
-    recv_x = [ranks(c, R) for c in (recv_x if isinstance(recv_x, tuple) else (recv_x,))]
-    num_recv, dropped, invalid = (np.asarray(s) for s in scalars)
-    return dict(recv_x=recv_x, recv_topk_idx=ranks(recv_idx, R),
-                recv_topk_weights=None if recv_w is None else ranks(recv_w, R),
-                num_recv_tokens=num_recv, num_recv_tokens_per_expert=np.asarray(per_expert), num_dropped=dropped,
-                invalid_ids=invalid, handle=type(handle)(*(ranks(f, R) for f in handle)))
+    return dispatch_results(dispatch_fn(per_node, E, C, alignment)(flat(x), flat(idx), flat(w)), R)
 
 
 def expected_relay(idx, E, C, per_node):
@@ -208,15 +194,7 @@ def test_strict_raises_on_drops():
 # ----------------------------------------------------------------------------------------------------------------
 @functools.cache
 def combine_fn(per_node, E: int, C, with_bias: bool):
-    buf = buffer(per_node)
-
-    def body(x, idx, w, x2, y, bias):
-        d = jax_ep.dispatch(buf, x, idx, w, num_experts=E, max_recv_tokens=C)
-        cached = jax_ep.dispatch(buf, x2, handle=d.handle).recv_x
-        c = jax_ep.combine(buf, y, d.handle, topk_weights=d.recv_topk_weights, bias=bias if with_bias else None)
-        return cached, c.x, c.topk_weights
-
-    return spmd(body)
+    return spmd(combine_body(buffer(per_node), E, C, with_bias))
 
 
 def check_combine(per_node, T, H, K, E, dtype, with_bias, seed=0, C=None):

@@ -116,27 +116,36 @@ def make_case(R, T, H, K, E, seed=0, mode="distinct", dtype=O.BF16, p_neg=0.1, p
     return x, idx, w
 
 
-@functools.cache
-def dispatch_fn(R: int, backend: str, E: int, C, alignment: int):
-    buf = buffer(R, backend)
+def dispatch_body(buf, E: int, C, alignment: int):
+    """The per-rank body of the dispatch tests (here and in test_internode.py): every result of dispatch, the
+    scalars as [1] arrays so that they gather over ranks. dispatch_results reads what it returns."""
 
     def body(x, idx, w):
         d = jax_ep.dispatch(buf, x, idx, w, num_experts=E, max_recv_tokens=C, expert_alignment=alignment)
         scalars = (d.num_recv_tokens[None], d.num_dropped[None], d.invalid_ids[None])
         return d.recv_x, d.recv_topk_idx, d.recv_topk_weights, d.num_recv_tokens_per_expert[None], scalars, d.handle
 
-    return spmd(R, body)
+    return body
 
 
-def run_dispatch(R, backend, x, idx, w, E, C=None, alignment=1):
-    recv_x, recv_idx, recv_w, per_expert, scalars, handle = jax.device_get(
-        dispatch_fn(R, backend, E, C, alignment)(flat(x), flat(idx), flat(w)))
+def dispatch_results(out, R: int) -> dict:
+    """dispatch_body's gathered results as NumPy, split per rank, in the oracle's field names."""
+    recv_x, recv_idx, recv_w, per_expert, scalars, handle = jax.device_get(out)
     recv_x = [ranks(c, R) for c in (recv_x if isinstance(recv_x, tuple) else (recv_x,))]
     num_recv, dropped, invalid = (np.asarray(s) for s in scalars)
     return dict(recv_x=recv_x, recv_topk_idx=ranks(recv_idx, R),
                 recv_topk_weights=None if recv_w is None else ranks(recv_w, R),
                 num_recv_tokens=num_recv, num_recv_tokens_per_expert=np.asarray(per_expert), num_dropped=dropped,
                 invalid_ids=invalid, handle=type(handle)(*(ranks(f, R) for f in handle)))
+
+
+@functools.cache
+def dispatch_fn(R: int, backend: str, E: int, C, alignment: int):
+    return spmd(R, dispatch_body(buffer(R, backend), E, C, alignment))
+
+
+def run_dispatch(R, backend, x, idx, w, E, C=None, alignment=1):
+    return dispatch_results(dispatch_fn(R, backend, E, C, alignment)(flat(x), flat(idx), flat(w)), R)
 
 
 def check_send_row(handle, R: int, T: int):
@@ -238,9 +247,9 @@ def test_deepep_hidden_sizes(R, H):
 # ----------------------------------------------------------------------------------------------------------------
 # Cached dispatch and combine
 # ----------------------------------------------------------------------------------------------------------------
-@functools.cache
-def combine_fn(R: int, backend: str, E: int, with_bias: bool, C=None, method=None):
-    buf = buffer(R, backend)
+def combine_body(buf, E: int, C, with_bias: bool):
+    """The per-rank body of the combine tests (here and in test_internode.py): dispatch, a cached dispatch of x2
+    by its handle, and combine of y (with the combined weights)."""
 
     def body(x, idx, w, x2, y, bias):
         d = jax_ep.dispatch(buf, x, idx, w, num_experts=E, max_recv_tokens=C)
@@ -248,7 +257,12 @@ def combine_fn(R: int, backend: str, E: int, with_bias: bool, C=None, method=Non
         c = jax_ep.combine(buf, y, d.handle, topk_weights=d.recv_topk_weights, bias=bias if with_bias else None)
         return cached, c.x, c.topk_weights
 
-    return with_combine_method(method, spmd(R, body))
+    return body
+
+
+@functools.cache
+def combine_fn(R: int, backend: str, E: int, with_bias: bool, C=None, method=None):
+    return with_combine_method(method, spmd(R, combine_body(buffer(R, backend), E, C, with_bias)))
 
 
 def run_combine(R, backend, E, x, idx, w, x2, y, bias, C=None, method=None):
