@@ -9,6 +9,20 @@
 
 namespace jax_ep::ffi_handlers {
 
+// An op's bad-argument error: "jax_ep <op>: <message>" (op names the mode where it matters, e.g.
+// "internode dispatch").
+inline xla::ffi::Error Invalid(const std::string& op, const std::string& message) {
+  return xla::ffi::Error::InvalidArgument("jax_ep " + op + ": " + message);
+}
+
+#if defined(JAX_EP_WITH_CUDA)
+// The error of a kernel launch that failed for a reason the handler has no better words for (each handler file
+// first turns the errors its launch functions use for refused arguments into Invalid).
+inline xla::ffi::Error LaunchFailed(const std::string& op, cudaError_t err) {
+  return xla::ffi::Error::Internal("jax_ep " + op + ": kernel launch failed: " + cudaGetErrorString(err));
+}
+#endif
+
 // The layout handlers' shared argument check (CPU and CUDA).
 inline xla::ffi::Error CheckLayoutArgs(const xla::ffi::Buffer<xla::ffi::S32>& topk_idx, int64_t num_experts,
                                        int64_t num_ranks) {

@@ -14,10 +14,6 @@ namespace {
 
 using namespace buffer_args;
 
-ffi::Error Invalid(const char* op, const std::string& message) {
-  return ffi::Error::InvalidArgument(std::string("jax_ep internode ") + op + ": " + message);
-}
-
 ffi::Error Launched(const char* op, const InternodeCall& call, cudaError_t err) {
   if (err == cudaSuccess) return ffi::Error::Success();
   if (err == cudaErrorMemoryAllocation)  // the launch functions' answer when the shapes need a larger region
@@ -25,8 +21,7 @@ ffi::Error Launched(const char* op, const InternodeCall& call, cudaError_t err) 
                            std::to_string(call.group.region_bytes) +
                            " (jax_ep checks this while tracing; jax_ep.internode_buffer_bytes sizes it)");
   if (err == cudaErrorInvalidValue) return Invalid(op, "arguments outside the kernel's limits");
-  return ffi::Error::Internal(std::string("jax_ep internode ") + op + ": kernel launch failed: " +
-                              cudaGetErrorString(err));
+  return LaunchFailed(op, err);
 }
 
 ffi::Error MakeCall(const char* op, cudaStream_t stream, int32_t device, int64_t buffer_id, int64_t num_sms,
@@ -48,7 +43,7 @@ ffi::Error MakeCall(const char* op, cudaStream_t stream, int32_t device, int64_t
 ffi::Error DispatchImpl(cudaStream_t stream, int32_t device, ffi::RemainingArgs remaining_args,
                         ffi::RemainingRets remaining_rets, int64_t buffer_id, int64_t num_payloads,
                         int64_t num_experts, int64_t expert_alignment, int64_t num_sms, int64_t timeout_ns) {
-  constexpr const char* kOp = "dispatch";
+  constexpr const char* kOp = "internode dispatch";
   InternodeCall call;
   if (auto err = MakeCall(kOp, stream, device, buffer_id, num_sms, timeout_ns, &call); err.failure()) return err;
   std::vector<ffi::AnyBuffer> args, rets;
@@ -57,7 +52,7 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t device, ffi::RemainingArgs 
   const InternodeRank& g = call.group;
   InternodeDispatchArgs a;
   size_t next = 0;
-  if (auto err = DecodeDispatch(std::string("jax_ep internode ") + kOp, args, rets, num_payloads, num_experts,
+  if (auto err = DecodeDispatch(std::string("jax_ep ") + kOp, args, rets, num_payloads, num_experts,
                                 expert_alignment, g.num_ranks, /*handle_results=*/2, &a, &next);
       err.failure())
     return err;
@@ -78,7 +73,7 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t device, ffi::RemainingArgs 
 ffi::Error CachedDispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer recv_src_index,
                               ffi::AnyBuffer is_token_in_rank, ffi::Result<ffi::AnyBuffer> recv_x, int64_t buffer_id,
                               int64_t num_sms, int64_t timeout_ns) {
-  constexpr const char* kOp = "cached dispatch";
+  constexpr const char* kOp = "internode cached dispatch";
   InternodeCall call;
   if (auto err = MakeCall(kOp, stream, device, buffer_id, num_sms, timeout_ns, &call); err.failure()) return err;
   InternodeCachedDispatchArgs a;
@@ -99,7 +94,7 @@ ffi::Error CachedDispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
 // [bias [T, ...]]; result [T, ...] of y's type or float32.
 ffi::Error CombineImpl(cudaStream_t stream, int32_t device, ffi::RemainingArgs remaining_args,
                        ffi::Result<ffi::AnyBuffer> out, int64_t buffer_id, int64_t num_sms, int64_t timeout_ns) {
-  constexpr const char* kOp = "combine";
+  constexpr const char* kOp = "internode combine";
   InternodeCall call;
   if (auto err = MakeCall(kOp, stream, device, buffer_id, num_sms, timeout_ns, &call); err.failure()) return err;
   std::vector<ffi::AnyBuffer> args;

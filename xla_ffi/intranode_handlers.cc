@@ -14,17 +14,13 @@ namespace {
 
 using namespace buffer_args;
 
-ffi::Error Invalid(const char* op, const std::string& message) {
-  return ffi::Error::InvalidArgument(std::string("jax_ep ") + op + ": " + message);
-}
-
 ffi::Error Launched(const char* op, cudaError_t err) {
   if (err == cudaSuccess) return ffi::Error::Success();
   if (err == cudaErrorMemoryAllocation)  // the launch functions' answer when staged inputs do not fit
     return Invalid(op, "the Buffer's workspace is too small for this call's inputs staged for peers in other "
                        "processes, or for the rows they push to it (combine); jax_ep checks this while tracing: "
                        "create the Buffer with a larger num_nvl_bytes");
-  return ffi::Error::Internal(std::string("jax_ep ") + op + ": kernel launch failed: " + cudaGetErrorString(err));
+  return LaunchFailed(op, err);
 }
 
 ffi::Error MakeCall(const char* op, cudaStream_t stream, int32_t device, int64_t buffer_id, int64_t num_sms,

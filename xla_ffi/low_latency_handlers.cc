@@ -14,14 +14,10 @@ namespace ffi = xla::ffi;
 namespace jax_ep::ffi_handlers {
 namespace {
 
-ffi::Error Invalid(const char* op, const std::string& message) {
-  return ffi::Error::InvalidArgument(std::string("jax_ep ") + op + ": " + message);
-}
-
 ffi::Error Launched(const char* op, cudaError_t err) {
   if (err == cudaSuccess) return ffi::Error::Success();
   if (err == cudaErrorInvalidValue) return Invalid(op, "arguments outside the kernel's limits");
-  return ffi::Error::Internal(std::string("jax_ep ") + op + ": kernel launch failed: " + cudaGetErrorString(err));
+  return LaunchFailed(op, err);
 }
 
 // The attributes every LL handler takes, decoded into a launch: the Buffer's rank on this device, its LL
