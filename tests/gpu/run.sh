@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One device call: build jax_ep, run the GPU tests, the CPU/xla suite on the GPUs, the demo and (when
 # present) the benchmark; logs under $OUT, a short summary table last.
-#   bash tests/gpu/run.sh [quick|rest|full|final|mp|ll|accept]
+#   bash tests/gpu/run.sh [quick|rest|full|final|mp|ll|accept|benches|nvshmem|internode|validate]
 #     quick: build, GPU tests, demo; rest: build, xla suite on the GPUs, benchmarks, the Flax example;
 #     full: all of it, then the GPU tests again on the Ampere (sm_80) code path: built for sm_80 + PTX only,
 #     which the driver compiles for the Hopper GPU at load time; final: full without the xla suite (fits
 #     one 10-minute call); mp: build, the intranode tests in one process, then with one process per GPU;
-#     ll: the low-latency tests (NVSHMEM transport too) and benchmark; accept: every GPU test and the benchmarks in both process models;
+#     ll: the low-latency tests (NVSHMEM transport too) and benchmark; accept: every GPU test and the demo;
+#     benches: every benchmark (both process models, internode 2 x 2), then the sm_80 path's tests;
 #     nvshmem: an unstripped build, then the NVSHMEM bootstrap probes (tests/gpu/nvshmem_probe);
 #     internode: the internode tests as 4 processes (2 nodes x 2 GPUs, and 4 x 1) and 2 (2 x 1), the bounded wait,
 #     and the internode benchmark as 2 x 2;
@@ -41,14 +42,22 @@ if [ "$mode" = nvshmem ]; then
   OUT="$OUT/nvshmem_probe" bash tests/gpu/nvshmem_probe/run.sh
   exit 0
 fi
-if [ "$mode" = accept ]; then  # every GPU test (both process models), the demo, the benchmarks in both models
-  step gpu_tests 420 python3 -m pytest -q -rs tests/gpu
+if [ "$mode" = accept ]; then  # every GPU test (both process models, internode 2 x 2) and the demo
+  step gpu_tests 500 python3 -m pytest -q -rs tests/gpu
   step demo 60 python3 -m jax_ep.demo
-  step bench 120 python3 -m jax_ep.bench intranode --sms 24 64 --json "$OUT/bench.json"
-  step bench_mp 120 python3 -m jax_ep.bench intranode --processes 4 --sms 24 64 --no-baselines --json "$OUT/bench_mp.json"
-  step bench_ll 120 python3 -m jax_ep.bench low_latency ${BENCH_LL_FLAGS:-} --json "$OUT/ll.json"
   grep -hE "^(FAILED|ERROR)" "$OUT"/*.log | head -20
-  grep -hE "^\[(intranode|low_latency)\]" "$OUT"/bench*.log | grep -vE "timing loop" | tail -45
+  printf '\n== summary\n'; printf '%s\n' "${summary[@]}"
+  exit 0
+fi
+if [ "$mode" = benches ]; then  # the benchmarks in both process models, internode 2 x 2, then the sm_80 path
+  step bench 120 python3 -m jax_ep.bench intranode --sms 24 64 132 --json "$OUT/bench.json" --plot "$OUT/bench.png"
+  step bench_mp 90 python3 -m jax_ep.bench intranode --processes 4 --sms 24 64 --no-baselines --json "$OUT/bench_mp.json"
+  step bench_ll 90 python3 -m jax_ep.bench low_latency ${BENCH_LL_FLAGS:-} --json "$OUT/ll.json"
+  step bench_internode 90 python3 -m jax_ep.bench internode --processes 4 --ranks-per-node 2 --sms 24 64 --json "$OUT/internode.json"
+  JAX_EP_CUDA_ARCHS=80 step build_sm80 150 python3 -m pip install --no-build-isolation --no-deps -v -e . &&
+    step gpu_tests_sm80 150 python3 -m pytest -q -rs tests/gpu/test_intranode.py tests/gpu/test_layout_cuda.py
+  grep -hE "^(FAILED|ERROR)" "$OUT"/*.log | head -20
+  grep -hE "^\[(intranode|low_latency|internode)\]" "$OUT"/bench*.log | grep -E "GB/s|on the GPU" | grep -vE "timing loop" | tail -60
   printf '\n== summary\n'; printf '%s\n' "${summary[@]}"
   exit 0
 fi
