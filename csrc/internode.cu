@@ -51,6 +51,8 @@ constexpr int kWarps = kThreads / 32;
 constexpr unsigned kFullMask = 0xffffffffu;
 // Loads in flight per lane in row copies (see intranode.cu).
 constexpr int kCopyUnroll = 14;
+// Packs per lane summed per step in the combine's relay and origin loops (their loads issued together).
+constexpr int kSumUnroll = 4;
 
 // ---- addressing ----------------------------------------------------------------------------------------------
 
@@ -579,20 +581,33 @@ __global__ void __launch_bounds__(kThreads, 1)
                     : nullptr;
     }
     char* partial = own + (source_node == g.node ? layout.received_row(g.node, t) : layout.sending_row(source_node, t));
-    for (int64_t v = lane; v < vecs; v += 32) {
-      InPack packs[kMaxRanksPerNode];
+    // kSumUnroll packs per lane and step, every row's loads issued before the sums: loads in flight.
+    for (int64_t v0 = lane; v0 < vecs; v0 += 32 * kSumUnroll) {
+      float sum[kSumUnroll][kVec];
 #pragma unroll
-      for (int j = 0; j < kMaxRanksPerNode; ++j)
-        if (rows[j]) packs[j] = LoadL2{}(rows[j] + v);
-      FloatPack sum;
+      for (int u = 0; u < kSumUnroll; ++u)
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) sum.v[e] = 0.f;
+        for (int e = 0; e < kVec; ++e) sum[u][e] = 0.f;
 #pragma unroll
-      for (int j = 0; j < kMaxRanksPerNode; ++j)
-        if (rows[j])
+      for (int j = 0; j < kMaxRanksPerNode; ++j) {
+        if (!rows[j]) continue;
+        InPack packs[kSumUnroll] = {};  // zeros past the row end (never stored)
 #pragma unroll
-          for (int e = 0; e < kVec; ++e) sum.v[e] += to_float(packs[j].v[e]);
-      reinterpret_cast<FloatPack*>(partial)[v] = sum;
+        for (int u = 0; u < kSumUnroll; ++u)
+          if (v0 + 32 * u < vecs) packs[u] = LoadL2{}(rows[j] + v0 + 32 * u);
+#pragma unroll
+        for (int u = 0; u < kSumUnroll; ++u)
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) sum[u][e] += to_float(packs[u].v[e]);
+      }
+#pragma unroll
+      for (int u = 0; u < kSumUnroll; ++u) {
+        if (v0 + 32 * u >= vecs) break;
+        FloatPack out;
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) out.v[e] = sum[u][e];
+        reinterpret_cast<FloatPack*>(partial)[v0 + 32 * u] = out;
+      }
     }
     if (source_node == g.node) continue;
     __syncwarp();
@@ -611,17 +626,27 @@ __global__ void __launch_bounds__(kThreads, 1)
   Out* out = static_cast<Out*>(a.out);
   for (int64_t t = global_warp(); t < num_tokens; t += num_global_warps()) {
     const uint64_t nodes = NodesOfRanks{a.is_token_in_rank, num_ranks, ranks_per_node}(t, lane);
-    for (int64_t v = lane; v < vecs; v += 32) {
-      float acc[kVec];
+    for (int64_t v0 = lane; v0 < vecs; v0 += 32 * kSumUnroll) {
+      float acc[kSumUnroll][kVec];
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) acc[e] = 0.f;
+      for (int u = 0; u < kSumUnroll; ++u)
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) acc[u][e] = 0.f;
       for (uint64_t todo = nodes; todo; todo &= todo - 1) {
         const int m = __ffsll(static_cast<long long>(todo)) - 1;
-        const FloatPack p = LoadL2{}(reinterpret_cast<const FloatPack*>(own + layout.received_row(m, t)) + v);
+        const FloatPack* partial = reinterpret_cast<const FloatPack*>(own + layout.received_row(m, t));
+        FloatPack p[kSumUnroll] = {};
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) acc[e] += p.v[e];
+        for (int u = 0; u < kSumUnroll; ++u)
+          if (v0 + 32 * u < vecs) p[u] = LoadL2{}(partial + v0 + 32 * u);
+#pragma unroll
+        for (int u = 0; u < kSumUnroll; ++u)
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) acc[u][e] += p[u].v[e];
       }
-      add_bias_and_store(acc, bias, out, a.row_elements, t, v);
+#pragma unroll
+      for (int u = 0; u < kSumUnroll; ++u)
+        if (v0 + 32 * u < vecs) add_bias_and_store(acc[u], bias, out, a.row_elements, t, v0 + 32 * u);
     }
   }
   finish_call(g, ctx, kOp, timeout_ns, [] {});
