@@ -53,8 +53,6 @@ constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kCopyUnroll = 14;
 // Packs per lane summed per step in the combine's relay and origin loops (their loads issued together).
 constexpr int kSumUnroll = 4;
-// Tokens per relay chunk of the combine (one bit each in a 32-bit mask).
-constexpr int kRelayChunk = 32;
 
 // ---- addressing ----------------------------------------------------------------------------------------------
 
@@ -566,82 +564,58 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // 2. Relay: partial[t] = sum over node ranks j in order of y_j[row of t] (float32 from 0) for every token of
   // rank (s, local) that came into this node; kept for s == this node, else put to (s, local).
-  // Chunks of kRelayChunk consecutive tokens of one source node per block: its warps sum the chunk's tokens, then
-  // the whole block puts each run of consecutive relayed tokens' partials with one block put (few large puts,
-  // copied by every thread of the block where the peer is reachable by loads and stores).
   uint64_t credited = 1ull << g.node;
-  const int64_t chunks_per_node = (num_tokens + kRelayChunk - 1) / kRelayChunk;
-  const int warp = threadIdx.x / 32;
-  __shared__ uint32_t relayed_in_chunk;  // bit i: token t0 + i of the chunk came into this node
-  for (int64_t chunk = blockIdx.x; chunk < g.num_nodes * chunks_per_node; chunk += gridDim.x) {
-    const int source_node = static_cast<int>(chunk / chunks_per_node);
-    const int64_t t0 = (chunk % chunks_per_node) * kRelayChunk;
-    const int chunk_tokens = static_cast<int>(std::min<int64_t>(kRelayChunk, num_tokens - t0));
-    const int64_t first = static_cast<int64_t>(source_node) * num_tokens + t0;  // index into relay_token/relay_row
-    if (warp == 0) {
-      const uint32_t mask = __ballot_sync(kFullMask, lane < chunk_tokens && a.relay_token[first + lane]);
-      if (lane == 0) relayed_in_chunk = mask;
+  const int64_t relayed = static_cast<int64_t>(g.num_nodes) * num_tokens;
+  for (int64_t i = global_warp(); i < relayed; i += num_global_warps()) {
+    if (!a.relay_token[i]) continue;
+    const int source_node = static_cast<int>(i / num_tokens);
+    const int64_t t = i % num_tokens;
+    const int32_t lane_row = lane < ranks_per_node ? a.relay_row[i * ranks_per_node + lane] : -1;
+    const InPack* rows[kMaxRanksPerNode];
+#pragma unroll
+    for (int j = 0; j < kMaxRanksPerNode; ++j) {
+      const int32_t row = __shfl_sync(kFullMask, lane_row, j);  // lanes >= P hold -1
+      rows[j] = row >= 0 && row < capacity
+                    ? reinterpret_cast<const InPack*>(data_of(g.node_regions[j]) + layout.staged +
+                                                      row * layout.staged_row_bytes)
+                    : nullptr;
     }
-    __syncthreads();
-    const uint32_t relayed = relayed_in_chunk;
-    for (int i = warp; i < chunk_tokens; i += kWarps) {
-      if (!((relayed >> i) & 1u)) continue;
-      const int64_t t = t0 + i;
-      const int64_t entry = first + i;
-      const int32_t lane_row = lane < ranks_per_node ? a.relay_row[entry * ranks_per_node + lane] : -1;
-      const InPack* rows[kMaxRanksPerNode];
+    char* partial = own + (source_node == g.node ? layout.received_row(g.node, t) : layout.sending_row(source_node, t));
+    // kSumUnroll packs per lane and step, every row's loads issued before the sums: loads in flight.
+    for (int64_t v0 = lane; v0 < vecs; v0 += 32 * kSumUnroll) {
+      float sum[kSumUnroll][kVec];
+#pragma unroll
+      for (int u = 0; u < kSumUnroll; ++u)
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) sum[u][e] = 0.f;
 #pragma unroll
       for (int j = 0; j < kMaxRanksPerNode; ++j) {
-        const int32_t row = __shfl_sync(kFullMask, lane_row, j);  // lanes >= P hold -1
-        rows[j] = row >= 0 && row < capacity
-                      ? reinterpret_cast<const InPack*>(data_of(g.node_regions[j]) + layout.staged +
-                                                        row * layout.staged_row_bytes)
-                      : nullptr;
-      }
-      char* partial = own + (source_node == g.node ? layout.received_row(g.node, t) : layout.sending_row(source_node, t));
-      // kSumUnroll packs per lane and step, every row's loads issued before the sums: loads in flight.
-      for (int64_t v0 = lane; v0 < vecs; v0 += 32 * kSumUnroll) {
-        float sum[kSumUnroll][kVec];
+        if (!rows[j]) continue;
+        InPack packs[kSumUnroll] = {};  // zeros past the row end (never stored)
+#pragma unroll
+        for (int u = 0; u < kSumUnroll; ++u)
+          if (v0 + 32 * u < vecs) packs[u] = LoadL2{}(rows[j] + v0 + 32 * u);
 #pragma unroll
         for (int u = 0; u < kSumUnroll; ++u)
 #pragma unroll
-          for (int e = 0; e < kVec; ++e) sum[u][e] = 0.f;
+          for (int e = 0; e < kVec; ++e) sum[u][e] += to_float(packs[u].v[e]);
+      }
 #pragma unroll
-        for (int j = 0; j < kMaxRanksPerNode; ++j) {
-          if (!rows[j]) continue;
-          InPack packs[kSumUnroll] = {};  // zeros past the row end (never stored)
+      for (int u = 0; u < kSumUnroll; ++u) {
+        if (v0 + 32 * u >= vecs) break;
+        FloatPack out;
 #pragma unroll
-          for (int u = 0; u < kSumUnroll; ++u)
-            if (v0 + 32 * u < vecs) packs[u] = LoadL2{}(rows[j] + v0 + 32 * u);
-#pragma unroll
-          for (int u = 0; u < kSumUnroll; ++u)
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) sum[u][e] += to_float(packs[u].v[e]);
-        }
-#pragma unroll
-        for (int u = 0; u < kSumUnroll; ++u) {
-          if (v0 + 32 * u >= vecs) break;
-          FloatPack out;
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) out.v[e] = sum[u][e];
-          reinterpret_cast<FloatPack*>(partial)[v0 + 32 * u] = out;
-        }
+        for (int e = 0; e < kVec; ++e) out.v[e] = sum[u][e];
+        reinterpret_cast<FloatPack*>(partial)[v0 + 32 * u] = out;
       }
     }
-    __syncthreads();  // (also: relayed_in_chunk is rewritten by the next chunk only after every warp read it)
-    if (source_node == g.node || relayed == 0) continue;
-    if (threadIdx.x == 0) __threadfence_system();  // the block's partials before the transport reads them
-    if (warp == 0) wait_for_credit(g, ctx, source_node, credited, kOp, timeout_ns, lane);
-    credited |= 1ull << source_node;
-    __syncthreads();
-    for (uint32_t todo = relayed; todo;) {  // runs of consecutive set bits, one block put each
-      const int begin = __ffs(todo) - 1;
-      const int end = begin + __ffsll(~(static_cast<unsigned long long>(todo) >> begin)) - 1;  // first clear bit after
-      nvshmemx_putmem_nbi_block(own + layout.received_row(g.node, t0 + begin),
-                                own + layout.sending_row(source_node, t0 + begin), (end - begin) * layout.partial_bytes,
-                                rail_pe(g, source_node));
-      todo &= end >= 32 ? 0u : ~0u << end;
-    }
+    if (source_node == g.node) continue;
+    __syncwarp();
+    if (lane == 0) __threadfence_system();  // the partial's bytes before the transport reads them
+    __syncwarp();
+    wait_for_credit(g, ctx, source_node, credited, kOp, timeout_ns, lane);
+    nvshmemx_putmem_nbi_warp(own + layout.received_row(g.node, t), partial, a.row_elements * 4,
+                             rail_pe(g, source_node));
   }
   grid_barrier(g, ctx, 1, kOp, timeout_ns);
   if (blockIdx.x == 0) signal_rails(g, ctx);
