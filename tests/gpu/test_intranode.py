@@ -158,17 +158,22 @@ def check_send_row(handle, R: int, T: int):
     assert_bits(handle.send_row, expected, "handle.send_row")
 
 
-def check_dispatch(R, x, idx, w, E, C=None, alignment=1):
-    """CUDA dispatch == oracle == xla backend, every output bit for bit; returns the CUDA result."""
-    got = run_dispatch(R, "cuda", x, idx, w, E, C, alignment)
-    ref = O.dispatch(x, idx, w, E, C, alignment)
-    xla = run_dispatch(R, "xla", x, idx, w, E, C, alignment)
+def assert_dispatch_matches_oracle(got: dict, ref):
+    """Every dispatch output the oracle defines (rows, top-k, counts, drops, invalid ids), bit for bit."""
     for i, (comp, exp) in enumerate(zip(got["recv_x"], ref.recv_x)):
         assert_bits(comp, exp, f"recv_x[{i}] vs oracle")
     for name in ("recv_topk_idx", "recv_topk_weights", "num_recv_tokens", "num_recv_tokens_per_expert",
                  "num_dropped", "invalid_ids"):
         if getattr(ref, name) is not None:
             assert_bits(got[name], getattr(ref, name), f"{name} vs oracle")
+
+
+def check_dispatch(R, x, idx, w, E, C=None, alignment=1):
+    """CUDA dispatch == oracle == xla backend, every output bit for bit; returns the CUDA result."""
+    got = run_dispatch(R, "cuda", x, idx, w, E, C, alignment)
+    ref = O.dispatch(x, idx, w, E, C, alignment)
+    xla = run_dispatch(R, "xla", x, idx, w, E, C, alignment)
+    assert_dispatch_matches_oracle(got, ref)
     for i, (comp, exp) in enumerate(zip(got["recv_x"], xla["recv_x"])):
         assert_bits(comp, exp, f"recv_x[{i}] vs xla")
     assert_bits(got["handle"].recv_src_index, xla["handle"].recv_src_index, "handle.recv_src_index vs xla")
