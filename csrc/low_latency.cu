@@ -252,7 +252,7 @@ struct TokenParts {
 // ---- dispatch ---------------------------------------------------------------------------------------------
 
 // The send runs one token per block at a time, its 16 warps first casting the token's row into the staging row
-// together, then putting it to the token's experts in pieces (DeepEP's shape). Enough warps keep many stores in
+// together, then putting it to the ranks of the token's experts in pieces. Enough warps keep many stores in
 // flight per SM while T is about the number of SMs.
 constexpr int kSendThreads = 512;
 constexpr int kSendWarps = kSendThreads / 32;
@@ -318,32 +318,37 @@ __device__ __forceinline__ void stage_channels(const uint4& raw, int64_t channel
   }
 }
 
-// Where the current token of a send block goes: its distinct valid experts, in top-k order, and its slot
-// position at each (its rank among this rank's tokens routed to that expert, in token order).
+// Where the current token of a send block goes: its distinct valid experts, in top-k order, its slot position
+// at each (its rank among this rank's tokens routed to that expert, in token order), and the distinct ranks
+// holding them (the row crosses to each once).
 struct SendTargets {
   int32_t expert[kLowLatencyMaxTopk];
   int32_t position[kLowLatencyMaxTopk];
   int32_t count;
+  int32_t rank[kMaxIntranodeRanks];
+  int32_t num_ranks;
 };
 
 // Warp 0, before a barrier: token t's targets (positions zeroed for count_positions) and the header of its
 // staging row, read from topk_idx itself so that no barrier after the routing's copy is needed first.
 __device__ __forceinline__ void prepare_targets(const int32_t* topk_idx, int64_t num_topk, int32_t num_experts,
-                                                int64_t t, SendTargets& targets, DispatchRowHeader* header,
-                                                int lane) {
+                                                int32_t experts_per_rank, int64_t t, SendTargets& targets,
+                                                DispatchRowHeader* header, int lane) {
   int32_t id = lane < num_topk ? topk_idx[t * num_topk + lane] : -1;
   if (id < 0 || id >= num_experts) id = -1;
-  const unsigned same = __match_any_sync(kFullMask, id);
-  const bool first = id >= 0 && __ffs(same) - 1 == lane;  // the first entry naming its expert
-  const unsigned firsts = __ballot_sync(kFullMask, first);
-  if (first) targets.expert[__popc(firsts & ((1u << lane) - 1u))] = id;
+  const unsigned first_of_expert = __ballot_sync(kFullMask, id >= 0 && __ffs(__match_any_sync(kFullMask, id)) - 1 == lane);
+  if (first_of_expert >> lane & 1u) targets.expert[__popc(first_of_expert & ((1u << lane) - 1u))] = id;
+  const int32_t rank = id >= 0 ? id / experts_per_rank : -1;
+  const unsigned first_of_rank =
+      __ballot_sync(kFullMask, rank >= 0 && __ffs(__match_any_sync(kFullMask, rank)) - 1 == lane);
+  if (first_of_rank >> lane & 1u) targets.rank[__popc(first_of_rank & ((1u << lane) - 1u))] = rank;
   if (lane < kLowLatencyMaxTopk) {
     targets.position[lane] = 0;
     header->experts[lane] = static_cast<int16_t>(id);
   }
   if (lane == 0) {
-    targets.count = __popc(firsts);
-    header->token = static_cast<int32_t>(t);
+    targets.count = __popc(first_of_expert);
+    targets.num_ranks = __popc(first_of_rank);
   }
 }
 
@@ -394,8 +399,9 @@ __device__ __forceinline__ void load_chunks(uint4 (&raw)[kPrefetch], const __nv_
 // warp 1 waits for the credits (nothing reaches a peer before that barrier), every warp loads its first chunks of
 // x[t], and the block copies the routing into shared memory. Then, per token: its 16 warps cast the row into the
 // staging row (FP8: one scale per 128 channels, 16 lanes a group) and count t's slot position at each target
-// (the tokens before t naming it); then put the staged row into the slot of each target on the target's rank,
-// in pieces, a warp per (target, piece); once they are written, each target's send counter advances. Last, the
+// (the tokens before t naming it); then put the staged row into slot (this rank, t) of each target rank,
+// once per rank however many of t's experts it holds, in pieces, a warp per (rank, piece), and t into each
+// target expert's index at t's position; once they are written, each target's send counter advances. Last, the
 // block adds the row count of the experts it is given (spread over all blocks) to their counters, while its
 // stores drain: a completed counter raises that expert's flag (count_toward_flag), so a receiver can start on
 // an expert while other experts' rows are still being sent.
@@ -411,18 +417,18 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_send_kernel(const __gri
   const int64_t hidden = c.hidden, num_topk = a.num_topk, num_tokens = a.num_tokens, max_tokens = c.num_max_tokens;
   const int32_t num_experts = static_cast<int32_t>(c.num_experts);
   const int32_t experts_per_rank = num_experts / num_ranks;
-  const LowLatencyLayout layout(max_tokens, hidden, num_experts);
+  const LowLatencyLayout layout(max_tokens, hidden, num_ranks, num_experts);
   LowLatencyHeader* own = own_header(c);
   const uint32_t call = next_call(&own->dispatch_calls), set = call & 1;
   const DispatchRowFormat format(a.payload, hidden);
   const int64_t chunks = (hidden + kChunk - 1) / kChunk;
-  const int64_t slots = layout.set_offset(set) + layout.dispatch_rows;
+  const int64_t slots = layout.set_offset(set) + layout.dispatch_rows, index = layout.set_offset(set) + layout.dispatch_index;
   const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(a.x);
   auto staged_row = [&](int64_t t) { return c.region + layout.dispatch_staging + t * layout.dispatch_slot_bytes; };
 
   // Launches have blocks <= T: every block has a first token.
   int64_t t = blockIdx.x;
-  if (warp == 0) prepare_targets(a.topk_idx, num_topk, num_experts, t, targets,
+  if (warp == 0) prepare_targets(a.topk_idx, num_topk, num_experts, experts_per_rank, t, targets,
                                  reinterpret_cast<DispatchRowHeader*>(staged_row(t)), lane);
   if (warp == 1 && lane < num_ranks) wait_for_credit(c, LowLatencyOp::kDispatchSend, call, /*dispatch=*/true, lane);
   uint4 raw[kPrefetch];
@@ -437,7 +443,7 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_send_kernel(const __gri
 
   for (; t < num_tokens; t += gridDim.x) {
     if (t != blockIdx.x) {  // a later token: its targets and first chunks, as above for the first
-      if (warp == 0) prepare_targets(a.topk_idx, num_topk, num_experts, t, targets,
+      if (warp == 0) prepare_targets(a.topk_idx, num_topk, num_experts, experts_per_rank, t, targets,
                                      reinterpret_cast<DispatchRowHeader*>(staged_row(t)), lane);
       load_chunks(raw, x + t * hidden, warp, hidden, lane);
       __syncthreads();
@@ -458,22 +464,30 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_send_kernel(const __gri
     __syncthreads();  // the row is staged, the positions counted
     clock_mark(kCast);
 
-    // The puts: the row's message in `pieces` 16-byte aligned pieces per target, a warp per (target, piece).
-    const int num_targets = targets.count;
-    if (num_targets > 0) {
-      const int pieces = max(1, kSendWarps / num_targets);
+    // The puts: the row's message, into slot (this rank, t) of each target rank, in `pieces` 16-byte aligned
+    // pieces per rank, a warp per (rank, piece); the last warp also writes t into the index of each target
+    // expert at its position.
+    const int num_targets = targets.count, num_target_ranks = targets.num_ranks;
+    if (num_target_ranks > 0) {
+      const int pieces = max(1, kSendWarps / num_target_ranks);
       const int64_t piece_bytes = ((format.message + pieces - 1) / pieces + 15) / 16 * 16;
+      const int64_t slot = slots + (static_cast<int64_t>(me) * max_tokens + t) * layout.dispatch_slot_bytes;
       bool put = false;
-      for (int item = warp; item < num_targets * pieces; item += kSendWarps) {
-        const int target = item / pieces;
+      for (int item = warp; item < num_target_ranks * pieces; item += kSendWarps) {
         const int64_t begin = (item % pieces) * piece_bytes, end = min(begin + piece_bytes, format.message);
         if (begin >= end) continue;
-        const int32_t e = targets.expert[target], position = targets.position[target];
+        Transport::put_warp(c, targets.rank[item / pieces], slot + begin, staged + begin, end - begin, lane);
+        put = true;
+      }
+      if (warp == kSendWarps - 1) {
         // position < M always (T <= M is checked); the test keeps writes inside the region regardless.
-        if (position >= max_tokens) continue;
-        const int64_t slot = slots + ((static_cast<int64_t>(e % experts_per_rank) * num_ranks + me) * max_tokens +
-                                      position) * layout.dispatch_slot_bytes;
-        Transport::put_warp(c, e / experts_per_rank, slot + begin, staged + begin, end - begin, lane);
+        if (lane < num_targets && targets.position[lane] < max_tokens) {
+          const int32_t e = targets.expert[lane];
+          Transport::put_int(c, e / experts_per_rank,
+                             index + ((static_cast<int64_t>(e % experts_per_rank) * num_ranks + me) * max_tokens +
+                                      targets.position[lane]) * sizeof(int32_t),
+                             static_cast<int32_t>(t));
+        }
         put = true;
       }
       if (put) Transport::finish_puts(lane);
@@ -516,19 +530,18 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_send_kernel(const __gri
   }
 }
 
-// The handle entries of a received row come from its header: the source token, and the top-k slot of the
-// receiving expert in it (the first entry naming the expert; -1 if none does, which only a corrupt row could
-// cause). Loaded before the row's copies, so that the latencies overlap; lane k < 16 loads entry k.
+// The top-k slot of the receiving expert in a received row's source token comes from the row's header (the
+// first entry naming the expert; -1 if none does, which only a corrupt row could cause). Loaded before the
+// row's copies, so that the latencies overlap; lane k < 16 loads entry k.
 struct RowSource {
-  int32_t token, id;
+  int32_t id;
 
   __device__ RowSource(const DispatchRowHeader* h, int lane)
-      : token(__ldcg(&h->token)),
-        id(lane < kLowLatencyMaxTopk
+      : id(lane < kLowLatencyMaxTopk
                ? static_cast<int16_t>(__ldcg(reinterpret_cast<const unsigned short*>(h->experts + lane)))
                : -1) {}
 
-  __device__ void write(int32_t expert, int lane, int32_t* token_out, int32_t* topk_slot_out) const {
+  __device__ void write(int32_t expert, int32_t token, int lane, int32_t* token_out, int32_t* topk_slot_out) const {
     const unsigned named = __ballot_sync(kFullMask, id == expert);
     if (lane == 0) {
       *token_out = token;
@@ -539,8 +552,8 @@ struct RowSource {
 
 // The receive: a block takes (local expert j, split) units (one each: the launch has a block per unit). Its
 // first R threads wait for j's R flags (one per source rank) and the block derives j's packing (rows grouped by
-// source rank, each source's rows in its slot order, which is token order); then its warps copy every
-// `splits`-th row of j into the outputs and fill the handle past recv_count with -1 (rows past recv_count keep
+// source rank, each source's rows in its index order, which is token order); then its warps copy every
+// `splits`-th row of j (the source's token slot the index names) into the outputs and fill the handle past recv_count with -1 (rows past recv_count keep
 // whatever the output held). An expert is packed as soon as its own flags are in, while other experts' rows
 // may still be on their way.
 template <typename Transport>
@@ -553,11 +566,12 @@ __global__ void __launch_bounds__(kThreads, 2) dispatch_recv_kernel(const __grid
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, me = c.group.rank, num_ranks = c.group.num_ranks;
   const int64_t hidden = c.hidden, max_tokens = c.num_max_tokens, rows_per_expert = num_ranks * max_tokens;
   const int32_t experts_per_rank = static_cast<int32_t>(c.num_experts / num_ranks);
-  const LowLatencyLayout layout(max_tokens, hidden, c.num_experts);
+  const LowLatencyLayout layout(max_tokens, hidden, num_ranks, c.num_experts);
   const uint32_t call = *a.token, set = call & 1;
   const char* base = c.region + layout.set_offset(set);
 
   const uint64_t* flags = reinterpret_cast<const uint64_t*>(base + layout.dispatch_flags);
+  const int32_t* index = reinterpret_cast<const int32_t*>(base + layout.dispatch_index);
   const DispatchRowFormat format(a.payload, hidden);
   const int64_t value_bytes = hidden * format.value_bytes, scale_bytes = hidden / kGroup * format.scale_bytes;
   uint64_t units = 0;
@@ -588,13 +602,16 @@ __global__ void __launch_bounds__(kThreads, 2) dispatch_recv_kernel(const __grid
       int s = 0;
       while (i >= begins[s + 1]) ++s;
       const int64_t out_row = j * rows_per_expert + i;
-      const int64_t slot = (static_cast<int64_t>(j) * num_ranks + s) * max_tokens + (i - begins[s]);
-      const char* src = base + layout.dispatch_rows + slot * layout.dispatch_slot_bytes;
+      // The index is the source's (written before its flag); a token outside [0, M) only a corrupt index could
+      // hold, and it reads as token 0 rather than outside the region.
+      int32_t token = __ldcg(index + (static_cast<int64_t>(j) * num_ranks + s) * max_tokens + (i - begins[s]));
+      if (token < 0 || token >= max_tokens) token = 0;
+      const char* src = base + layout.dispatch_rows + (s * max_tokens + token) * layout.dispatch_slot_bytes;
       const RowSource source(reinterpret_cast<const DispatchRowHeader*>(src), lane);
       warp_copy(static_cast<char*>(a.recv_x) + out_row * value_bytes, src + format.value(0), value_bytes, lane);
       if (scale_bytes)
         warp_copy(static_cast<char*>(a.recv_scales) + out_row * scale_bytes, src + format.scales, scale_bytes, lane);
-      source.write(me * experts_per_rank + j, lane, a.src_token_index + out_row, a.src_topk_index + out_row);
+      source.write(me * experts_per_rank + j, token, lane, a.src_token_index + out_row, a.src_topk_index + out_row);
     }
     for (int64_t i = received + split * kThreads + threadIdx.x; i < rows_per_expert;
          i += static_cast<int64_t>(splits) * kThreads) {
@@ -629,7 +646,7 @@ __global__ void __launch_bounds__(kCombineSendThreads) combine_send_kernel(
   const int64_t hidden = c.hidden, max_tokens = c.num_max_tokens, rows_per_expert = num_ranks * max_tokens;
   const int32_t experts_per_rank = static_cast<int32_t>(c.num_experts / num_ranks);
   const int32_t pairs = experts_per_rank * num_ranks;
-  const LowLatencyLayout layout(max_tokens, hidden, c.num_experts);
+  const LowLatencyLayout layout(max_tokens, hidden, num_ranks, c.num_experts);
   LowLatencyHeader* own = own_header(c);
   const uint32_t call = next_call(&own->combine_calls), set = call & 1;
   if (threadIdx.x < num_ranks) wait_for_credit(c, LowLatencyOp::kCombineSend, call, /*dispatch=*/false, threadIdx.x);
@@ -690,7 +707,7 @@ __global__ void __launch_bounds__(kThreads) combine_recv_kernel(const __grid_con
   const int64_t hidden = c.hidden, num_topk = a.num_topk;
   const int32_t num_experts = static_cast<int32_t>(c.num_experts);
   const int32_t experts_per_rank = static_cast<int32_t>(num_experts / c.group.num_ranks);
-  const LowLatencyLayout layout(c.num_max_tokens, hidden, num_experts);
+  const LowLatencyLayout layout(c.num_max_tokens, hidden, c.group.num_ranks, num_experts);
   const uint32_t call = *a.token, set = call & 1;
   const char* base = c.region + layout.set_offset(set);
   if (threadIdx.x == 0) {

@@ -17,11 +17,15 @@
 //                                             source rank), written by the source after its rows
 //   combine_flags   [E] uint64                at the source: call tag per global expert, written by the
 //                                             expert's rank after it returned that expert's rows
-//   dispatch_rows   [L][R][M] dispatch slots  at the receiver: a DispatchRowHeader, then the BF16 row, or the
-//                                             FP8 values (H bytes) and scales
+//   dispatch_index  [L][R][M] int32           at the receiver: per (local expert, source rank), the source
+//                                             token of each slot position
+//   dispatch_rows   [R][M] dispatch slots     at the receiver: per (source rank, source token) a
+//                                             DispatchRowHeader, then the BF16 row, or the FP8 values (H bytes)
+//                                             and scales. A token crosses to a rank once, however many of its
+//                                             experts live there; the receive copies it to each of them.
 //   combine_rows    [M][kLowLatencyMaxTopk] x 2H bytes  at the source: expert output row of (token, slot)
-// A token's position inside its (expert, source rank) slot region is its rank among the source's tokens
-// routed to that expert, in token order, so every output is deterministic.
+// A token's position inside its (expert, source rank) range is its rank among the source's tokens routed to
+// that expert, in token order, so every output is deterministic.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -99,13 +103,12 @@ inline constexpr int64_t kLowLatencyTraceOffset = kLowLatencyHeaderBytes;  // re
 inline constexpr int64_t kLowLatencyTraceBytes =
     static_cast<int64_t>(kLowLatencyKernels) * kLowLatencyTraceCalls * sizeof(LowLatencyTrace);
 
-// What precedes each dispatched row: the source token and its top-k expert ids, so that the receiver of
-// expert e finds the top-k slot of its row (the first entry naming e) without a per-target write: every
-// receiver of a token gets the same bytes, which are staged once and copied or put to each.
+// What precedes each dispatched row: the source token's top-k expert ids, so that the receiver of expert e
+// finds the top-k slot of its row (the first entry naming e) without a per-target write: every receiver of a
+// token gets the same bytes, which are staged once and copied or put to each.
 struct DispatchRowHeader {
-  int32_t token;
   int16_t experts[kLowLatencyMaxTopk];  // the token's top-k ids; -1 past its top-k and for ids outside [0, E)
-  int32_t unused[3];                    // keeps the payload 16-byte aligned
+  int32_t unused[4];                    // keeps the payload 16-byte aligned
 };
 static_assert(sizeof(DispatchRowHeader) == 48 && sizeof(DispatchRowHeader) % 16 == 0, "row header of 48 bytes");
 
@@ -113,16 +116,16 @@ __host__ __device__ inline int64_t ll_align(int64_t bytes) {
   return (bytes + kLowLatencyAlign - 1) / kLowLatencyAlign * kLowLatencyAlign;
 }
 
-// Byte offsets inside the LL region for M tokens per rank, hidden H and E experts.
+// Byte offsets inside the LL region for M tokens per rank, hidden H, R ranks and E experts.
 struct LowLatencyLayout {
   int64_t dispatch_slot_bytes = 0;  // DispatchRowHeader + 2H (a BF16 row; FP8 values and scales are smaller)
   int64_t combine_slot_bytes = 0;   // 2H: a BF16 row
   int64_t trace = 0, dispatch_counters = 0, dispatch_staging = 0;  // region offsets
   int64_t sets = 0, set_bytes = 0;
-  int64_t dispatch_flags = 0, combine_flags = 0, dispatch_rows = 0, combine_rows = 0;  // offsets inside a set
+  int64_t dispatch_flags = 0, combine_flags = 0, dispatch_index = 0, dispatch_rows = 0, combine_rows = 0;  // in a set
   int64_t total = 0;
 
-  __host__ __device__ LowLatencyLayout(int64_t max_tokens, int64_t hidden, int64_t num_experts) {
+  __host__ __device__ LowLatencyLayout(int64_t max_tokens, int64_t hidden, int64_t num_ranks, int64_t num_experts) {
     dispatch_slot_bytes = static_cast<int64_t>(sizeof(DispatchRowHeader)) + 2 * hidden;
     combine_slot_bytes = 2 * hidden;
     trace = kLowLatencyTraceOffset;
@@ -131,8 +134,9 @@ struct LowLatencyLayout {
     sets = dispatch_staging + ll_align(max_tokens * dispatch_slot_bytes);
     dispatch_flags = 0;
     combine_flags = ll_align(num_experts * 8);
-    dispatch_rows = combine_flags + ll_align(num_experts * 8);
-    combine_rows = dispatch_rows + ll_align(num_experts * max_tokens * dispatch_slot_bytes);
+    dispatch_index = combine_flags + ll_align(num_experts * 8);
+    dispatch_rows = dispatch_index + ll_align(num_experts * max_tokens * 4);
+    combine_rows = dispatch_rows + ll_align(num_ranks * max_tokens * dispatch_slot_bytes);
     set_bytes = combine_rows + max_tokens * kLowLatencyMaxTopk * combine_slot_bytes;
     total = sets + 2 * set_bytes;
   }

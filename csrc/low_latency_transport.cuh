@@ -8,6 +8,7 @@
 //   finish_puts     warp-collective, after a warp's puts: from here on they are ordered like plain stores of
 //                   the warp, so that a release after a barrier (a signal, or a fence and an atomic that the
 //                   signalling thread acquires) publishes them. The kernels always publish puts that way.
+//   put_int         one thread: writes a 32-bit word at (rank, offset); ordered like put_warp's bytes.
 //   signal          one thread: writes a 64-bit word (a flag or a credit) at (rank, offset), a release: ordered
 //                   after every write this thread has observed (its own, or other threads' seen through a
 //                   barrier or an atomic with fences); the receiver reads it with an acquire load on its own
@@ -41,6 +42,9 @@ struct PeerStores {
   // Plain stores need no fence of their own: the release that publishes them (PTX memory model: a release is
   // cumulative over the writes its thread observed through the barrier) orders them, as DeepEP's NVLink path
   // relies on too. A system-scope fence per warp here would wait out the warp's NVLink round trip for nothing.
+  __device__ static void put_int(const LowLatencyCall& c, int rank, int64_t offset, int32_t value) {
+    *reinterpret_cast<int32_t*>(c.peer_regions[rank] + offset) = value;
+  }
   __device__ static void finish_puts(int /*lane*/) { __syncwarp(); }
   __device__ static void signal(const LowLatencyCall& c, int rank, int64_t offset, uint64_t value) {
     store_release_sys(reinterpret_cast<uint64_t*>(c.peer_regions[rank] + offset), value);
@@ -56,6 +60,9 @@ struct NvshmemPuts {
   __device__ static void put_warp(const LowLatencyCall& c, int rank, int64_t offset, const void* src, int64_t bytes,
                                   int /*lane*/) {
     nvshmemx_putmem_nbi_warp(c.region + offset, src, static_cast<size_t>(bytes), c.pes[rank]);
+  }
+  __device__ static void put_int(const LowLatencyCall& c, int rank, int64_t offset, int32_t value) {
+    nvshmem_int_p(reinterpret_cast<int*>(c.region + offset), value, c.pes[rank]);
   }
   __device__ static void finish_puts(int lane) {
     __syncwarp();

@@ -38,21 +38,18 @@ def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int,
     """Bytes of the low-latency region of each rank (csrc/low_latency_state.h, LowLatencyLayout): a 512-byte
     header of call counters and credits, the kernels' trace (88 KB: the instants of each kernel's last 256 calls,
     for the benchmark), the send's progress counter per expert (8 bytes each), the staging rows
-    (this rank's `M` rows as sent, each a 48-byte row header of source token and top-k ids followed by
-    `2 * hidden` bytes: a BF16 row, or the smaller FP8 values and scales), then two buffer sets (calls alternate
-    between them), each
+    (this rank's `M` rows as sent, each a 48-byte row header of top-k ids followed by `2 * hidden` bytes: a
+    BF16 row, or the smaller FP8 values and scales), then two buffer sets (calls alternate between them), each
 
     - per expert: a dispatch flag and a combine flag (8 bytes each, each array 256-byte aligned);
-    - the dispatch receive slots: `M` rows per (local expert, source rank), i.e. `E * M` rows of 48 + 2 * hidden
-      bytes;
-    - the combine receive slots: `M * 16` rows of `2 * hidden` bytes, one per (token, top-k entry).
-
-    `num_ranks` does not change the total (E = L * R slot regions either way)."""
-    del num_ranks
+    - the dispatch index: the source token of each of `M` positions per (local expert, source rank), int32;
+    - the dispatch receive slots: `M` rows per source rank (a token crosses to a rank once), i.e. `R * M` rows
+      of 48 + 2 * hidden bytes;
+    - the combine receive slots: `M * 16` rows of `2 * hidden` bytes, one per (token, top-k entry)."""
     experts, tokens = num_experts, num_max_dispatch_tokens_per_rank
     dispatch_row, combine_row = _DISPATCH_ROW_HEADER + 2 * hidden, 2 * hidden
-    flags = 2 * _aligned(experts * 8)
-    per_set = flags + _aligned(experts * tokens * dispatch_row) + tokens * LOW_LATENCY_MAX_TOPK * combine_row
+    per_set = (2 * _aligned(experts * 8) + _aligned(experts * tokens * 4) + _aligned(num_ranks * tokens * dispatch_row)
+               + tokens * LOW_LATENCY_MAX_TOPK * combine_row)
     return (_LOW_LATENCY_HEADER + _aligned(_LOW_LATENCY_TRACE) + _aligned(experts * 8) + _aligned(tokens * dispatch_row)
             + 2 * per_set)
 

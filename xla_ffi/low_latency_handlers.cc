@@ -41,7 +41,7 @@ ffi::Error MakeCall(const char* op, cudaStream_t stream, int32_t device, int64_t
     return Invalid(op, "num_max_tokens, timeout_ns must be positive and hidden a multiple of 128");
   if (num_experts < num_ranks || num_experts % num_ranks || num_experts > kLowLatencyMaxExperts)
     return Invalid(op, "num_experts must be a multiple of the ranks, at most " + std::to_string(kLowLatencyMaxExperts));
-  const int64_t needed = LowLatencyLayout(max_tokens, hidden, num_experts).total;
+  const int64_t needed = LowLatencyLayout(max_tokens, hidden, num_ranks, num_experts).total;
   if (needed > available)
     return Invalid(op, "the low-latency region needs " + std::to_string(needed) + " bytes, the Buffer has " +
                            std::to_string(available) + " at offset " + std::to_string(ll_offset) +

@@ -6,7 +6,8 @@
 #     full: all of it, then the GPU tests again on the Ampere (sm_80) code path: built for sm_80 + PTX only,
 #     which the driver compiles for the Hopper GPU at load time; final: full without the xla suite (fits
 #     one 10-minute call); mp: build, the intranode tests in one process, then with one process per GPU;
-#     ll: the low-latency tests (NVSHMEM transport too) and benchmark; accept: every GPU test and the demo;
+#     ll: the low-latency tests (NVSHMEM transport too) and benchmark; llq: the low-latency tests in one
+#     process and the benchmark; accept: every GPU test and the demo;
 #     benches: every benchmark (both process models, internode 2 x 2), then the sm_80 path's tests;
 #     nvshmem: an unstripped build, then the NVSHMEM bootstrap probes (tests/gpu/nvshmem_probe);
 #     internode: the internode tests as 4 processes (2 nodes x 2 GPUs, and 4 x 1) and 2 (2 x 1), the bounded wait,
@@ -58,6 +59,14 @@ if [ "$mode" = benches ]; then  # the benchmarks in both process models, interno
     step gpu_tests_sm80 150 python3 -m pytest -q -rs tests/gpu/test_intranode.py tests/gpu/test_layout_cuda.py
   grep -hE "^(FAILED|ERROR)" "$OUT"/*.log | head -20
   grep -hE "^\[(intranode|low_latency|internode)\]" "$OUT"/bench*.log | grep -E "GB/s|on the GPU" | grep -vE "timing loop" | tail -60
+  printf '\n== summary\n'; printf '%s\n' "${summary[@]}"
+  exit 0
+fi
+if [ "$mode" = llq ]; then  # low-latency kernels in one process, LL benchmark
+  step ll_tests 300 python3 -m pytest -q -rs tests/gpu/test_low_latency.py
+  step bench_ll 150 python3 -m jax_ep.bench low_latency ${BENCH_LL_FLAGS:-} --json "$OUT/ll.json"
+  grep -hE "^(FAILED|ERROR)" "$OUT"/*.log | head -20
+  grep -hE "^\[" "$OUT/bench_ll.log" | tail -60
   printf '\n== summary\n'; printf '%s\n' "${summary[@]}"
   exit 0
 fi
