@@ -336,11 +336,13 @@ __device__ __forceinline__ void prepare_targets(const int32_t* topk_idx, int64_t
                                                 DispatchRowHeader* header, int lane) {
   int32_t id = lane < num_topk ? topk_idx[t * num_topk + lane] : -1;
   if (id < 0 || id >= num_experts) id = -1;
-  const unsigned first_of_expert = __ballot_sync(kFullMask, id >= 0 && __ffs(__match_any_sync(kFullMask, id)) - 1 == lane);
+  // (Every lane takes part in each match: the warp-wide shuffles must not sit behind a short circuit.)
+  const unsigned same_expert = __match_any_sync(kFullMask, id);
+  const unsigned first_of_expert = __ballot_sync(kFullMask, id >= 0 && __ffs(same_expert) - 1 == lane);
   if (first_of_expert >> lane & 1u) targets.expert[__popc(first_of_expert & ((1u << lane) - 1u))] = id;
   const int32_t rank = id >= 0 ? id / experts_per_rank : -1;
-  const unsigned first_of_rank =
-      __ballot_sync(kFullMask, rank >= 0 && __ffs(__match_any_sync(kFullMask, rank)) - 1 == lane);
+  const unsigned same_rank = __match_any_sync(kFullMask, rank);
+  const unsigned first_of_rank = __ballot_sync(kFullMask, rank >= 0 && __ffs(same_rank) - 1 == lane);
   if (first_of_rank >> lane & 1u) targets.rank[__popc(first_of_rank & ((1u << lane) - 1u))] = rank;
   if (lane < kLowLatencyMaxTopk) {
     targets.position[lane] = 0;
