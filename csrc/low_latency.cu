@@ -630,62 +630,113 @@ __global__ void __launch_bounds__(kThreads, 2) dispatch_recv_kernel(const __grid
 
 // ---- combine ----------------------------------------------------------------------------------------------
 
-// The send: a block of 4 warps takes (local expert j, source rank s) pairs p = block, block + blocks, ... (one
-// each: the launch has a block per pair, so that every row gets a warp of its own at decode sizes, and small
-// blocks, so that E = 288 of them are resident at once, 3 per SM); its warps take the
-// pairs' rows in turn and put each into the source's slot (token, top-k slot); once its rows are written the
-// block raises each of its pairs' flags on the source (the source can sum a token as soon as the flags of its
-// experts are in). Handle values outside their ranges send nothing.
+// The send spreads the rows to return evenly over every warp of the grid, whatever the pairs (local expert j,
+// source rank s) they belong to: rows are numbered pair by pair (p = j * R + s, each pair's rows in order), and
+// warp w takes rows w, w + warps, ... (one each at decode sizes), putting each into the source's slot (token,
+// top-k slot). A pair's counter counts its rows once written; the row that completes it raises the pair's flag
+// on the source (combine_row_sent), so that the source can sum a token as soon as the flags of its experts are
+// in; pairs without rows raise theirs at once. Handle values outside their ranges send nothing.
 constexpr int kCombineSendThreads = 128;
 constexpr int kCombineSendWarps = kCombineSendThreads / 32;
+
+// Rows of pair p to return, from the handle's layout_range, clamped so that no value reads or writes outside
+// the outputs (a dispatch handle's values always are inside).
+struct PairRows {
+  int64_t begin, count;
+  __device__ PairRows(const int32_t* layout_range, int64_t p, int64_t max_tokens, int64_t rows_per_expert) {
+    begin = min(static_cast<int64_t>(max(layout_range[2 * p], 0)), rows_per_expert);
+    count = min(static_cast<int64_t>(max(layout_range[2 * p + 1], 0)), min(max_tokens, rows_per_expert - begin));
+  }
+};
+
+// Pair p's flag on its source rank: the call tag, raised once p's rows are written (release: after every write
+// the raising thread observed).
+template <typename Transport>
+__device__ __forceinline__ void raise_combine_flag(const LowLatencyCall& c, const LowLatencyLayout& layout,
+                                                   uint32_t call, int64_t p) {
+  const int num_ranks = c.group.num_ranks;
+  const int64_t experts_per_rank = c.num_experts / num_ranks;
+  Transport::signal(c, static_cast<int>(p % num_ranks),
+                    layout.set_offset(call & 1) + layout.combine_flags +
+                        (c.group.rank * experts_per_rank + p / num_ranks) * static_cast<int64_t>(sizeof(uint64_t)),
+                    call);
+  trace_flag(trace_slot(c, layout, kCombineSendKernel, call), now_ns());
+}
+
+// One thread, after a row of pair p is written and published (a barrier after its warp's puts): counts it;
+// the addition that completes p's `rows` raises p's flag and clears the counter for the next call.
+template <typename Transport>
+__device__ __forceinline__ void combine_row_sent(const LowLatencyCall& c, const LowLatencyLayout& layout,
+                                                 uint32_t call, int64_t p, int64_t rows) {
+  unsigned* counter = reinterpret_cast<unsigned*>(c.region + layout.combine_counters) + p;
+  __threadfence();  // release: the row's stores, which this thread saw finished, before the addition
+  if (atomicAdd(counter, 1u) + 1 != rows) return;
+  __threadfence();  // acquire: the other rows of p before the flag
+  atomicExch(counter, 0u);  // every row of p has counted; the next call's kernel starts after this one
+  raise_combine_flag<Transport>(c, layout, call, p);
+}
 
 template <typename Transport>
 __global__ void __launch_bounds__(kCombineSendThreads) combine_send_kernel(
     const __grid_constant__ LowLatencyCall c, const __grid_constant__ LowLatencyCombineSendArgs a) {
+  extern __shared__ int64_t first_row[];  // [pairs + 1]: rows of the pairs before p, in pair order
   enum { kCredits, kPuts, kFlags };  // phases, as kLowLatencyPhaseNames names them
   clock_begin();
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, me = c.group.rank, num_ranks = c.group.num_ranks;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_ranks = c.group.num_ranks;
   const int64_t hidden = c.hidden, max_tokens = c.num_max_tokens, rows_per_expert = num_ranks * max_tokens;
-  const int32_t experts_per_rank = static_cast<int32_t>(c.num_experts / num_ranks);
-  const int32_t pairs = experts_per_rank * num_ranks;
+  const int64_t pairs = c.num_experts;  // (local expert, source rank) pairs: L * R
   const LowLatencyLayout layout(max_tokens, hidden, num_ranks, c.num_experts);
   LowLatencyHeader* own = own_header(c);
   const uint32_t call = next_call(&own->combine_calls), set = call & 1;
   if (threadIdx.x < num_ranks) wait_for_credit(c, LowLatencyOp::kCombineSend, call, /*dispatch=*/false, threadIdx.x);
-  __syncthreads();  // no row is written before every credit is in
+  // Meanwhile warp 0 numbers the rows: an inclusive scan of the pairs' row counts, 32 pairs per step.
+  if (warp == 0) {
+    int64_t before = 0;
+    if (lane == 0) first_row[0] = 0;
+    for (int64_t first = 0; first < pairs; first += 32) {
+      const int64_t p = first + lane;
+      int64_t rows = p < pairs ? PairRows(a.layout_range, p, max_tokens, rows_per_expert).count : 0;
+#pragma unroll
+      for (int offset = 1; offset < 32; offset *= 2) {
+        const int64_t other = __shfl_up_sync(kFullMask, rows, offset);
+        if (lane >= offset) rows += other;
+      }
+      if (p < pairs) first_row[p + 1] = before + rows;
+      before += __shfl_sync(kFullMask, rows, 31);
+    }
+  }
+  __syncthreads();  // no row is written before every credit is in; the numbering is done
   clock_mark(kCredits);
 
   const char* y = static_cast<const char*>(a.y);
-  int64_t rows_before = 0;  // rows of this block's earlier pairs: row r of the block goes to warp r % kCombineSendWarps
-  bool put = false;
-  for (int32_t p = blockIdx.x; p < pairs; p += gridDim.x) {
-    const int64_t begin = min(static_cast<int64_t>(max(a.layout_range[2 * p], 0)), rows_per_expert);
-    const int64_t count =
-        min(static_cast<int64_t>(max(a.layout_range[2 * p + 1], 0)), min(max_tokens, rows_per_expert - begin));
-    const int64_t first = ((warp - rows_before) % kCombineSendWarps + kCombineSendWarps) % kCombineSendWarps;
-    rows_before += count;
-    const int32_t j = p / num_ranks, src = p % num_ranks;
-    for (int64_t i = first; i < count; i += kCombineSendWarps) {
-      const int64_t item = j * rows_per_expert + begin + i;
-      const int32_t t = a.src_token_index[item], k = a.src_topk_index[item];
-      if (t < 0 || t >= max_tokens || k < 0 || k >= kLowLatencyMaxTopk) continue;  // not from a dispatch handle
+  const int64_t rows = first_row[pairs];
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kCombineSendWarps;
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kCombineSendWarps + warp; row < rows; row += warps) {
+    int64_t lo = 0, hi = pairs - 1;  // the pair p holding row: first_row[p] <= row < first_row[p + 1]
+    while (lo < hi) {
+      const int64_t mid = (lo + hi + 1) / 2;
+      if (first_row[mid] <= row) lo = mid; else hi = mid - 1;
+    }
+    const int64_t p = lo;
+    const PairRows pair(a.layout_range, p, max_tokens, rows_per_expert);
+    const int64_t item = (p / num_ranks) * rows_per_expert + pair.begin + (row - first_row[p]);
+    const int32_t t = a.src_token_index[item], k = a.src_topk_index[item];
+    if (t >= 0 && t < max_tokens && k >= 0 && k < kLowLatencyMaxTopk) {  // else not from a dispatch handle
       const int64_t slot = layout.set_offset(set) + layout.combine_rows +
                            (static_cast<int64_t>(t) * kLowLatencyMaxTopk + k) * layout.combine_slot_bytes;
-      Transport::put_warp(c, src, slot, y + item * layout.combine_slot_bytes, layout.combine_slot_bytes, lane);
-      put = true;
+      Transport::put_warp(c, static_cast<int>(p % num_ranks), slot, y + item * layout.combine_slot_bytes,
+                          layout.combine_slot_bytes, lane);
+      Transport::finish_puts(lane);
     }
+    clock_mark(kPuts);
+    if (lane == 0) combine_row_sent<Transport>(c, layout, call, p, pair.count);
+    __syncwarp();
+    clock_mark(kFlags);
   }
-  if (put) Transport::finish_puts(lane);
-  __syncthreads();  // every row of the block's pairs is written
-  clock_mark(kPuts);
-  for (int64_t p = blockIdx.x + static_cast<int64_t>(gridDim.x) * threadIdx.x; p < pairs;
-       p += static_cast<int64_t>(gridDim.x) * kCombineSendThreads) {
-    const int32_t j = static_cast<int32_t>(p / num_ranks), src = static_cast<int32_t>(p % num_ranks);
-    Transport::signal(c, src,
-                      layout.set_offset(set) + layout.combine_flags + (me * experts_per_rank + j) * sizeof(uint64_t),
-                      call);
-    trace_flag(trace_slot(c, layout, kCombineSendKernel, call), now_ns());
-  }
+  // Pairs without rows: nothing to wait for.
+  for (int64_t p = static_cast<int64_t>(blockIdx.x) * kCombineSendThreads + threadIdx.x; p < pairs;
+       p += static_cast<int64_t>(gridDim.x) * kCombineSendThreads)
+    if (first_row[p + 1] == first_row[p]) raise_combine_flag<Transport>(c, layout, call, p);
   clock_mark(kFlags);
 
   if (finish_block(c, layout, kCombineSendKernel, call, 1) && threadIdx.x == 0) {
@@ -698,8 +749,10 @@ __global__ void __launch_bounds__(kCombineSendThreads) combine_send_kernel(
 // expert), then sums, for k in order, w[t, k] * row of (t, first entry of expert k) in float32 (one rounding per
 // product and per sum, as the reference), and writes BF16. Its trace is per (token, part): lane 0 times the
 // wait (reading the routing included) and the sum, the block adds them up in shared memory.
+constexpr int kCombineRecvBlocksPerSm = 2;  // blocks resident per SM (launch bounds and grid)
+
 template <typename Transport>
-__global__ void __launch_bounds__(kThreads) combine_recv_kernel(const __grid_constant__ LowLatencyCall c,
+__global__ void __launch_bounds__(kThreads, kCombineRecvBlocksPerSm) combine_recv_kernel(const __grid_constant__ LowLatencyCall c,
                                                                 const __grid_constant__ LowLatencyCombineRecvArgs a,
                                                                 TokenParts split) {
   enum { kWaiting, kSumming };  // phases, as kLowLatencyPhaseNames names them
@@ -800,13 +853,16 @@ __global__ void __launch_bounds__(kThreads) combine_recv_kernel(const __grid_con
 
 // ---- launches ----------------------------------------------------------------------------------------------
 
+// The combine receive's grid: kCombineRecvBlocksPerSm blocks per SM at most, so that enough row loads are in
+// flight (the sum is bound by their latency).
 int blocks_for_warps(const LowLatencyCall& c, int64_t warps) {
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(c.group.device_sms, (warps + kWarps - 1) / kWarps)));
+  return static_cast<int>(std::max<int64_t>(
+      1, std::min<int64_t>(int64_t{c.group.device_sms} * kCombineRecvBlocksPerSm, (warps + kWarps - 1) / kWarps)));
 }
 
-// One wave of warps over the device: items (token, part) enough to occupy every SM once.
+// Items (token, part) enough for one wave of warps over the device.
 TokenParts token_parts(const LowLatencyCall& c, int64_t num_tokens) {
-  return TokenParts(num_tokens, c.hidden, static_cast<int64_t>(c.group.device_sms) * kWarps);
+  return TokenParts(num_tokens, c.hidden, int64_t{c.group.device_sms} * kCombineRecvBlocksPerSm * kWarps);
 }
 
 }  // namespace
@@ -840,12 +896,12 @@ cudaError_t low_latency_dispatch_recv(const LowLatencyCall& call, const LowLaten
 }
 
 cudaError_t low_latency_combine_send(const LowLatencyCall& call, const LowLatencyCombineSendArgs& args) {
-  // A block per (local expert, source rank) pair, L*R = E of them: at decode sizes a few rows each, so that every
-  // row gets a warp and the blocks are even (132 blocks of 8 warps over 288 pairs left 24 blocks with a third
-  // pair and 11 rows).
-  const int blocks = static_cast<int>(call.num_experts);
+  // Warps for about a row each at decode sizes (a rank returns T * K rows on average, T <= M): E blocks of 4
+  // warps, at least two per SM. Shared memory: the row numbering, 8 bytes per pair (32 KB at most).
+  const int blocks = static_cast<int>(std::max<int64_t>(call.num_experts, 2 * call.group.device_sms));
+  const size_t shared = sizeof(int64_t) * static_cast<size_t>(call.num_experts + 1);
   return with_transport(call, [&](auto transport) {
-    combine_send_kernel<decltype(transport)><<<blocks, kCombineSendThreads, 0, call.stream>>>(call, args);
+    combine_send_kernel<decltype(transport)><<<blocks, kCombineSendThreads, shared, call.stream>>>(call, args);
     return cudaGetLastError();
   });
 }

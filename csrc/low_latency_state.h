@@ -9,6 +9,9 @@
 //                                            calls on this rank (the benchmark's breakdown; 88 KB)
 //   dispatch_counters [E] uint64             the send's progress per expert, this rank's own (low_latency.cu,
 //                                            count_toward_flag); zero between calls
+//   combine_counters [E] uint32              the combine send's rows written per (local expert, source
+//                                            rank), this rank's own (low_latency.cu, combine_row_sent); zero
+//                                            between calls
 //   dispatch_staging [M] x dispatch slot     this rank's rows as sent (cast, with their header): the source of
 //                                            the copies or NVSHMEM puts into the receivers' slots
 //   set 0, set 1                              two buffer sets; call c of an op uses set c % 2
@@ -120,7 +123,7 @@ __host__ __device__ inline int64_t ll_align(int64_t bytes) {
 struct LowLatencyLayout {
   int64_t dispatch_slot_bytes = 0;  // DispatchRowHeader + 2H (a BF16 row; FP8 values and scales are smaller)
   int64_t combine_slot_bytes = 0;   // 2H: a BF16 row
-  int64_t trace = 0, dispatch_counters = 0, dispatch_staging = 0;  // region offsets
+  int64_t trace = 0, dispatch_counters = 0, combine_counters = 0, dispatch_staging = 0;  // region offsets
   int64_t sets = 0, set_bytes = 0;
   int64_t dispatch_flags = 0, combine_flags = 0, dispatch_index = 0, dispatch_rows = 0, combine_rows = 0;  // in a set
   int64_t total = 0;
@@ -130,7 +133,8 @@ struct LowLatencyLayout {
     combine_slot_bytes = 2 * hidden;
     trace = kLowLatencyTraceOffset;
     dispatch_counters = trace + ll_align(kLowLatencyTraceBytes);
-    dispatch_staging = dispatch_counters + ll_align(num_experts * 8);
+    combine_counters = dispatch_counters + ll_align(num_experts * 8);
+    dispatch_staging = combine_counters + ll_align(num_experts * 4);
     sets = dispatch_staging + ll_align(max_tokens * dispatch_slot_bytes);
     dispatch_flags = 0;
     combine_flags = ll_align(num_experts * 8);

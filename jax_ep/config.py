@@ -37,7 +37,8 @@ LOW_LATENCY_MAX_TOPK = 16
 def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int) -> int:
     """Bytes of the low-latency region of each rank (csrc/low_latency_state.h, LowLatencyLayout): a 512-byte
     header of call counters and credits, the kernels' trace (88 KB: the instants of each kernel's last 256 calls,
-    for the benchmark), the send's progress counter per expert (8 bytes each), the staging rows
+    for the benchmark), the dispatch send's progress counter per expert (8 bytes each), the combine send's
+    row counter per (local expert, source rank) (4 bytes each), the staging rows
     (this rank's `M` rows as sent, each a 48-byte row header of top-k ids followed by `2 * hidden` bytes: a
     BF16 row, or the smaller FP8 values and scales), then two buffer sets (calls alternate between them), each
 
@@ -50,7 +51,8 @@ def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int,
     dispatch_row, combine_row = _DISPATCH_ROW_HEADER + 2 * hidden, 2 * hidden
     per_set = (2 * _aligned(experts * 8) + _aligned(experts * tokens * 4) + _aligned(num_ranks * tokens * dispatch_row)
                + tokens * LOW_LATENCY_MAX_TOPK * combine_row)
-    return (_LOW_LATENCY_HEADER + _aligned(_LOW_LATENCY_TRACE) + _aligned(experts * 8) + _aligned(tokens * dispatch_row)
+    return (_LOW_LATENCY_HEADER + _aligned(_LOW_LATENCY_TRACE) + _aligned(experts * 8) + _aligned(experts * 4)
+            + _aligned(tokens * dispatch_row)
             + 2 * per_set)
 
 

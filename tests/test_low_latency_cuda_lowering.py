@@ -82,13 +82,14 @@ def test_topk_entries_beyond_the_kernels_limit():
 
 
 def test_region_size():
-    # header + trace (4 kernels x 256 calls x 11 words) + a send counter per expert + staging rows + 2 sets of
+    # header + trace (4 kernels x 256 calls x 11 words) + a dispatch send counter per expert (8 bytes) + a combine
+    # send counter per (local expert, source rank) (4 bytes) + staging rows + 2 sets of
     # (2 flag arrays + an int32 index of E*M positions + R*M dispatch rows + 16*M combine rows); a dispatch row
     # is a 48-byte row header and 2H bytes, a combine row 2H bytes; the counters, the flag arrays, the index and
     # the row arrays each start 256-byte aligned (here every size but the counters' and the flags' already is a
     # multiple of 256).
     dispatch_row, combine_row = 48 + 2 * H, 2 * H
-    trace, counters, flags = 4 * 256 * 11 * 8, 256, 2 * 256  # E * 8 = 64 bytes, aligned up
+    trace, counters, flags = 4 * 256 * 11 * 8, 2 * 256, 2 * 256  # E * 8 and E * 4 bytes, each aligned up
     index = E * M * 4
     assert (M * dispatch_row) % 256 == 0 and index % 256 == 0 and trace % 256 == 0
     set_bytes = flags + index + R * M * dispatch_row + 16 * M * combine_row
