@@ -386,9 +386,6 @@ struct LowLatencyDispatchRecvArgs {
   int32_t* layout_range = nullptr;    // [L, R, 2]: (first row, rows) per (local expert, source rank)
 };
 cudaError_t low_latency_dispatch_recv(const LowLatencyCall& call, const LowLatencyDispatchRecvArgs& args);
-// Both halves in one launch (the op with nothing scheduled between them); send.token is not written.
-cudaError_t low_latency_dispatch(const LowLatencyCall& call, const LowLatencyDispatchSendArgs& send,
-                                 const LowLatencyDispatchRecvArgs& recv);
 
 struct LowLatencyCombineSendArgs {
   const void* y = nullptr;                // bf16 [L, R*M, H]: rows past each expert's count are ignored

@@ -156,13 +156,12 @@ __device__ __forceinline__ void clock_mark(int phase) {
   clock.last = ns;
 }
 
-// Every block of a kernel's role (`blocks` of them: the grid, or its share of a fused dispatch) calls this after
-// its work: adds its start and its phases (over `units`) to the call's trace and returns true in the one block
-// that finished last, which then sees every other block's writes (and may
+// Every block calls this after its work: adds its start and its phases (over `units`) to the call's trace and
+// returns true in the one block that finished last, which then sees every other block's writes (and may
 // publish them to peers with release stores). That block also closes the call's trace and prepares the slot of
 // the kernel's next call.
 __device__ bool finish_block(const LowLatencyCall& c, const LowLatencyLayout& layout, LowLatencyKernel kernel,
-                             uint32_t call, uint64_t units, unsigned blocks) {
+                             uint32_t call, uint64_t units) {
   __shared__ bool last;
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -177,7 +176,7 @@ __device__ bool finish_block(const LowLatencyCall& c, const LowLatencyLayout& la
                   static_cast<unsigned long long>(clock.phase_ns[p]));
     LowLatencyHeader* own = own_header(c);
     __threadfence_system();
-    last = atomicAdd(&own->blocks_finished[kernel], 1u) == blocks - 1;
+    last = atomicAdd(&own->blocks_finished[kernel], 1u) == gridDim.x - 1;
     if (last) {
       own->blocks_finished[kernel] = 0;  // every block has counted: ready for the next call
       trace->end = now_ns();
@@ -408,11 +407,9 @@ __device__ __forceinline__ void load_chunks(uint4 (&raw)[kPrefetch], const __nv_
 // block adds the row count of the experts it is given (spread over all blocks) to their counters, while its
 // stores drain: a completed counter raises that expert's flag (count_toward_flag), so a receiver can start on
 // an expert while other experts' rows are still being sent.
-// Block `block` of the send's `blocks` (the grid, or the send role of a fused dispatch), for call `call`. Only
-// a send launched alone advances the call count and writes the token (fused: dispatch_kernel does).
 template <typename Transport>
-__device__ __forceinline__ void dispatch_send_block(const LowLatencyCall& c, const LowLatencyDispatchSendArgs& a,
-                                                    uint32_t call, int block, int blocks, bool alone) {
+__global__ void __launch_bounds__(kSendThreads) dispatch_send_kernel(const __grid_constant__ LowLatencyCall c,
+                                                                     const __grid_constant__ LowLatencyDispatchSendArgs a) {
   extern __shared__ int16_t send_topk[];  // [T, K] the routing; ids outside [0, E) are -1
   __shared__ SendTargets targets;
   __shared__ int32_t invalid;
@@ -424,7 +421,7 @@ __device__ __forceinline__ void dispatch_send_block(const LowLatencyCall& c, con
   const int32_t experts_per_rank = num_experts / num_ranks;
   const LowLatencyLayout layout(max_tokens, hidden, num_ranks, num_experts);
   LowLatencyHeader* own = own_header(c);
-  const uint32_t set = call & 1;
+  const uint32_t call = next_call(&own->dispatch_calls), set = call & 1;
   const DispatchRowFormat format(a.payload, hidden);
   const int64_t chunks = (hidden + kChunk - 1) / kChunk;
   const int64_t slots = layout.set_offset(set) + layout.dispatch_rows, index = layout.set_offset(set) + layout.dispatch_index;
@@ -432,7 +429,7 @@ __device__ __forceinline__ void dispatch_send_block(const LowLatencyCall& c, con
   auto staged_row = [&](int64_t t) { return c.region + layout.dispatch_staging + t * layout.dispatch_slot_bytes; };
 
   // Launches have blocks <= T: every block has a first token.
-  int64_t t = block;
+  int64_t t = blockIdx.x;
   if (warp == 0) prepare_targets(a.topk_idx, num_topk, num_experts, experts_per_rank, t, targets,
                                  reinterpret_cast<DispatchRowHeader*>(staged_row(t)), lane);
   if (warp == 1 && lane < num_ranks) wait_for_credit(c, LowLatencyOp::kDispatchSend, call, /*dispatch=*/true, lane);
@@ -446,8 +443,8 @@ __device__ __forceinline__ void dispatch_send_block(const LowLatencyCall& c, con
   __syncthreads();
   clock_mark(kRouting);
 
-  for (; t < num_tokens; t += blocks) {
-    if (t != block) {  // a later token: its targets and first chunks, as above for the first
+  for (; t < num_tokens; t += gridDim.x) {
+    if (t != blockIdx.x) {  // a later token: its targets and first chunks, as above for the first
       if (warp == 0) prepare_targets(a.topk_idx, num_topk, num_experts, experts_per_rank, t, targets,
                                      reinterpret_cast<DispatchRowHeader*>(staged_row(t)), lane);
       load_chunks(raw, x + t * hidden, warp, hidden, lane);
@@ -508,7 +505,7 @@ __device__ __forceinline__ void dispatch_send_block(const LowLatencyCall& c, con
 
   // Rows per expert (tokens naming it), a warp per expert, 32 tokens per ballot: counted after the puts, whose
   // stores are in flight meanwhile (the flags need the counts only once the rows are written).
-  for (int32_t e = block + blocks * warp; e < num_experts; e += blocks * kSendWarps) {
+  for (int32_t e = blockIdx.x + gridDim.x * warp; e < num_experts; e += gridDim.x * kSendWarps) {
     uint32_t rows = 0;
     for (int64_t first = 0; first < num_tokens; first += 32) {
       int32_t ids[kLowLatencyMaxTopk];
@@ -517,7 +514,7 @@ __device__ __forceinline__ void dispatch_send_block(const LowLatencyCall& c, con
     }
     if (lane == 0) count_toward_flag<Transport>(c, layout, call, e, (uint64_t{rows} << 32) + kSentTag - rows);
   }
-  if (block == 0) {  // entries outside [-1, E)
+  if (blockIdx.x == 0) {  // entries outside [-1, E)
     int32_t invalid_here = 0;
     for (int64_t i = threadIdx.x; i < num_tokens * num_topk; i += blockDim.x) {
       const int32_t e = a.topk_idx[i];
@@ -527,18 +524,12 @@ __device__ __forceinline__ void dispatch_send_block(const LowLatencyCall& c, con
   }
   clock_mark(kFlags);
 
-  const bool last = finish_block(c, layout, kDispatchSendKernel, call, 1, blocks);  // barriers: invalid is summed
-  if (block == 0 && threadIdx.x == 0) *a.invalid_ids = invalid;
-  if (alone && last && threadIdx.x == 0) {
+  const bool last = finish_block(c, layout, kDispatchSendKernel, call, 1);  // barriers: invalid is summed
+  if (blockIdx.x == 0 && threadIdx.x == 0) *a.invalid_ids = invalid;
+  if (last && threadIdx.x == 0) {
     own->dispatch_calls = call;
     *a.token = call;
   }
-}
-
-template <typename Transport>
-__global__ void __launch_bounds__(kSendThreads) dispatch_send_kernel(const __grid_constant__ LowLatencyCall c,
-                                                                     const __grid_constant__ LowLatencyDispatchSendArgs a) {
-  dispatch_send_block<Transport>(c, a, next_call(&own_header(c)->dispatch_calls), blockIdx.x, gridDim.x, true);
 }
 
 // The top-k slot of the receiving expert in a received row's source token comes from the row's header (the
@@ -567,11 +558,10 @@ struct RowSource {
 // `splits`-th row of j (the source's token slot the index names) into the outputs and fill the handle past recv_count with -1 (rows past recv_count keep
 // whatever the output held). An expert is packed as soon as its own flags are in, while other experts' rows
 // may still be on their way.
-// Block `block` of the receive's `blocks` (the grid, or the receive role of a fused dispatch), for call `call`;
-// its warps are the block's, however many.
 template <typename Transport>
-__device__ __forceinline__ void dispatch_recv_block(const LowLatencyCall& c, const LowLatencyDispatchRecvArgs& a,
-                                                    uint32_t call, int32_t splits, int block, int blocks) {
+__global__ void __launch_bounds__(kThreads, 2) dispatch_recv_kernel(const __grid_constant__ LowLatencyCall c,
+                                                                 const __grid_constant__ LowLatencyDispatchRecvArgs a,
+                                                                 int32_t splits) {
   __shared__ int32_t counts[kMaxIntranodeRanks], begins[kMaxIntranodeRanks + 1];
   enum { kWaiting, kCopying };  // phases, as kLowLatencyPhaseNames names them
   clock_begin();
@@ -579,8 +569,7 @@ __device__ __forceinline__ void dispatch_recv_block(const LowLatencyCall& c, con
   const int64_t hidden = c.hidden, max_tokens = c.num_max_tokens, rows_per_expert = num_ranks * max_tokens;
   const int32_t experts_per_rank = static_cast<int32_t>(c.num_experts / num_ranks);
   const LowLatencyLayout layout(max_tokens, hidden, num_ranks, c.num_experts);
-  const uint32_t set = call & 1;
-  const int warps = blockDim.x / 32, threads = blockDim.x;
+  const uint32_t call = *a.token, set = call & 1;
   const char* base = c.region + layout.set_offset(set);
 
   const uint64_t* flags = reinterpret_cast<const uint64_t*>(base + layout.dispatch_flags);
@@ -588,7 +577,7 @@ __device__ __forceinline__ void dispatch_recv_block(const LowLatencyCall& c, con
   const DispatchRowFormat format(a.payload, hidden);
   const int64_t value_bytes = hidden * format.value_bytes, scale_bytes = hidden / kGroup * format.scale_bytes;
   uint64_t units = 0;
-  for (int64_t unit = block; unit < static_cast<int64_t>(experts_per_rank) * splits; unit += blocks) {
+  for (int64_t unit = blockIdx.x; unit < static_cast<int64_t>(experts_per_rank) * splits; unit += gridDim.x) {
     const int32_t j = static_cast<int32_t>(unit / splits), split = static_cast<int32_t>(unit % splits);
     if (threadIdx.x < num_ranks) {
       const int s = threadIdx.x;
@@ -611,7 +600,7 @@ __device__ __forceinline__ void dispatch_recv_block(const LowLatencyCall& c, con
       a.layout_range[(j * num_ranks + threadIdx.x) * 2 + 1] = counts[threadIdx.x];
       if (threadIdx.x == 0) a.recv_count[j] = received;
     }
-    for (int32_t i = split + splits * warp; i < received; i += splits * warps) {
+    for (int32_t i = split + splits * warp; i < received; i += splits * kWarps) {
       int s = 0;
       while (i >= begins[s + 1]) ++s;
       const int64_t out_row = j * rows_per_expert + i;
@@ -626,8 +615,8 @@ __device__ __forceinline__ void dispatch_recv_block(const LowLatencyCall& c, con
         warp_copy(static_cast<char*>(a.recv_scales) + out_row * scale_bytes, src + format.scales, scale_bytes, lane);
       source.write(me * experts_per_rank + j, token, lane, a.src_token_index + out_row, a.src_topk_index + out_row);
     }
-    for (int64_t i = received + split * threads + threadIdx.x; i < rows_per_expert;
-         i += static_cast<int64_t>(splits) * threads) {
+    for (int64_t i = received + split * kThreads + threadIdx.x; i < rows_per_expert;
+         i += static_cast<int64_t>(splits) * kThreads) {
       a.src_token_index[j * rows_per_expert + i] = -1;
       a.src_topk_index[j * rows_per_expert + i] = -1;
     }
@@ -636,42 +625,7 @@ __device__ __forceinline__ void dispatch_recv_block(const LowLatencyCall& c, con
     ++units;
   }
 
-  if (finish_block(c, layout, kDispatchRecvKernel, call, units, blocks))
-    give_credits<Transport>(c, call, /*dispatch=*/true);
-}
-
-template <typename Transport>
-__global__ void __launch_bounds__(kThreads, 2) dispatch_recv_kernel(const __grid_constant__ LowLatencyCall c,
-                                                                 const __grid_constant__ LowLatencyDispatchRecvArgs a,
-                                                                 int32_t splits) {
-  dispatch_recv_block<Transport>(c, a, *a.token, splits, blockIdx.x, gridDim.x);
-}
-
-// The whole dispatch in one launch, for the op without work between its halves: the receive of an expert
-// starts as soon as its flags are in, while other rows are still on their way, and no launch separates the
-// halves. Blocks take their role by ticket as they start: the first send_blocks tickets send, the others
-// receive. So a receiving block only ever waits for senders that already run, whatever order the GPU starts
-// blocks in, and the grid needs no co-residency. The grid's last block advances the call count (every block
-// has read it by then) and clears the tickets for the next call.
-template <typename Transport>
-__global__ void __launch_bounds__(kSendThreads, 2) dispatch_kernel(const __grid_constant__ LowLatencyCall c,
-                                                                   const __grid_constant__ LowLatencyDispatchSendArgs s,
-                                                                   const __grid_constant__ LowLatencyDispatchRecvArgs r,
-                                                                   int send_blocks, int32_t splits) {
-  __shared__ unsigned ticket;
-  LowLatencyHeader* own = own_header(c);
-  const uint32_t call = next_call(&own->dispatch_calls);
-  if (threadIdx.x == 0) ticket = atomicAdd(&own->dispatch_tickets, 1u);
-  __syncthreads();
-  const int role_block = static_cast<int>(ticket);
-  if (role_block < send_blocks)
-    dispatch_send_block<Transport>(c, s, call, role_block, send_blocks, false);
-  else
-    dispatch_recv_block<Transport>(c, r, call, splits, role_block - send_blocks, gridDim.x - send_blocks);
-  if (threadIdx.x == 0 && atomicAdd(&own->dispatch_blocks_done, 1u) == gridDim.x - 1) {
-    own->dispatch_tickets = own->dispatch_blocks_done = 0;  // every block has counted: ready for the next call
-    own->dispatch_calls = call;
-  }
+  if (finish_block(c, layout, kDispatchRecvKernel, call, units)) give_credits<Transport>(c, call, /*dispatch=*/true);
 }
 
 // ---- combine ----------------------------------------------------------------------------------------------
@@ -734,18 +688,14 @@ __global__ void __launch_bounds__(kCombineSendThreads) combine_send_kernel(
   const LowLatencyLayout layout(max_tokens, hidden, num_ranks, c.num_experts);
   LowLatencyHeader* own = own_header(c);
   const uint32_t call = next_call(&own->combine_calls), set = call & 1;
-  // The rows are numbered while the credits come: every thread loads some pairs' row counts (all loads in
-  // flight at once), then warp 0 scans them in shared memory, 32 pairs per step.
-  if (threadIdx.x == 0) first_row[0] = 0;
-  for (int64_t p = threadIdx.x; p < pairs; p += kCombineSendThreads)
-    first_row[p + 1] = PairRows(a.layout_range, p, max_tokens, rows_per_expert).count;
   if (threadIdx.x < num_ranks) wait_for_credit(c, LowLatencyOp::kCombineSend, call, /*dispatch=*/false, threadIdx.x);
-  __syncthreads();
+  // Meanwhile warp 0 numbers the rows: an inclusive scan of the pairs' row counts, 32 pairs per step.
   if (warp == 0) {
     int64_t before = 0;
+    if (lane == 0) first_row[0] = 0;
     for (int64_t first = 0; first < pairs; first += 32) {
       const int64_t p = first + lane;
-      int64_t rows = p < pairs ? first_row[p + 1] : 0;
+      int64_t rows = p < pairs ? PairRows(a.layout_range, p, max_tokens, rows_per_expert).count : 0;
 #pragma unroll
       for (int offset = 1; offset < 32; offset *= 2) {
         const int64_t other = __shfl_up_sync(kFullMask, rows, offset);
@@ -789,7 +739,7 @@ __global__ void __launch_bounds__(kCombineSendThreads) combine_send_kernel(
     if (first_row[p + 1] == first_row[p]) raise_combine_flag<Transport>(c, layout, call, p);
   clock_mark(kFlags);
 
-  if (finish_block(c, layout, kCombineSendKernel, call, 1, gridDim.x) && threadIdx.x == 0) {
+  if (finish_block(c, layout, kCombineSendKernel, call, 1) && threadIdx.x == 0) {
     own->combine_calls = call;
     *a.token = call;
   }
@@ -898,7 +848,7 @@ __global__ void __launch_bounds__(kThreads, kCombineRecvBlocksPerSm) combine_rec
       trace_flag(trace, last_ready);
     }
   }
-  if (finish_block(c, layout, kCombineRecvKernel, call, items, gridDim.x)) give_credits<Transport>(c, call, /*dispatch=*/false);
+  if (finish_block(c, layout, kCombineRecvKernel, call, items)) give_credits<Transport>(c, call, /*dispatch=*/false);
 }
 
 // ---- launches ----------------------------------------------------------------------------------------------
@@ -915,32 +865,16 @@ TokenParts token_parts(const LowLatencyCall& c, int64_t num_tokens) {
   return TokenParts(num_tokens, c.hidden, int64_t{c.group.device_sms} * kCombineRecvBlocksPerSm * kWarps);
 }
 
-// The send's launch: a block per token (T <= SMs at DeepEP's decode shape), every SM at most; shared memory
-// holds the routing as int16 (at most 16 KB at the bounds). False for arguments outside the kernel's limits.
-bool send_launch(const LowLatencyCall& call, const LowLatencyDispatchSendArgs& args, int* blocks, size_t* shared) {
-  if (args.num_topk > kLowLatencyMaxTopk || args.num_tokens < 1 || args.num_tokens > call.num_max_tokens ||
-      args.num_tokens * args.num_topk > kLowLatencyMaxEntries || call.num_experts > kLowLatencyMaxExperts)
-    return false;
-  *blocks = static_cast<int>(std::min<int64_t>(call.group.device_sms, args.num_tokens));
-  *shared = sizeof(int16_t) * static_cast<size_t>(args.num_tokens * args.num_topk);
-  return true;
-}
-
-// The receive's units (local expert, split): enough splits of each expert's rows to give every SM a unit, and a
-// block per unit (L blocks when L >= SMs, else fewer than 2 per SM): a block that took a second unit after its
-// first would end the kernel a unit later (132 blocks over L * 2 = 144 units at DeepEP's decode shape did).
-int32_t recv_splits(const LowLatencyCall& call) {
-  const int64_t experts_per_rank = call.num_experts / call.group.num_ranks;
-  return static_cast<int32_t>(
-      std::clamp<int64_t>((call.group.device_sms + experts_per_rank - 1) / experts_per_rank, 1, kWarps));
-}
-
 }  // namespace
 
 cudaError_t low_latency_dispatch_send(const LowLatencyCall& call, const LowLatencyDispatchSendArgs& args) {
-  int blocks = 0;
-  size_t shared = 0;
-  if (!send_launch(call, args, &blocks, &shared)) return cudaErrorInvalidValue;
+  if (args.num_topk > kLowLatencyMaxTopk || args.num_tokens < 1 || args.num_tokens > call.num_max_tokens ||
+      args.num_tokens * args.num_topk > kLowLatencyMaxEntries || call.num_experts > kLowLatencyMaxExperts)
+    return cudaErrorInvalidValue;
+  // Shared memory: the routing as int16 (at most 16 KB at the bounds).
+  const size_t shared = sizeof(int16_t) * static_cast<size_t>(args.num_tokens * args.num_topk);
+  // A block per token (T <= SMs at DeepEP's decode shape), every SM at most.
+  const int blocks = static_cast<int>(std::min<int64_t>(call.group.device_sms, args.num_tokens));
   return with_transport(call, [&](auto transport) {
     dispatch_send_kernel<decltype(transport)><<<blocks, kSendThreads, shared, call.stream>>>(call, args);
     return cudaGetLastError();
@@ -948,25 +882,15 @@ cudaError_t low_latency_dispatch_send(const LowLatencyCall& call, const LowLaten
 }
 
 cudaError_t low_latency_dispatch_recv(const LowLatencyCall& call, const LowLatencyDispatchRecvArgs& args) {
-  const int32_t splits = recv_splits(call);
-  const int blocks = static_cast<int>(call.num_experts / call.group.num_ranks * splits);
+  // Units (local expert, split): enough splits of each expert's rows to give every SM a unit, and a block per
+  // unit (L blocks when L >= SMs, else fewer than 2 per SM): a block that took a second unit after its first
+  // would end the kernel a unit later (132 blocks over L * 2 = 144 units at DeepEP's decode shape did).
+  const int64_t experts_per_rank = call.num_experts / call.group.num_ranks;
+  const int32_t splits = static_cast<int32_t>(
+      std::clamp<int64_t>((call.group.device_sms + experts_per_rank - 1) / experts_per_rank, 1, kWarps));
+  const int blocks = static_cast<int>(experts_per_rank * splits);
   return with_transport(call, [&](auto transport) {
     dispatch_recv_kernel<decltype(transport)><<<blocks, kThreads, 0, call.stream>>>(call, args, splits);
-    return cudaGetLastError();
-  });
-}
-
-cudaError_t low_latency_dispatch(const LowLatencyCall& call, const LowLatencyDispatchSendArgs& send,
-                                 const LowLatencyDispatchRecvArgs& recv) {
-  int send_blocks = 0;
-  size_t shared = 0;
-  if (!send_launch(call, send, &send_blocks, &shared)) return cudaErrorInvalidValue;
-  // The receive role has the send's block size (twice the receive kernel's warps per unit).
-  const int32_t splits = recv_splits(call);
-  const int blocks = send_blocks + static_cast<int>(call.num_experts / call.group.num_ranks * splits);
-  return with_transport(call, [&](auto transport) {
-    dispatch_kernel<decltype(transport)><<<blocks, kSendThreads, shared, call.stream>>>(call, send, recv, send_blocks,
-                                                                                        splits);
     return cudaGetLastError();
   });
 }

@@ -59,8 +59,6 @@ struct LowLatencyHeader {
   uint32_t combine_calls;             // combine send calls this rank completed
   uint32_t blocks_finished[kLowLatencyKernels];  // per LowLatencyKernel: blocks of the running call done
   unsigned error_claimed;             // the first block that fails fills the error record
-  uint32_t dispatch_tickets;          // fused dispatch (dispatch_kernel): roles taken by the running call's blocks
-  uint32_t dispatch_blocks_done;      // fused dispatch: the running call's blocks done
   // Credits, written by the peers (each receive pushes its progress to every sender, so that no rank ever
   // reads another's memory): [p][set] = the latest call whose rows in buffer set `set` rank p finished
   // reading. 64-bit words: NVSHMEM signals are 64-bit. Only the low 32 bits (the call number) count.

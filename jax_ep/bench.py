@@ -446,9 +446,7 @@ def trace_breakdown(traces: list[dict], op: str) -> dict | None:
     one GPU's %globaltimer:
 
     - send, recv: a kernel's first block start to its last block's end; gap: send end to recv start;
-      op: send start to recv end (the op on the device, what DeepEP's kernel timings measure). A fused
-      dispatch (one launch) records its send and receive roles as the two kernels, which then overlap (a
-      negative gap), and op runs from the first start to the last end of either;
+      op: send start to recv end (the op on the device, what DeepEP's kernel timings measure);
     - period: send start to the next call's send start (the op's steady-state cost per step: independent of
       when the host launched each GPU's program), between: recv end to the next send start (the timing
       loop's chaining ops and launch gaps); both over consecutive calls only;
@@ -471,8 +469,7 @@ def trace_breakdown(traces: list[dict], op: str) -> dict | None:
         s, r = ({name: values[slots] for name, values in t.items() if name != "phases"} for t in (send, recv))
         next_start = send["first_start"][after][chained]
         f = dict(calls=float(len(slots)), send=s["end"] - s["first_start"], gap=r["first_start"] - s["end"],
-                 recv=r["end"] - r["first_start"],
-                 op=np.maximum(r["end"], s["end"]) - np.minimum(r["first_start"], s["first_start"]),
+                 recv=r["end"] - r["first_start"], op=r["end"] - s["first_start"],
                  period=next_start - s["first_start"][chained], between=next_start - r["end"][chained])
         f["send_mean"], f["recv_mean"] = float(np.mean(f["send"])), float(np.mean(f["recv"]))
         for kernel, t, phases in zip(kernels, (s, r), (send["phases"], recv["phases"])):

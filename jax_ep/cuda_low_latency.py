@@ -3,10 +3,7 @@
 
 Per-rank functions (inside `shard_map` over the EP axis), one FFI call per half. A send returns a `token`
 (uint32 scalar: the call number the kernels keep on the device) that its receive consumes, so XLA orders the
-two halves by data dependency and may schedule other work between them. `dispatch` runs both halves of a
-dispatch in one launch (one FFI call), for the op with nothing between its halves: the receive of an expert
-starts while other rows are still on their way. $JAX_EP_LL_DISPATCH=split (read while tracing) makes the whole
-op run as its two halves instead, e.g. to compare them.
+two halves by data dependency and may schedule other work between them.
 
 Buffer sets and credits: call c of an op writes into buffer set c % 2 of the receivers, after every
 receiver finished receiving call c - 2 (a credit the send waits for). So at most two calls of one op (two
@@ -22,7 +19,6 @@ combine accepts this handle; the CUDA combine needs it (an `xla` handle lacks th
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import NamedTuple
 
 import jax
@@ -34,7 +30,6 @@ from jax_ep.config import FP8_GROUP, LOW_LATENCY_MAX_TOPK
 
 DISPATCH_SEND_TARGET = "jax_ep_low_latency_dispatch_send"
 DISPATCH_RECV_TARGET = "jax_ep_low_latency_dispatch_recv"
-DISPATCH_TARGET = "jax_ep_low_latency_dispatch"
 COMBINE_SEND_TARGET = "jax_ep_low_latency_combine_send"
 COMBINE_RECV_TARGET = "jax_ep_low_latency_combine_recv"
 
@@ -42,7 +37,6 @@ MAX_EXPERTS = 4096  # csrc kLowLatencyMaxExperts
 MAX_ENTRIES = 8192  # csrc kLowLatencyMaxEntries: tokens * top-k of one dispatch (the send's routing in shared memory)
 _PAYLOAD_BF16, _PAYLOAD_FP8, _PAYLOAD_FP8_UE8M0 = 0, 1, 2  # csrc LowLatencyPayload
 TRANSPORTS = {"peer_stores": 0, "nvshmem": 1}  # Buffer.low_latency_transport -> csrc LowLatencyTransport
-DISPATCH_ENV = "JAX_EP_LL_DISPATCH"
 
 int32 = jnp.int32
 
@@ -100,72 +94,37 @@ def _payload(use_fp8: bool, use_ue8m0: bool) -> int:
     return _PAYLOAD_BF16 if not use_fp8 else _PAYLOAD_FP8_UE8M0 if use_ue8m0 else _PAYLOAD_FP8
 
 
-def fused_dispatch(environ=os.environ) -> bool:
-    """Whether the whole dispatch runs as one launch (the default) or as its two halves ($JAX_EP_LL_DISPATCH)."""
-    value = environ.get(DISPATCH_ENV, "")
-    if value not in ("", "fused", "split"):
-        raise ValueError(f"jax_ep: ${DISPATCH_ENV} must be 'fused', 'split' or unset, got {value!r}")
-    return value != "split"
-
-
-def _check_send(x, topk_idx):
+def dispatch_send(x, topk_idx, *, params: LowLatencyParams, use_fp8, round_scale, use_ue8m0):
+    """Casts and writes this rank's rows into the receivers' slots. Returns (token, invalid_ids)."""
     num_tokens, num_topk = topk_idx.shape
     check_topk("low_latency_dispatch", num_topk)
     if num_tokens * num_topk > MAX_ENTRIES:
         raise ValueError(f"jax_ep.low_latency_dispatch (cuda): at most {MAX_ENTRIES} top-k entries per rank (tokens * "
                          f"top-k, e.g. 512 * 16), got {num_tokens} * {num_topk}")
-
-
-def _send_attributes(params: LowLatencyParams, use_fp8, round_scale, use_ue8m0) -> dict:
-    return dict(payload=np.int64(_payload(use_fp8, use_ue8m0)), round_scale=np.int64(round_scale),
-                **params.attributes())
-
-
-def _recv_types(aval, params: LowLatencyParams, num_ranks: int, hidden: int, use_fp8, use_ue8m0) -> tuple:
-    """Result types of the receive: the payload leaves, recv_count, then the handle's three arrays."""
-    experts_per_rank = params.num_experts // num_ranks
-    rows = (experts_per_rank, num_ranks * params.num_max_tokens)
-    payload = [aval.update(shape=(*rows, hidden), dtype=jnp.float8_e4m3fn if use_fp8 else jnp.bfloat16)]
-    if use_fp8:
-        payload.append(aval.update(shape=(*rows, hidden // (4 * FP8_GROUP)), dtype=int32) if use_ue8m0
-                       else aval.update(shape=(*rows, hidden // FP8_GROUP), dtype=jnp.float32))
-    return (*payload, aval.update(shape=(experts_per_rank,), dtype=int32), aval.update(shape=rows, dtype=int32),
-            aval.update(shape=rows, dtype=int32), aval.update(shape=(experts_per_rank, num_ranks, 2), dtype=int32))
-
-
-def _unpack_recv(outs, use_fp8):
-    leaves = 2 if use_fp8 else 1
-    recv_count, src_token_index, src_topk_index, layout_range = outs[leaves:]
-    return tuple(outs[:leaves]), recv_count, CudaLowLatencyHandle(src_token_index, layout_range, src_topk_index)
-
-
-def dispatch_send(x, topk_idx, *, params: LowLatencyParams, use_fp8, round_scale, use_ue8m0):
-    """Casts and writes this rank's rows into the receivers' slots. Returns (token, invalid_ids)."""
-    _check_send(x, topk_idx)
     aval = jax.typeof(x)
     result_types = (aval.update(shape=(), dtype=jnp.uint32), aval.update(shape=(), dtype=int32))
     token, invalid = jax.ffi.ffi_call(DISPATCH_SEND_TARGET, result_types)(
-        x, topk_idx, **_send_attributes(params, use_fp8, round_scale, use_ue8m0))
+        x, topk_idx, payload=np.int64(_payload(use_fp8, use_ue8m0)), round_scale=np.int64(round_scale),
+        **params.attributes())
     return token, invalid
 
 
 def dispatch_recv(token, *, params: LowLatencyParams, num_ranks: int, hidden: int, use_fp8, use_ue8m0):
     """Packs the received rows. Returns (recv leaves, recv_count [L], CudaLowLatencyHandle)."""
-    result_types = _recv_types(jax.typeof(token), params, num_ranks, hidden, use_fp8, use_ue8m0)
+    experts_per_rank = params.num_experts // num_ranks
+    rows = (experts_per_rank, num_ranks * params.num_max_tokens)
+    aval = jax.typeof(token)
+    payload = [aval.update(shape=(*rows, hidden), dtype=jnp.float8_e4m3fn if use_fp8 else jnp.bfloat16)]
+    if use_fp8:
+        payload.append(aval.update(shape=(*rows, hidden // (4 * FP8_GROUP)), dtype=int32) if use_ue8m0
+                       else aval.update(shape=(*rows, hidden // FP8_GROUP), dtype=jnp.float32))
+    result_types = (*payload, aval.update(shape=(experts_per_rank,), dtype=int32), aval.update(shape=rows, dtype=int32),
+                    aval.update(shape=rows, dtype=int32), aval.update(shape=(experts_per_rank, num_ranks, 2), dtype=int32))
     outs = jax.ffi.ffi_call(DISPATCH_RECV_TARGET, result_types)(
         token, hidden=np.int64(hidden), payload=np.int64(_payload(use_fp8, use_ue8m0)), **params.attributes())
-    return _unpack_recv(outs, use_fp8)
-
-
-def dispatch(x, topk_idx, *, params: LowLatencyParams, num_ranks: int, use_fp8, round_scale, use_ue8m0):
-    """Both halves in one launch. Returns (recv leaves, recv_count [L], CudaLowLatencyHandle, invalid_ids)."""
-    _check_send(x, topk_idx)
-    aval = jax.typeof(x)
-    result_types = (aval.update(shape=(), dtype=int32),
-                    *_recv_types(aval, params, num_ranks, x.shape[1], use_fp8, use_ue8m0))
-    outs = jax.ffi.ffi_call(DISPATCH_TARGET, result_types)(
-        x, topk_idx, **_send_attributes(params, use_fp8, round_scale, use_ue8m0))
-    return (*_unpack_recv(outs[1:], use_fp8), outs[0])
+    recv = tuple(outs[:len(payload)])
+    recv_count, src_token_index, src_topk_index, layout_range = outs[len(payload):]
+    return recv, recv_count, CudaLowLatencyHandle(src_token_index, layout_range, src_topk_index)
 
 
 def combine_send(y, handle, *, params: LowLatencyParams):

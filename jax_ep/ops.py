@@ -374,37 +374,14 @@ def _cuda_low_latency_dispatch_recv_fwd(spec, cast, token, x, topk_idx):
     return _cuda_low_latency_dispatch_recv(spec, cast, token, x, topk_idx), (token, x, topk_idx)
 
 
-def _low_latency_dispatch_d_x(spec, cast, x, topk_idx, d_recv):
-    _, vjp = jax.vjp(lambda x: _xla_low_latency_dispatch(spec, cast, x, topk_idx)[0], x)
-    (d_x,) = vjp(tuple(d_recv))
-    return d_x
-
-
 def _cuda_low_latency_dispatch_recv_bwd(spec, cast, residual, cotangent):
     token, x, topk_idx = residual
-    return _zero_cotangent(token), _low_latency_dispatch_d_x(spec, cast, x, topk_idx, cotangent[0]), \
-        _zero_cotangent(topk_idx)
+    _, vjp = jax.vjp(lambda x: _xla_low_latency_dispatch(spec, cast, x, topk_idx)[0], x)
+    (d_x,) = vjp(tuple(cotangent[0]))
+    return _zero_cotangent(token), d_x, _zero_cotangent(topk_idx)
 
 
 _cuda_low_latency_dispatch_recv.defvjp(_cuda_low_latency_dispatch_recv_fwd, _cuda_low_latency_dispatch_recv_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _cuda_low_latency_dispatch(spec: _LowLatencySpec, cast: _Cast, x, topk_idx):
-    return cuda_low_latency.dispatch(x, topk_idx, params=spec.kernel, num_ranks=spec.num_ranks, use_fp8=cast.use_fp8,
-                                     round_scale=cast.round_scale, use_ue8m0=cast.use_ue8m0)
-
-
-def _cuda_low_latency_dispatch_fwd(spec, cast, x, topk_idx):
-    return _cuda_low_latency_dispatch(spec, cast, x, topk_idx), (x, topk_idx)
-
-
-def _cuda_low_latency_dispatch_bwd(spec, cast, residual, cotangent):
-    x, topk_idx = residual
-    return _low_latency_dispatch_d_x(spec, cast, x, topk_idx, cotangent[0]), _zero_cotangent(topk_idx)
-
-
-_cuda_low_latency_dispatch.defvjp(_cuda_low_latency_dispatch_fwd, _cuda_low_latency_dispatch_bwd)
 
 
 def _xla_low_latency_combine(spec: _LowLatencySpec, y, handle, topk_idx, topk_weights):
@@ -433,9 +410,15 @@ def _cuda_low_latency_combine_recv_bwd(spec, residual, cotangent):
 _cuda_low_latency_combine_recv.defvjp(_cuda_low_latency_combine_recv_fwd, _cuda_low_latency_combine_recv_bwd)
 
 
-def _low_latency_dispatch_args(op: str, buffer: Buffer, x, topk_idx, use_fp8, round_scale, use_ue8m0,
-                               cumulative_local_expert_recv_stats) -> tuple[_LowLatencySpec, _Cast]:
-    """Checks a low-latency dispatch's arguments (before anything runs)."""
+def low_latency_dispatch_send(buffer: Buffer, x, topk_idx, *, use_fp8: bool = True, round_scale: bool = False,
+                              use_ue8m0: bool = False, cumulative_local_expert_recv_stats=None) -> LowLatencyPending:
+    """Send half of `low_latency_dispatch`; computation can be scheduled before `low_latency_dispatch_recv`.
+
+    At most two sends of one op (dispatch, or combine) of a Buffer may await their receive at once (two
+    buffer sets); with the cuda backend a third send waits for the first receive and fails after
+    `Config.timeout_s` (`jax_ep.cuda_low_latency.errors(buffer)` names the wait). Receives may come in any
+    order."""
+    op = "low_latency_dispatch"
     if x.ndim != 2:
         raise TypeError(f"jax_ep.{op}: x must be bfloat16 [num_tokens, hidden], got {_checks._desc(x)}")
     _checks.exact(op, "x", x, jnp.bfloat16, x.shape)
@@ -448,24 +431,7 @@ def _low_latency_dispatch_args(op: str, buffer: Buffer, x, topk_idx, use_fp8, ro
     if cumulative_local_expert_recv_stats is not None:
         _checks.exact(op, "cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, jnp.int32,
                       (spec.num_experts // spec.num_ranks,))
-    return spec, _Cast(bool(use_fp8), bool(use_fp8 and round_scale), bool(use_fp8 and use_ue8m0))
-
-
-def _low_latency_dispatch_result(cast: _Cast, recv, recv_count, handle, stats, invalid) -> LowLatencyDispatchResult:
-    stats = None if stats is None else stats + recv_count
-    return LowLatencyDispatchResult(tuple(recv) if cast.use_fp8 else recv[0], recv_count, handle, stats, invalid)
-
-
-def low_latency_dispatch_send(buffer: Buffer, x, topk_idx, *, use_fp8: bool = True, round_scale: bool = False,
-                              use_ue8m0: bool = False, cumulative_local_expert_recv_stats=None) -> LowLatencyPending:
-    """Send half of `low_latency_dispatch`; computation can be scheduled before `low_latency_dispatch_recv`.
-
-    At most two sends of one op (dispatch, or combine) of a Buffer may await their receive at once (two
-    buffer sets); with the cuda backend a third send waits for the first receive and fails after
-    `Config.timeout_s` (`jax_ep.cuda_low_latency.errors(buffer)` names the wait). Receives may come in any
-    order."""
-    spec, cast = _low_latency_dispatch_args("low_latency_dispatch", buffer, x, topk_idx, use_fp8, round_scale,
-                                            use_ue8m0, cumulative_local_expert_recv_stats)
+    cast = _Cast(bool(use_fp8), bool(use_fp8 and round_scale), bool(use_fp8 and use_ue8m0))
     if spec.backend == "cuda":
         # The gradient reaches x through the receive half (x is its operand), not through the send's token.
         token, invalid = cuda_low_latency.dispatch_send(
@@ -497,7 +463,9 @@ def low_latency_dispatch_recv(buffer: Buffer, pending: LowLatencyPending) -> Low
         recv, recv_count, handle, invalid = xla_backend.low_latency_dispatch_recv(
             state, axis_name=spec.axis_name, num_ranks=spec.num_ranks, num_experts=spec.num_experts,
             num_max_tokens=spec.num_max_tokens)
-    return _low_latency_dispatch_result(pending.cast, recv, recv_count, handle, stats, invalid)
+    stats = None if stats is None else stats + recv_count
+    return LowLatencyDispatchResult(tuple(recv) if pending.cast.use_fp8 else recv[0], recv_count, handle, stats,
+                                    invalid)
 
 
 def low_latency_dispatch(buffer: Buffer, x, topk_idx, *, use_fp8: bool = True, round_scale: bool = False,
@@ -506,14 +474,7 @@ def low_latency_dispatch(buffer: Buffer, x, topk_idx, *, use_fp8: bool = True, r
 
     x: bfloat16 [T, H] with T <= the Buffer's num_max_dispatch_tokens_per_rank (M). Returns recv_x
     [L, R*M, H] (BF16, or with use_fp8 the pair (e4m3, scales)), recv_count [L], the handle for combine and,
-    when given, the statistics plus this call's counts. With the cuda backend both halves run as one launch
-    (cuda_low_latency.dispatch)."""
-    if buffer.backend == "cuda" and cuda_low_latency.fused_dispatch():
-        spec, cast = _low_latency_dispatch_args("low_latency_dispatch", buffer, x, topk_idx, use_fp8, round_scale,
-                                                use_ue8m0, cumulative_local_expert_recv_stats)
-        recv, recv_count, handle, invalid = _cuda_low_latency_dispatch(spec, cast, x, topk_idx)
-        return _low_latency_dispatch_result(cast, recv, recv_count, handle, cumulative_local_expert_recv_stats,
-                                            invalid)
+    when given, the statistics plus this call's counts."""
     pending = low_latency_dispatch_send(buffer, x, topk_idx, use_fp8=use_fp8, round_scale=round_scale,
                                         use_ue8m0=use_ue8m0,
                                         cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats)

@@ -52,22 +52,9 @@ def test_ops_and_gradients_lower_to_the_custom_calls():
     text = lower(buf, body, X, IDX, W)
     calls = re.findall(r"custom_call @(jax_ep_low_latency_\w+)\([^\n]*ll_offset = 4096[^\n]*num_max_tokens = 16[^\n]*"
                        r"transport = 0", text)
-    # The whole dispatch is one launch (jax_ep_low_latency_dispatch); its split halves are the other two.
     assert sorted(set(calls)) == ["jax_ep_low_latency_combine_recv", "jax_ep_low_latency_combine_send",
-                                  "jax_ep_low_latency_dispatch", "jax_ep_low_latency_dispatch_recv",
-                                  "jax_ep_low_latency_dispatch_send"], calls
+                                  "jax_ep_low_latency_dispatch_recv", "jax_ep_low_latency_dispatch_send"], calls
     assert "payload = 2" in text  # FP8 with UE8M0 scales
-
-
-def test_split_dispatch_by_environment(monkeypatch):
-    buf = cuda_standin()
-    monkeypatch.setenv("JAX_EP_LL_DISPATCH", "split")
-    text = lower(buf, lambda x, i: jax_ep.low_latency_dispatch(buf, x, i).recv_count, X, IDX)
-    assert sorted(set(re.findall(r"custom_call @(jax_ep_low_latency_\w+)\(", text))) == [
-        "jax_ep_low_latency_dispatch_recv", "jax_ep_low_latency_dispatch_send"]
-    monkeypatch.setenv("JAX_EP_LL_DISPATCH", "both")
-    with pytest.raises(ValueError, match=r"JAX_EP_LL_DISPATCH must be 'fused', 'split' or unset, got 'both'"):
-        lower(buf, lambda x, i: jax_ep.low_latency_dispatch(buf, x, i).recv_count, X, IDX)
 
 
 def test_buffer_without_low_latency_region():

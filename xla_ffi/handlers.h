@@ -171,7 +171,6 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(IntranodeCombine);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(IntranodeStoreProbe);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyDispatchSend);  // low_latency_handlers.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyDispatchRecv);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyDispatch);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyCombineSend);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyCombineRecv);
 #endif

@@ -66,65 +66,6 @@ bool IsExpertRows(const ffi::AnyBuffer& buffer, ffi::DataType type, const LowLat
 
 bool IsPayload(int64_t payload) { return payload >= 0 && payload <= 2; }
 
-// The send's operands and attributes, checked and decoded (token and invalid_ids are the caller's).
-ffi::Error SendArgs(const char* op, const LowLatencyCall& call, ffi::AnyBuffer x, ffi::AnyBuffer topk_idx,
-                    int64_t payload, int64_t round_scale, LowLatencyDispatchSendArgs* a) {
-  const auto x_dims = x.dimensions();
-  const auto idx_dims = topk_idx.dimensions();
-  if (idx_dims.size() != 2 || !IsMatrix(topk_idx, ffi::DataType::S32, x_dims[0], idx_dims[1]) ||
-      idx_dims[1] > kLowLatencyMaxTopk || x_dims[0] < 1 || x_dims[0] > call.num_max_tokens ||
-      x_dims[0] * idx_dims[1] > kLowLatencyMaxEntries)
-    return Invalid(op, "topk_idx must be int32 [T, K] with 1 <= T <= num_max_tokens, K <= " +
-                           std::to_string(kLowLatencyMaxTopk) + " and T * K <= " +
-                           std::to_string(kLowLatencyMaxEntries));
-  if (!IsPayload(payload)) return Invalid(op, "unknown payload");
-  a->x = x.untyped_data();
-  a->topk_idx = static_cast<const int32_t*>(topk_idx.untyped_data());
-  a->num_tokens = x_dims[0];
-  a->num_topk = idx_dims[1];
-  a->payload = static_cast<LowLatencyPayload>(payload);
-  a->round_scale = round_scale != 0 || a->payload == LowLatencyPayload::kFP8UE8M0;
-  return ffi::Error::Success();
-}
-
-// The receive's results from rets[first...]: recv_x, [scales], recv_count, src_token_index, src_topk_index,
-// layout_range, checked and decoded (the token is the caller's).
-ffi::Error RecvArgs(const char* op, const LowLatencyCall& call, ffi::RemainingRets& rets, size_t first,
-                    int64_t payload, LowLatencyDispatchRecvArgs* a) {
-  if (!IsPayload(payload)) return Invalid(op, "unknown payload");
-  const auto kind = static_cast<LowLatencyPayload>(payload);
-  const size_t with_scales = kind == LowLatencyPayload::kBF16 ? 0 : 1;
-  if (rets.size() != first + 5 + with_scales) return Invalid(op, "wrong number of results");
-  std::vector<ffi::AnyBuffer> outs;
-  for (size_t i = first; i < rets.size(); ++i) {
-    auto ret = rets.get<ffi::AnyBuffer>(i);
-    if (!ret.has_value()) return ret.error();
-    outs.push_back(**ret);
-  }
-  const int64_t hidden = call.hidden, ranks = call.group.num_ranks, experts_per_rank = call.num_experts / ranks;
-  const bool values_ok = kind == LowLatencyPayload::kBF16
-                             ? IsExpertRows(outs[0], ffi::DataType::BF16, call, hidden)
-                             : IsExpertRows(outs[0], ffi::DataType::F8E4M3FN, call, hidden);
-  const bool scales_ok = kind == LowLatencyPayload::kBF16 ||
-                         (kind == LowLatencyPayload::kFP8 ? IsExpertRows(outs[1], ffi::DataType::F32, call, hidden / 128)
-                                                          : IsExpertRows(outs[1], ffi::DataType::S32, call, hidden / 512));
-  const ffi::AnyBuffer* rest = outs.data() + 1 + with_scales;
-  const int64_t rows = ranks * call.num_max_tokens;
-  if (!values_ok || !scales_ok || rest[0].element_count() != static_cast<size_t>(experts_per_rank) ||
-      !IsMatrix(rest[1], ffi::DataType::S32, experts_per_rank, rows) ||
-      !IsMatrix(rest[2], ffi::DataType::S32, experts_per_rank, rows) ||
-      rest[3].element_count() != static_cast<size_t>(experts_per_rank * ranks * 2))
-    return Invalid(op, "wrong result shapes");
-  a->payload = kind;
-  a->recv_x = outs[0].untyped_data();
-  a->recv_scales = with_scales ? outs[1].untyped_data() : nullptr;
-  a->recv_count = static_cast<int32_t*>(rest[0].untyped_data());
-  a->src_token_index = static_cast<int32_t*>(rest[1].untyped_data());
-  a->src_topk_index = static_cast<int32_t*>(rest[2].untyped_data());
-  a->layout_range = static_cast<int32_t*>(rest[3].untyped_data());
-  return ffi::Error::Success();
-}
-
 ffi::Error DispatchSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer topk_idx,
                             ffi::Result<ffi::AnyBuffer> token, ffi::Result<ffi::AnyBuffer> invalid_ids,
                             int64_t payload, int64_t round_scale, int64_t buffer_id, int64_t transport,
@@ -133,14 +74,27 @@ ffi::Error DispatchSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
   const auto x_dims = x.dimensions();
   if (x.element_type() != ffi::DataType::BF16 || x_dims.size() != 2) return Invalid(kOp, "x must be bf16 [T, H]");
   LowLatencyCall call;
-  LowLatencyDispatchSendArgs a;
   if (auto err = MakeCall(kOp, stream, device, buffer_id, transport, ll_offset, num_max_tokens, x_dims[1],
                           num_experts, timeout_ns, &call);
       err.failure())
     return err;
-  if (auto err = SendArgs(kOp, call, x, topk_idx, payload, round_scale, &a); err.failure()) return err;
+  const auto idx_dims = topk_idx.dimensions();
+  if (idx_dims.size() != 2 || !IsMatrix(topk_idx, ffi::DataType::S32, x_dims[0], idx_dims[1]) ||
+      idx_dims[1] > kLowLatencyMaxTopk || x_dims[0] < 1 || x_dims[0] > num_max_tokens ||
+      x_dims[0] * idx_dims[1] > kLowLatencyMaxEntries)
+    return Invalid(kOp, "topk_idx must be int32 [T, K] with 1 <= T <= num_max_tokens, K <= " +
+                            std::to_string(kLowLatencyMaxTopk) + " and T * K <= " +
+                            std::to_string(kLowLatencyMaxEntries));
+  if (!IsPayload(payload)) return Invalid(kOp, "unknown payload");
   if (token->element_type() != ffi::DataType::U32 || invalid_ids->element_count() != 1)
     return Invalid(kOp, "wrong result shapes");
+  LowLatencyDispatchSendArgs a;
+  a.x = x.untyped_data();
+  a.topk_idx = static_cast<const int32_t*>(topk_idx.untyped_data());
+  a.num_tokens = x_dims[0];
+  a.num_topk = idx_dims[1];
+  a.payload = static_cast<LowLatencyPayload>(payload);
+  a.round_scale = round_scale != 0 || a.payload == LowLatencyPayload::kFP8UE8M0;
   a.invalid_ids = static_cast<int32_t*>(invalid_ids->untyped_data());
   a.token = static_cast<uint32_t*>(token->untyped_data());
   return Launched(kOp, low_latency_dispatch_send(call, a));
@@ -152,39 +106,44 @@ ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
                             int64_t num_max_tokens, int64_t num_experts, int64_t timeout_ns) {
   constexpr const char* kOp = "low_latency_dispatch (receive)";
   LowLatencyCall call;
-  LowLatencyDispatchRecvArgs a;
   if (auto err = MakeCall(kOp, stream, device, buffer_id, transport, ll_offset, num_max_tokens, hidden, num_experts,
                           timeout_ns, &call);
       err.failure())
     return err;
-  if (token.element_type() != ffi::DataType::U32) return Invalid(kOp, "bad token");
-  if (auto err = RecvArgs(kOp, call, rets, 0, payload, &a); err.failure()) return err;
+  if (!IsPayload(payload) || token.element_type() != ffi::DataType::U32) return Invalid(kOp, "bad token or payload");
+  const auto kind = static_cast<LowLatencyPayload>(payload);
+  const size_t with_scales = kind == LowLatencyPayload::kBF16 ? 0 : 1;
+  if (rets.size() != 5 + with_scales) return Invalid(kOp, "wrong number of results");
+  std::vector<ffi::AnyBuffer> outs;
+  for (size_t i = 0; i < rets.size(); ++i) {
+    auto ret = rets.get<ffi::AnyBuffer>(i);
+    if (!ret.has_value()) return ret.error();
+    outs.push_back(**ret);
+  }
+  const int64_t ranks = call.group.num_ranks, experts_per_rank = num_experts / ranks;
+  const bool values_ok = kind == LowLatencyPayload::kBF16
+                             ? IsExpertRows(outs[0], ffi::DataType::BF16, call, hidden)
+                             : IsExpertRows(outs[0], ffi::DataType::F8E4M3FN, call, hidden);
+  const bool scales_ok = kind == LowLatencyPayload::kBF16 ||
+                         (kind == LowLatencyPayload::kFP8 ? IsExpertRows(outs[1], ffi::DataType::F32, call, hidden / 128)
+                                                          : IsExpertRows(outs[1], ffi::DataType::S32, call, hidden / 512));
+  const ffi::AnyBuffer* rest = outs.data() + 1 + with_scales;
+  const int64_t rows = ranks * num_max_tokens;
+  if (!values_ok || !scales_ok || rest[0].element_count() != static_cast<size_t>(experts_per_rank) ||
+      !IsMatrix(rest[1], ffi::DataType::S32, experts_per_rank, rows) ||
+      !IsMatrix(rest[2], ffi::DataType::S32, experts_per_rank, rows) ||
+      rest[3].element_count() != static_cast<size_t>(experts_per_rank * ranks * 2))
+    return Invalid(kOp, "wrong result shapes");
+  LowLatencyDispatchRecvArgs a;
   a.token = static_cast<const uint32_t*>(token.untyped_data());
+  a.payload = kind;
+  a.recv_x = outs[0].untyped_data();
+  a.recv_scales = with_scales ? outs[1].untyped_data() : nullptr;
+  a.recv_count = static_cast<int32_t*>(rest[0].untyped_data());
+  a.src_token_index = static_cast<int32_t*>(rest[1].untyped_data());
+  a.src_topk_index = static_cast<int32_t*>(rest[2].untyped_data());
+  a.layout_range = static_cast<int32_t*>(rest[3].untyped_data());
   return Launched(kOp, low_latency_dispatch_recv(call, a));
-}
-
-// Both halves in one launch. rets: invalid_ids, then the receive's.
-ffi::Error DispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer topk_idx,
-                        ffi::RemainingRets rets, int64_t payload, int64_t round_scale, int64_t buffer_id,
-                        int64_t transport, int64_t ll_offset, int64_t num_max_tokens, int64_t num_experts,
-                        int64_t timeout_ns) {
-  constexpr const char* kOp = "low_latency_dispatch";
-  const auto x_dims = x.dimensions();
-  if (x.element_type() != ffi::DataType::BF16 || x_dims.size() != 2) return Invalid(kOp, "x must be bf16 [T, H]");
-  LowLatencyCall call;
-  LowLatencyDispatchSendArgs send;
-  LowLatencyDispatchRecvArgs recv;
-  if (auto err = MakeCall(kOp, stream, device, buffer_id, transport, ll_offset, num_max_tokens, x_dims[1],
-                          num_experts, timeout_ns, &call);
-      err.failure())
-    return err;
-  if (auto err = SendArgs(kOp, call, x, topk_idx, payload, round_scale, &send); err.failure()) return err;
-  if (auto err = RecvArgs(kOp, call, rets, 1, payload, &recv); err.failure()) return err;
-  auto invalid_ids = rets.get<ffi::AnyBuffer>(0);
-  if (!invalid_ids.has_value()) return invalid_ids.error();
-  if ((*invalid_ids)->element_count() != 1) return Invalid(kOp, "wrong result shapes");
-  send.invalid_ids = static_cast<int32_t*>((*invalid_ids)->untyped_data());
-  return Launched(kOp, low_latency_dispatch(call, send, recv));
 }
 
 ffi::Error CombineSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y, ffi::AnyBuffer src_token_index,
@@ -277,15 +236,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchRecv, DispatchRecvImpl,
                                                 .RemainingRets()
                                                 .Attr<int64_t>("hidden")
                                                 .Attr<int64_t>("payload")),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatch, DispatchImpl,
-                              WithCallAttrs(Bound()
-                                                .Arg<ffi::AnyBuffer>()
-                                                .Arg<ffi::AnyBuffer>()
-                                                .RemainingRets()
-                                                .Attr<int64_t>("payload")
-                                                .Attr<int64_t>("round_scale")),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineSend, CombineSendImpl,

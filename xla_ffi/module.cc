@@ -39,7 +39,6 @@ nb::dict Registrations() {
   targets["jax_ep_store_probe"] = cuda_only(Capsule(IntranodeStoreProbe));
   targets["jax_ep_low_latency_dispatch_send"] = cuda_only(Capsule(LowLatencyDispatchSend));
   targets["jax_ep_low_latency_dispatch_recv"] = cuda_only(Capsule(LowLatencyDispatchRecv));
-  targets["jax_ep_low_latency_dispatch"] = cuda_only(Capsule(LowLatencyDispatch));
   targets["jax_ep_low_latency_combine_send"] = cuda_only(Capsule(LowLatencyCombineSend));
   targets["jax_ep_low_latency_combine_recv"] = cuda_only(Capsule(LowLatencyCombineRecv));
 #endif

@@ -7,7 +7,7 @@
 #     which the driver compiles for the Hopper GPU at load time; final: full without the xla suite (fits
 #     one 10-minute call); mp: build, the intranode tests in one process, then with one process per GPU;
 #     ll: the low-latency tests (NVSHMEM transport too) and benchmark; llq: the low-latency tests in one
-#     process and the benchmark, then the benchmark with the dispatch as two launches; accept: every GPU test and the demo;
+#     process and the benchmark; accept: every GPU test and the demo;
 #     benches: every benchmark (both process models, internode 2 x 2), then the sm_80 path's tests;
 #     nvshmem: an unstripped build, then the NVSHMEM bootstrap probes (tests/gpu/nvshmem_probe);
 #     internode: the internode tests as 4 processes (2 nodes x 2 GPUs, and 4 x 1) and 2 (2 x 1), the bounded wait,
@@ -63,12 +63,10 @@ if [ "$mode" = benches ]; then  # the benchmarks in both process models, interno
   exit 0
 fi
 if [ "$mode" = llq ]; then  # low-latency kernels in one process, LL benchmark
-  step ll_tests 150 python3 -m pytest -q -x -rs tests/gpu/test_low_latency.py
-  step bench_ll 100 python3 -m jax_ep.bench low_latency ${BENCH_LL_FLAGS:-} --json "$OUT/ll.json"
-  JAX_EP_LL_DISPATCH=split step bench_ll_split 100 python3 -m jax_ep.bench low_latency --no-baselines
+  step ll_tests 200 python3 -m pytest -q -x -rs tests/gpu/test_low_latency.py
+  step bench_ll 120 python3 -m jax_ep.bench low_latency ${BENCH_LL_FLAGS:-} --json "$OUT/ll.json"
   grep -hE "^(FAILED|ERROR)" "$OUT"/*.log | head -20
   grep -hE "^\[" "$OUT/bench_ll.log" | tail -60
-  grep -hE "dispatch" "$OUT/bench_ll_split.log" | head -8
   printf '\n== summary\n'; printf '%s\n' "${summary[@]}"
   exit 0
 fi
