@@ -688,14 +688,18 @@ __global__ void __launch_bounds__(kCombineSendThreads) combine_send_kernel(
   const LowLatencyLayout layout(max_tokens, hidden, num_ranks, c.num_experts);
   LowLatencyHeader* own = own_header(c);
   const uint32_t call = next_call(&own->combine_calls), set = call & 1;
+  // The rows are numbered while the credits come: every thread loads some pairs' row counts (all loads in
+  // flight at once), then warp 0 scans them in shared memory, 32 pairs per step.
+  if (threadIdx.x == 0) first_row[0] = 0;
+  for (int64_t p = threadIdx.x; p < pairs; p += kCombineSendThreads)
+    first_row[p + 1] = PairRows(a.layout_range, p, max_tokens, rows_per_expert).count;
   if (threadIdx.x < num_ranks) wait_for_credit(c, LowLatencyOp::kCombineSend, call, /*dispatch=*/false, threadIdx.x);
-  // Meanwhile warp 0 numbers the rows: an inclusive scan of the pairs' row counts, 32 pairs per step.
+  __syncthreads();
   if (warp == 0) {
     int64_t before = 0;
-    if (lane == 0) first_row[0] = 0;
     for (int64_t first = 0; first < pairs; first += 32) {
       const int64_t p = first + lane;
-      int64_t rows = p < pairs ? PairRows(a.layout_range, p, max_tokens, rows_per_expert).count : 0;
+      int64_t rows = p < pairs ? first_row[p + 1] : 0;
 #pragma unroll
       for (int offset = 1; offset < 32; offset *= 2) {
         const int64_t other = __shfl_up_sync(kFullMask, rows, offset);

@@ -63,8 +63,8 @@ if [ "$mode" = benches ]; then  # the benchmarks in both process models, interno
   exit 0
 fi
 if [ "$mode" = llq ]; then  # low-latency kernels in one process, LL benchmark
-  step ll_tests 200 python3 -m pytest -q -x -rs tests/gpu/test_low_latency.py
-  step bench_ll 120 python3 -m jax_ep.bench low_latency ${BENCH_LL_FLAGS:-} --json "$OUT/ll.json"
+  step ll_tests 150 python3 -m pytest -q -x -rs tests/gpu/test_low_latency.py
+  step bench_ll 100 python3 -m jax_ep.bench low_latency ${BENCH_LL_FLAGS:-} --json "$OUT/ll.json"
   grep -hE "^(FAILED|ERROR)" "$OUT"/*.log | head -20
   grep -hE "^\[" "$OUT/bench_ll.log" | tail -60
   printf '\n== summary\n'; printf '%s\n' "${summary[@]}"
