@@ -296,25 +296,40 @@ struct DispatchRowFormat {
   __device__ int64_t scale(int64_t channel) const { return scales + channel / kGroup * scale_bytes; }
 };
 
+// Where the send's cast writes a token's row: with a transport of direct stores, straight into the token's slot
+// on every rank that takes it (the cast's stores are the puts), else into this rank's staging row, which the
+// puts then copy from.
+struct CastRows {
+  char* rows[kMaxIntranodeRanks];
+  int count;
+};
+
 // Casts this lane's 8 channels at `channel` (all lanes call it: FP8 groups reduce across 16 lanes) and stores them
-// into the staging row; lanes past the row store nothing.
+// into every row of `to`; lanes past the row store nothing.
 __device__ __forceinline__ void stage_channels(const uint4& raw, int64_t channel, bool inside, LowLatencyPayload payload,
-                                               bool round_scale, const DispatchRowFormat& format, char* staged,
+                                               bool round_scale, const DispatchRowFormat& format, const CastRows& to,
                                                int lane) {
   if (payload == LowLatencyPayload::kBF16) {
-    if (inside) *reinterpret_cast<uint4*>(staged + format.value(channel)) = raw;
+    if (!inside) return;
+#pragma unroll
+    for (int i = 0; i < kMaxIntranodeRanks; ++i)
+      if (i < to.count) *reinterpret_cast<uint4*>(to.rows[i] + format.value(channel)) = raw;
     return;
   }
   float v[kLaneChannels], scale = 0.f;
   bf16x8_to_float(raw, v);
   const uint2 q = cast_to_fp8(v, round_scale, &scale);
   if (!inside) return;  // hidden is a multiple of 128: whole 16-lane groups are inside or not
-  *reinterpret_cast<uint2*>(staged + format.value(channel)) = q;
-  if (lane % (kGroup / kLaneChannels) == 0) {  // the group's first lane writes its scale
+  const bool writes_scale = lane % (kGroup / kLaneChannels) == 0;  // the group's first lane writes its scale
+#pragma unroll
+  for (int i = 0; i < kMaxIntranodeRanks; ++i) {
+    if (i >= to.count) break;
+    *reinterpret_cast<uint2*>(to.rows[i] + format.value(channel)) = q;
+    if (!writes_scale) continue;
     if (payload == LowLatencyPayload::kFP8UE8M0)  // byte i of packed word w is group 4w + i: one byte per group
-      *reinterpret_cast<uint8_t*>(staged + format.scale(channel)) = static_cast<uint8_t>(__float_as_uint(scale) >> 23);
+      *reinterpret_cast<uint8_t*>(to.rows[i] + format.scale(channel)) = static_cast<uint8_t>(__float_as_uint(scale) >> 23);
     else
-      *reinterpret_cast<float*>(staged + format.scale(channel)) = scale;
+      *reinterpret_cast<float*>(to.rows[i] + format.scale(channel)) = scale;
   }
 }
 
@@ -452,6 +467,21 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_send_kernel(const __gri
       clock_mark(kRouting);
     }
     char* staged = staged_row(t);
+    const int num_targets = targets.count, num_target_ranks = targets.num_ranks;
+    const int64_t slot = slots + (static_cast<int64_t>(me) * max_tokens + t) * layout.dispatch_slot_bytes;
+    CastRows cast_rows;
+    if constexpr (Transport::kDirectStores) {  // the cast stores into the targets' slots; the header goes first
+      cast_rows.count = num_target_ranks;
+#pragma unroll
+      for (int i = 0; i < kMaxIntranodeRanks; ++i)
+        if (i < num_target_ranks) cast_rows.rows[i] = Transport::address(c, targets.rank[i], slot);
+      if (warp == kSendWarps - 1)  // (a warp with one chunk fewer: its header loads overlap the others' casts)
+        for (int i = 0; i < num_target_ranks; ++i)
+          Transport::put_warp(c, targets.rank[i], slot, staged, sizeof(DispatchRowHeader), lane);
+    } else {
+      cast_rows.count = 1;
+      cast_rows.rows[0] = staged;
+    }
     for (int64_t batch = warp; batch < chunks; batch += kPrefetch * kSendWarps) {
       if (batch != warp) load_chunks(raw, x + t * hidden, batch, hidden, lane);  // the first batch is loaded
 #pragma unroll
@@ -459,27 +489,27 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_send_kernel(const __gri
         const int64_t chunk = batch + p * kSendWarps;
         if (chunk >= chunks) break;  // warp-uniform
         const int64_t ch = chunk * kChunk + lane * kLaneChannels;
-        stage_channels(raw[p], ch, ch < hidden, a.payload, a.round_scale, format, staged, lane);
+        stage_channels(raw[p], ch, ch < hidden, a.payload, a.round_scale, format, cast_rows, lane);
       }
     }
     count_positions(send_topk, num_topk, t, targets, warp, lane);  // after the cast: raw's registers are free
-    __syncthreads();  // the row is staged, the positions counted
+    __syncthreads();  // the row is staged (or stored), the positions counted
     clock_mark(kCast);
 
-    // The puts: the row's message, into slot (this rank, t) of each target rank, in `pieces` 16-byte aligned
-    // pieces per rank, a warp per (rank, piece); the last warp also writes t into the index of each target
-    // expert at its position.
-    const int num_targets = targets.count, num_target_ranks = targets.num_ranks;
+    // The puts: where the cast staged the row, its message into slot (this rank, t) of each target rank, in
+    // `pieces` 16-byte aligned pieces per rank, a warp per (rank, piece); the last warp also writes t into the
+    // index of each target expert at its position.
     if (num_target_ranks > 0) {
-      const int pieces = max(1, kSendWarps / num_target_ranks);
-      const int64_t piece_bytes = ((format.message + pieces - 1) / pieces + 15) / 16 * 16;
-      const int64_t slot = slots + (static_cast<int64_t>(me) * max_tokens + t) * layout.dispatch_slot_bytes;
       bool put = false;
-      for (int item = warp; item < num_target_ranks * pieces; item += kSendWarps) {
-        const int64_t begin = (item % pieces) * piece_bytes, end = min(begin + piece_bytes, format.message);
-        if (begin >= end) continue;
-        Transport::put_warp(c, targets.rank[item / pieces], slot + begin, staged + begin, end - begin, lane);
-        put = true;
+      if constexpr (!Transport::kDirectStores) {
+        const int pieces = max(1, kSendWarps / num_target_ranks);
+        const int64_t piece_bytes = ((format.message + pieces - 1) / pieces + 15) / 16 * 16;
+        for (int item = warp; item < num_target_ranks * pieces; item += kSendWarps) {
+          const int64_t begin = (item % pieces) * piece_bytes, end = min(begin + piece_bytes, format.message);
+          if (begin >= end) continue;
+          Transport::put_warp(c, targets.rank[item / pieces], slot + begin, staged + begin, end - begin, lane);
+          put = true;
+        }
       }
       if (warp == kSendWarps - 1) {
         // position < M always (T <= M is checked); the test keeps writes inside the region regardless.

@@ -3,7 +3,11 @@
 // remotely, so there is one kernel source for both transports. Every remote word is named by (rank, byte
 // offset in the LL region); the layout (low_latency_state.h) is the same on every rank.
 //
-// The three operations and the ordering they promise:
+// The operations and the ordering they promise:
+//   kDirectStores   whether `address` names a peer's word that plain stores reach: the dispatch send then casts a
+//                   row straight into its slot on every target rank instead of staging it for put_warp.
+//   address         (direct stores only) the local address of (rank, offset); stores to it are ordered like
+//                   put_warp's bytes.
 //   put_warp        warp-collective: copies bytes from local memory to (rank, offset). Not yet visible there.
 //   finish_puts     warp-collective, after a warp's puts: from here on they are ordered like plain stores of
 //                   the warp, so that a release after a barrier (a signal, or a fence and an atomic that the
@@ -34,6 +38,10 @@ constexpr int kCopyUnroll = 8;
 
 // Inside one NVLink domain: plain stores through the peers' mapped regions (peer access or CUDA IPC).
 struct PeerStores {
+  static constexpr bool kDirectStores = true;
+  __device__ static char* address(const LowLatencyCall& c, int rank, int64_t offset) {
+    return c.peer_regions[rank] + offset;
+  }
   __device__ static void put_warp(const LowLatencyCall& c, int rank, int64_t offset, const void* src, int64_t bytes,
                                   int lane) {
     // Sources were written during this call (the staged rows) or are XLA inputs: read at L2.
@@ -57,6 +65,8 @@ struct PeerStores {
 // Multi-node note: put sources are the staged rows (symmetric) for dispatch, but XLA's expert outputs for
 // combine, which network transports can only read once registered (nvshmemx_buffer_register) or staged.
 struct NvshmemPuts {
+  static constexpr bool kDirectStores = false;  // puts copy from symmetric memory (the staged rows)
+  __device__ static char* address(const LowLatencyCall&, int, int64_t) { return nullptr; }
   __device__ static void put_warp(const LowLatencyCall& c, int rank, int64_t offset, const void* src, int64_t bytes,
                                   int /*lane*/) {
     nvshmemx_putmem_nbi_warp(c.region + offset, src, static_cast<size_t>(bytes), c.pes[rank]);

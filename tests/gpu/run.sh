@@ -7,7 +7,9 @@
 #     which the driver compiles for the Hopper GPU at load time; final: full without the xla suite (fits
 #     one 10-minute call); mp: build, the intranode tests in one process, then with one process per GPU;
 #     ll: the low-latency tests (NVSHMEM transport too) and benchmark; llq: the low-latency tests in one
-#     process and the benchmark; accept: every GPU test and the demo;
+#     process and the benchmark; mpq: the intranode tests as 4 processes and the benchmark as 4 processes
+#     (PUSH_SWEEP="4 12": also the combine with those pushing warps per block, 24 SMs); accept: every GPU test
+#     and the demo;
 #     benches: every benchmark (both process models, internode 2 x 2), then the sm_80 path's tests;
 #     nvshmem: an unstripped build, then the NVSHMEM bootstrap probes (tests/gpu/nvshmem_probe);
 #     internode: the internode tests as 4 processes (2 nodes x 2 GPUs, and 4 x 1) and 2 (2 x 1), the bounded wait,
@@ -67,6 +69,18 @@ if [ "$mode" = llq ]; then  # low-latency kernels in one process, LL benchmark
   step bench_ll 100 python3 -m jax_ep.bench low_latency ${BENCH_LL_FLAGS:-} --json "$OUT/ll.json"
   grep -hE "^(FAILED|ERROR)" "$OUT"/*.log | head -20
   grep -hE "^\[" "$OUT/bench_ll.log" | tail -60
+  printf '\n== summary\n'; printf '%s\n' "${summary[@]}"
+  exit 0
+fi
+if [ "$mode" = mpq ]; then  # intranode with one process per GPU: tests, benchmark
+  step mp_intranode 300 python3 -m pytest -q -rs tests/gpu/test_multiprocess_gpu.py -k "suite and intranode and 4"
+  step bench_mp 90 python3 -m jax_ep.bench intranode --processes 4 --sms 24 64 --no-baselines --json "$OUT/bench_mp.json"
+  for warps in ${PUSH_SWEEP:-}; do
+    JAX_EP_COMBINE_PUSH_WARPS=$warps step "bench_mp_push$warps" 60 python3 -m jax_ep.bench intranode --processes 4 \
+      --sms 24 --no-baselines
+  done
+  grep -hE "^(FAILED|ERROR)" "$OUT"/*.log | head -20
+  grep -hE "^\[intranode\]" "$OUT"/bench_mp*.log | grep -E "GB/s|combine:" | tail -30
   printf '\n== summary\n'; printf '%s\n' "${summary[@]}"
   exit 0
 fi
