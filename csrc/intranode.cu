@@ -327,25 +327,29 @@ __device__ __forceinline__ void receive_token(const DispatchArgs& a, const Intra
 }
 
 // Dispatch in a staged group: this rank's copy of its inputs into its workspace (what the peers read) runs
-// alongside the pulls instead of before them. The work is cut into groups of G consecutive tokens and handed
-// out by a ticket counter in the order stage(0), pull(0), stage(1), pull(1), ...:
-//  - stage(j): a warp copies every input's rows of tokens [jG, (j + 1)G) of this rank into its workspace and,
+// alongside the pulls instead of before them. The tokens are cut into stage groups of S = 4P consecutive
+// tokens, each of 4 pull groups of P tokens, and a ticket counter hands out the work in the order stage(0),
+// pull(0), pull(1), pull(2), pull(3), stage(1), pull(4), ...:
+//  - stage(j): a warp copies every input's rows of tokens [jS, (j + 1)S) of this rank into its workspace and,
 //    after each unit of U tokens, raises that unit's flag tokens_staged[u] to the call number (release);
-//  - pull(j): a warp receives the pairs (source rank s, token t) of tokens [jG, (j + 1)G) that land here, as
-//    for_each_received_pair pairs them (32 per step, lane i asking `row_of`), reading a peer's token once
+//  - pull(i): a warp receives the pairs (source rank s, token t) of tokens [iP, (i + 1)P) that land here, as
+//    for_each_received_pair pairs them (lane k asking `row_of` for one pair), reading a peer's token once
 //    that peer's flag of the token's unit carries the call (this rank's own tokens are read from its inputs).
-// Pulls of group j follow its staging everywhere by one ticket, and a warp copies a token locally much faster
-// than it pulls one over NVLink, so pulls rarely wait. No deadlock: a stage never waits, and a pull only
-// waits for a stage whose ticket comes before its own on the peer (every rank hands out the same order).
-// U = ceil(T / kMaxStagedUnits) tokens (1 up to 8192 tokens); G = 32 / R tokens (one step of 32 pairs),
-// rounded up to a multiple of U.
+// A pull follows the staging of its tokens on every rank by a few tickets, and a warp copies a token locally
+// much faster than it pulls one over NVLink, so pulls rarely wait. No deadlock: a stage never waits, and a
+// pull only waits for a stage whose ticket comes before its own on the peer (every rank hands out the same
+// order). U = ceil(T / kMaxStagedUnits) tokens (1 up to 8192 tokens); P = 8 / R tokens (8 pairs: small pulls
+// spread the rows evenly over the warps), rounded up to a multiple of U.
+constexpr int64_t kPullsPerStage = 4;
+
 struct StagedWork {
-  int64_t unit_tokens, group_tokens, groups;
+  int64_t unit_tokens, pull_tokens, stage_tokens, stages;
   __device__ StagedWork(int64_t num_tokens, int num_ranks) {
     unit_tokens = (num_tokens + kMaxStagedUnits - 1) / kMaxStagedUnits;
-    const int64_t step_tokens = num_ranks < 32 ? 32 / num_ranks : 1;
-    group_tokens = (step_tokens + unit_tokens - 1) / unit_tokens * unit_tokens;
-    groups = (num_tokens + group_tokens - 1) / group_tokens;
+    const int64_t tokens = num_ranks < 8 ? 8 / num_ranks : 1;
+    pull_tokens = (tokens + unit_tokens - 1) / unit_tokens * unit_tokens;
+    stage_tokens = kPullsPerStage * pull_tokens;
+    stages = (num_tokens + stage_tokens - 1) / stage_tokens;
   }
 };
 
@@ -359,9 +363,10 @@ __device__ void pull_while_staging(const IntranodeRank& g, const CallContext& ct
   for (;;) {
     uint32_t ticket = lane == 0 ? atomicAdd(&own->tickets, 1u) : 0u;
     ticket = __shfl_sync(kFullMask, ticket, 0);
-    if (ticket >= 2 * work.groups) break;
-    const int64_t first = ticket / 2 * work.group_tokens, last = min(first + work.group_tokens, num_tokens);
-    if (ticket % 2 == 0) {  // stage(j)
+    if (ticket >= (kPullsPerStage + 1) * work.stages) break;
+    const int64_t stage = ticket / (kPullsPerStage + 1), slot = ticket % (kPullsPerStage + 1);
+    if (slot == 0) {  // stage(j)
+      const int64_t first = stage * work.stage_tokens, last = min(first + work.stage_tokens, num_tokens);
       for (int64_t unit_first = first; unit_first < last; unit_first += work.unit_tokens) {
         const int64_t unit_last = min(unit_first + work.unit_tokens, last);
         for (int64_t t = unit_first; t < unit_last; ++t)
@@ -378,7 +383,9 @@ __device__ void pull_while_staging(const IntranodeRank& g, const CallContext& ct
       }
       continue;
     }
-    // pull(j): pairs [first * R, last * R), as for_each_received_pair numbers them.
+    const int64_t first = (stage * kPullsPerStage + slot - 1) * work.pull_tokens;
+    const int64_t last = min(first + work.pull_tokens, num_tokens);
+    // pull(i): pairs [first * R, last * R), as for_each_received_pair numbers them.
     for (int64_t step = first * num_ranks; step < last * num_ranks; step += 32) {
       const int64_t pair = step + lane;
       const int src = static_cast<int>((pair + me) % num_ranks);
