@@ -46,29 +46,27 @@ __device__ __forceinline__ T load_nc(const T* ptr) {
   return LoadNonCoherent{}(ptr);
 }
 
-template <typename Load = LoadNonCoherent>
-__device__ void warp_copy_row(void* dst, const void* src, int64_t bytes, int lane, Load load = {}) {
-  warp_copy_row<kCopyUnroll>(dst, src, bytes, lane, load);
+__device__ void warp_copy_row(void* dst, const void* src, int64_t bytes, int lane) {
+  warp_copy_row<kCopyUnroll>(dst, src, bytes, lane, LoadNonCoherent{});
 }
 
 // The FP8 pair's rows: the values and the short scales row (at most 32 16-byte units) together, the scales'
 // loads issued with the first round of the values' so that they cost no round trip of their own. Falls
 // back to two copies where a row is not 16-byte aligned or the scales row is longer.
-template <typename Load>
 __device__ void warp_copy_row_pair(void* dst, const void* src, int64_t bytes, void* side_dst, const void* side_src,
-                                   int64_t side_bytes, int lane, Load load) {
+                                   int64_t side_bytes, int lane) {
   const uintptr_t bits = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
                          reinterpret_cast<uintptr_t>(side_dst) | reinterpret_cast<uintptr_t>(side_src) |
                          static_cast<uintptr_t>(bytes) | static_cast<uintptr_t>(side_bytes);
   if (bits % 16 != 0 || side_bytes > 32 * 16) {
-    warp_copy_row(dst, src, bytes, lane, load);
-    warp_copy_row(side_dst, side_src, side_bytes, lane, load);
+    warp_copy_row(dst, src, bytes, lane);
+    warp_copy_row(side_dst, side_src, side_bytes, lane);
     return;
   }
   const bool has_side = lane < side_bytes / 16;
   uint4 side;
-  if (has_side) side = load(static_cast<const uint4*>(side_src) + lane);
-  warp_copy_units<kCopyUnroll>(static_cast<uint4*>(dst), static_cast<const uint4*>(src), bytes / 16, lane, load);
+  if (has_side) side = load_nc(static_cast<const uint4*>(side_src) + lane);
+  warp_copy_units<kCopyUnroll>(static_cast<uint4*>(dst), static_cast<const uint4*>(src), bytes / 16, lane, LoadNonCoherent{});
   if (has_side) static_cast<uint4*>(side_dst)[lane] = side;
 }
 
@@ -205,7 +203,7 @@ __device__ __forceinline__ void finish_call(const IntranodeRank& g, CallContext&
     own->timed_calls += 1;
     own->blocks_finished = 0;
     own->blocks_staged = 0;
-    own->tickets = 0;
+    own->combine_tickets = 0;
     own->calls_completed = ctx.call;
   }
 }
@@ -302,116 +300,25 @@ __device__ __forceinline__ void route_own_tokens(const DispatchArgs& a, int num_
 }
 
 // A warp receives token t of rank src_rank into `row`: payload rows and the top-k row (store_received_topk).
-// `load` reads the source's inputs: LoadL2 where they were copied during this call (a staged group), since the
-// non-coherent path could serve a line that it cached before the copy reached it.
-template <typename Load>
 __device__ __forceinline__ void receive_token(const DispatchArgs& a, const IntranodeView& src, int src_rank, int me,
-                                              int num_ranks, int64_t t, int32_t row, int lane, Load load) {
+                                              int num_ranks, int64_t t, int32_t row, int lane) {
   const int num_topk = static_cast<int>(a.num_topk);
   const int32_t* src_idx = static_cast<const int32_t*>(src.pointers[2]);
   const float* src_weights = static_cast<const float*>(src.pointers[3]);
   int32_t expert = -1;
   float weight = 0.f;
   if (lane < num_topk) {  // issued before the row copy so their latency overlaps it
-    expert = load(src_idx + t * num_topk + lane);
-    if (src_weights) weight = load(src_weights + t * num_topk + lane);
+    expert = load_nc(src_idx + t * num_topk + lane);
+    if (src_weights) weight = load_nc(src_weights + t * num_topk + lane);
   }
   if (a.num_payloads == 2)
     warp_copy_row_pair(row_of(a.recv_x[0], row, a.x_row_bytes[0]), row_of(src.pointers[0], t, a.x_row_bytes[0]),
                        a.x_row_bytes[0], row_of(a.recv_x[1], row, a.x_row_bytes[1]),
-                       row_of(src.pointers[1], t, a.x_row_bytes[1]), a.x_row_bytes[1], lane, load);
+                       row_of(src.pointers[1], t, a.x_row_bytes[1]), a.x_row_bytes[1], lane);
   else
     warp_copy_row(row_of(a.recv_x[0], row, a.x_row_bytes[0]), row_of(src.pointers[0], t, a.x_row_bytes[0]),
-                  a.x_row_bytes[0], lane, load);
+                  a.x_row_bytes[0], lane);
   store_received_topk(a, me, num_ranks, src_rank, t, row, expert, weight, lane);
-}
-
-// Dispatch in a staged group: this rank's copy of its inputs into its workspace (what the peers read) runs
-// alongside the pulls instead of before them. The tokens are cut into stage groups of S = 4P consecutive
-// tokens, each of 4 pull groups of P tokens, and a ticket counter hands out the work in the order stage(0),
-// pull(0), pull(1), pull(2), pull(3), stage(1), pull(4), ...:
-//  - stage(j): a warp copies every input's rows of tokens [jS, (j + 1)S) of this rank into its workspace and,
-//    after each unit of U tokens, raises that unit's flag tokens_staged[u] to the call number (release);
-//  - pull(i): a warp receives the pairs (source rank s, token t) of tokens [iP, (i + 1)P) that land here, as
-//    for_each_received_pair pairs them (lane k asking `row_of` for one pair), reading a peer's token once
-//    that peer's flag of the token's unit carries the call (this rank's own tokens are read from its inputs).
-// A pull follows the staging of its tokens on every rank by a few tickets, and a warp copies a token locally
-// much faster than it pulls one over NVLink, so pulls rarely wait. No deadlock: a stage never waits, and a
-// pull only waits for a stage whose ticket comes before its own on the peer (every rank hands out the same
-// order). U = ceil(T / kMaxStagedUnits) tokens (1 up to 8192 tokens); P = 8 / R tokens (8 pairs: small pulls
-// spread the rows evenly over the warps), rounded up to a multiple of U.
-constexpr int64_t kPullsPerStage = 4;
-
-struct StagedWork {
-  int64_t unit_tokens, pull_tokens, stage_tokens, stages;
-  __device__ StagedWork(int64_t num_tokens, int num_ranks) {
-    unit_tokens = (num_tokens + kMaxStagedUnits - 1) / kMaxStagedUnits;
-    const int64_t tokens = num_ranks < 8 ? 8 / num_ranks : 1;
-    pull_tokens = (tokens + unit_tokens - 1) / unit_tokens * unit_tokens;
-    stage_tokens = kPullsPerStage * pull_tokens;
-    stages = (num_tokens + stage_tokens - 1) / stage_tokens;
-  }
-};
-
-template <typename RowOf, typename Receive>
-__device__ void pull_while_staging(const IntranodeRank& g, const CallContext& ctx, const StagePlan& plan,
-                                   int64_t num_tokens, IntranodeOp op, int64_t timeout_ns, RowOf row_of_pair,
-                                   Receive receive) {
-  const int num_ranks = g.num_ranks, me = g.rank, lane = threadIdx.x % 32;
-  IntranodeState* own = g.states[me];
-  const StagedWork work(num_tokens, num_ranks);
-  for (;;) {
-    uint32_t ticket = lane == 0 ? atomicAdd(&own->tickets, 1u) : 0u;
-    ticket = __shfl_sync(kFullMask, ticket, 0);
-    if (ticket >= (kPullsPerStage + 1) * work.stages) break;
-    const int64_t stage = ticket / (kPullsPerStage + 1), slot = ticket % (kPullsPerStage + 1);
-    if (slot == 0) {  // stage(j)
-      const int64_t first = stage * work.stage_tokens, last = min(first + work.stage_tokens, num_tokens);
-      for (int64_t unit_first = first; unit_first < last; unit_first += work.unit_tokens) {
-        const int64_t unit_last = min(unit_first + work.unit_tokens, last);
-        for (int64_t t = unit_first; t < unit_last; ++t)
-          for (int i = 0; i < plan.num_regions; ++i) {
-            const StageRegion& region = plan.regions[i];
-            warp_copy_row(row_of(region.dst, t, region.row_bytes), row_of(region.src, t, region.row_bytes),
-                          region.row_bytes, lane);
-          }
-        __syncwarp();
-        if (lane == 0) {  // the unit's stores (every lane's, ordered by the warp barrier) before its flag
-          __threadfence_system();
-          store_release_sys(&own->tokens_staged[unit_first / work.unit_tokens], ctx.call);
-        }
-      }
-      continue;
-    }
-    const int64_t first = (stage * kPullsPerStage + slot - 1) * work.pull_tokens;
-    const int64_t last = min(first + work.pull_tokens, num_tokens);
-    // pull(i): pairs [first * R, last * R), as for_each_received_pair numbers them.
-    for (int64_t step = first * num_ranks; step < last * num_ranks; step += 32) {
-      const int64_t pair = step + lane;
-      const int src = static_cast<int>((pair + me) % num_ranks);
-      const int64_t t = pair / num_ranks;
-      const int32_t row = pair < last * num_ranks ? row_of_pair(src, t) : -1;
-      const uint64_t* flag = &g.states[src]->tokens_staged[t / work.unit_tokens];
-      bool staged = row < 0 || src == me || load_acquire_sys(flag) >= ctx.call;
-      for (uint32_t todo = __ballot_sync(kFullMask, row >= 0); todo; todo &= todo - 1) {
-        const int src_lane = __ffs(todo) - 1;
-        if (!__shfl_sync(kFullMask, staged, src_lane)) {  // every lane not yet staged polls again
-          const uint64_t start = now_ns();
-          do {
-            if (!staged) staged = load_acquire_sys(flag) >= ctx.call;
-            const int64_t waited = static_cast<int64_t>(now_ns() - start);
-            if (lane == src_lane && !staged && waited > timeout_ns)
-              fail_on_timeout(&own->error_claimed, g.error, me, static_cast<int32_t>(op),
-                              static_cast<int32_t>(IntranodeWait::kStagedTokens), src, ctx.call,
-                              load_acquire_sys(flag), waited);
-          } while (!__shfl_sync(kFullMask, staged, src_lane));
-        }
-        __syncwarp();  // the rows the polling lane acquired are visible to the whole warp
-        receive(__shfl_sync(kFullMask, src, src_lane), __shfl_sync(kFullMask, t, src_lane),
-                __shfl_sync(kFullMask, row, src_lane));
-      }
-    }
-  }
 }
 
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_constant__ IntranodeRank g,
@@ -428,11 +335,11 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
   const int64_t experts_per_rank = a.num_experts / num_ranks;
 
   begin_call(g, ctx);
-  // (A staged group copies its inputs into the workspace during the pulls: pull_while_staging. Block 0 publishes
-  // their workspace offsets, fixed by the plan, right after the routing.)
+  stage_inputs(g, plan);
   if (blockIdx.x == 0) {
     route_own_tokens(a, num_ranks, own_totals);
     for (int64_t j = threadIdx.x; j < experts_per_rank; j += kThreads) a.num_recv_tokens_per_expert[j] = 0;
+    wait_for_staging(g, plan, ctx.call, IntranodeOp::kDispatch, timeout_ns);
     if (threadIdx.x == 0) {
       IntranodeView& view = g.states[me]->view;
       for (int i = 0; i < kMaxPublishedPointers; ++i) view.pointers[i] = plan.published[i];
@@ -458,30 +365,18 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
       *a.num_recv_tokens = num_recv;
       *a.num_dropped = need - num_recv;
     }
-    if (g.staged) {  // this rank's own tokens come from its inputs, not from its workspace copy
-      ctx.views[me].pointers[0] = a.x[0];
-      ctx.views[me].pointers[1] = a.num_payloads == 2 ? a.x[1] : nullptr;
-      ctx.views[me].pointers[2] = a.topk_idx;
-      ctx.views[me].pointers[3] = a.topk_weights;
-    }
   }
   __syncthreads();
 
   // Received rows, in (source rank, token) order (see for_each_received_pair), then the padding rows.
-  auto row_of_pair = [&](int s, int64_t t) {
-    const volatile int32_t* offsets = static_cast<const int32_t*>(ctx.views[s].pointers[4]);
-    const int32_t offset = offsets[t * num_ranks + me];
-    return offset >= 0 && source_base[s] + offset < capacity ? source_base[s] + offset : -1;
-  };
-  if (g.staged)
-    pull_while_staging(g, ctx, plan, num_tokens, IntranodeOp::kDispatch, timeout_ns, row_of_pair,
-                       [&](int src, int64_t t, int32_t row) {
-                         receive_token(a, ctx.views[src], src, me, num_ranks, t, row, lane, LoadL2{});
-                       });
-  else
-    for_each_received_pair(num_ranks, num_tokens, me, row_of_pair, [&](int src, int64_t t, int32_t row) {
-      receive_token(a, ctx.views[src], src, me, num_ranks, t, row, lane, LoadNonCoherent{});
-    });
+  for_each_received_pair(
+      num_ranks, num_tokens, me,
+      [&](int s, int64_t t) {
+        const volatile int32_t* offsets = static_cast<const int32_t*>(ctx.views[s].pointers[4]);
+        const int32_t offset = offsets[t * num_ranks + me];
+        return offset >= 0 && source_base[s] + offset < capacity ? source_base[s] + offset : -1;
+      },
+      [&](int src, int64_t t, int32_t row) { receive_token(a, ctx.views[src], src, me, num_ranks, t, row, lane); });
   write_padding_rows(a, num_ranks, num_recv);
 
   // Handle: the row of each of this rank's tokens on each rank (-1 where not sent or dropped).
@@ -734,11 +629,11 @@ __device__ void reduce_pushed_tokens(const IntranodeRank& g, const CallContext& 
     rows_end = lane == me ? a.capacity : min(static_cast<int64_t>(ctx.views[lane].counts[me]), a.capacity);
   }
   // Lane 0 holds the next ticket; taking the one after it while reducing hides the atomic's latency.
-  uint32_t ticket = lane == 0 ? atomicAdd(&own->tickets, 1u) : 0u;
+  uint32_t ticket = lane == 0 ? atomicAdd(&own->combine_tickets, 1u) : 0u;
   for (;;) {
     const int64_t t = __shfl_sync(kFullMask, ticket, 0);
     if (t >= num_tokens) break;
-    if (lane == 0) ticket = atomicAdd(&own->tickets, 1u);
+    if (lane == 0) ticket = atomicAdd(&own->combine_tickets, 1u);
     int32_t row = -1;
     if (lane < num_ranks) {
       row = a.send_row[t * num_ranks + lane];

@@ -18,11 +18,6 @@ inline constexpr int64_t kStagingOffset = 256;
 // (sending rank, unit), so a call uses at most this many units (intranode.cu sizes them from the capacity).
 inline constexpr int64_t kMaxCombineUnits = 4096;
 
-// Staged dispatch: a rank copies its inputs into its workspace token by token while the peers already pull the
-// tokens copied; it raises one readiness flag per unit of tokens, so a call uses at most this many units
-// (intranode.cu sizes them from the token count).
-inline constexpr int64_t kMaxStagedUnits = 8192;
-
 // What a rank publishes for one call; peers read it through its peer pointer once its arrival flag
 // reached the call's sequence number, and it is rewritten only after every peer released the call.
 struct IntranodeView {
@@ -39,8 +34,7 @@ struct IntranodeState {
   uint64_t calls_completed;
   uint32_t blocks_finished;  // blocks of the running call that finished their work
   uint32_t blocks_staged;    // staged groups: blocks of the running call that copied their share of the inputs
-  uint32_t tickets;          // work handed to warps so far in the call (push combine: tokens to reduce; staged
-                             // dispatch: units to copy and to pull, see pull_while_staging)
+  uint32_t combine_tickets;  // push combine: this rank's tokens handed to reducing warps so far in the call
   unsigned error_claimed;    // the first block that fails fills the error record
   uint64_t arrived[kMaxIntranodeRanks];   // [p]: latest call for which rank p published its view
   uint64_t released[kMaxIntranodeRanks];  // [p]: latest call after which rank p reads nothing of ours
@@ -53,13 +47,10 @@ struct IntranodeState {
   // Push combine: [p][u] = latest call in which rank p finished storing its unit u of rows destined here
   // (written by rank p, release; call numbers only grow, so the flags are never cleared).
   uint64_t combine_ready[kMaxIntranodeRanks][kMaxCombineUnits];
-  // Staged dispatch: [u] = latest call in which this rank finished copying its unit u of tokens (every input's
-  // rows of those tokens) into its workspace (release; never cleared, as combine_ready).
-  uint64_t tokens_staged[kMaxStagedUnits];
 };
 
 enum class IntranodeOp : int32_t { kDispatch = 1, kCachedDispatch = 2, kCombine = 3, kStoreProbe = 4 };
-enum class IntranodeWait : int32_t { kArrival = 1, kRelease = 2, kStaging = 3, kCombineRows = 4, kStagedTokens = 5 };
+enum class IntranodeWait : int32_t { kArrival = 1, kRelease = 2, kStaging = 3, kCombineRows = 4 };
 
 // Written by a kernel just before it traps; lives in pinned host memory so the host can read it after the
 // trap destroyed the CUDA context. `op` is written last: nonzero means the record is complete.

@@ -330,8 +330,7 @@ std::vector<std::string> intranode_errors(int64_t buffer_id) {
   static const char* const kOps[] = {"?", "dispatch", "cached dispatch", "combine", "store probe"};
   static const char* const kWaits[] = {"?", "to publish its inputs (arrival)", "to finish reading (release)",
                                        "(its own blocks) to stage the inputs",
-                                       "to store its rows of this rank's tokens (push combine)",
-                                       "to copy its tokens into its workspace (staged dispatch)"};
+                                       "to store its rows of this rank's tokens (push combine)"};
   std::lock_guard<std::mutex> lock(g_mutex);
   std::vector<std::string> lines;
   for (const auto& [key, memory] : g_ranks) {
@@ -339,7 +338,7 @@ std::vector<std::string> intranode_errors(int64_t buffer_id) {
     const volatile IntranodeError& e = *memory->error;
     if (e.op == 0 || e.op >= static_cast<int32_t>(LowLatencyOp::kDispatchSend)) continue;  // LL: low_latency_errors
     const int op = (e.op >= 1 && e.op <= 4) ? e.op : 0;
-    const int wait = (e.wait >= 1 && e.wait <= 5) ? e.wait : 0;
+    const int wait = (e.wait >= 1 && e.wait <= 4) ? e.wait : 0;
     lines.push_back("jax_ep " + std::string(kOps[op]) + " timed out on rank " + std::to_string(e.rank) +
                     " (CUDA device " + std::to_string(memory->device) + ") after " +
                     std::to_string(e.waited_ns / 1000000) + " ms waiting for rank " + std::to_string(e.peer) + " " +

@@ -207,15 +207,6 @@ def test_dispatch_without_weights_and_odd_shapes(R):
 
 
 @pytest.mark.parametrize("R", RANKS)
-def test_dispatch_many_tokens(R):
-    """More tokens than a staged group keeps readiness flags for (8192, csrc/intranode_state.h kMaxStagedUnits):
-    with one process per GPU, the copy into the workspace then flags units of two tokens, the last one short."""
-    T, H, K, E = 8195, 128, 3, 4 * R
-    x, idx, w = make_case(R, T, H, K, E, seed=11)
-    check_dispatch(R, x, idx, w, E)
-
-
-@pytest.mark.parametrize("R", RANKS)
 @pytest.mark.parametrize("C", [1, 7, 50])
 def test_capacity_below_need_drops(R, C):
     T, H, K, E = 64, 128, 4, 16
