@@ -108,24 +108,6 @@ __device__ __forceinline__ uint32_t next_call(const uint32_t* completed) {
   return *reinterpret_cast<const volatile uint32_t*>(completed) + 1;
 }
 
-// Programmatic dependent launch (Hopper): a receive half is launched with programmatic stream serialization
-// (launch_receive), so that its blocks are placed while the kernel before it in the stream (its send half, when
-// nothing runs between them) still runs; each send block allows that at its start. The receive then waits
-// here, before it reads anything, until every kernel before it has completed and its writes are visible: the
-// same guarantee as a plain launch, without the launch latency in between. Below sm_90 both are no-ops, and
-// launch_receive launches plainly.
-__device__ __forceinline__ void allow_receive_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void wait_for_prior_kernels() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 // ---- per-call trace (LowLatencyTrace) ------------------------------------------------------------------------
 
 __device__ __forceinline__ LowLatencyTrace* trace_slot(const LowLatencyCall& c, const LowLatencyLayout& layout,
@@ -447,7 +429,6 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_send_kernel(const __gri
   __shared__ SendTargets targets;
   __shared__ int32_t invalid;
   enum { kRouting, kCast, kPuts, kFlags };  // phases, as kLowLatencyPhaseNames names them
-  allow_receive_launch();
   clock_begin();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, me = c.group.rank, num_ranks = c.group.num_ranks;
   const int64_t hidden = c.hidden, num_topk = a.num_topk, num_tokens = a.num_tokens, max_tokens = c.num_max_tokens;
@@ -613,7 +594,6 @@ __global__ void __launch_bounds__(kThreads, 2) dispatch_recv_kernel(const __grid
                                                                  int32_t splits) {
   __shared__ int32_t counts[kMaxIntranodeRanks], begins[kMaxIntranodeRanks + 1];
   enum { kWaiting, kCopying };  // phases, as kLowLatencyPhaseNames names them
-  wait_for_prior_kernels();  // (launched early: launch_receive)
   clock_begin();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, me = c.group.rank, num_ranks = c.group.num_ranks;
   const int64_t hidden = c.hidden, max_tokens = c.num_max_tokens, rows_per_expert = num_ranks * max_tokens;
@@ -731,7 +711,6 @@ __global__ void __launch_bounds__(kCombineSendThreads) combine_send_kernel(
     const __grid_constant__ LowLatencyCall c, const __grid_constant__ LowLatencyCombineSendArgs a) {
   extern __shared__ int64_t first_row[];  // [pairs + 1]: rows of the pairs before p, in pair order
   enum { kCredits, kPuts, kFlags };  // phases, as kLowLatencyPhaseNames names them
-  allow_receive_launch();
   clock_begin();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_ranks = c.group.num_ranks;
   const int64_t hidden = c.hidden, max_tokens = c.num_max_tokens, rows_per_expert = num_ranks * max_tokens;
@@ -812,7 +791,6 @@ __global__ void __launch_bounds__(kThreads, kCombineRecvBlocksPerSm) combine_rec
                                                                 TokenParts split) {
   enum { kWaiting, kSumming };  // phases, as kLowLatencyPhaseNames names them
   __shared__ unsigned long long item_ns[2], items, first_ready, last_ready;
-  wait_for_prior_kernels();  // (launched early: launch_receive)
   clock_begin();
   const int lane = threadIdx.x % 32;
   const int64_t hidden = c.hidden, num_topk = a.num_topk;
@@ -909,25 +887,6 @@ __global__ void __launch_bounds__(kThreads, kCombineRecvBlocksPerSm) combine_rec
 
 // ---- launches ----------------------------------------------------------------------------------------------
 
-// Launches a receive half with programmatic stream serialization where its code waits for the kernels before
-// it (wait_for_prior_kernels: compiled for sm_90 or later), else plainly.
-template <typename... KernelArgs, typename... Args>
-cudaError_t launch_receive(void (*kernel)(KernelArgs...), int blocks, int threads, cudaStream_t stream, Args... args) {
-  cudaFuncAttributes attributes{};
-  const cudaError_t err = cudaFuncGetAttributes(&attributes, kernel);
-  if (err != cudaSuccess) return err;
-  cudaLaunchAttribute early{};
-  early.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  early.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(blocks);
-  config.blockDim = dim3(threads);
-  config.stream = stream;
-  config.attrs = &early;
-  config.numAttrs = attributes.ptxVersion >= 90 ? 1 : 0;
-  return cudaLaunchKernelEx(&config, kernel, static_cast<KernelArgs>(args)...);
-}
-
 // The combine receive's grid: kCombineRecvBlocksPerSm blocks per SM at most, so that enough row loads are in
 // flight (the sum is bound by their latency).
 int blocks_for_warps(const LowLatencyCall& c, int64_t warps) {
@@ -965,7 +924,8 @@ cudaError_t low_latency_dispatch_recv(const LowLatencyCall& call, const LowLaten
       std::clamp<int64_t>((call.group.device_sms + experts_per_rank - 1) / experts_per_rank, 1, kWarps));
   const int blocks = static_cast<int>(experts_per_rank * splits);
   return with_transport(call, [&](auto transport) {
-    return launch_receive(dispatch_recv_kernel<decltype(transport)>, blocks, kThreads, call.stream, call, args, splits);
+    dispatch_recv_kernel<decltype(transport)><<<blocks, kThreads, 0, call.stream>>>(call, args, splits);
+    return cudaGetLastError();
   });
 }
 
@@ -984,8 +944,9 @@ cudaError_t low_latency_combine_recv(const LowLatencyCall& call, const LowLatenc
   if (args.num_topk > kLowLatencyMaxTopk || args.num_tokens > call.num_max_tokens) return cudaErrorInvalidValue;
   const TokenParts split = token_parts(call, args.num_tokens);
   return with_transport(call, [&](auto transport) {
-    return launch_receive(combine_recv_kernel<decltype(transport)>, blocks_for_warps(call, args.num_tokens * split.parts),
-                          kThreads, call.stream, call, args, split);
+    combine_recv_kernel<decltype(transport)>
+        <<<blocks_for_warps(call, args.num_tokens * split.parts), kThreads, 0, call.stream>>>(call, args, split);
+    return cudaGetLastError();
   });
 }
 
