@@ -28,6 +28,8 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 2.0
+EXIT_BARRIER_MS = 60_000  # how long a finished process waits for the others before it leaves
+EXIT_GRACE_S = 2.0        # how long process 0 outlives the barrier, so that the others are gone first
 
 
 def run_timeout(process_id: int, num_processes: int, ranks_per_node: int | None = None) -> None:
@@ -82,7 +84,22 @@ def main(mode: str, process_id: int, num_processes: int, port: int, pytest_args:
 
     code = pytest.main(["-q", "-p", "no:cacheprovider", "--rootdir", str(TESTS.parent), *pytest_args])
     sys.stdout.flush()
-    os._exit(int(code))  # skip jax.distributed's shutdown barrier: a failed peer may never reach it
+    leave(process_id, int(code))
+
+
+def leave(process_id: int, code: int) -> None:
+    """Exits without jax.distributed's shutdown (a failed peer may never reach its barrier). Process 0 hosts the
+    coordination service, and a process still running when it disappears aborts (SIGABRT from its error
+    poller): so the processes first meet at a barrier bounded by EXIT_BARRIER_MS, and process 0 leaves last."""
+    from jax._src import distributed
+
+    try:
+        distributed.global_state.client.wait_at_barrier("mp_worker_exit", EXIT_BARRIER_MS)
+    except Exception as e:  # noqa: BLE001 -- a peer that failed or hangs: leave anyway, the launcher reports it
+        print(f"mp_worker: exit barrier: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+    if process_id == 0:
+        time.sleep(EXIT_GRACE_S)
+    os._exit(code)
 
 
 if __name__ == "__main__":
