@@ -251,9 +251,9 @@ struct TokenParts {
 
 // ---- dispatch ---------------------------------------------------------------------------------------------
 
-// The send runs one token per block at a time, its 16 warps first casting the token's row into the staging row
-// together, then putting it to the ranks of the token's experts in pieces. Enough warps keep many stores in
-// flight per SM while T is about the number of SMs.
+// The send runs one token per block at a time, its 16 warps casting the token's row together into the slots of
+// the ranks of the token's experts (or into the staging row that puts then copy). Enough warps keep many stores
+// in flight per SM while T is about the number of SMs.
 constexpr int kSendThreads = 512;
 constexpr int kSendWarps = kSendThreads / 32;
 
@@ -414,11 +414,13 @@ __device__ __forceinline__ void load_chunks(uint4 (&raw)[kPrefetch], const __nv_
 // The send. A block takes tokens t = block, block + blocks, ... (one each at DeepEP's decode shape). Before its
 // first barrier, whose latencies thereby overlap: warp 0 finds t's distinct experts (its targets) in topk_idx,
 // warp 1 waits for the credits (nothing reaches a peer before that barrier), every warp loads its first chunks of
-// x[t], and the block copies the routing into shared memory. Then, per token: its 16 warps cast the row into the
-// staging row (FP8: one scale per 128 channels, 16 lanes a group) and count t's slot position at each target
-// (the tokens before t naming it); then put the staged row into slot (this rank, t) of each target rank,
-// once per rank however many of t's experts it holds, in pieces, a warp per (rank, piece), and t into each
-// target expert's index at t's position; once they are written, each target's send counter advances. Last, the
+// x[t], and the block copies the routing into shared memory. Then, per token: its 16 warps cast the row (FP8: one
+// scale per 128 channels, 16 lanes a group) into slot (this rank, t) of each target rank, once per rank however
+// many of t's experts it holds, and count t's slot position at each target (the tokens before t naming it). With
+// direct stores (peer pointers) the cast stores into the slots themselves and one warp copies the header there;
+// otherwise it writes the staging row, which is then put to each target rank in pieces, a warp per (rank,
+// piece). The last warp writes t into each target expert's index at t's position; once all of it is written,
+// each target's send counter advances. Last, the
 // block adds the row count of the experts it is given (spread over all blocks) to their counters, while its
 // stores drain: a completed counter raises that expert's flag (count_toward_flag), so a receiver can start on
 // an expert while other experts' rows are still being sent.

@@ -13,7 +13,8 @@
 //                                            rank), this rank's own (low_latency.cu, combine_row_sent); zero
 //                                            between calls
 //   dispatch_staging [M] x dispatch slot     this rank's rows as sent (cast, with their header): the source of
-//                                            the copies or NVSHMEM puts into the receivers' slots
+//                                            the NVSHMEM puts into the receivers' slots (with peer stores only
+//                                            the header is staged: the cast writes the slots directly)
 //   set 0, set 1                              two buffer sets; call c of an op uses set c % 2
 // One set:
 //   dispatch_flags  [L][R] uint64             at the receiver: (call tag << 32 | row count) per (local expert,
