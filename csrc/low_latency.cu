@@ -23,6 +23,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include <cub/warp/warp_scan.cuh>
+
 #include <algorithm>
 #include <string>
 #include <vector>
@@ -728,17 +730,14 @@ __global__ void __launch_bounds__(kCombineSendThreads) combine_send_kernel(
   if (threadIdx.x < num_ranks) wait_for_credit(c, LowLatencyOp::kCombineSend, call, /*dispatch=*/false, threadIdx.x);
   __syncthreads();
   if (warp == 0) {
+    __shared__ typename cub::WarpScan<int64_t>::TempStorage scan;
     int64_t before = 0;
     for (int64_t first = 0; first < pairs; first += 32) {
       const int64_t p = first + lane;
-      int64_t rows = p < pairs ? first_row[p + 1] : 0;
-#pragma unroll
-      for (int offset = 1; offset < 32; offset *= 2) {
-        const int64_t other = __shfl_up_sync(kFullMask, rows, offset);
-        if (lane >= offset) rows += other;
-      }
+      int64_t rows = p < pairs ? first_row[p + 1] : 0, step_total;
+      cub::WarpScan<int64_t>(scan).InclusiveSum(rows, rows, step_total);
       if (p < pairs) first_row[p + 1] = before + rows;
-      before += __shfl_sync(kFullMask, rows, 31);
+      before += step_total;
     }
   }
   __syncthreads();  // no row is written before every credit is in; the numbering is done

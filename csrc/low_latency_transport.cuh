@@ -66,7 +66,6 @@ struct PeerStores {
 // combine, which network transports can only read once registered (nvshmemx_buffer_register) or staged.
 struct NvshmemPuts {
   static constexpr bool kDirectStores = false;  // puts copy from symmetric memory (the staged rows)
-  __device__ static char* address(const LowLatencyCall&, int, int64_t) { return nullptr; }
   __device__ static void put_warp(const LowLatencyCall& c, int rank, int64_t offset, const void* src, int64_t bytes,
                                   int /*lane*/) {
     nvshmemx_putmem_nbi_warp(c.region + offset, src, static_cast<size_t>(bytes), c.pes[rank]);
