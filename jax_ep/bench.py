@@ -596,10 +596,11 @@ def low_latency(args) -> dict:
 
     def time_all(buf, backend):
         dispatch, combine, combine_routing, y = ops_of(buf)
-        for payload, use_fp8 in (("FP8", True), ("BF16", False)):
+        for payload, use_fp8 in (("FP8", True), ("BF16", False)) if "dispatch" in args.ops else ():
             report(backend, "dispatch", payload,
                    *time_op_and_kernels(dispatch(use_fp8), (topk_idx, x), buf, "dispatch"))
-        report(backend, "combine", "BF16", *time_op_and_kernels(combine, (combine_routing, y), buf, "combine"))
+        if "combine" in args.ops:
+            report(backend, "combine", "BF16", *time_op_and_kernels(combine, (combine_routing, y), buf, "combine"))
         return combine_routing, y
 
     with jax_ep.Buffer(mesh, "ep", backend=args.backend, num_max_dispatch_tokens_per_rank=M, hidden=H,
@@ -636,6 +637,8 @@ def low_latency(args) -> dict:
              lambda p: jax_ep.low_latency_combine_recv(buf, p)),
         ]
         for op, payload, fn_args, send, recv in halves:
+            if op not in args.ops:
+                continue
             t_split = time_op(split(send, recv), (*fn_args, a))
             t_op = next(r["t_us"] for r in results if (r["backend"], r["op"], r["payload"]) == (measured, op, payload))
             exposed = t_split * 1e6 - t_compute * 1e6
@@ -649,7 +652,7 @@ def low_latency(args) -> dict:
     baselines = []
     if measured == "jax_ep xla":
         print("[low_latency] jax_ep xla: the measured ops above (not timed twice)", flush=True)
-    else:
+    elif args.baselines:
         with jax_ep.Buffer(mesh, "ep", backend="xla", num_max_dispatch_tokens_per_rank=M, hidden=H,
                            num_experts=E) as xla_buf:
             time_all(xla_buf, "jax_ep xla")
@@ -827,7 +830,10 @@ def main(argv=None) -> int:
                         help="intranode: also time jax_ep's xla backend (its all_gather of the payload does not depend "
                              "on the routing, so XLA computes it once for the whole timed sequence: not a fair figure)")
     parser.add_argument("--no-baselines", dest="baselines", action="store_false",
-                        help="skip the pure-JAX baselines (ragged_all_to_all MaxText-style, dense all_to_all)")
+                        help="skip the pure-JAX baselines (ragged_all_to_all MaxText-style, dense all_to_all; for "
+                             "low_latency also jax_ep's xla backend)")
+    parser.add_argument("--ops", nargs="+", choices=["dispatch", "combine"], default=["dispatch", "combine"],
+                        help="low_latency: the ops to time (default both)")
     parser.add_argument("--backend", default="auto", choices=["auto", "cuda", "xla"],
                         help="low_latency: the Buffer backend to measure (the xla backend is timed as a baseline)")
     parser.add_argument("--max-tokens", type=int, default=0,
