@@ -670,7 +670,7 @@ __global__ void __launch_bounds__(kThreads, 2) dispatch_recv_kernel(const __grid
 // source rank s) they belong to: rows are numbered pair by pair (p = j * R + s, each pair's rows in order), each
 // row is cut into kCombinePieces pieces, and warp w takes pieces w, w + warps, ... (one each at decode sizes),
 // putting each into its part of the source's slot (token, top-k slot). A pair's counter counts its pieces once
-// written; the piece that completes it raises the pair's flag on the source (combine_row_sent), so that the
+// written; the piece that completes it raises the pair's flag on the source (combine_piece_sent), so that the
 // source can sum a token as soon as the flags of its experts are in; pairs without rows raise theirs at once.
 // Handle values outside their ranges send nothing.
 constexpr int kCombineSendThreads = 128;
@@ -706,7 +706,7 @@ __device__ __forceinline__ void raise_combine_flag(const LowLatencyCall& c, cons
 // One thread, after a piece of a row of pair p is written and published (a barrier after its warp's puts):
 // counts it; the addition that completes p's `pieces` raises p's flag and clears the counter for the next call.
 template <typename Transport>
-__device__ __forceinline__ void combine_row_sent(const LowLatencyCall& c, const LowLatencyLayout& layout,
+__device__ __forceinline__ void combine_piece_sent(const LowLatencyCall& c, const LowLatencyLayout& layout,
                                                  uint32_t call, int64_t p, int64_t pieces) {
   unsigned* counter = reinterpret_cast<unsigned*>(c.region + layout.combine_counters) + p;
   __threadfence();  // release: the piece's stores, which this thread saw finished, before the addition
@@ -771,7 +771,7 @@ __global__ void __launch_bounds__(kCombineSendThreads) combine_send_kernel(
       Transport::finish_puts(lane);
     }
     clock_mark(kPuts);
-    if (lane == 0) combine_row_sent<Transport>(c, layout, call, p, pair.count * kCombinePieces);
+    if (lane == 0) combine_piece_sent<Transport>(c, layout, call, p, pair.count * kCombinePieces);
     __syncwarp();
     clock_mark(kFlags);
   }
@@ -944,9 +944,9 @@ cudaError_t low_latency_dispatch_recv(const LowLatencyCall& call, const LowLaten
 }
 
 cudaError_t low_latency_combine_send(const LowLatencyCall& call, const LowLatencyCombineSendArgs& args) {
-  // Warps for about a piece each at decode sizes (a rank returns T * K rows on average, T <= M): E blocks of 4
-  // warps per piece of a row, at least two per SM. Shared memory: the row numbering, 8 bytes per pair (32 KB at
-  // most).
+  // Warps for about a piece each at decode sizes (a rank returns T * K rows on average, T <= M, so T * K *
+  // kCombinePieces pieces): E * kCombinePieces blocks of 4 warps, at least 2 * kCombinePieces per SM. Shared
+  // memory: the row numbering, 8 bytes per pair (32 KB at most).
   const int blocks = static_cast<int>(std::max<int64_t>(call.num_experts, 2 * call.group.device_sms)) * kCombinePieces;
   const size_t shared = sizeof(int64_t) * static_cast<size_t>(call.num_experts + 1);
   return with_transport(call, [&](auto transport) {

@@ -10,7 +10,7 @@
 //   dispatch_counters [E] uint64             the send's progress per expert, this rank's own (low_latency.cu,
 //                                            count_toward_flag); zero between calls
 //   combine_counters [E] uint32              the combine send's row pieces written per (local expert,
-//                                            source rank), this rank's own (low_latency.cu, combine_row_sent); zero
+//                                            source rank), this rank's own (low_latency.cu, combine_piece_sent); zero
 //                                            between calls
 //   dispatch_staging [M] x dispatch slot     this rank's rows as sent (cast, with their header): the source of
 //                                            the NVSHMEM puts into the receivers' slots (with peer stores only

@@ -202,8 +202,9 @@ def _dense_combine(in_rank, y):
     return out.astype(y.dtype)
 
 
-def _baseline_times(mesh, args, topk_idx, x, num_experts, fp8: bool = False, chain_data: bool = False):
-    """Yields (backend, op, payload, seconds per op) for the pure-JAX baselines (MaxText-style
+def _baseline_times(mesh, args, topk_idx, x, num_experts, fp8: bool = False, chain_data: bool = False,
+                    ops=("dispatch", "combine")):
+    """Yields (backend, op, payload, seconds per op) for the pure-JAX baselines of `ops` (MaxText-style
     ragged_all_to_all, dense all_to_all; with `fp8` also the dense dispatch of the FP8 pair), or
     (backend, op or None, payload or None, why it did not run)."""
     num_ranks, (num_tokens, hidden) = mesh.devices.size, (topk_idx.shape[0] // mesh.devices.size, x.shape[1])
@@ -212,33 +213,39 @@ def _baseline_times(mesh, args, topk_idx, x, num_experts, fp8: bool = False, cha
         yield ragged, None, None, "not run (XLA:CPU has no ragged-all-to-all)"
     else:
         try:
-            yield ragged, "dispatch", "BF16", _time_per_op(
-                mesh, functools.partial(_ragged_dispatch, num_experts=num_experts), (topk_idx, x), args,
-                unroll=False, chain_data=chain_data)
-            routing = _spmd(mesh, lambda i: {**_ragged_routing(i, num_experts),
-                                             "num_topk": jnp.zeros((i.shape[1],), jnp.int32)})(topk_idx)
-            y_ragged = _spmd(mesh, functools.partial(_ragged_dispatch, num_experts=num_experts))(topk_idx, x)
-            yield ragged, "combine", "BF16", _time_per_op(mesh, _ragged_combine, (routing, y_ragged), args,
-                                                          unroll=False, chain_data=chain_data)
+            if "dispatch" in ops:
+                yield ragged, "dispatch", "BF16", _time_per_op(
+                    mesh, functools.partial(_ragged_dispatch, num_experts=num_experts), (topk_idx, x), args,
+                    unroll=False, chain_data=chain_data)
+            if "combine" in ops:
+                routing = _spmd(mesh, lambda i: {**_ragged_routing(i, num_experts),
+                                                 "num_topk": jnp.zeros((i.shape[1],), jnp.int32)})(topk_idx)
+                y_ragged = _spmd(mesh, functools.partial(_ragged_dispatch, num_experts=num_experts))(topk_idx, x)
+                yield ragged, "combine", "BF16", _time_per_op(mesh, _ragged_combine, (routing, y_ragged), args,
+                                                              unroll=False, chain_data=chain_data)
         except Exception as e:  # noqa: BLE001 -- a baseline that XLA cannot run is reported, not fatal
             yield ragged, None, None, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
     dense = "jax all_to_all"
-    yield dense, "dispatch", "BF16", _time_per_op(
-        mesh, functools.partial(_dense_dispatch, num_experts=num_experts), (topk_idx, x), args, chain_data=chain_data)
-    if fp8:
-        def dense_fp8(idx, data):
-            e4m3, scales = jax_ep.per_token_cast_to_fp8(data)
-            # The e4m3 bytes travel as uint8: the same bytes, and a type every collective library has.
-            return tuple(_dense_dispatch(idx, leaf, num_experts=num_experts)
-                         for leaf in (jax.lax.bitcast_convert_type(e4m3, jnp.uint8), scales))
+    if "dispatch" in ops:
+        yield dense, "dispatch", "BF16", _time_per_op(
+            mesh, functools.partial(_dense_dispatch, num_experts=num_experts), (topk_idx, x), args,
+            chain_data=chain_data)
+        if fp8:
+            def dense_fp8(idx, data):
+                e4m3, scales = jax_ep.per_token_cast_to_fp8(data)
+                # The e4m3 bytes travel as uint8: the same bytes, and a type every collective library has.
+                return tuple(_dense_dispatch(idx, leaf, num_experts=num_experts)
+                             for leaf in (jax.lax.bitcast_convert_type(e4m3, jnp.uint8), scales))
 
-        yield dense, "dispatch", "FP8", _time_per_op(mesh, dense_fp8, (topk_idx, x), args, chain_data=chain_data)
-    y_dense = _spmd(mesh, functools.partial(_dense_dispatch, num_experts=num_experts))(topk_idx, x).reshape(-1, hidden)
-    in_rank = _spmd(mesh, lambda i: jnp.any(i[:, :, None] // (num_experts // num_ranks) == jnp.arange(num_ranks), axis=1)
-                    .astype(jnp.int32) - 1)(topk_idx)
-    yield dense, "combine", "BF16", _time_per_op(
-        mesh, lambda r, y: _dense_combine(r, y.reshape(num_ranks, num_tokens, hidden)), (in_rank, y_dense), args,
-        chain_data=chain_data)
+            yield dense, "dispatch", "FP8", _time_per_op(mesh, dense_fp8, (topk_idx, x), args, chain_data=chain_data)
+    if "combine" in ops:
+        y_dense = _spmd(mesh, functools.partial(_dense_dispatch, num_experts=num_experts))(topk_idx, x).reshape(
+            -1, hidden)
+        in_rank = _spmd(mesh, lambda i: jnp.any(i[:, :, None] // (num_experts // num_ranks) == jnp.arange(num_ranks),
+                                                axis=1).astype(jnp.int32) - 1)(topk_idx)
+        yield dense, "combine", "BF16", _time_per_op(
+            mesh, lambda r, y: _dense_combine(r, y.reshape(num_ranks, num_tokens, hidden)), (in_rank, y_dense), args,
+            chain_data=chain_data)
 
 
 def intranode(args) -> list[dict]:
@@ -540,7 +547,8 @@ def low_latency(args) -> dict:
     setup = dict(num_ranks=num_ranks, device=devices[0].device_kind, tokens=T, hidden=H, topk=K, experts=E,
                  num_max_dispatch_tokens_per_rank=M, masked_per_rank=args.masked, valid_pairs_per_rank=float(pairs),
                  remote_pairs_per_rank=float(remote_pairs), iters=args.iters, repeats=args.repeats,
-                 overlap_matmul_size=size, process_model=_process_model(args))
+                 overlap_matmul_size=size, process_model=_process_model(args), ops=list(args.ops),
+                 baselines=args.baselines)
     results, splits = [], []
     print(f"[low_latency] {num_ranks} ranks ({devices[0].device_kind}), {_process_model(args)}, "
           f"T={T} H={H} K={K} E={E} M={M}, "
@@ -658,7 +666,8 @@ def low_latency(args) -> dict:
             time_all(xla_buf, "jax_ep xla")
         baselines.append("jax_ep xla")
     if args.baselines:
-        for backend, op, payload, result in _baseline_times(mesh, args, topk_idx, x, E, fp8=True, chain_data=True):
+        for backend, op, payload, result in _baseline_times(mesh, args, topk_idx, x, E, fp8=True, chain_data=True,
+                                                            ops=args.ops):
             if isinstance(result, str):
                 print(f"[low_latency] {backend}: {result}", flush=True)
             else:

@@ -45,6 +45,32 @@ def test_low_latency_bench_record(tmp_path, capsys):
     assert "[low_latency] jax_ep xla [dispatch FP8]" in out and "GB/s (NVL)" in out
 
 
+def test_low_latency_bench_one_op(tmp_path):
+    """--ops combine times the combine only: no dispatch figure, split or baseline of any op (--no-baselines
+    also leaves out the xla backend, which on CPU is the measured implementation itself)."""
+    path = tmp_path / "ll.json"
+    assert bench.main(["low_latency", "--ranks", "4", "--tokens", "8", "--hidden", "256", "--experts", "16",
+                       "--topk", "2", "--iters", "1", "--repeats", "1", "--ops", "combine", "--no-baselines",
+                       "--json", str(path)]) == 0
+    record = json.loads(path.read_text())
+    assert record["setup"]["ops"] == ["combine"] and record["setup"]["baselines"] is False
+    assert [(r["backend"], r["op"], r["payload"]) for r in record["results"]] == [("jax_ep xla", "combine", "BF16")]
+    assert [(s["op"], s["payload"]) for s in record["splits"]] == [("combine", "BF16")]
+    assert record["speedups"] == []
+
+
+def test_baselines_follow_ops(tmp_path):
+    """With baselines on, --ops dispatch times only the dispatch baselines."""
+    path = tmp_path / "ll.json"
+    assert bench.main(["low_latency", "--ranks", "2", "--tokens", "4", "--hidden", "128", "--experts", "4",
+                       "--topk", "2", "--iters", "1", "--repeats", "1", "--ops", "dispatch", "--json", str(path)]) == 0
+    record = json.loads(path.read_text())
+    assert {r["op"] for r in record["results"]} == {"dispatch"}
+    assert {(r["backend"], r["payload"]) for r in record["results"]} == {
+        (backend, payload) for backend in ("jax_ep xla", "jax all_to_all") for payload in ("FP8", "BF16")}
+    assert {s["op"] for s in record["speedups"]} == {"dispatch"}
+
+
 def _prepared_ring(phases, slots=256):
     """A trace ring as cuda_low_latency.trace returns it, every slot prepared (no call)."""
     ring = {name: np.zeros(slots, np.int64) for name in ("call", "units", "last_start", "last_flag", "end")}

@@ -8,8 +8,9 @@
 #     one 10-minute call); mp: build, the intranode tests in one process, then with one process per GPU;
 #     ll: the low-latency tests (NVSHMEM transport too) and benchmark; llq: the low-latency tests in one
 #     process and the benchmark; llx: the low-latency tests in one process, then the LL benchmark without
-#     baselines once per LL_SWEEP entry (none, or an environment setting such as NAME=VALUE; BENCH_LL_FLAGS
-#     e.g. "--ops combine"), and with LL_PROCESSES=1 once as 4 processes; mpq: the intranode tests as 4 processes and the benchmark as 4 processes
+#     baselines once per LL_SWEEP entry (none, or an environment setting NAME=VALUE; BENCH_LL_FLAGS e.g.
+#     "--ops combine"), and with LL_PROCESSES=1 once as 4 processes (each bench up to 100-150 s: keep the sweep
+#     short enough for one 10-minute call); mpq: the intranode tests as 4 processes and the benchmark as 4 processes
 #     (PUSH_SWEEP="4 12": also the combine with those pushing warps per block, 24 SMs); accept: every GPU test
 #     and the demo;
 #     benches: every benchmark (both process models, internode 2 x 2), then the sm_80 path's tests;
@@ -76,13 +77,16 @@ if [ "$mode" = llq ]; then  # low-latency kernels in one process, LL benchmark
 fi
 if [ "$mode" = llx ]; then  # LL tests in one process, then the LL benchmark (no baselines) per LL_SWEEP setting
   step ll_tests 150 python3 -m pytest -q -x -rs tests/gpu/test_low_latency.py
-  for setting in ${LL_SWEEP:-none}; do  # e.g. JAX_EP_LL_COMBINE_PIECES=2
+  for setting in ${LL_SWEEP:-none}; do  # e.g. JAX_EP_LL_TRANSPORT=nvshmem
     env $([ "$setting" = none ] || echo "$setting") timeout 100 python3 -m jax_ep.bench low_latency --no-baselines ${BENCH_LL_FLAGS:-} \
       > "$OUT/bench_ll_${setting//[^A-Za-z0-9]/_}.log" 2>&1
     summary+=("bench_ll $setting rc=$?")
   done
-  [ -n "${LL_PROCESSES:-}" ] && timeout 150 python3 -m jax_ep.bench low_latency --processes 4 --no-baselines \
-    > "$OUT/bench_ll_mp.log" 2>&1
+  if [ "${LL_PROCESSES:-0}" != 0 ]; then
+    timeout 150 python3 -m jax_ep.bench low_latency --processes 4 --no-baselines ${BENCH_LL_FLAGS:-} \
+      > "$OUT/bench_ll_mp.log" 2>&1
+    summary+=("bench_ll_mp rc=$?")
+  fi
   grep -hE "^(FAILED|ERROR)" "$OUT"/*.log | head -20
   for f in "$OUT"/bench_ll*.log; do echo "== $f"; grep -hE "jax_ep cuda|on the GPU|send:|recv:" "$f" | grep -v "hidden by"; done
   printf '\n== summary\n'; printf '%s\n' "${summary[@]}"

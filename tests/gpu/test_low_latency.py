@@ -20,7 +20,7 @@ import oracle as O
 import pytest
 
 import jax_ep
-from jax_ep import cuda_backend
+from jax_ep import cuda_backend, cuda_low_latency
 from gpu.test_intranode import RANKS, assert_bits, flat, mesh, needs_one_process, ranks, report_timeout, run_worker, spmd
 MODES = {
     "bf16": dict(use_fp8=False),
@@ -140,11 +140,15 @@ def test_routing_modes(R, routing):
 
 
 @pytest.mark.parametrize("R", RANKS)
-def test_few_tokens_many_experts(R):
+@pytest.mark.parametrize("experts_per_rank", [64, 72, 1024])
+def test_few_tokens_many_experts(R, experts_per_rank):
     """Fewer tokens than SMs and many more experts than the send's counting warps: every warp counts several
-    experts, most experts get no row (flags with count 0), several (expert, source) pairs fall to one block of
-    the combine send, and each expert's rows are split over several receive blocks."""
-    T, H, K, E, M = 5, 512, 8, 64 * R, 8  # UE8M0 packs four 128-channel scales per int32: H % 512 == 0
+    experts, most experts get no row (flags with count 0), and each expert's rows are split over several receive
+    blocks. The combine send numbers the rows of E (expert, source) pairs in runs of consecutive pairs per
+    thread: whole runs (64 per rank), a short last run (72, DeepEP's 288 experts at R=4) and runs of 16 or 32
+    pairs (1024 per rank; 4096 experts, the most the kernels take, at R=4)."""
+    T, H, K, M = 5, 512, 8, 8  # UE8M0 packs four 128-channel scales per int32: H % 512 == 0
+    E = min(experts_per_rank * R, cuda_low_latency.MAX_EXPERTS)
     x, idx, w, y, stats = make_inputs(R, T, H, K, E, M, seed=13, p_invalid=0.05)
     for mode in ("bf16", "fp8_ue8m0"):
         exp, out = expected(x, idx, w, y, stats, E, M, mode)
