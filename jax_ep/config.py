@@ -38,7 +38,7 @@ def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int,
     """Bytes of the low-latency region of each rank (csrc/low_latency_state.h, LowLatencyLayout): a 512-byte
     header of call counters and credits, the kernels' trace (88 KB: the instants of each kernel's last 256 calls,
     for the benchmark), the dispatch send's progress counter per expert (8 bytes each), the combine send's
-    row counter per (local expert, source rank) (4 bytes each), the staging rows
+    counter of row pieces sent per (local expert, source rank) (4 bytes each), the staging rows
     (this rank's `M` rows as sent, each a 48-byte row header of top-k ids followed by `2 * hidden` bytes: a
     BF16 row, or the smaller FP8 values and scales), then two buffer sets (calls alternate between them), each
 
