@@ -34,6 +34,24 @@ inline xla::ffi::Error CheckLayoutArgs(const xla::ffi::Buffer<xla::ffi::S32>& to
 }
 
 #if defined(JAX_EP_WITH_CUDA)
+// The launch settings of a normal-mode call (Call: IntranodeCall or InternodeCall): this device's rank in
+// buffer `buffer_id`, found by `lookup` (intranode_lookup or internode_lookup; `mode` and `created_with` word
+// the error when there is none), the SM count, the wait bound and the stream.
+template <typename Call, typename Lookup>
+xla::ffi::Error MakeNormalCall(const char* op, Lookup lookup, const char* mode, const char* created_with,
+                               cudaStream_t stream, int32_t device, int64_t buffer_id, int64_t num_sms,
+                               int64_t timeout_ns, Call* call) {
+  if (!lookup(buffer_id, device, &call->group))
+    return Invalid(op, std::string("no ") + mode + " state of buffer " + std::to_string(buffer_id) +
+                           " on CUDA device " + std::to_string(device) + " (create the Buffer " + created_with +
+                           " over a mesh holding this device and keep it alive while programs that use it run)");
+  if (num_sms < 1 || timeout_ns < 1) return Invalid(op, "num_sms and timeout_ns must be positive");
+  call->num_sms = static_cast<int32_t>(num_sms);
+  call->timeout_ns = timeout_ns;
+  call->stream = stream;
+  return xla::ffi::Error::Success();
+}
+
 // Decoding of the normal-mode handlers' buffers (intranode_handlers.cc, internode_handlers.cc). In a namespace of
 // their own so that a handler file's local helpers cannot clash with them.
 namespace buffer_args {

@@ -25,15 +25,8 @@ ffi::Error Launched(const char* op, cudaError_t err) {
 
 ffi::Error MakeCall(const char* op, cudaStream_t stream, int32_t device, int64_t buffer_id, int64_t num_sms,
                     int64_t timeout_ns, IntranodeCall* call) {
-  if (!intranode_lookup(buffer_id, device, &call->group))
-    return Invalid(op, "no intranode state of buffer " + std::to_string(buffer_id) + " on CUDA device " +
-                           std::to_string(device) + " (create the Buffer with backend='cuda' over a mesh holding "
-                           "this device and keep it alive while programs that use it run)");
-  if (num_sms < 1 || timeout_ns < 1) return Invalid(op, "num_sms and timeout_ns must be positive");
-  call->num_sms = static_cast<int32_t>(num_sms);
-  call->timeout_ns = timeout_ns;
-  call->stream = stream;
-  return ffi::Error::Success();
+  return MakeNormalCall(op, intranode_lookup, "intranode", "with backend='cuda'", stream, device, buffer_id, num_sms,
+                        timeout_ns, call);
 }
 
 // args: x payloads (num_payloads: 1, or 2 for the FP8 pair), topk_idx, [topk_weights].
