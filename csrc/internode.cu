@@ -455,13 +455,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       base[j][src] = running;
       running += counts[src][j];
     }
-    if (j == g.local) {
-      num_recv = static_cast<int32_t>(min(static_cast<int64_t>(running), capacity));
-      if (blockIdx.x == 0) {
-        *a.num_recv_tokens = num_recv;
-        *a.num_dropped = running - num_recv;
-      }
-    }
+    if (j == g.local) num_recv = count_received(a, running);
   }
   __syncthreads();
 

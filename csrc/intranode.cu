@@ -360,11 +360,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
       own_base[r] = 0;
       for (int s = 0; s < me; ++s) own_base[r] += ctx.views[s].counts[r];
     }
-    num_recv = static_cast<int32_t>(min(static_cast<int64_t>(need), capacity));
-    if (blockIdx.x == 0) {
-      *a.num_recv_tokens = num_recv;
-      *a.num_dropped = need - num_recv;
-    }
+    num_recv = count_received(a, need);
   }
   __syncthreads();
 

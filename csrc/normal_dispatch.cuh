@@ -1,7 +1,8 @@
 // Parts of the normal-mode dispatch kernels that do not depend on where the rows come from (intranode.cu: peers'
 // inputs over NVLink; internode.cu: the node's relays): the warps' walk over (source rank, token) pairs, the top-k
-// row of a received token, the padding rows and the expert-alignment epilogue. `Args` is DispatchArgs or
-// InternodeDispatchArgs (the same output fields). Internal linkage, as device_common.cuh.
+// row of a received token, the received and dropped counts, the padding rows and the expert-alignment epilogue.
+// `Args` is DispatchArgs or InternodeDispatchArgs (the same output fields). Internal linkage, as
+// device_common.cuh.
 #pragma once
 #include <cstdint>
 
@@ -53,6 +54,18 @@ __device__ __forceinline__ void store_received_topk(const Args& a, int me, int n
   const uint32_t same = __match_any_sync(0xffffffffu, local);
   if (local >= 0 && lane == __ffs(same) - 1) atomicAdd(&a.num_recv_tokens_per_expert[local], 1);
   if (lane == 0) a.recv_src_index[row] = static_cast<int32_t>(src_rank * a.num_tokens + t);
+}
+
+// The rows this rank keeps of the `need` that its sources send it: the capacity at most. Block 0 records them
+// and the dropped rest (every block computes the same figure).
+template <typename Args>
+__device__ __forceinline__ int32_t count_received(const Args& a, int64_t need) {
+  const int32_t num_recv = static_cast<int32_t>(min(need, a.capacity));
+  if (blockIdx.x == 0) {
+    *a.num_recv_tokens = num_recv;
+    *a.num_dropped = static_cast<int32_t>(need - num_recv);
+  }
+  return num_recv;
 }
 
 // The grid's warps fill rows num_recv .. capacity - 1: zero payloads, ids -1, weights 0, source index R*T.
