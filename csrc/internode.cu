@@ -528,6 +528,20 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // ---- combine -------------------------------------------------------------------------------------------------------
 
+// One step of a lane's sum over rows (both combine stages): acc[u] += row[v0 + 32 u] for u < kSumUnroll, in
+// float32, every load issued before the first addition (loads in flight); packs past `vecs` read as zeros.
+template <typename Pack, int kVec>
+__device__ __forceinline__ void add_packs(float (&acc)[kSumUnroll][kVec], const Pack* row, int64_t v0, int64_t vecs) {
+  Pack packs[kSumUnroll] = {};
+#pragma unroll
+  for (int u = 0; u < kSumUnroll; ++u)
+    if (v0 + 32 * u < vecs) packs[u] = LoadL2{}(row + v0 + 32 * u);
+#pragma unroll
+  for (int u = 0; u < kSumUnroll; ++u)
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) acc[u][e] += to_float(packs[u].v[e]);
+}
+
 // kVec elements of In per load (16 bytes where rows allow; XLA buffers and the region's rows are 16-byte
 // aligned). Partials are float32, kVec per lane and step.
 template <typename In, typename Bias, typename Out, int kVec>
@@ -575,25 +589,11 @@ __global__ void __launch_bounds__(kThreads, 1)
                     : nullptr;
     }
     char* partial = own + (source_node == g.node ? layout.received_row(g.node, t) : layout.sending_row(source_node, t));
-    // kSumUnroll packs per lane and step, every row's loads issued before the sums: loads in flight.
     for (int64_t v0 = lane; v0 < vecs; v0 += 32 * kSumUnroll) {
-      float sum[kSumUnroll][kVec];
+      float sum[kSumUnroll][kVec] = {};
 #pragma unroll
-      for (int u = 0; u < kSumUnroll; ++u)
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) sum[u][e] = 0.f;
-#pragma unroll
-      for (int j = 0; j < kMaxRanksPerNode; ++j) {
-        if (!rows[j]) continue;
-        InPack packs[kSumUnroll] = {};  // zeros past the row end (never stored)
-#pragma unroll
-        for (int u = 0; u < kSumUnroll; ++u)
-          if (v0 + 32 * u < vecs) packs[u] = LoadL2{}(rows[j] + v0 + 32 * u);
-#pragma unroll
-        for (int u = 0; u < kSumUnroll; ++u)
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) sum[u][e] += to_float(packs[u].v[e]);
-      }
+      for (int j = 0; j < kMaxRanksPerNode; ++j)
+        if (rows[j]) add_packs(sum, rows[j], v0, vecs);
 #pragma unroll
       for (int u = 0; u < kSumUnroll; ++u) {
         if (v0 + 32 * u >= vecs) break;
@@ -621,22 +621,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int64_t t = global_warp(); t < num_tokens; t += num_global_warps()) {
     const uint64_t nodes = NodesOfRanks{a.is_token_in_rank, num_ranks, ranks_per_node}(t, lane);
     for (int64_t v0 = lane; v0 < vecs; v0 += 32 * kSumUnroll) {
-      float acc[kSumUnroll][kVec];
-#pragma unroll
-      for (int u = 0; u < kSumUnroll; ++u)
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) acc[u][e] = 0.f;
+      float acc[kSumUnroll][kVec] = {};
       for (uint64_t todo = nodes; todo; todo &= todo - 1) {
         const int m = __ffsll(static_cast<long long>(todo)) - 1;
-        const FloatPack* partial = reinterpret_cast<const FloatPack*>(own + layout.received_row(m, t));
-        FloatPack p[kSumUnroll] = {};
-#pragma unroll
-        for (int u = 0; u < kSumUnroll; ++u)
-          if (v0 + 32 * u < vecs) p[u] = LoadL2{}(partial + v0 + 32 * u);
-#pragma unroll
-        for (int u = 0; u < kSumUnroll; ++u)
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) acc[u][e] += p[u].v[e];
+        add_packs(acc, reinterpret_cast<const FloatPack*>(own + layout.received_row(m, t)), v0, vecs);
       }
 #pragma unroll
       for (int u = 0; u < kSumUnroll; ++u)
