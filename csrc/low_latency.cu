@@ -24,6 +24,8 @@
 #include <cuda_fp8.h>
 
 #include <cub/block/block_scan.cuh>
+#include <thrust/binary_search.h>
+#include <thrust/execution_policy.h>
 
 #include <algorithm>
 #include <string>
@@ -754,12 +756,9 @@ __global__ void __launch_bounds__(kCombineSendThreads) combine_send_kernel(
        unit += warps) {
     const int64_t row = unit / kCombinePieces, begin = unit % kCombinePieces * piece_bytes;
     const int64_t end = min(begin + piece_bytes, static_cast<int64_t>(layout.combine_slot_bytes));
-    int64_t lo = 0, hi = pairs - 1;  // the pair p holding row: first_row[p] <= row < first_row[p + 1]
-    while (lo < hi) {
-      const int64_t mid = (lo + hi + 1) / 2;
-      if (first_row[mid] <= row) lo = mid; else hi = mid - 1;
-    }
-    const int64_t p = lo;
+    // The pair p holding row: first_row[p] <= row < first_row[p + 1] (the last such p: pairs without rows
+    // share their first_row with the next pair).
+    const int64_t p = thrust::upper_bound(thrust::seq, first_row + 1, first_row + pairs + 1, row) - (first_row + 1);
     const PairRows pair(a.layout_range, p, max_tokens, rows_per_expert);
     const int64_t item = (p / num_ranks) * rows_per_expert + pair.begin + (row - first_row[p]);
     const int32_t t = a.src_token_index[item], k = a.src_topk_index[item];
