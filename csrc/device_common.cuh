@@ -201,6 +201,27 @@ __device__ void warp_copy_row(void* dst, const void* src, int64_t bytes, int lan
   }
 }
 
+// A row and its short side row (the FP8 pair's values and scales, at most 32 16-byte units) together: the side
+// row's loads are issued with the first round of the row's, so that they cost no round trip of their own. Falls
+// back to two copies where a row is not 16-byte aligned or the side row is longer. side_bytes may be 0.
+template <int kUnroll, typename Load>
+__device__ void warp_copy_row_pair(void* dst, const void* src, int64_t bytes, void* side_dst, const void* side_src,
+                                   int64_t side_bytes, int lane, Load load) {
+  const uintptr_t bits = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
+                         reinterpret_cast<uintptr_t>(side_dst) | reinterpret_cast<uintptr_t>(side_src) |
+                         static_cast<uintptr_t>(bytes) | static_cast<uintptr_t>(side_bytes);
+  if (bits % 16 != 0 || side_bytes > 32 * 16) {
+    warp_copy_row<kUnroll>(dst, src, bytes, lane, load);
+    warp_copy_row<kUnroll>(side_dst, side_src, side_bytes, lane, load);
+    return;
+  }
+  const bool has_side = lane < side_bytes / 16;
+  uint4 side;
+  if (has_side) side = load(static_cast<const uint4*>(side_src) + lane);
+  warp_copy_units<kUnroll>(static_cast<uint4*>(dst), static_cast<const uint4*>(src), bytes / 16, lane, load);
+  if (has_side) static_cast<uint4*>(side_dst)[lane] = side;
+}
+
 // Row `row` of a buffer of row_bytes-byte rows (intranode.cu, internode.cu).
 __device__ __forceinline__ const char* row_of(const void* base, int64_t row, int64_t row_bytes) {
   return static_cast<const char*>(base) + row * row_bytes;

@@ -50,26 +50,6 @@ __device__ void warp_copy_row(void* dst, const void* src, int64_t bytes, int lan
   warp_copy_row<kCopyUnroll>(dst, src, bytes, lane, LoadNonCoherent{});
 }
 
-// The FP8 pair's rows: the values and the short scales row (at most 32 16-byte units) together, the scales'
-// loads issued with the first round of the values' so that they cost no round trip of their own. Falls
-// back to two copies where a row is not 16-byte aligned or the scales row is longer.
-__device__ void warp_copy_row_pair(void* dst, const void* src, int64_t bytes, void* side_dst, const void* side_src,
-                                   int64_t side_bytes, int lane) {
-  const uintptr_t bits = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
-                         reinterpret_cast<uintptr_t>(side_dst) | reinterpret_cast<uintptr_t>(side_src) |
-                         static_cast<uintptr_t>(bytes) | static_cast<uintptr_t>(side_bytes);
-  if (bits % 16 != 0 || side_bytes > 32 * 16) {
-    warp_copy_row(dst, src, bytes, lane);
-    warp_copy_row(side_dst, side_src, side_bytes, lane);
-    return;
-  }
-  const bool has_side = lane < side_bytes / 16;
-  uint4 side;
-  if (has_side) side = load_nc(static_cast<const uint4*>(side_src) + lane);
-  warp_copy_units<kCopyUnroll>(static_cast<uint4*>(dst), static_cast<const uint4*>(src), bytes / 16, lane, LoadNonCoherent{});
-  if (has_side) static_cast<uint4*>(side_dst)[lane] = side;
-}
-
 // ---- call synchronisation ----------------------------------------------------------------------------------
 
 struct CallContext {  // per block, in shared memory
@@ -312,9 +292,11 @@ __device__ __forceinline__ void receive_token(const DispatchArgs& a, const Intra
     if (src_weights) weight = load_nc(src_weights + t * num_topk + lane);
   }
   if (a.num_payloads == 2)
-    warp_copy_row_pair(row_of(a.recv_x[0], row, a.x_row_bytes[0]), row_of(src.pointers[0], t, a.x_row_bytes[0]),
-                       a.x_row_bytes[0], row_of(a.recv_x[1], row, a.x_row_bytes[1]),
-                       row_of(src.pointers[1], t, a.x_row_bytes[1]), a.x_row_bytes[1], lane);
+    warp_copy_row_pair<kCopyUnroll>(row_of(a.recv_x[0], row, a.x_row_bytes[0]),
+                                    row_of(src.pointers[0], t, a.x_row_bytes[0]), a.x_row_bytes[0],
+                                    row_of(a.recv_x[1], row, a.x_row_bytes[1]),
+                                    row_of(src.pointers[1], t, a.x_row_bytes[1]), a.x_row_bytes[1], lane,
+                                    LoadNonCoherent{});
   else
     warp_copy_row(row_of(a.recv_x[0], row, a.x_row_bytes[0]), row_of(src.pointers[0], t, a.x_row_bytes[0]),
                   a.x_row_bytes[0], lane);
