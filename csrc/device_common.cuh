@@ -203,7 +203,8 @@ __device__ void warp_copy_row(void* dst, const void* src, int64_t bytes, int lan
 
 // A row and its short side row (the FP8 pair's values and scales, at most 32 16-byte units) together: the side
 // row's loads are issued with the first round of the row's, so that they cost no round trip of their own. Falls
-// back to two copies where a row is not 16-byte aligned or the side row is longer. side_bytes may be 0.
+// back to two copies where a row is not 16-byte aligned or the side row is longer or not whole 16-byte units.
+// side_bytes may be 0 (the side pointers are then never dereferenced and may be null).
 template <int kUnroll, typename Load>
 __device__ void warp_copy_row_pair(void* dst, const void* src, int64_t bytes, void* side_dst, const void* side_src,
                                    int64_t side_bytes, int lane, Load load) {

@@ -530,9 +530,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // One step of a lane's sum over rows (both combine stages): acc[u] += row[v0 + 32 u] for u < kSumUnroll, in
 // float32, every load issued before the first addition (loads in flight); packs past `vecs` read as zeros.
-template <typename Pack, int kVec>
-__device__ __forceinline__ void add_packs(float (&acc)[kSumUnroll][kVec], const Pack* row, int64_t v0, int64_t vecs) {
-  Pack packs[kSumUnroll] = {};
+template <typename RowPack, int kVec>
+__device__ __forceinline__ void add_packs(float (&acc)[kSumUnroll][kVec], const RowPack* row, int64_t v0,
+                                          int64_t vecs) {
+  RowPack packs[kSumUnroll] = {};
 #pragma unroll
   for (int u = 0; u < kSumUnroll; ++u)
     if (v0 + 32 * u < vecs) packs[u] = LoadL2{}(row + v0 + 32 * u);

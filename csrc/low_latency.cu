@@ -181,9 +181,11 @@ __device__ bool finish_block(const LowLatencyCall& c, const LowLatencyLayout& la
         atomicAdd(reinterpret_cast<unsigned long long*>(&trace->phase_ns[p]),
                   static_cast<unsigned long long>(clock.phase_ns[p]));
     LowLatencyHeader* own = own_header(c);
-    // GPU scope is enough: every block of the kernel is on this GPU, and what the last block then publishes to
-    // peers goes through Transport::signal, a system-scope release cumulative over what it observed here.
-    // (System-scope fences here measured 1.4 us slower for the FP8 dispatch on 4x H200: 29.0 against 27.6 us.)
+    // GPU scope is enough: every block of the kernel is on this GPU; what the last block then publishes to peers
+    // (the receives' credits) goes through Transport::signal, a system-scope release cumulative over what it
+    // observed here, and what the sends' last block writes (the call counter, the token) is read by later kernels
+    // on this stream. (System-scope fences here measured 1.4 us slower for the FP8 dispatch on 4x H200: 29.0
+    // against 27.6 us.)
     __threadfence();
     last = atomicAdd(&own->blocks_finished[kernel], 1u) == gridDim.x - 1;
     if (last) {
@@ -200,9 +202,10 @@ __device__ bool finish_block(const LowLatencyCall& c, const LowLatencyLayout& la
 
 // ---- row copies --------------------------------------------------------------------------------------------
 
-// The dispatch receive's row copies: the values with the FP8 scales (warp_copy_row_pair), read at L2 (LoadL2:
-// the rows were written by peers during this call), 14 16-byte loads in flight per lane: an FP8 row of 7168
-// channels in one round trip.
+// The dispatch receive's row copies: the values with the FP8 scales (warp_copy_row_pair: one copy for float32
+// scales; UE8M0's rows of H/128 bytes are not whole 16-byte units and take a copy of their own), read at L2
+// (LoadL2: the rows were written by peers during this call), 14 16-byte loads in flight per lane: an FP8 row of
+// 7168 channels in one round trip.
 constexpr int kRecvCopyUnroll = 14;
 
 // ---- FP8 cast (jax_ep/fp8.py bit for bit) ----------------------------------------------------------------
@@ -598,13 +601,13 @@ constexpr int kDispatchRecvBlocksPerSm = 2;  // blocks resident per SM (launch b
 // The receive: a block takes (local expert j, split) units (one each: the launch has a block per unit). Its
 // first R threads wait for j's R flags (one per source rank) and the block derives j's packing (rows grouped by
 // source rank, each source's rows in its index order, which is token order); then its warps copy every
-// `splits`-th row of j (the source's token slot the index names) into the outputs and fill the handle past recv_count with -1 (rows past recv_count keep
-// whatever the output held). An expert is packed as soon as its own flags are in, while other experts' rows
-// may still be on their way.
+// `splits`-th row of j (the source's token slot the index names) into the outputs and fill the handle past
+// recv_count with -1 (rows past recv_count keep whatever the output held). An expert is packed as soon as its own
+// flags are in, while other experts' rows may still be on their way.
 template <typename Transport>
-__global__ void __launch_bounds__(kThreads, kDispatchRecvBlocksPerSm) dispatch_recv_kernel(const __grid_constant__ LowLatencyCall c,
-                                                                 const __grid_constant__ LowLatencyDispatchRecvArgs a,
-                                                                 int32_t splits) {
+__global__ void __launch_bounds__(kThreads, kDispatchRecvBlocksPerSm)
+    dispatch_recv_kernel(const __grid_constant__ LowLatencyCall c, const __grid_constant__ LowLatencyDispatchRecvArgs a,
+                         int32_t splits) {
   __shared__ int32_t counts[kMaxIntranodeRanks], begins[kMaxIntranodeRanks + 1];
   enum { kWaiting, kCopying };  // phases, as kLowLatencyPhaseNames names them
   clock_begin();

@@ -14,9 +14,9 @@
 //                   signalling thread acquires) publishes them. The kernels always publish puts that way.
 //   put_int         one thread: writes a 32-bit word at (rank, offset); ordered like put_warp's bytes.
 //   signal          one thread: writes a 64-bit word (a flag or a credit) at (rank, offset), a release: ordered
-//                   after every write this thread has observed (its own, or other threads' seen through a
-//                   barrier or an atomic with fences); the receiver reads it with an acquire load on its own
-//                   memory.
+//                   after every memory access this thread has observed (its own, or other threads' seen through a
+//                   barrier or an atomic with fences: a credit after the reads of the set it frees); the receiver
+//                   reads it with an acquire load on its own memory.
 // Receivers only ever read their own region: waits stay local and bounded (low_latency.cu, wait_until).
 #pragma once
 #include <cstdint>
