@@ -717,7 +717,7 @@ __device__ __forceinline__ void raise_combine_flag(const LowLatencyCall& c, cons
 // counts it; the addition that completes p's `pieces` raises p's flag and clears the counter for the next call.
 template <typename Transport>
 __device__ __forceinline__ void combine_piece_sent(const LowLatencyCall& c, const LowLatencyLayout& layout,
-                                                 uint32_t call, int64_t p, int64_t pieces) {
+                                                   uint32_t call, int64_t p, int64_t pieces) {
   unsigned* counter = reinterpret_cast<unsigned*>(c.region + layout.combine_counters) + p;
   __threadfence();  // release: the piece's stores, which this thread saw finished, before the addition
   if (atomicAdd(counter, 1u) + 1 != pieces) return;
