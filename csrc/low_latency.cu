@@ -250,14 +250,17 @@ __device__ __forceinline__ void bf16x8_to_float(const uint4& raw, float (&v)[kLa
   for (int i = 0; i < kLaneChannels; ++i) v[i] = __bfloat162float(h[i]);
 }
 
-// Work items (token, part): a token's channels split into `parts` ranges of whole chunks, so that small
-// batches still spread over every SM.
+// Work items (token, part): a token's channels split into `parts` ranges of `chunks_per_part` whole chunks,
+// as few chunks per part as give every item a warp of its own at once, so that small batches still spread over
+// every SM. A warp taking a second item runs it after its first, which ends the kernel an item later: with
+// parts sized for the warps alone (17 parts of 2 chunks at DeepEP's decode shape, 3 of them empty, 64 warps with
+// two items) the combine took 60.2 us on 4x H200, with 14 parts 54.0 us.
 struct TokenParts {
   int64_t parts, chunks_per_part;
-  __host__ __device__ TokenParts(int64_t num_tokens, int64_t hidden, int64_t warps_wanted) {
+  __host__ __device__ TokenParts(int64_t num_tokens, int64_t hidden, int64_t warps) {
     const int64_t chunks = (hidden + kChunk - 1) / kChunk;
-    parts = std::min(chunks, std::max<int64_t>(1, (warps_wanted + num_tokens - 1) / num_tokens));
-    chunks_per_part = (chunks + parts - 1) / parts;
+    chunks_per_part = std::min(chunks, std::max<int64_t>(1, (chunks * num_tokens + warps - 1) / warps));
+    parts = (chunks + chunks_per_part - 1) / chunks_per_part;
   }
 };
 
@@ -797,7 +800,7 @@ __global__ void __launch_bounds__(kCombineSendThreads) combine_send_kernel(
 // Pause between two polls of a combine flag: the receive's thousands of waiting warps (every part of every
 // token) otherwise hammer the flag words at the L2 that the peers' rows are arriving through; with the pause
 // the op measured 2 us faster (4x H200, DeepEP's decode shape: 63.2-63.5 against 65.3 us for pauses of 100 to
-// 2000 ns; the receive then finds its last flags 10.7-11.0 us after it starts instead of 12.1).
+// 2000 ns, while some warps still took two items, see TokenParts).
 constexpr unsigned kCombineFlagPollNs = 100;
 
 // The receive: a warp takes (token, part), waits for the flags of the token's experts (a lane per distinct
@@ -805,12 +808,16 @@ constexpr unsigned kCombineFlagPollNs = 100;
 // product and per sum, as the reference), and writes BF16. Its trace is per (token, part): lane 0 times the
 // wait (reading the routing included) and the sum, the block adds them up in shared memory.
 constexpr int kCombineRecvBlocksPerSm = 2;  // blocks resident per SM (launch bounds and grid)
+// Row loads a lane keeps in flight: kEntries (top-k entries the kernel handles: 8, or kLowLatencyMaxTopk) for
+// each of kRowLoadsInFlight / kEntries chunks, what the register budget of two blocks per SM holds.
+constexpr int kRowLoadsInFlight = kLowLatencyMaxTopk;
 
-template <typename Transport>
-__global__ void __launch_bounds__(kThreads, kCombineRecvBlocksPerSm) combine_recv_kernel(const __grid_constant__ LowLatencyCall c,
-                                                                const __grid_constant__ LowLatencyCombineRecvArgs a,
-                                                                TokenParts split) {
+template <typename Transport, int kEntries>
+__global__ void __launch_bounds__(kThreads, kCombineRecvBlocksPerSm)
+    combine_recv_kernel(const __grid_constant__ LowLatencyCall c, const __grid_constant__ LowLatencyCombineRecvArgs a,
+                        TokenParts split) {
   enum { kWaiting, kSumming };  // phases, as kLowLatencyPhaseNames names them
+  constexpr int kChunksInFlight = kRowLoadsInFlight / kEntries;
   __shared__ unsigned long long item_ns[2], items, first_ready, last_ready;
   clock_begin();
   const int lane = threadIdx.x % 32;
@@ -855,37 +862,44 @@ __global__ void __launch_bounds__(kThreads, kCombineRecvBlocksPerSm) combine_rec
       atomicMax(&last_ready, static_cast<unsigned long long>(ready));
     }
     const int64_t chunk_end = min((part + 1) * split.chunks_per_part * kChunk, hidden);
-    for (int64_t chunk = part * split.chunks_per_part * kChunk; chunk < chunk_end; chunk += kChunk) {
-      const int64_t ch = chunk + lane * kLaneChannels;
-      float acc[kLaneChannels];
+    for (int64_t first = part * split.chunks_per_part * kChunk; first < chunk_end; first += kChunksInFlight * kChunk) {
+      // Every entry's load of kChunksInFlight chunks is issued before the first is used (one memory latency
+      // for them, not one per chunk and entry); the sum still runs in k order.
+      uint4 rows[kChunksInFlight][kEntries];
 #pragma unroll
-      for (int i = 0; i < kLaneChannels; ++i) acc[i] = 0.f;
-      // Every entry's load is issued before the first is used (one memory latency per chunk, not one per k);
-      // the sum still runs in k order.
-      uint4 rows[kLowLatencyMaxTopk];
+      for (int u = 0; u < kChunksInFlight; ++u) {
+        const int64_t ch = first + u * kChunk + lane * kLaneChannels;
 #pragma unroll
-      for (int k = 0; k < kLowLatencyMaxTopk; ++k) {
-        const int32_t e = __shfl_sync(kFullMask, expert, k);
-        const int32_t s = __shfl_sync(kFullMask, slot, k);
-        if (k < num_topk && e >= 0 && ch < hidden)
-          rows[k] = __ldcg(reinterpret_cast<const uint4*>(
-              base + layout.combine_rows + (t * kLowLatencyMaxTopk + s) * layout.combine_slot_bytes + ch * 2));
+        for (int k = 0; k < kEntries; ++k) {
+          const int32_t e = __shfl_sync(kFullMask, expert, k);
+          const int32_t s = __shfl_sync(kFullMask, slot, k);
+          if (k < num_topk && e >= 0 && ch < chunk_end)
+            rows[u][k] = __ldcg(reinterpret_cast<const uint4*>(
+                base + layout.combine_rows + (t * kLowLatencyMaxTopk + s) * layout.combine_slot_bytes + ch * 2));
+        }
       }
 #pragma unroll
-      for (int k = 0; k < kLowLatencyMaxTopk; ++k) {
-        const int32_t e = __shfl_sync(kFullMask, expert, k);
-        const float w = __shfl_sync(kFullMask, weight, k);
-        if (k >= num_topk || e < 0 || ch >= hidden) continue;
-        float v[kLaneChannels];
-        bf16x8_to_float(rows[k], v);
+      for (int u = 0; u < kChunksInFlight; ++u) {
+        const int64_t ch = first + u * kChunk + lane * kLaneChannels;
+        float acc[kLaneChannels];
 #pragma unroll
-        for (int i = 0; i < kLaneChannels; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(w, v[i]));
+        for (int i = 0; i < kLaneChannels; ++i) acc[i] = 0.f;
+#pragma unroll
+        for (int k = 0; k < kEntries; ++k) {
+          const int32_t e = __shfl_sync(kFullMask, expert, k);
+          const float w = __shfl_sync(kFullMask, weight, k);
+          if (k >= num_topk || e < 0 || ch >= chunk_end) continue;
+          float v[kLaneChannels];
+          bf16x8_to_float(rows[u][k], v);
+#pragma unroll
+          for (int i = 0; i < kLaneChannels; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(w, v[i]));
+        }
+        if (ch >= chunk_end) continue;
+        __nv_bfloat16 packed[kLaneChannels];
+#pragma unroll
+        for (int i = 0; i < kLaneChannels; ++i) packed[i] = __float2bfloat16_rn(acc[i]);
+        *reinterpret_cast<uint4*>(out + t * hidden + ch) = *reinterpret_cast<const uint4*>(packed);
       }
-      if (ch >= hidden) continue;
-      __nv_bfloat16 packed[kLaneChannels];
-#pragma unroll
-      for (int i = 0; i < kLaneChannels; ++i) packed[i] = __float2bfloat16_rn(acc[i]);
-      *reinterpret_cast<uint4*>(out + t * hidden + ch) = *reinterpret_cast<const uint4*>(packed);
     }
     if (lane == 0) {
       atomicAdd(&item_ns[kSumming], static_cast<unsigned long long>(now_ns() - ready));
@@ -968,8 +982,12 @@ cudaError_t low_latency_combine_recv(const LowLatencyCall& call, const LowLatenc
   if (args.num_topk > kLowLatencyMaxTopk || args.num_tokens > call.num_max_tokens) return cudaErrorInvalidValue;
   const TokenParts split = token_parts(call, args.num_tokens);
   return with_transport(call, [&](auto transport) {
-    combine_recv_kernel<decltype(transport)>
-        <<<blocks_for_warps(call, args.num_tokens * split.parts), kThreads, 0, call.stream>>>(call, args, split);
+    const int blocks = blocks_for_warps(call, args.num_tokens * split.parts);
+    if (args.num_topk <= 8)  // two chunks' loads in flight
+      combine_recv_kernel<decltype(transport), 8><<<blocks, kThreads, 0, call.stream>>>(call, args, split);
+    else
+      combine_recv_kernel<decltype(transport), kLowLatencyMaxTopk><<<blocks, kThreads, 0, call.stream>>>(call, args,
+                                                                                                    split);
     return cudaGetLastError();
   });
 }
