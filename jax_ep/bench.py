@@ -462,16 +462,12 @@ def trace_breakdown(traces: list[dict], op: str) -> dict | None:
       time per unit in each phase;
     - send_mean, recv_mean: plain means over the same calls (first calls of a program included, whose waits
       absorb the GPUs' launch skew): what the earlier "kernel time" reported.
-    - per_gpu: op, send, recv and the receive's last flag of each GPU (a straggler shows here), and
-      send_start_offset: how much later than the earliest GPU this one started the send of the same call
-      (%globaltimer of different GPUs: only as close as the driver keeps their clocks).
+    - per_gpu: op, send, recv and the receive's last flag of each GPU (a straggler shows here; the GPUs'
+      clocks differ by up to a millisecond, so instants are not compared across GPUs).
     None when no GPU has a finished call."""
     kernels = (f"{op} send", f"{op} recv")
     per_gpu = []
-    # Each GPU's send start by call number, for the offsets between GPUs.
-    starts = [dict(zip(d[kernels[0]]["call"].tolist(), d[kernels[0]]["first_start"].tolist())) for d in traces]
-    common = set.intersection(*(set(c for c, t in s.items() if t > 0) for s in starts)) if starts else set()
-    for index, device in enumerate(traces):
+    for device in traces:
         send, recv = (device[k] for k in kernels)
         finished = [(t["first_start"] > 0) & (t["end"] > t["first_start"]) for t in (send, recv)]
         slots = np.flatnonzero(finished[0] & finished[1] & (send["call"] == recv["call"]))
@@ -492,17 +488,14 @@ def trace_breakdown(traces: list[dict], op: str) -> dict | None:
             f[f"{kernel}: last flag"] = (t["last_flag"] - t["first_start"])[raised]
             for phase, ns in phases.items():
                 f[f"{kernel}: {phase}"] = ns[slots] / np.maximum(t["units"], 1)
-        if common:
-            f["send_start_offset"] = np.array([starts[index][c] - min(s[c] for s in starts) for c in common],
-                                              np.float64)
         per_gpu.append({name: float(np.median(v)) if isinstance(v, np.ndarray) else v
                         for name, v in f.items() if not isinstance(v, np.ndarray) or len(v)})
     if not per_gpu:
         return None
-    names = [name for name in per_gpu[0] if all(name in g for g in per_gpu) and name != "send_start_offset"]
+    names = [name for name in per_gpu[0] if all(name in g for g in per_gpu)]
     out = {name: float(np.mean([g[name] for g in per_gpu])) for name in names}
-    gpus = [{name: g[name] / 1e3 for name in ("op", "send", "recv", f"{kernels[1]}: last flag", "send_start_offset")
-             if name in g} for g in per_gpu]
+    gpus = [{name: g[name] / 1e3 for name in ("op", "send", "recv", f"{kernels[1]}: last flag") if name in g}
+            for g in per_gpu]
     return ({name: value if name == "calls" else value / 1e3 for name, value in out.items()}
             | {"gpus": len(per_gpu), "per_gpu": gpus})
 
@@ -528,9 +521,8 @@ def _breakdown_lines(b: dict, op: str, kernel_device: str) -> list[str]:
         lines.append(text)
     if len(b.get("per_gpu", ())) > 1:
         lines.append("per GPU: " + "; ".join(
-            f"op {g['op']:.2f} (recv's last flag {g.get(f'{op} recv: last flag', float('nan')):.2f}"
-            + (f", send started {g['send_start_offset']:.2f} after the first GPU's" if "send_start_offset" in g
-               else "") + ")" for g in b["per_gpu"]) + " us")
+            f"op {g['op']:.2f} (recv's last flag {g.get(f'{op} recv: last flag', float('nan')):.2f})"
+            for g in b["per_gpu"]) + " us")
     return lines
 
 
