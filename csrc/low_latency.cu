@@ -250,18 +250,17 @@ __device__ __forceinline__ void bf16x8_to_float(const uint4& raw, float (&v)[kLa
   for (int i = 0; i < kLaneChannels; ++i) v[i] = __bfloat162float(h[i]);
 }
 
-// Work items (token, part): a token's channels split into `parts` ranges of `chunks_per_part` whole chunks, at
-// most warps / T parts, so that every item has a warp of its own at once (T <= warps), and no empty part. A warp
-// taking a second item runs it after its first, which ends the kernel an item later: with parts counted from the
-// warps alone (17 parts of 2 chunks at DeepEP's decode shape, 3 of them empty, 64 warps with two items) the
-// combine took 60.2 us on 4x H200, with 14 parts 54.0 us.
+// Work items (token, part): a token's channels split into `parts` ranges of `chunks_per_part` whole chunks,
+// as few chunks per part as give every item a warp of its own at once, so that small batches still spread over
+// every SM. A warp taking a second item runs it after its first, which ends the kernel an item later: with
+// parts sized for the warps alone (17 parts of 2 chunks at DeepEP's decode shape, 3 of them empty, 64 warps with
+// two items) the combine took 60.2 us on 4x H200, with 14 parts 54.0 us.
 struct TokenParts {
   int64_t parts, chunks_per_part;
   __host__ __device__ TokenParts(int64_t num_tokens, int64_t hidden, int64_t warps) {
     const int64_t chunks = (hidden + kChunk - 1) / kChunk;
-    const int64_t most_parts = std::min(chunks, std::max<int64_t>(1, warps / num_tokens));
-    chunks_per_part = (chunks + most_parts - 1) / most_parts;
-    parts = (chunks + chunks_per_part - 1) / chunks_per_part;  // <= most_parts
+    chunks_per_part = std::min(chunks, std::max<int64_t>(1, (chunks * num_tokens + warps - 1) / warps));
+    parts = (chunks + chunks_per_part - 1) / chunks_per_part;
   }
 };
 
@@ -810,10 +809,7 @@ constexpr unsigned kCombineFlagPollNs = 100;
 // wait (reading the routing included) and the sum, the block adds them up in shared memory.
 constexpr int kCombineRecvBlocksPerSm = 2;  // blocks resident per SM (launch bounds and grid)
 // Row loads a lane keeps in flight: kEntries (top-k entries the kernel handles: 8, or kLowLatencyMaxTopk) for
-// each of kRowLoadsInFlight / kEntries chunks, what the register budget of two blocks per SM holds. The loads
-// are unconditional, from an address inside the token's slots and row whatever the entry (a masked entry or one
-// past K reads bytes the sum skips): a predicated load is followed by a predicated move that waits for it, which
-// left at most 2 loads in flight (SASS).
+// each of kRowLoadsInFlight / kEntries chunks, what the register budget of two blocks per SM holds.
 constexpr int kRowLoadsInFlight = kLowLatencyMaxTopk;
 
 template <typename Transport, int kEntries>
@@ -821,7 +817,6 @@ __global__ void __launch_bounds__(kThreads, kCombineRecvBlocksPerSm)
     combine_recv_kernel(const __grid_constant__ LowLatencyCall c, const __grid_constant__ LowLatencyCombineRecvArgs a,
                         TokenParts split) {
   enum { kWaiting, kSumming };  // phases, as kLowLatencyPhaseNames names them
-  static_assert(kRowLoadsInFlight % kEntries == 0 && kEntries <= kLowLatencyMaxTopk);
   constexpr int kChunksInFlight = kRowLoadsInFlight / kEntries;
   __shared__ unsigned long long item_ns[2], items, first_ready, last_ready;
   clock_begin();
@@ -867,25 +862,25 @@ __global__ void __launch_bounds__(kThreads, kCombineRecvBlocksPerSm)
       atomicMax(&last_ready, static_cast<unsigned long long>(ready));
     }
     const int64_t chunk_end = min((part + 1) * split.chunks_per_part * kChunk, hidden);
-    const char* token_slots = base + layout.combine_rows + t * kLowLatencyMaxTopk * layout.combine_slot_bytes;
     for (int64_t first = part * split.chunks_per_part * kChunk; first < chunk_end; first += kChunksInFlight * kChunk) {
-      // Every load of kChunksInFlight chunks is issued before the first is used (one memory latency for them,
-      // not one per chunk and entry); the sum still runs in k order, over the entries with an expert.
+      // Every entry's load of kChunksInFlight chunks is issued before the first is used (one memory latency
+      // for them, not one per chunk and entry); the sum still runs in k order.
       uint4 rows[kChunksInFlight][kEntries];
 #pragma unroll
-      for (int k = 0; k < kEntries; ++k) {
-        const int32_t s = __shfl_sync(kFullMask, slot, k) % kLowLatencyMaxTopk;  // slot < 16 where summed
+      for (int u = 0; u < kChunksInFlight; ++u) {
+        const int64_t ch = first + u * kChunk + lane * kLaneChannels;
 #pragma unroll
-        for (int u = 0; u < kChunksInFlight; ++u) {
-          const int64_t ch = first + u * kChunk + lane * kLaneChannels;
-          rows[u][k] = __ldcg(reinterpret_cast<const uint4*>(token_slots + s * layout.combine_slot_bytes +
-                                                              (ch < hidden ? ch : hidden - kLaneChannels) * 2));
+        for (int k = 0; k < kEntries; ++k) {
+          const int32_t e = __shfl_sync(kFullMask, expert, k);
+          const int32_t s = __shfl_sync(kFullMask, slot, k);
+          if (k < num_topk && e >= 0 && ch < chunk_end)
+            rows[u][k] = __ldcg(reinterpret_cast<const uint4*>(
+                base + layout.combine_rows + (t * kLowLatencyMaxTopk + s) * layout.combine_slot_bytes + ch * 2));
         }
       }
 #pragma unroll
       for (int u = 0; u < kChunksInFlight; ++u) {
         const int64_t ch = first + u * kChunk + lane * kLaneChannels;
-        if (ch >= chunk_end) continue;
         float acc[kLaneChannels];
 #pragma unroll
         for (int i = 0; i < kLaneChannels; ++i) acc[i] = 0.f;
@@ -893,12 +888,13 @@ __global__ void __launch_bounds__(kThreads, kCombineRecvBlocksPerSm)
         for (int k = 0; k < kEntries; ++k) {
           const int32_t e = __shfl_sync(kFullMask, expert, k);
           const float w = __shfl_sync(kFullMask, weight, k);
-          if (k >= num_topk || e < 0) continue;
+          if (k >= num_topk || e < 0 || ch >= chunk_end) continue;
           float v[kLaneChannels];
           bf16x8_to_float(rows[u][k], v);
 #pragma unroll
           for (int i = 0; i < kLaneChannels; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(w, v[i]));
         }
+        if (ch >= chunk_end) continue;
         __nv_bfloat16 packed[kLaneChannels];
 #pragma unroll
         for (int i = 0; i < kLaneChannels; ++i) packed[i] = __float2bfloat16_rn(acc[i]);
@@ -986,10 +982,12 @@ cudaError_t low_latency_combine_recv(const LowLatencyCall& call, const LowLatenc
   if (args.num_topk > kLowLatencyMaxTopk || args.num_tokens > call.num_max_tokens) return cudaErrorInvalidValue;
   const TokenParts split = token_parts(call, args.num_tokens);
   return with_transport(call, [&](auto transport) {
-    // Up to K = 8 (DeepEP's decode shapes), two chunks' loads in flight per lane, else one.
-    auto kernel = args.num_topk <= 8 ? combine_recv_kernel<decltype(transport), 8>
-                                     : combine_recv_kernel<decltype(transport), kLowLatencyMaxTopk>;
-    kernel<<<blocks_for_warps(call, args.num_tokens * split.parts), kThreads, 0, call.stream>>>(call, args, split);
+    const int blocks = blocks_for_warps(call, args.num_tokens * split.parts);
+    if (args.num_topk <= 8)  // two chunks' loads in flight
+      combine_recv_kernel<decltype(transport), 8><<<blocks, kThreads, 0, call.stream>>>(call, args, split);
+    else
+      combine_recv_kernel<decltype(transport), kLowLatencyMaxTopk><<<blocks, kThreads, 0, call.stream>>>(call, args,
+                                                                                                    split);
     return cudaGetLastError();
   });
 }

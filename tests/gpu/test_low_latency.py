@@ -174,18 +174,6 @@ def test_max_tokens_512_and_topk_11(R):
         check_oracle(run_ll(R, M, "cuda", mode, x, idx, w, y, stats), exp, out, mode, f"{mode}: ")
 
 
-@pytest.mark.parametrize("H", [2176, 7168])
-def test_combine_receive_parts_of_several_chunks(H):
-    """The combine receive's items of several chunks, two loaded at once (K <= 8): on 132 SMs T=512 gives parts of
-    3 chunks (H=2176: 8.5 chunks, the last one half) and of 7 chunks (H=7168), so a part ends inside a pair of
-    chunks, and its last chunk may be half."""
-    R = RANKS[-1] if len(jax.devices()) >= RANKS[-1] else 2
-    T, K, E, M = 512, 8, 4 * R, 512
-    x, idx, w, y, stats = make_inputs(R, T, H, K, E, M, seed=H + 1, p_invalid=0.01)
-    exp, out = expected(x, idx, w, y, stats, E, M, "bf16")
-    check_oracle(run_ll(R, M, "cuda", "bf16", x, idx, w, y, stats), exp, out, "bf16", f"H={H}: ")
-
-
 def test_buffer_transport_follows_the_setting():
     """The Buffers of this suite use the transport the environment asks for (test_multiprocess_gpu.py runs the
     suite with JAX_EP_LL_TRANSPORT=nvshmem): the suite cannot pass on peer stores when NVSHMEM was asked for."""
