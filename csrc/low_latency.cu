@@ -808,8 +808,12 @@ constexpr unsigned kCombineFlagPollNs = 100;
 // product and per sum, as the reference), and writes BF16. Its trace is per (token, part): lane 0 times the
 // wait (reading the routing included) and the sum, the block adds them up in shared memory.
 constexpr int kCombineRecvBlocksPerSm = 2;  // blocks resident per SM (launch bounds and grid)
-// Row loads a lane keeps in flight: kEntries (top-k entries the kernel handles: 8, or kLowLatencyMaxTopk) for
-// each of kRowLoadsInFlight / kEntries chunks, what the register budget of two blocks per SM holds.
+// Row loads a lane issues before summing: kEntries (top-k entries the kernel handles: 8, or kLowLatencyMaxTopk)
+// for each of kRowLoadsInFlight / kEntries chunks, what the register budget of two blocks per SM holds. ptxas
+// follows each predicated load with a predicated move that waits for it, so the SASS keeps at most 2 in flight;
+// the K <= 8 kernel (fewer shuffles and tests per chunk) still measured 52.6 against 54.0 us for the 16-entry one
+// at DeepEP's decode shape. Unconditional loads from in-range addresses (15 in flight, 50.8 us, not yet
+// correct for a half last chunk when measured): branch ll-recv-inflight.
 constexpr int kRowLoadsInFlight = kLowLatencyMaxTopk;
 
 template <typename Transport, int kEntries>
@@ -863,8 +867,8 @@ __global__ void __launch_bounds__(kThreads, kCombineRecvBlocksPerSm)
     }
     const int64_t chunk_end = min((part + 1) * split.chunks_per_part * kChunk, hidden);
     for (int64_t first = part * split.chunks_per_part * kChunk; first < chunk_end; first += kChunksInFlight * kChunk) {
-      // Every entry's load of kChunksInFlight chunks is issued before the first is used (one memory latency
-      // for them, not one per chunk and entry); the sum still runs in k order.
+      // Every entry's load of kChunksInFlight chunks is issued before the first is used (see kRowLoadsInFlight
+      // for how many the SASS keeps in flight); the sum still runs in k order.
       uint4 rows[kChunksInFlight][kEntries];
 #pragma unroll
       for (int u = 0; u < kChunksInFlight; ++u) {
@@ -983,7 +987,7 @@ cudaError_t low_latency_combine_recv(const LowLatencyCall& call, const LowLatenc
   const TokenParts split = token_parts(call, args.num_tokens);
   return with_transport(call, [&](auto transport) {
     const int blocks = blocks_for_warps(call, args.num_tokens * split.parts);
-    if (args.num_topk <= 8)  // two chunks' loads in flight
+    if (args.num_topk <= 8)  // two chunks per round of loads
       combine_recv_kernel<decltype(transport), 8><<<blocks, kThreads, 0, call.stream>>>(call, args, split);
     else
       combine_recv_kernel<decltype(transport), kLowLatencyMaxTopk><<<blocks, kThreads, 0, call.stream>>>(call, args,
