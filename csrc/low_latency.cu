@@ -251,8 +251,9 @@ __device__ __forceinline__ void bf16x8_to_float(const uint4& raw, float (&v)[kLa
 }
 
 // Work items (token, part): a token's channels split into `parts` ranges of `chunks_per_part` whole chunks,
-// as few chunks per part as give every item a warp of its own at once, so that small batches still spread over
-// every SM. A warp taking a second item runs it after its first, which ends the kernel an item later: with
+// as few chunks per part as would give every item a warp of its own at once (the rounding up of parts can still
+// leave a few items more than warps for some T, e.g. T=212 at 132 SMs; branch ll-recv-inflight bounds parts by
+// warps / T), so that small batches still spread over every SM. A warp taking a second item runs it after its first, which ends the kernel an item later: with
 // parts sized for the warps alone (17 parts of 2 chunks at DeepEP's decode shape, 3 of them empty, 64 warps with
 // two items) the combine took 60.2 us on 4x H200, with 14 parts 54.0 us.
 struct TokenParts {
