@@ -253,9 +253,10 @@ __device__ __forceinline__ void bf16x8_to_float(const uint4& raw, float (&v)[kLa
 // Work items (token, part): a token's channels split into `parts` ranges of `chunks_per_part` whole chunks,
 // as few chunks per part as would give every item a warp of its own at once (the rounding up of parts can still
 // leave a few items more than warps for some T, e.g. T=212 at 132 SMs; branch ll-recv-inflight bounds parts by
-// warps / T), so that small batches still spread over every SM. A warp taking a second item runs it after its first, which ends the kernel an item later: with
-// parts sized for the warps alone (17 parts of 2 chunks at DeepEP's decode shape, 3 of them empty, 64 warps with
-// two items) the combine took 60.2 us on 4x H200, with 14 parts 54.0 us.
+// warps / T), so that small batches still spread over every SM. A warp taking a second item runs it after its
+// first, which ends the kernel an item later: with parts sized for the warps alone (17 parts of 2 chunks at
+// DeepEP's decode shape, 3 of them empty, 64 warps with two items) the combine took 60.2 us on 4x H200, with 14
+// parts 54.0 us.
 struct TokenParts {
   int64_t parts, chunks_per_part;
   __host__ __device__ TokenParts(int64_t num_tokens, int64_t hidden, int64_t warps) {
@@ -322,9 +323,9 @@ struct CastRows {
 
 // Casts this lane's 8 channels at `channel` (all lanes call it: FP8 groups reduce across 16 lanes) and stores them
 // into every row of `to`; lanes past the row store nothing.
-__device__ __forceinline__ void stage_channels(const uint4& raw, int64_t channel, bool inside, LowLatencyPayload payload,
-                                               bool round_scale, const DispatchRowFormat& format, const CastRows& to,
-                                               int lane) {
+__device__ __forceinline__ void stage_channels(const uint4& raw, int64_t channel, bool inside,
+                                               LowLatencyPayload payload, bool round_scale,
+                                               const DispatchRowFormat& format, const CastRows& to, int lane) {
   if (payload == LowLatencyPayload::kBF16) {
     if (!inside) return;
 #pragma unroll
@@ -343,7 +344,8 @@ __device__ __forceinline__ void stage_channels(const uint4& raw, int64_t channel
     *reinterpret_cast<uint2*>(to.rows[i] + format.value(channel)) = q;
     if (!writes_scale) continue;
     if (payload == LowLatencyPayload::kFP8UE8M0)  // byte i of packed word w is group 4w + i: one byte per group
-      *reinterpret_cast<uint8_t*>(to.rows[i] + format.scale(channel)) = static_cast<uint8_t>(__float_as_uint(scale) >> 23);
+      *reinterpret_cast<uint8_t*>(to.rows[i] + format.scale(channel)) =
+          static_cast<uint8_t>(__float_as_uint(scale) >> 23);
     else
       *reinterpret_cast<float*>(to.rows[i] + format.scale(channel)) = scale;
   }
@@ -441,8 +443,9 @@ __device__ __forceinline__ void load_chunks(uint4 (&raw)[kPrefetch], const __nv_
 // stores drain: a completed counter raises that expert's flag (count_toward_flag), so a receiver can start on
 // an expert while other experts' rows are still being sent.
 template <typename Transport>
-__global__ void __launch_bounds__(kSendThreads) dispatch_send_kernel(const __grid_constant__ LowLatencyCall c,
-                                                                     const __grid_constant__ LowLatencyDispatchSendArgs a) {
+__global__ void __launch_bounds__(kSendThreads)
+    dispatch_send_kernel(const __grid_constant__ LowLatencyCall c,
+                         const __grid_constant__ LowLatencyDispatchSendArgs a) {
   extern __shared__ int16_t send_topk[];  // [T, K] the routing; ids outside [0, E) are -1
   __shared__ SendTargets targets;
   __shared__ int32_t invalid;
@@ -457,7 +460,8 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_send_kernel(const __gri
   const uint32_t call = next_call(&own->dispatch_calls), set = call & 1;
   const DispatchRowFormat format(a.payload, hidden);
   const int64_t chunks = (hidden + kChunk - 1) / kChunk;
-  const int64_t slots = layout.set_offset(set) + layout.dispatch_rows, index = layout.set_offset(set) + layout.dispatch_index;
+  const int64_t slots = layout.set_offset(set) + layout.dispatch_rows;
+  const int64_t index = layout.set_offset(set) + layout.dispatch_index;
   const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(a.x);
   auto staged_row = [&](int64_t t) { return c.region + layout.dispatch_staging + t * layout.dispatch_slot_bytes; };
 
