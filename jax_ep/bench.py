@@ -5,7 +5,7 @@ intranode: normal-mode dispatch (BF16 and the FP8 pair) and combine (BF16) over 
 process, DeepEP's shape by default (T=4096, H=7168, K=8, E=256), for the `cuda` backend at each `--sms` value
 and the pure-JAX baselines. Each op runs in jitted sequences of `--iters` and 2×`--iters` ops; time per op =
 the difference of their wall times / iters after a warm-up, median over `--repeats` runs. Bandwidth is
-counted as DeepEP counts it (ARCHITECTURE.md §5): received rows × H × 2 bytes for BF16 (dispatch and combine),
+counted as DeepEP counts it (docs/design.md): received rows × H × 2 bytes for BF16 (dispatch and combine),
 × (1 + 4/128) / 2 of that for FP8, per rank, averaged over ranks.
 
 low_latency: DeepEP's decode shape (T=128, H=7168, K=8, E=288): FP8 and BF16 low-latency dispatch and the
@@ -22,13 +22,16 @@ ranks: "RDMA" = (token, destination node) pairs, the token's own node included, 
 rows x row bytes (BF16: 2H, FP8: H (1 + 4/128)); combine the same as the dispatch it reverses. On one host
 (e.g. 4 GPUs as 2 nodes x 2) the "RDMA" traffic is NVSHMEM over NVLink, not a network figure.
 
-Process models (ARCHITECTURE.md §2): by default one process drives every local GPU. With `--processes N` this
-command is a launcher: it starts N copies of itself, process i owning GPU i, joined through `jax.distributed`
-on localhost, which run the same measurements over the global mesh (collectively: the same programs in the
-same order); process 0 prints and writes --json/--plot, the others' output is shown only when they fail. With
-JAX_PLATFORMS=cpu each process owns one CPU device and collectives go through gloo (for testing). Across hosts,
-run the launcher on every host with `--nodes M --node-rank i --coordinator HOST:PORT` (host 0's address): host i
-starts processes i*N .. i*N+N-1 of the M*N.
+Process models (docs/design.md, "Process models"): by default one process drives every local GPU. With
+`--processes N` this command is a launcher: it starts N copies of itself, process i owning GPU i mod G (G: the
+host's GPUs, or `--gpus G`), joined through `jax.distributed` on localhost, which run the same measurements over
+the global mesh (collectively: the same programs in the same order); process 0 prints and writes --json/--plot,
+the others' output is shown only when they fail. More processes than GPUs means ranks share GPUs, whose timings
+are not performance figures: the launcher refuses unless given `--allow-shared-gpu`, and then every line printed
+starts with that warning and every JSON record carries it. With JAX_PLATFORMS=cpu each process owns one CPU
+device and collectives go through gloo (for testing). Across hosts, run the launcher on every host with
+`--nodes M --node-rank i --coordinator HOST:PORT` (host 0's address): host i starts processes i*N .. i*N+N-1 of
+the M*N.
 """
 from __future__ import annotations
 
@@ -760,10 +763,55 @@ def _kill_running(procs: list[subprocess.Popen]) -> None:
             proc.wait()
 
 
-def _launch(args, argv: list[str]) -> int:
-    """--processes N: runs N copies of this command, process i owning GPU i (every process sees every GPU, for
-    CUDA IPC), joined through jax.distributed on a free localhost port. Process 0's output passes through,
-    the others' goes to log files whose last lines are printed when they fail. Returns 0 when all succeeded."""
+# What every line and JSON record of a run whose ranks share GPUs says.
+SHARED_GPU_LABEL = "[shared GPU: not a performance figure] "
+
+
+def _cuda_device_count() -> int:
+    """The GPUs this process sees, asked of the CUDA driver: the launcher starts no JAX backend, which would hold
+    GPU memory beside its workers."""
+    import ctypes
+
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
+    count = ctypes.c_int(0)
+    if driver.cuInit(0) != 0 or driver.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return 0
+    return count.value
+
+
+class _LabelledLines:
+    """A text stream that starts every line written to it with `label`."""
+
+    def __init__(self, stream, label: str):
+        self.stream, self.label, self.at_line_start = stream, label, True
+
+    def write(self, text: str) -> int:
+        pieces = []
+        for piece in text.splitlines(keepends=True):
+            pieces.append(self.label + piece if self.at_line_start else piece)
+            self.at_line_start = piece.endswith("\n")
+        self.stream.write("".join(pieces))
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def _label_shared(records):
+    """Marks a mode's JSON (a list of records, or the low-latency mode's dict) as taken on shared GPUs."""
+    for record in records if isinstance(records, list) else [records]:
+        record["not_a_performance_figure"] = "ranks shared GPUs"
+    return records
+
+
+def _launch(args, argv: list[str], gpus: int) -> int:
+    """--processes N: runs N copies of this command, process i owning GPU i mod `gpus` (every process sees every
+    GPU, for CUDA IPC), joined through jax.distributed on a free localhost port. Process 0's output passes
+    through, the others' goes to log files whose last lines are printed when they fail. Returns 0 when all
+    succeeded."""
     coordinator = args.coordinator or f"127.0.0.1:{_free_port()}"
     first = args.node_rank * args.processes  # this host's first process
     package_root = str(Path(__file__).resolve().parents[1])
@@ -780,7 +828,9 @@ def _launch(args, argv: list[str]) -> int:
         try:
             for i, log in enumerate(logs):
                 command = [sys.executable, "-m", "jax_ep.bench", *argv, "--process-id", str(first + i),
-                           "--local-device", str(i), "--coordinator", coordinator]
+                           "--local-device", str(i % gpus), "--coordinator", coordinator]
+                if args.processes > gpus:
+                    command.append("--shared-gpu")
                 procs.append(subprocess.Popen(command, env=env, stdout=None if i == 0 else log,
                                               stderr=None if i == 0 else log))
             codes = _wait_for(procs, args.deadline)
@@ -822,8 +872,14 @@ def main(argv=None) -> int:
     parser.add_argument("mode", choices=sorted(DEFAULT_SHAPES))
     parser.add_argument("--ranks", type=int, default=0, help="GPUs to use (default: every local GPU)")
     parser.add_argument("--processes", type=int, default=0,
-                        help="run with one process per GPU on this many GPUs (GPU i owned by process i) instead of "
+                        help="run this many ranks as processes, process i owning GPU i mod G (see --gpus), instead of "
                              "one process driving every GPU")
+    parser.add_argument("--gpus", type=int, default=0,
+                        help="with --processes: the host's GPUs to spread the processes over (default: every GPU it "
+                             "has)")
+    parser.add_argument("--allow-shared-gpu", action="store_true",
+                        help="with --processes: run even with more processes than GPUs (ranks sharing a GPU: for "
+                             "correctness only; every figure is labelled as not a performance figure)")
     parser.add_argument("--deadline", type=float, default=1800,
                         help="with --processes: seconds after which the processes still running are killed")
     parser.add_argument("--nodes", type=int, default=1,
@@ -836,6 +892,7 @@ def main(argv=None) -> int:
                              "host as 2 nodes x 2")
     parser.add_argument("--process-id", type=int, help=argparse.SUPPRESS)  # a worker of --processes
     parser.add_argument("--local-device", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--shared-gpu", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--tokens", type=int, help="tokens per rank (default 4096 intranode, 128 low_latency)")
     parser.add_argument("--hidden", type=int, help="default 7168")
     parser.add_argument("--topk", type=int, help="default 8")
@@ -874,12 +931,20 @@ def main(argv=None) -> int:
     if args.nodes < 1 or not 0 <= args.node_rank < args.nodes or (args.nodes > 1 and not args.coordinator):
         parser.error("--nodes M needs --node-rank in [0, M) and --coordinator HOST:PORT")
     if args.processes and args.process_id is None:
-        return _launch(args, sys.argv[1:] if argv is None else list(argv))
+        gpus = args.gpus or (0 if _on_cpu() else _cuda_device_count()) or args.processes
+        if args.processes > gpus and not args.allow_shared_gpu:
+            parser.error(f"--processes {args.processes} on {gpus} GPU(s): ranks would share GPUs, so no figure would "
+                         "be a performance figure; pass --allow-shared-gpu to run anyway (correctness, smoke tests)")
+        return _launch(args, sys.argv[1:] if argv is None else list(argv), gpus)
     if args.process_id is not None:
         _join(args)
+    if args.shared_gpu:
+        sys.stdout = _LabelledLines(sys.stdout, SHARED_GPU_LABEL)
     try:
         modes = {"intranode": intranode, "low_latency": low_latency, "internode": internode_bench}
         records = modes[args.mode](args)
+        if args.shared_gpu:
+            _label_shared(records)
         if jax.process_index() == 0:
             if args.json:
                 with open(args.json, "w") as f:

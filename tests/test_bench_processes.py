@@ -79,3 +79,20 @@ def test_several_hosts_need_a_coordinator():
                          timeout=120)
     assert run.returncode == 2 and "--nodes M needs --node-rank in [0, M) and --coordinator HOST:PORT" in run.stderr, \
         run.stderr
+
+
+def test_ranks_sharing_a_gpu_need_consent(tmp_path):
+    """More processes than GPUs (here 2 on `--gpus 1`): refused without --allow-shared-gpu."""
+    run = bench("low_latency", "--gpus", "1", "--tokens", "4", "--hidden", "128", "--experts", "4", "--topk", "2")
+    assert run.returncode == 2 and "ranks would share GPUs" in run.stderr and "--allow-shared-gpu" in run.stderr, \
+        run.stdout + run.stderr
+
+
+def test_ranks_sharing_a_gpu_label_every_figure(tmp_path):
+    """With --allow-shared-gpu every line printed and every JSON record says it is not a performance figure."""
+    stdout, records = bench_record(tmp_path, "intranode", "--gpus", "1", "--allow-shared-gpu", "--sms", "--xla",
+                                   "--tokens", "8", "--hidden", "128", "--experts", "4", "--topk", "2")
+    lines = [line for line in stdout.splitlines() if "[intranode]" in line]  # not the C++ libraries' own lines
+    assert any("xla dispatch (BF16)" in line for line in lines), stdout
+    assert all(line.startswith("[shared GPU: not a performance figure] [intranode]") for line in lines), stdout
+    assert records and all(r["not_a_performance_figure"] == "ranks shared GPUs" for r in records), records

@@ -22,7 +22,10 @@ import jax_ep  # noqa: E402
 from jax_ep.flax import MoE, RouterConfig, from_dense, moe_linen  # noqa: E402
 from jax_ep.flax.routing import route  # noqa: E402
 
-RANKS, TOKENS, D_MODEL, D_FF, EXPERTS, TOPK, SHARED_D_FF = 4, 8, 128, 32, 8, 2, 16
+# Ranks: 4 of the 8 virtual CPU devices; on GPUs (tests/gpu/test_flax_moe_gpu.py) as many of this process's GPUs,
+# up to 4, as there are (one on a one-GPU machine).
+RANKS = min(4, len(jax.devices()))
+TOKENS, D_MODEL, D_FF, EXPERTS, TOPK, SHARED_D_FF = 8, 128, 32, 8, 2, 16
 # Router variants: DeepSeek-V3 (sigmoid, selection bias, grouped top-k, scaled weights) and a grouped softmax
 # router without renormalisation (DeepSeek-V2 / Qwen-MoE style).
 ROUTERS = {

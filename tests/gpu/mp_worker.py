@@ -1,10 +1,10 @@
 """One process of the one-process-per-GPU GPU tests (test_multiprocess_gpu.py); not a pytest module.
 
-usage: python mp_worker.py MODE PROCESS_ID NUM_PROCESSES PORT [PYTEST ARGS...]
+usage: python mp_worker.py MODE PROCESS_ID NUM_PROCESSES PORT GPU [PYTEST ARGS...]
 
-Joins `jax.distributed` on 127.0.0.1:PORT owning GPU PROCESS_ID only (local_device_ids), so the EP axis of
-the global mesh has one rank per process and the cuda backend exchanges CUDA IPC handles through the
-key-value store. MODE:
+Joins `jax.distributed` on 127.0.0.1:PORT owning GPU GPU only (local_device_ids; the launcher gives process p
+GPU p mod n, so processes may share a GPU), so the EP axis of the global mesh has one rank per process and the
+cuda backend exchanges CUDA IPC handles through the key-value store. MODE:
   pytest   run pytest with the remaining arguments (every process runs the same tests in the same order:
            each test is one collective program); exits with pytest's code.
   timeout  every process but the last runs a dispatch that the last never joins; prints RAISED when the op
@@ -60,11 +60,11 @@ def run_timeout(process_id: int, num_processes: int, ranks_per_node: int | None 
     report_timeout(lambda: fn(x, idx), buf)
 
 
-def main(mode: str, process_id: int, num_processes: int, port: int, pytest_args: list[str]) -> int:
+def main(mode: str, process_id: int, num_processes: int, port: int, gpu: int, pytest_args: list[str]) -> int:
     import jax
 
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=num_processes,
-                               process_id=process_id, local_device_ids=[process_id], initialization_timeout=120)
+                               process_id=process_id, local_device_ids=[gpu], initialization_timeout=120)
     sys.path.insert(0, str(TESTS))
     if mode == "timeout":
         run_timeout(process_id, num_processes)
@@ -82,7 +82,7 @@ def main(mode: str, process_id: int, num_processes: int, port: int, pytest_args:
         os._exit(0)
     import pytest
 
-    code = pytest.main(["-q", "-p", "no:cacheprovider", "--rootdir", str(TESTS.parent), *pytest_args])
+    code = pytest.main(["-q", "-rs", "-p", "no:cacheprovider", "--rootdir", str(TESTS.parent), *pytest_args])
     sys.stdout.flush()
     leave(process_id, int(code))
 
@@ -103,7 +103,7 @@ def leave(process_id: int, code: int) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 5:
+    if len(sys.argv) < 6:
         print(__doc__, file=sys.stderr)
         sys.exit(2)
-    sys.exit(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5:]))
+    sys.exit(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6:]))

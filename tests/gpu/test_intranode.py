@@ -28,12 +28,15 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from gpu.conftest import cuda_devices
+from gpu.conftest import one_process_gpus
 from jax_ep import cuda_backend
 
 MULTI_PROCESS = jax.process_count() > 1
 RANKS = [jax.process_count()] if MULTI_PROCESS else [2, 4]
-needs_one_process = pytest.mark.skipif(MULTI_PROCESS, reason="starts its own single-process worker")
+# Tests of one process driving the GPUs only: they start a single-process worker of their own, or store through
+# one process's peer pointers (the store probe); test_multiprocess_gpu.py runs the multi-process counterparts.
+needs_one_process = pytest.mark.skipif(MULTI_PROCESS, reason="one process driving the GPUs only (a single-process "
+                                       "worker of its own, or one process's peer pointers)")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -41,10 +44,7 @@ needs_one_process = pytest.mark.skipif(MULTI_PROCESS, reason="starts its own sin
 # ----------------------------------------------------------------------------------------------------------------
 @functools.cache
 def mesh(R: int) -> Mesh:
-    devices = cuda_devices()
-    if len(devices) < R:
-        pytest.skip(f"needs {R} GPUs, {len(devices)} present")
-    return Mesh(np.array(devices[:R]), ("ep",))
+    return Mesh(np.array(one_process_gpus(R)), ("ep",))
 
 
 @functools.cache
@@ -439,15 +439,19 @@ def run_worker(mode: str, R: int, xla_flags: str | None = None, script: str = __
                           timeout=300)
 
 
+# Every op captured into CUDA graphs, loops included (test_multiprocess_gpu.py runs the loops so as R processes).
+FORCED_COMMAND_BUFFER_FLAGS = ("--xla_gpu_graph_min_graph_size=1 "
+                               "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,WHILE,CONDITIONAL")
+
+
 @needs_one_process
 @pytest.mark.parametrize("R", RANKS)
 def test_jitted_loop_forced_command_buffers(R):
     """Every op captured into CUDA graphs (min graph size 1, loops included): the call sequence lives on the
     device, so replay stays correct; with either combine method (the push combine's flags and token tickets
     live on the device too)."""
-    flags = "--xla_gpu_graph_min_graph_size=1 --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,WHILE,CONDITIONAL"
     for method in ("pull", "push"):
-        proc = run_worker("loop", R, flags, env_extra={cuda_backend.COMBINE_ENV: method})
+        proc = run_worker("loop", R, FORCED_COMMAND_BUFFER_FLAGS, env_extra={cuda_backend.COMBINE_ENV: method})
         assert proc.returncode == 0 and "LOOP OK" in proc.stdout, (method, proc.stdout[-3000:] + proc.stderr[-3000:])
 
 

@@ -1,4 +1,5 @@
-"""The CUDA layout kernel (FFI target jax_ep_layout on the CUDA platform) against the NumPy oracle."""
+"""The CUDA layout kernel (FFI target jax_ep_layout on the CUDA platform) against the NumPy oracle, on the GPUs of
+one process (one rank per GPU; the kernel is local to each rank, so one GPU covers it with R=1)."""
 import jax
 import numpy as np
 import pytest
@@ -6,20 +7,18 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_ep
 import oracle
-from gpu.conftest import cuda_devices
+from gpu.conftest import one_process_gpus
 
 
-@pytest.mark.parametrize("num_ranks", [2, 4])
+@pytest.mark.parametrize("num_ranks", [1, 2, 4])
 @pytest.mark.parametrize("num_tokens,num_topk,num_experts,mode", [
     (0, 8, 256, "uniform"), (1, 1, 8, "uniform"), (4096, 8, 256, "distinct"), (777, 6, 64, "dense_dups"),
     (300, 8, 32, "skewed"), (513, 4, 16, "one_rank"),
 ])
 def test_cuda_layout_matches_oracle(num_ranks, num_tokens, num_topk, num_experts, mode):
-    devices = cuda_devices()
-    if len(devices) < num_ranks:
-        pytest.skip(f"needs {num_ranks} GPUs")
+    devices = one_process_gpus(num_ranks)
     assert jax_ep._native.has_target("jax_ep_layout", "cuda"), "extension built without the CUDA layout kernel"
-    mesh = Mesh(np.array(devices[:num_ranks]), ("ep",))
+    mesh = Mesh(np.array(devices), ("ep",))
     buffer = jax_ep.Buffer(mesh, "ep")
     rng = np.random.default_rng(num_tokens * 31 + num_experts)
     idx = oracle.make_topk_idx(rng, num_ranks, num_tokens, num_topk, num_experts, mode, p_invalid=0.02)

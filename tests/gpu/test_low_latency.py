@@ -21,7 +21,8 @@ import pytest
 
 import jax_ep
 from jax_ep import cuda_backend, cuda_low_latency
-from gpu.test_intranode import RANKS, assert_bits, flat, mesh, needs_one_process, ranks, report_timeout, run_worker, spmd
+from gpu.test_intranode import (FORCED_COMMAND_BUFFER_FLAGS, RANKS, assert_bits, flat, mesh, needs_one_process, ranks,
+                                report_timeout, run_worker, spmd)
 MODES = {
     "bf16": dict(use_fp8=False),
     "fp8": dict(use_fp8=True),
@@ -327,8 +328,7 @@ def test_jitted_loop_default_flags(R):
 @needs_one_process
 @pytest.mark.parametrize("R", RANKS)
 def test_jitted_loop_forced_command_buffers(R):
-    flags = "--xla_gpu_graph_min_graph_size=1 --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,WHILE,CONDITIONAL"
-    proc = run_worker("loop", R, flags, script=__file__)
+    proc = run_worker("loop", R, FORCED_COMMAND_BUFFER_FLAGS, script=__file__)
     assert proc.returncode == 0 and "LOOP OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 

@@ -1,14 +1,22 @@
-"""The cuda backend with one process per GPU (ARCHITECTURE.md §2): R `jax.distributed` processes on localhost,
-each owning one GPU, one global EP mesh; the Buffer maps its peers' memory through CUDA IPC handles exchanged
-in the key-value store. Each process runs tests/gpu/test_intranode.py and test_low_latency.py (through
-mp_worker.py), so the whole oracle/xla/gradient/determinism suites hold in this process model too, and
+"""The cuda backend with one process per rank (docs/design.md, "Process models"): R `jax.distributed` processes on
+localhost, process p owning GPU p mod n of the n present, one global EP mesh; the Buffer maps its peers' memory
+through CUDA IPC handles exchanged in the key-value store. With fewer GPUs than ranks the processes share GPUs
+(CUDA IPC and NVSHMEM work within one device): every suite here runs on a one-GPU machine, for correctness (the
+timings of shared GPUs mean nothing). Each process runs tests/gpu/test_intranode.py and test_low_latency.py
+(through mp_worker.py), so the whole oracle/xla/gradient/determinism suites hold in this process model too,
 test_low_latency.py once more with the NVSHMEM low-latency transport forced (JAX_EP_LL_TRANSPORT=nvshmem: the
-low-latency regions are NVSHMEM symmetric memory, rows travel as NVSHMEM puts). Bounded waits: one test leaves
-one process out of a dispatch and checks that the others fail within the timeout, naming the op and the absent
-rank; another sends a third low-latency dispatch before the first receive on every rank (both transports) and
-checks that each fails within the timeout, naming the credit wait.
+low-latency regions are NVSHMEM symmetric memory, rows travel as NVSHMEM puts), and both files' jitted loops with
+every op captured into CUDA graphs. Bounded waits: one test leaves one process out of a dispatch and checks that
+the others fail within the timeout, naming the op and the absent rank; another sends a third low-latency
+dispatch before the first receive on every rank (both transports) and checks that each fails within the
+timeout, naming the credit wait.
 The internode mode runs only in this process model: its suite (test_internode.py) runs as R processes, R=4 as
-2 nodes x 2 GPUs (NVSHMEM between the "nodes"), and its bounded-wait test leaves one process out likewise."""
+2 nodes x 2 GPUs and 4 x 1 (NVSHMEM between the "nodes"), R=2 as 2 x 1, and its bounded-wait test leaves one
+process out likewise.
+
+Ranks: $JAX_EP_TEST_RANKS (default "2 4"; e.g. "2 4 8"); a rank count whose processes would not fit in the
+GPUs' memory (PROCESS_GPU_BYTES each) is skipped. With $JAX_EP_TEST_SUITE_LOG set, each suite appends one line
+to that file: its name, R, process 0's pytest summary and skip reasons (tests/gpu/run.sh prints them)."""
 from __future__ import annotations
 
 import os
@@ -22,11 +30,16 @@ from pathlib import Path
 import pytest
 
 from gpu.conftest import cuda_devices
+from gpu.test_intranode import FORCED_COMMAND_BUFFER_FLAGS
+from jax_ep import cuda_backend
 
 WORKER = Path(__file__).resolve().parent / "mp_worker.py"
 REPO_ROOT = Path(__file__).resolve().parents[2]
-RANKS = [2, 4]
+RANKS = [int(r) for r in os.environ.get("JAX_EP_TEST_RANKS", "2 4").split()]
 SUITE_TIMEOUT_S = 420
+# GPU memory one test process may take (XLA allocating on demand, its Buffers, NVSHMEM's symmetric heap): bounds
+# how many processes share a GPU.
+PROCESS_GPU_BYTES = 8 << 30
 # The environment of the workers per low-latency transport (NVSHMEM: no NVLink multicast; XLA allocates on
 # demand, leaving room for NVSHMEM's symmetric heap).
 TRANSPORT_ENV = {
@@ -50,10 +63,14 @@ def _free_port() -> int:
 
 def launch(mode: str, R: int, extra: list[str], timeout_s: float, tmp_path,
            env_extra: dict | None = None) -> tuple[list[int | None], list[str]]:
-    """Runs R worker processes (with `env_extra` added to their environment); returns their exit codes (None:
-    killed at the deadline) and outputs."""
-    if len(cuda_devices()) < R:
-        pytest.skip(f"needs {R} GPUs")
+    """Runs R worker processes, process p owning GPU p mod n (with `env_extra` added to their environment);
+    returns their exit codes (None: killed at the deadline) and outputs."""
+    gpus = cuda_devices()
+    per_gpu = -(-R // len(gpus))
+    memory = (gpus[0].memory_stats() or {}).get("bytes_limit")
+    if memory and per_gpu * PROCESS_GPU_BYTES > memory:
+        pytest.skip(f"{R} processes on {len(gpus)} GPUs: {per_gpu} per GPU of {memory / 2**30:.0f} GiB, each may "
+                    f"take {PROCESS_GPU_BYTES / 2**30:.0f} GiB")
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), *sys.path]), PYTHONUNBUFFERED="1",
                **(env_extra or {}))
@@ -65,7 +82,8 @@ def launch(mode: str, R: int, extra: list[str], timeout_s: float, tmp_path,
         out = open(tmp_path / f"{mode}{R}_{pid}.out", "w+")
         err = open(tmp_path / f"{mode}{R}_{pid}.err", "w+")
         logs.append((out, err))
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), mode, str(pid), str(R), str(port), *extra],
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), mode, str(pid), str(R), str(port),
+                                       str(pid % len(gpus)), *extra],
                                       cwd=REPO_ROOT, env=env, stdout=out, stderr=err))
     deadline = time.monotonic() + timeout_s
     codes = []
@@ -91,6 +109,27 @@ def report(codes, outputs) -> str:
     return "\n".join(f"--- process {p} (exit {c}) ---\n{o[-4000:]}" for p, (c, o) in enumerate(zip(codes, outputs)))
 
 
+def suite_summaries(name: str, R: int, codes, outputs) -> list[re.Match | None]:
+    """Each process's pytest summary ("N passed, M skipped"); with $JAX_EP_TEST_SUITE_LOG set, appends a line with
+    process 0's summary and skip reasons to that file."""
+    summaries = [re.search(r"(\d+) passed(?:, (\d+) skipped)?", out) for out in outputs]
+    log = os.environ.get("JAX_EP_TEST_SUITE_LOG")
+    if log:
+        reasons = sorted({m.group(1) for m in re.finditer(r"^SKIPPED \[\d+\] \S+ (.*)$", outputs[0], re.M)})
+        result = summaries[0].group(0) if summaries[0] else f"no summary (exit codes {codes})"
+        with open(log, "a") as f:
+            f.write(f"{name} R={R} ({R} processes): {result}" + "".join(f"\n    skipped: {r}" for r in reasons) + "\n")
+    return summaries
+
+
+def assert_suite_passed(name: str, R: int, codes, outputs, min_passed: int, max_skipped: int) -> None:
+    summaries = suite_summaries(name, R, codes, outputs)
+    assert codes == [0] * R, report(codes, outputs)
+    for summary in summaries:
+        assert summary and int(summary.group(1)) >= min_passed and int(summary.group(2) or 0) <= max_skipped, \
+            report(codes, outputs)
+
+
 @pytest.mark.parametrize("R", RANKS)
 @pytest.mark.parametrize("suite, transport", [("test_intranode.py", "peer_stores"),
                                               ("test_low_latency.py", "peer_stores"),
@@ -101,10 +140,22 @@ def test_suite_one_process_per_gpu(suite, transport, R, tmp_path):
     needs_nvshmem(transport)
     codes, outputs = launch("pytest", R, [str(Path(__file__).parent / suite), "-x"], SUITE_TIMEOUT_S, tmp_path,
                             TRANSPORT_ENV[transport])
-    assert codes == [0] * R, report(codes, outputs)
-    for out in outputs:  # the suite ran (only the tests that start their own single-process worker skip)
-        summary = re.search(r"(\d+) passed(?:, (\d+) skipped)?", out)
-        assert summary and int(summary.group(1)) >= 25 and int(summary.group(2) or 0) <= 4, report(codes, outputs)
+    # The suite ran: only the tests of one process driving the GPUs skip (their counterparts are in this file).
+    assert_suite_passed(f"{suite} {transport}", R, codes, outputs, min_passed=25, max_skipped=4)
+
+
+@pytest.mark.parametrize("R", RANKS)
+@pytest.mark.parametrize("method", ["push", "pull"])
+def test_jitted_loops_with_forced_command_buffers(method, R, tmp_path):
+    """The intranode and low-latency jitted loops with every op captured into CUDA graphs (min graph size 1, loops
+    included), the combine pushing or pulling: call numbers, flags and tickets live on the device, so graph
+    replay stays in step across processes."""
+    files = [str(Path(__file__).parent / f) for f in ("test_intranode.py", "test_low_latency.py")]
+    env = {"XLA_FLAGS": FORCED_COMMAND_BUFFER_FLAGS, cuda_backend.COMBINE_ENV: method}
+    codes, outputs = launch("pytest", R, [*files, "-x", "-k", "jitted_loop_default_flags"], SUITE_TIMEOUT_S, tmp_path,
+                            env)
+    assert_suite_passed(f"jitted loops, forced command buffers, combine {method}", R, codes, outputs, min_passed=2,
+                        max_skipped=0)
 
 
 @pytest.mark.parametrize("R", RANKS)
@@ -162,10 +213,7 @@ def test_internode_suite(R, tmp_path):
         pytest.skip("built without NVSHMEM (no internode kernels)")
     codes, outputs = launch("pytest", R, [str(Path(__file__).parent / "test_internode.py"), "-x"], SUITE_TIMEOUT_S,
                             tmp_path)
-    assert codes == [0] * R, report(codes, outputs)
-    for out in outputs:
-        summary = re.search(r"(\d+) passed(?:, (\d+) skipped)?", out)
-        assert summary and int(summary.group(1)) >= 28 and summary.group(2) is None, report(codes, outputs)
+    assert_suite_passed("test_internode.py", R, codes, outputs, min_passed=28, max_skipped=0)
 
 
 @pytest.mark.parametrize("R", RANKS)
