@@ -57,14 +57,15 @@ def main(argv=None):
     parser.add_argument("--tokens", type=int, default=256, help="tokens per rank")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--ffn", type=int, default=512)
-    parser.add_argument("--experts-per-rank", type=int, default=2)
+    parser.add_argument("--experts-per-rank", type=int, default=2,
+                        help="raised where the ranks would hold fewer experts than --topk (e.g. on one GPU)")
     parser.add_argument("--topk", type=int, default=4)
     parser.add_argument("--backend", default="auto", choices=["auto", "cuda", "xla"])
     args = parser.parse_args(argv)
 
     devices = jax.devices()
     num_ranks = len(devices)
-    num_experts = args.experts_per_rank * num_ranks
+    num_experts = max(args.experts_per_rank, -(-args.topk // num_ranks)) * num_ranks
     mesh = Mesh(np.array(devices), ("ep",))
     buffer = jax_ep.Buffer(mesh, "ep", backend=args.backend)
     print(f"devices: {num_ranks} x {devices[0].platform} ({devices[0].device_kind}); jax_ep backend: {buffer.backend}")

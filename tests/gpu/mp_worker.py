@@ -9,8 +9,8 @@ cuda backend exchanges CUDA IPC handles through the key-value store. MODE:
            each test is one collective program); exits with pytest's code.
   timeout  every process but the last runs a dispatch that the last never joins; prints RAISED when the op
            failed within a bounded time and RECORD lines with the timeout records, then exits without
-           teardown (the trapped GPU's context is dead). The last process sleeps meanwhile (and dies with
-           the coordination service when process 0 leaves).
+           teardown (the trapped GPU's context is dead). The last process waits meanwhile; all leave together
+           (conftest.leave_together).
   nvshmem  bootstraps NVSHMEM through the key-value store and runs its ring check; prints
            "RING <rank> <value read>".
   ll_third_send  every process runs three low-latency dispatch sends before the first receive
@@ -21,15 +21,11 @@ The low-latency transport follows $JAX_EP_LL_TRANSPORT, which the launcher sets 
 """
 from __future__ import annotations
 
-import os
 import sys
-import time
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 2.0
-EXIT_BARRIER_MS = 60_000  # how long a finished process waits for the others before it leaves
-EXIT_GRACE_S = 2.0        # how long process 0 outlives the barrier, so that the others are gone first
 
 
 def run_timeout(process_id: int, num_processes: int, ranks_per_node: int | None = None) -> None:
@@ -44,9 +40,10 @@ def run_timeout(process_id: int, num_processes: int, ranks_per_node: int | None 
     mesh = Mesh(np.array(jax.devices()), ("ep",))
     buf = jax_ep.Buffer(mesh, "ep", backend="cuda", config=jax_ep.Config(timeout_s=TIMEOUT_S),
                         ranks_per_node=ranks_per_node, num_rdma_bytes=None if ranks_per_node is None else 64 << 20)
-    if process_id == R - 1:  # never joins; stays alive (its memory mapped by the others) while they wait on it
-        time.sleep(TIMEOUT_S * 10)
-        os._exit(0)
+    if process_id == R - 1:  # never joins; stays alive (its memory mapped by the others) until they are done
+        from gpu.conftest import leave_together
+
+        leave_together(0)
     T, H, K, E = 16, 128, 2, 2 * R
     rng = np.random.default_rng(0)
     x = rng.standard_normal((R * T, H)).astype(np.float32)
@@ -79,27 +76,16 @@ def main(mode: str, process_id: int, num_processes: int, port: int, gpu: int, py
 
         nvshmem.initialize()
         print(f"RING {process_id} {nvshmem.ring_check()}", flush=True)
-        os._exit(0)
+        from gpu.conftest import leave_together
+
+        leave_together(0)
     import pytest
 
     code = pytest.main(["-q", "-rs", "-p", "no:cacheprovider", "--rootdir", str(TESTS.parent), *pytest_args])
     sys.stdout.flush()
-    leave(process_id, int(code))
+    from gpu.conftest import leave_together
 
-
-def leave(process_id: int, code: int) -> None:
-    """Exits without jax.distributed's shutdown (a failed peer may never reach its barrier). Process 0 hosts the
-    coordination service, and a process still running when it disappears aborts (SIGABRT from its error
-    poller): so the processes first meet at a barrier bounded by EXIT_BARRIER_MS, and process 0 leaves last."""
-    from jax._src import distributed
-
-    try:
-        distributed.global_state.client.wait_at_barrier("mp_worker_exit", EXIT_BARRIER_MS)
-    except Exception as e:  # noqa: BLE001 -- a peer that failed or hangs: leave anyway, the launcher reports it
-        print(f"mp_worker: exit barrier: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
-    if process_id == 0:
-        time.sleep(EXIT_GRACE_S)
-    os._exit(code)
+    leave_together(int(code))
 
 
 if __name__ == "__main__":

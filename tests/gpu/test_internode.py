@@ -19,11 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 import oracle as O
 import pytest
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
+from gpu.conftest import gather_to_every_process, needs_nccl
 from gpu.test_intranode import (assert_bits, assert_dispatch_matches_oracle, combine_body, dispatch_body,
                                 dispatch_results, flat, make_case, ranks)
 from jax_ep import cuda_backend, internode
@@ -66,7 +66,7 @@ def spmd(body):
     def run(*args):
         args = jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, sharding, lambda i: a[i], dtype=a.dtype),
                             args)
-        return multihost_utils.process_allgather(fn(*args), tiled=True)
+        return gather_to_every_process(fn(*args))
 
     return run
 
@@ -150,6 +150,7 @@ def test_dispatch_without_weights_and_odd_shapes():
     check_dispatch(MAIN, x, idx, None, E)
 
 
+@needs_nccl
 def test_results_equal_the_xla_backend():
     """Every dispatch output and the handle's first two fields equal the xla backend's bit for bit."""
     T, H, K, E = 64, 256, 6, 16
@@ -240,6 +241,7 @@ def test_deepep_hidden_sizes(H):
     check_combine(MAIN, T, H, K, E, O.BF16, with_bias=False)
 
 
+@needs_nccl
 def test_handles_swap_with_the_xla_backend():
     """Cached dispatch here follows an xla handle; the xla combine (flat rank order) follows an internode handle."""
     T, H, K, E = 40, 256, 4, 16
