@@ -21,6 +21,11 @@ _HERE = os.path.dirname(__file__)
 RANKS_SHARE_GPUS = os.environ.get("JAX_EP_TEST_SHARED_GPU") == "1"
 GATHER_DIR_ENV = "JAX_EP_TEST_GATHER_DIR"
 GATHER_TIMEOUT_MS = 300_000
+# The bounded-wait tests' timeout, and how much later each further process of a multi-process run times out: on a
+# GPU the processes share, contexts trapping at the same moment can leave one process's program never returning
+# (seen with 4 processes on one H200), so their traps are spread out.
+TIMEOUT_S = 2.0
+TIMEOUT_STAGGER_S = 1.0
 EXIT_BARRIER_MS = 60_000  # how long a finished process waits for the others before it leaves
 EXIT_GRACE_S = 2.0        # how long process 0 outlives the barrier, so that the others are gone first
 # XLA's collectives on GPUs are NCCL's, which refuses two ranks on one GPU: with shared GPUs the xla backend
@@ -70,6 +75,11 @@ def gather_to_every_process(tree):
                 for index, data in shards:
                     out[index] = data
     return jax.tree.unflatten(treedef, whole)
+
+
+def bounded_wait_timeout_s() -> float:
+    """The Buffer timeout of this process in the bounded-wait tests."""
+    return TIMEOUT_S + jax.process_index() * TIMEOUT_STAGGER_S
 
 
 def leave_together(code: int) -> None:

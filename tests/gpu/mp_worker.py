@@ -25,7 +25,6 @@ import sys
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
-TIMEOUT_S = 2.0
 
 
 def run_timeout(process_id: int, num_processes: int, ranks_per_node: int | None = None) -> None:
@@ -35,10 +34,11 @@ def run_timeout(process_id: int, num_processes: int, ranks_per_node: int | None 
     from jax.sharding import PartitionSpec as P
 
     import jax_ep
+    from gpu.conftest import bounded_wait_timeout_s
 
     R = num_processes
     mesh = Mesh(np.array(jax.devices()), ("ep",))
-    buf = jax_ep.Buffer(mesh, "ep", backend="cuda", config=jax_ep.Config(timeout_s=TIMEOUT_S),
+    buf = jax_ep.Buffer(mesh, "ep", backend="cuda", config=jax_ep.Config(timeout_s=bounded_wait_timeout_s()),
                         ranks_per_node=ranks_per_node, num_rdma_bytes=None if ranks_per_node is None else 64 << 20)
     if process_id == R - 1:  # never joins; stays alive (its memory mapped by the others) until they are done
         from gpu.conftest import leave_together

@@ -27,7 +27,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from gpu.conftest import RANKS_SHARE_GPUS, gather_to_every_process, leave_together, needs_nccl, one_process_gpus
+from gpu.conftest import (RANKS_SHARE_GPUS, bounded_wait_timeout_s, gather_to_every_process, leave_together, needs_nccl,
+                          one_process_gpus)
 from jax_ep import cuda_backend
 
 MULTI_PROCESS = jax.process_count() > 1
@@ -481,7 +482,7 @@ def test_jitted_loop_forced_command_buffers(R):
 @needs_one_process
 @pytest.mark.parametrize("R", RANKS)
 def test_rank_that_never_joins_times_out(R):
-    """Only rank 0 calls dispatch: it waits TIMEOUT_S for the others, records which op and peer, and traps;
+    """Only rank 0 calls dispatch: it waits its timeout for the others, records which op and peer, and traps;
     the error reaches Python and the record names the op and the ranks."""
     proc = run_worker("timeout", R)
     assert "RAISED" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -489,12 +490,9 @@ def test_rank_that_never_joins_times_out(R):
     assert record and "dispatch timed out on rank 0" in record[0] and "waiting for rank" in record[0], proc.stdout
 
 
-TIMEOUT_S = 2.0
-
-
 def timeout_worker(R: int):
     """Rank 0 alone runs a dispatch (see report_timeout)."""
-    buf = jax_ep.Buffer(mesh(R), "ep", backend="cuda", config=jax_ep.Config(timeout_s=TIMEOUT_S))
+    buf = jax_ep.Buffer(mesh(R), "ep", backend="cuda", config=jax_ep.Config(timeout_s=bounded_wait_timeout_s()))
     x, idx, _ = make_case(R, 16, 128, 2, 2 * R)
 
     def body(x, idx):

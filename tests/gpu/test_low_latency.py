@@ -21,7 +21,7 @@ import pytest
 
 import jax_ep
 from jax_ep import cuda_backend, cuda_low_latency
-from gpu.conftest import RANKS_SHARE_GPUS, needs_nccl
+from gpu.conftest import RANKS_SHARE_GPUS, bounded_wait_timeout_s, needs_nccl
 from gpu.test_intranode import (FORCED_COMMAND_BUFFER_FLAGS, RANKS, assert_bits, flat, mesh, needs_one_process, ranks,
                                 report_timeout, run_worker, spmd)
 MODES = {
@@ -383,7 +383,7 @@ def test_third_send_in_flight_times_out(R):
 
 def third_send_worker(R: int):
     T, H, K, E, M = 8, 128, 2, 2 * R, 8
-    buf = ll_buffer(R, M, H, E, timeout_s=2.0)
+    buf = ll_buffer(R, M, H, E, timeout_s=bounded_wait_timeout_s())
     x, idx, _, _, _ = make_inputs(R, T, H, K, E, M)
 
     def body(x, idx):

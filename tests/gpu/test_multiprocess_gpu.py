@@ -181,7 +181,7 @@ def test_process_that_never_joins_times_out(R, tmp_path):
 @pytest.mark.parametrize("transport", list(TRANSPORT_ENV))
 def test_low_latency_third_send_times_out(transport, R, tmp_path):
     """Every process sends three low-latency dispatches before the first receive: each third send waits for a
-    credit that only that receive gives, so every process fails within a bounded time (the Buffer's 2 s timeout
+    credit that only that receive gives, so every process fails within a bounded time (its Buffer's timeout
     plus start-up), and its record names the op, itself and the credit wait."""
     needs_nvshmem(transport)
     codes, outputs = launch("ll_third_send", R, [], 150, tmp_path, TRANSPORT_ENV[transport])
