@@ -5,7 +5,7 @@
 
 namespace jax_ep {
 
-// Dispatch layout (ARCHITECTURE.md §3). topk_idx is [num_tokens, num_topk]; an id outside
+// Dispatch layout (docs/design.md, "Layout"). topk_idx is [num_tokens, num_topk]; an id outside
 // [-1, num_experts) is treated as -1 and counted in *invalid_ids. A token counts once per rank and
 // once per expert however many of its top-k entries name that rank or expert.
 // Outputs: num_tokens_per_rank [num_ranks], num_tokens_per_expert [num_experts],
@@ -108,7 +108,7 @@ struct IntranodeCall {
   cudaStream_t stream = nullptr;
 };
 
-// Normal dispatch (ARCHITECTURE.md §3); every array is this rank's. Payload rows are moved as bytes.
+// Normal dispatch (docs/design.md, "Normal dispatch"); every array is this rank's. Payload rows are moved as bytes.
 struct DispatchArgs {
   int32_t num_payloads = 0;  // 1, or 2 for the FP8 pair (values, scales)
   const void* x[2] = {};     // [num_tokens, row_bytes] each

@@ -1,4 +1,4 @@
-// Internode normal-mode kernels (ARCHITECTURE.md §3 "Internode normal mode"): dispatch, cached dispatch and
+// Internode normal-mode kernels (docs/design.md, "Internode kernels"): dispatch, cached dispatch and
 // combine over N nodes of P ranks, one kernel launch each, one process per GPU. Network traffic goes through
 // NVSHMEM puts and signals between the ranks of one local index ("rails"); inside a node, ranks read each
 // other's symmetric regions through NVLink (nvshmem_ptr mappings, never across nodes).

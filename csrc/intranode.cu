@@ -392,8 +392,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 // ---- combine -----------------------------------------------------------------------------------------------
 
 // out[t] = (acc = 0; acc += rows[r][...] for r = 0..kRanks-1 where rows[r] is set) + bias[t], cast to Out: the
-// float32 rank-order sum of ARCHITECTURE.md §3, by one warp; both combines (pull and push) reduce here, so they
-// agree bit for bit. Lanes take kVec elements each. kRanks (2, 4 or 8) >= the group's ranks sizes the per-lane
+// float32 rank-order sum (docs/design.md, "Normal combine"), by one warp; both pull and push combines reduce here,
+// so they agree bit for bit. Lanes take kVec elements each. kRanks (2, 4 or 8) >= the group's ranks sizes the per-lane
 // arrays; each lane keeps kRanks * kUnroll = 8 16-byte loads in flight, since latency, not bandwidth, bounds
 // one warp. More is slower in the pull combine: 12 and 16 (with a few spilled registers) gave 258 and 273 GB/s
 // against 370 at 24 SMs on 4×H200.

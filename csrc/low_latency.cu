@@ -1,4 +1,4 @@
-// Low-latency (LL) dispatch and combine kernels (ARCHITECTURE.md §3 "Low-latency", §4): each op is a send half
+// Low-latency (LL) dispatch and combine kernels (docs/design.md, "Low-latency kernels"): each op is a send half
 // and a receive half, separate launches joined by a token (the call number) so that XLA can schedule work
 // between them. Rows reach the other ranks through a transport policy (low_latency_transport.cuh): plain stores
 // through peer pointers (NVLink peer access, or CUDA IPC mappings), or NVSHMEM puts into symmetric memory; the
@@ -252,8 +252,8 @@ __device__ __forceinline__ void bf16x8_to_float(const uint4& raw, float (&v)[kLa
 
 // Work items (token, part): a token's channels split into `parts` ranges of `chunks_per_part` whole chunks,
 // as few chunks per part as would give every item a warp of its own at once (the rounding up of parts can still
-// leave a few items more than warps for some T, e.g. T=212 at 132 SMs; branch ll-recv-inflight bounds parts by
-// warps / T), so that small batches still spread over every SM. A warp taking a second item runs it after its
+// leave a few items more than warps for some T, e.g. T=212 at 132 SMs; bounding parts by warps / T would not),
+// so that small batches still spread over every SM. A warp taking a second item runs it after its
 // first, which ends the kernel an item later: with parts sized for the warps alone (17 parts of 2 chunks at
 // DeepEP's decode shape, 3 of them empty, 64 warps with two items) the combine took 60.2 us on 4x H200, with 14
 // parts 54.0 us.
@@ -817,8 +817,8 @@ constexpr int kCombineRecvBlocksPerSm = 2;  // blocks resident per SM (launch bo
 // for each of kRowLoadsInFlight / kEntries chunks, what the register budget of two blocks per SM holds. ptxas
 // follows each predicated load with a predicated move that waits for it, so the SASS keeps at most 2 in flight;
 // the K <= 8 kernel (fewer shuffles and tests per chunk) still measured 52.6 against 54.0 us for the 16-entry one
-// at DeepEP's decode shape. Unconditional loads from in-range addresses (15 in flight, 50.8 us, not yet
-// correct for a half last chunk when measured): branch ll-recv-inflight.
+// at DeepEP's decode shape. Unconditional loads from in-range addresses (15 in flight) measured 50.8 us but were
+// not yet correct for a half last chunk (docs/perf-log.md).
 constexpr int kRowLoadsInFlight = kLowLatencyMaxTopk;
 
 template <typename Transport, int kEntries>

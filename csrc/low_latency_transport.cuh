@@ -1,4 +1,4 @@
-// How the low-latency kernels write into other ranks' LL regions (ARCHITECTURE.md §4): the few remote-write
+// How the low-latency kernels write into other ranks' LL regions (docs/design.md, "Transports"): the few remote-write
 // sites of low_latency.cu go through one of these policies, a template parameter of each kernel that writes
 // remotely, so there is one kernel source for both transports. Every remote word is named by (rank, byte
 // offset in the LL region); the layout (low_latency_state.h) is the same on every rank.

@@ -1,4 +1,4 @@
-// NVSHMEM bootstrap and symmetric memory for jax_ep (ARCHITECTURE.md §2, §4): one PE per process, started
+// NVSHMEM bootstrap and symmetric memory for jax_ep (docs/design.md, "Transports"): one PE per process, started
 // from a unique id that the Python side passes through the jax.distributed key-value store.
 #if defined(JAX_EP_WITH_NVSHMEM)
 #include <nvshmem.h>

@@ -1,7 +1,7 @@
 """jax_ep: expert-parallel (MoE) dispatch and combine for JAX.
 
 Create a `Buffer` outside `jit` from a mesh and its EP axis, then call the ops inside `jax.shard_map`
-over that axis. See README.md and ARCHITECTURE.md §3 for the exact semantics.
+over that axis. See README.md and docs/design.md ("Semantics") for the exact semantics.
 """
 from jax_ep import _native
 from jax_ep.buffer import Buffer

@@ -1,4 +1,4 @@
-"""Bad-input checks (ARCHITECTURE.md §3): clear errors naming the argument and the expected value,
+"""Bad-input checks (docs/design.md, "Bad input"): clear errors naming the argument and the expected value,
 raised while tracing, before anything runs."""
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-# FP8 payloads carry one float32 scale per this many channels (ARCHITECTURE.md §3).
+# FP8 payloads carry one float32 scale per this many channels (docs/design.md, "FP8 payloads").
 FP8_GROUP = 128
 # Hidden sizes must be a multiple of this (16-byte rows for bf16 and FP8 scale groups).
 HIDDEN_ALIGNMENT = 128

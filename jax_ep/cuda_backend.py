@@ -1,5 +1,5 @@
 """The `cuda` backend, intranode normal mode: the CUDA kernels of csrc/intranode.cu called through
-`jax.ffi.ffi_call` (ARCHITECTURE.md §3, §4), for EP groups driven by one process (peer access) or spread
+`jax.ffi.ffi_call` (docs/design.md, "Intranode kernels"), for EP groups driven by one process (peer access) or spread
 over processes on one host (one process per GPU: CUDA IPC handles exchanged through the `jax.distributed`
 key-value store).
 

@@ -1,5 +1,5 @@
 """The `cuda` backend's low-latency mode: the kernels of csrc/low_latency.cu through `jax.ffi.ffi_call`
-(ARCHITECTURE.md §3 "Low-latency", §4).
+(docs/design.md, "Low-latency dispatch", "Low-latency combine", "Low-latency kernels").
 
 Per-rank functions (inside `shard_map` over the EP axis), one FFI call per half. A send returns a `token`
 (uint32 scalar: the call number the kernels keep on the device) that its receive consumes, so XLA orders the

@@ -1,4 +1,4 @@
-"""Internode normal mode of the `cuda` backend (ARCHITECTURE.md §3 "Internode normal mode"): the kernels of
+"""Internode normal mode of the `cuda` backend (docs/design.md, "Internode normal mode"): the kernels of
 csrc/internode.cu through `jax.ffi.ffi_call`, for an EP axis over N nodes of P = `ranks_per_node` GPUs, one
 process per GPU, NVSHMEM owned by jax_ep.
 

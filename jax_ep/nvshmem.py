@@ -1,4 +1,4 @@
-"""NVSHMEM for jax_ep, one PE per process (ARCHITECTURE.md §2): bootstrapped from a unique id that process 0
+"""NVSHMEM for jax_ep, one PE per process (docs/design.md, "Transports"): bootstrapped from a unique id that process 0
 creates and the `jax.distributed` key-value store carries to every process. jax_ep owns NVSHMEM in the
 process: keep XLA's experimental NVSHMEM flag (`--xla_gpu_experimental_enable_nvshmem`) off."""
 from __future__ import annotations

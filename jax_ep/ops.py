@@ -1,4 +1,4 @@
-"""The public ops, for use inside `jax.shard_map` over a Buffer's EP axis (ARCHITECTURE.md §3).
+"""The public ops, for use inside `jax.shard_map` over a Buffer's EP axis (docs/design.md, "Semantics").
 
 Each op checks its inputs while tracing, then runs the backend the Buffer resolved (`cuda` kernels through
 `jax.ffi.ffi_call`, or the portable `xla` backend). Normal-mode dispatch and combine carry `custom_vjp`

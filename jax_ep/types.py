@@ -1,4 +1,4 @@
-"""Result types of the public ops: named pytrees (NamedTuples) whose fields follow ARCHITECTURE.md §3."""
+"""Result types of the public ops: named pytrees (NamedTuples) whose fields follow docs/design.md ("Semantics")."""
 from __future__ import annotations
 
 from typing import Any, NamedTuple

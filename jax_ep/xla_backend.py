@@ -1,4 +1,4 @@
-"""The portable `xla` backend: ARCHITECTURE.md §3 with `jax.lax` collectives that run on every platform
+"""The portable `xla` backend: docs/design.md ("Semantics") with `jax.lax` collectives that run on every platform
 (CPU has no `ragged_all_to_all`, so tokens travel with dense `all_gather` / `all_to_all`).
 
 Every function here is per rank and runs inside `shard_map` over the EP axis. It moves about R times the

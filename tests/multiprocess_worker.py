@@ -5,7 +5,7 @@ usage: python multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT
 Every process joins `jax.distributed` on 127.0.0.1:PORT with its own virtual CPU devices (the launcher sets
 XLA_FLAGS and JAX_PLATFORMS) and gloo collectives, builds one global mesh of all devices on axis "ep",
 runs dispatch -> (recv_x * 2) -> combine with the `xla` backend under jit + shard_map and checks the shards
-it holds against a NumPy reference of ARCHITECTURE.md §3 computed from the same global inputs (same seed in
+it holds against a NumPy reference of docs/design.md ("Semantics") computed from the same global inputs (same seed in
 every process). Exits 0 on success, 1 with a message naming what differed.
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ def make_inputs(num_ranks: int):
 
 
 def reference(x, topk_idx, topk_weights, num_ranks: int):
-    """Per-rank expected outputs of dispatch -> (recv_x * 2) -> combine, from §3 (independent of jax_ep)."""
+    """Per-rank expected outputs of dispatch -> (recv_x * 2) -> combine, from docs/design.md (independent of jax_ep)."""
     total = x.shape[0]
     capacity = num_ranks * TOKENS_PER_RANK  # the default max_recv_tokens
     valid = topk_idx >= 0
@@ -54,7 +54,7 @@ def reference(x, topk_idx, topk_weights, num_ranks: int):
     recv_w = np.zeros((num_ranks, capacity, NUM_TOPK), np.float32)
     num_recv = np.zeros(num_ranks, np.int32)
     for r in range(num_ranks):
-        rows = np.flatnonzero(in_rank[:, r])  # global token = source rank * T + source token: the §3 order
+        rows = np.flatnonzero(in_rank[:, r])  # global token = source rank * T + source token: the dispatch order
         num_recv[r] = rows.size
         recv_x[r, : rows.size] = x[rows]
         here = rank_of[rows] == r

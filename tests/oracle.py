@@ -1,6 +1,6 @@
-"""Independent NumPy oracle of ARCHITECTURE.md §3 (normative semantics), plus test-input generators.
+"""Independent NumPy oracle of the semantics in docs/design.md ("Semantics"), plus test-input generators.
 
-Written from the text of §3 and the team's choices where §3 is silent, never from jax_ep code:
+Written from that text and its "Choices where the contract is silent", never from jax_ep code:
 - an id outside [-1, E) is treated as -1 and counted in `invalid_ids` (per rank);
 - a top-k row may repeat an expert: counts are per distinct (token, expert), recv_topk_idx keeps every entry;
 - normal dispatch below capacity keeps the first C rows in (source rank, source token) order, drops the rest;
@@ -199,7 +199,7 @@ def combine_internode(
     topk_weights: np.ndarray | None = None,
     bias: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray | None]:
-    """combine() with the internode order (§3 "Internode normal mode": reduce inside the node, then across
+    """combine() with the internode order (docs/design.md, "Internode normal mode": reduce inside the node, then across
     nodes). Ranks r = node * ranks_per_node + j. For every home token: per node m, partial_m = 0;
     partial_m = partial_m + y_r[row] for the node's ranks r that kept it, in r order (float32); then acc = 0;
     acc = acc + partial_m for m = 0, 1, ... (float32); then + bias; then cast. A node that kept nothing adds

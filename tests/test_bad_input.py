@@ -1,4 +1,4 @@
-"""Bad input (ARCHITECTURE.md §3): a clear Python error before anything runs, naming the argument and the
+"""Bad input (docs/design.md, "Bad input"): a clear Python error before anything runs, naming the argument and the
 expected value; values that only exist inside jit (ids, counts) are counted on the device and `strict=True`
 turns them into a run-time error.
 

@@ -28,7 +28,7 @@ def test_low_latency_bench_record(tmp_path, capsys):
     figures = {(r["backend"], r["op"], r["payload"]) for r in record["results"]}
     assert figures == {(backend, op, payload) for backend in ("jax_ep xla", "jax all_to_all")
                        for op, payload in (("dispatch", "FP8"), ("dispatch", "BF16"), ("combine", "BF16"))}
-    # DeepEP's count (ARCHITECTURE.md §5): per valid (token, expert) pair H + H/128*4 + 16 bytes for FP8
+    # DeepEP's count (docs/design.md, "Byte counts"): per valid (token, expert) pair H + H/128*4 + 16 bytes for FP8
     # dispatch, 2H for BF16 dispatch and combine; GB/s * µs * 1e3 = bytes moved per rank.
     pair_bytes = {"FP8": 256 + 256 // 128 * 4 + 16, "BF16": 2 * 256}
     for r in record["results"]:

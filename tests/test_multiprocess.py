@@ -1,4 +1,4 @@
-"""Multi-process test (ARCHITECTURE.md §2, §5): 4 `jax.distributed` processes on localhost, 2 virtual CPU
+"""Multi-process test (docs/design.md, "Tests"): 4 `jax.distributed` processes on localhost, 2 virtual CPU
 devices each, gloo collectives, one global 8-rank EP mesh. Each process runs tests/multiprocess_worker.py,
 which checks its own shards of dispatch -> (recv_x * 2) -> combine against a NumPy reference."""
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """`python -m jax_ep.examples.train_moe`: a small decoder-only MoE language model trained with optax on
 generated data, once per dispatcher of jax_ep.flax.MoE, on every device present (8 virtual CPU devices
-without a GPU); prints the loss of every step and, with --plot, draws the loss curves.
+without a GPU). A progress bar per dispatcher shows the loss; a summary line follows each run, and the loss
+curves are drawn to loss.png (--plot PATH elsewhere, --no-plot not at all).
 
 The data: each sequence starts with a rule token that names one of a few fixed random permutations of the
 other tokens; then comes a random token and, after it, each token is the rule's permutation of the one
@@ -91,30 +92,33 @@ def make_batch(rules: np.ndarray, batch: int, seq: int, step: int) -> np.ndarray
 
 
 class Progress:
-    """A progress bar that shows the loss of every step: tqdm's when installed, else a text line per step."""
+    """A progress bar with the latest loss in its postfix: tqdm's (the `examples` and `test` extras install it);
+    where tqdm is missing (e.g. an install with --no-deps), one text line redrawn in place."""
 
     def __init__(self, total: int, desc: str):
         try:
             from tqdm import tqdm
         except ImportError:
             tqdm = None
-        self.total, self.desc = total, desc
-        self.bar = tqdm(total=total, desc=desc) if tqdm is not None else None
+        self.total, self.desc, self.done = total, desc, 0
+        self.bar = tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True) if tqdm is not None else None
 
-    def update(self, step: int, loss: float) -> None:
+    def update(self, loss: float) -> None:
+        self.done += 1
         if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{loss:.4f}")
-            self.bar.write(f"{self.desc} step {step + 1} loss {loss:.4f}")
             return
         width = 30
-        filled = width * (step + 1) // self.total
-        print(f"{self.desc:12s} [{'#' * filled}{'.' * (width - filled)}] {step + 1:4d}/{self.total} loss {loss:.4f}",
-              flush=True)
+        filled = width * self.done // self.total
+        print(f"\r{self.desc} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} loss={loss:.4f}",
+              end="", flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+        else:
+            print(flush=True)
 
 
 def moe_options(args, dispatcher: str, mesh: Mesh, tokens_per_rank: int) -> dict:
@@ -151,25 +155,40 @@ def train(args, dispatcher: str, mesh: Mesh) -> list[float]:
     for step in range(args.steps):
         tokens = jax.device_put(make_batch(rules, args.batch, args.seq, step), batch_sharding)
         losses.append(float(train_step(model, optimizer, tokens)))
-        progress.update(step, losses[-1])
+        progress.update(losses[-1])
         if step == 0:
             start = time.perf_counter()  # time the steps after the first, which compiles
     progress.close()
-    if args.steps > 1:
-        print(f"{dispatcher}: {(time.perf_counter() - start) / (args.steps - 1) * 1e3:.1f} ms/step after compilation, "
-              f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    if losses:
+        timing = (f"{(time.perf_counter() - start) / (args.steps - 1) * 1e3:.1f} ms/step after compilation, "
+                  if args.steps > 1 else "")
+        print(f"{dispatcher}: {args.steps} steps, {timing}loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
     return losses
 
 
-def plot(losses: dict[str, list[float]], path: str) -> None:
-    import matplotlib
+# Line style and marker per dispatcher: the dispatchers' curves often lie on top of each other, so each must
+# stay visible under the others (hollow markers of decreasing size, staggered along the curve).
+CURVE_STYLES = (("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"))
 
+
+def plot(losses: dict[str, list[float]], path: str) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed: no plot written to {path} (pip install matplotlib, or pass --no-plot)")
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for dispatcher, curve in losses.items():
-        ax.plot(np.arange(1, len(curve) + 1), curve, label=dispatcher)
+    for i, (dispatcher, curve) in enumerate(losses.items()):
+        linestyle, marker = CURVE_STYLES[i % len(CURVE_STYLES)]
+        every = max(1, len(curve) // 15)
+        ax.plot(np.arange(1, len(curve) + 1), curve, label=dispatcher, linestyle=linestyle, marker=marker,
+                markevery=(i * every // len(losses), every), markerfacecolor="none", markersize=max(3, 9 - 2 * i),
+                linewidth=1.5)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.set_title("MoE language model, jax_ep.flax.MoE dispatchers")
@@ -220,7 +239,9 @@ def parse_args(argv=None):
                         help="comma list of normal, xla, low_latency, none")
     parser.add_argument("--backend", default="auto", choices=["auto", "cuda", "xla"],
                         help="the jax_ep backend of the 'normal' dispatcher")
-    parser.add_argument("--plot", metavar="PATH", help="write a PNG of the loss curves")
+    parser.add_argument("--plot", metavar="PATH", default="loss.png", help="write a PNG of the loss curves here "
+                        "(default: %(default)s)")
+    parser.add_argument("--no-plot", dest="plot", action="store_const", const=None, help="write no plot")
     parser.add_argument("--batch", type=int, default=16, help="sequences per step (a multiple of the device count)")
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--vocab", type=int, default=64)

@@ -25,7 +25,8 @@ def test_cuda_capacity_drops_are_counted():
 def test_training_with_cuda_tracks_xla():
     steps = 30
     with jax.default_matmul_precision("float32"):
-        losses = train_moe.main(["--steps", str(steps), "--dispatchers", "normal,xla", "--backend", "cuda"])
+        losses = train_moe.main(["--steps", str(steps), "--dispatchers", "normal,xla", "--backend", "cuda",
+                                  "--no-plot"])
     cuda, xla = np.asarray(losses["normal"]), np.asarray(losses["xla"])
     print("cuda", np.round(cuda, 4).tolist(), "\nxla ", np.round(xla, 4).tolist())
     assert cuda[-1] < cuda[0] - 1.0, cuda
