@@ -57,7 +57,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep import cuda_backend, cuda_low_latency, internode
+from jax_ep import cuda_backend, cuda_low_latency, environment, internode
 from jax_ep.config import FP8_GROUP
 
 
@@ -262,7 +262,9 @@ def intranode(args) -> list[dict]:
     x_fp8 = _spmd(mesh, jax_ep.per_token_cast_to_fp8)(x)
     # Kernel times are per device of this process: with one process per GPU, process 0's GPU (which prints).
     kernel_device = "process 0's GPU" if args.processes else "mean over the GPUs"
-    push_warps = cuda_backend.combine_push_warps(spans_processes=bool(args.processes))  # of the cuda combine
+    overrides = environment.overrides()  # what the cuda Buffers below resolve their Config to
+    config = jax_ep.Config().with_overrides(overrides.combine, overrides.push_warps)
+    push_warps = cuda_backend.combine_push_warps(config, spans_processes=bool(args.processes))
     combine_method = f"push ({push_warps} pushing warps per block)" if push_warps else "pull"
     print(f"[intranode] {num_ranks} ranks ({devices[0].device_kind}), {_process_model(args)}, T={T} H={H} K={K} "
           f"E={E}, {args.iters} ops per timed loop, median of {args.repeats}"
@@ -734,10 +736,6 @@ def plot_sm_sweep(records: list[dict], path: str) -> None:
 
 # ---- one process per GPU --------------------------------------------------------------------------------------
 
-def _on_cpu() -> bool:
-    return os.environ.get("JAX_PLATFORMS", "").split(",")[0].strip() == "cpu"
-
-
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -815,9 +813,9 @@ def _launch(args, argv: list[str], gpus: int) -> int:
     coordinator = args.coordinator or f"127.0.0.1:{_free_port()}"
     first = args.node_rank * args.processes  # this host's first process
     package_root = str(Path(__file__).resolve().parents[1])
-    env = dict(os.environ, PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p))
-    if _on_cpu():  # one CPU device per process
+    env = environment.for_subprocess(PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    if environment.runs_on_cpu():  # one CPU device per process
         flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "", env.get("XLA_FLAGS", "")).split()
         env["XLA_FLAGS"] = " ".join([*flags, "--xla_force_host_platform_device_count=1"])
     with tempfile.TemporaryDirectory(prefix="jax_ep_bench_") as logdir:
@@ -853,7 +851,7 @@ def _join(args) -> None:
     """A worker of --processes joins jax.distributed as process `process_id`: on GPU owning its host's GPU
     `local_device` only, on CPU with its CPU device (gloo collectives)."""
     owned = {}
-    if _on_cpu():
+    if environment.runs_on_cpu():
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     else:
         owned["local_device_ids"] = [args.local_device]
@@ -931,7 +929,7 @@ def main(argv=None) -> int:
     if args.nodes < 1 or not 0 <= args.node_rank < args.nodes or (args.nodes > 1 and not args.coordinator):
         parser.error("--nodes M needs --node-rank in [0, M) and --coordinator HOST:PORT")
     if args.processes and args.process_id is None:
-        gpus = args.gpus or (0 if _on_cpu() else _cuda_device_count()) or args.processes
+        gpus = args.gpus or (0 if environment.runs_on_cpu() else _cuda_device_count()) or args.processes
         if args.processes > gpus and not args.allow_shared_gpu:
             parser.error(f"--processes {args.processes} on {gpus} GPU(s): ranks would share GPUs, so no figure would "
                          "be a performance figure; pass --allow-shared-gpu to run anyway (correctness, smoke tests)")

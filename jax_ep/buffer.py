@@ -2,16 +2,15 @@
 from __future__ import annotations
 
 import itertools
-import os
 import warnings
 from typing import Literal
 
 import jax
 from jax.sharding import Mesh
 
-from jax_ep import _native, cuda_backend, internode
+from jax_ep import _native, cuda_backend, environment, internode
 from jax_ep._checks import is_int
-from jax_ep.config import HIDDEN_ALIGNMENT, Config
+from jax_ep.config import HIDDEN_ALIGNMENT, LOW_LATENCY_TRANSPORTS, Config
 
 Backend = Literal["auto", "cuda", "xla"]
 _BACKENDS = ("auto", "cuda", "xla")
@@ -19,9 +18,6 @@ _BACKENDS = ("auto", "cuda", "xla")
 CUDA_DISPATCH_TARGET = "jax_ep_dispatch"
 
 LowLatencyTransport = Literal["auto", "nvshmem"]
-_LOW_LATENCY_TRANSPORTS = ("auto", "nvshmem")
-# Forces the low-latency transport of every cuda Buffer whose argument is "auto" (tests and the benchmark).
-LOW_LATENCY_TRANSPORT_ENV = "JAX_EP_LL_TRANSPORT"
 
 _buffer_ids = itertools.count(1)
 # Staging room per GPU for normal-mode ops in EP groups spanning processes (see Buffer).
@@ -62,21 +58,18 @@ def one_process_per_gpu(mesh: Mesh) -> bool:
 
 
 def resolve_low_latency_transport(requested: str, *, backend: str, low_latency: bool, one_process_per_gpu: bool,
-                                  environ=os.environ) -> str | None:
+                                  forced: str | None = None) -> str | None:
     """How a Buffer's low-latency kernels reach their peers: "peer_stores" (plain stores through peer pointers
     inside the NVLink domain), "nvshmem" (NVSHMEM puts into symmetric memory), or None where no low-latency
     kernels run (the xla backend, or a Buffer without low-latency sizes).
 
-    `requested` is the Buffer argument: "auto" takes $JAX_EP_LL_TRANSPORT when set, else peer stores (every
-    peer of a cuda Buffer is inside one NVLink domain today; NVSHMEM for peers outside it is for multi-node
-    EP, later). "nvshmem" needs one process per GPU over every process of the job, and a build with NVSHMEM."""
-    if requested not in _LOW_LATENCY_TRANSPORTS:
-        raise ValueError(f"jax_ep.Buffer: low_latency_transport must be one of {_LOW_LATENCY_TRANSPORTS}, "
+    `requested` is the Buffer argument: "auto" takes `forced` (the $JAX_EP_LL_TRANSPORT override) when set, else
+    peer stores (every peer of a cuda Buffer is inside one NVLink domain today; NVSHMEM for peers outside it is
+    for multi-node EP, later). "nvshmem" needs one process per GPU over every process of the job, and a build
+    with NVSHMEM."""
+    if requested not in LOW_LATENCY_TRANSPORTS:
+        raise ValueError(f"jax_ep.Buffer: low_latency_transport must be one of {LOW_LATENCY_TRANSPORTS}, "
                          f"got {requested!r}")
-    forced = environ.get(LOW_LATENCY_TRANSPORT_ENV, "")
-    if forced not in ("",) + _LOW_LATENCY_TRANSPORTS:
-        raise ValueError(f"jax_ep.Buffer: ${LOW_LATENCY_TRANSPORT_ENV} must be one of {_LOW_LATENCY_TRANSPORTS} or "
-                         f"unset, got {forced!r}")
     if backend != "cuda" or not low_latency:
         if requested == "nvshmem":
             why = (f"this Buffer has the {backend!r} backend" if backend != "cuda" else
@@ -86,7 +79,7 @@ def resolve_low_latency_transport(requested: str, *, backend: str, low_latency: 
     chosen = (forced or "auto") if requested == "auto" else requested
     if chosen != "nvshmem":
         return "peer_stores"
-    source = "low_latency_transport='nvshmem'" if requested == "nvshmem" else f"${LOW_LATENCY_TRANSPORT_ENV}=nvshmem"
+    source = "low_latency_transport='nvshmem'" if requested == "nvshmem" else f"${environment.LOW_LATENCY_TRANSPORT}=nvshmem"
     if not one_process_per_gpu:
         raise ValueError(f"jax_ep.Buffer: {source} needs one process per GPU over every process of the job "
                          "(jax.distributed.initialize with one local device each, and a mesh holding every process's "
@@ -111,7 +104,8 @@ class Buffer:
     `low_latency_transport` (cuda backend with low-latency sizes): "auto" writes rows and flags with plain stores
     through peer pointers inside the NVLink domain; "nvshmem" puts them into NVSHMEM symmetric memory (one
     process per GPU over every process of the job; creating the Buffer initialises NVSHMEM and is collective).
-    The environment variable JAX_EP_LL_TRANSPORT=nvshmem makes "auto" mean "nvshmem" (for tests and benchmarks).
+    The environment variable JAX_EP_LL_TRANSPORT=nvshmem makes "auto" mean "nvshmem" (for tests and benchmarks;
+    jax_ep.environment lists the overrides, read here, when the Buffer is created).
     The resolved choice is `buffer.low_latency_transport`: "peer_stores", "nvshmem", or None.
 
     `ranks_per_node`: GPUs per node along the EP axis (EP rank g sits on node g // ranks_per_node). When it is
@@ -146,7 +140,9 @@ class Buffer:
         self.num_ranks = int(mesh.shape[axis_name])
         if config is not None and not isinstance(config, Config):
             raise TypeError(f"jax_ep.Buffer: config must be a jax_ep.Config, got {type(config).__name__}")
-        self.config = config if config is not None else Config()
+        overrides = environment.overrides()
+        self.config = (config if config is not None else Config()).with_overrides(overrides.combine,
+                                                                                  overrides.push_warps)
         for name, value in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank), ("hidden", hidden),
                             ("num_experts", num_experts), ("num_nvl_bytes", num_nvl_bytes),
                             ("num_rdma_bytes", num_rdma_bytes)):
@@ -185,7 +181,7 @@ class Buffer:
         has_low_latency_sizes = None not in (num_max_dispatch_tokens_per_rank, hidden, num_experts)
         self.low_latency_transport = resolve_low_latency_transport(
             low_latency_transport, backend=self.backend, low_latency=has_low_latency_sizes,
-            one_process_per_gpu=one_process_per_gpu(mesh))
+            one_process_per_gpu=one_process_per_gpu(mesh), forced=overrides.low_latency_transport)
         if self.backend == "cuda":
             self._create_cuda(auto=backend == "auto")
             if self.backend != "cuda" or self.internode:  # fell back, or internode (it has no low-latency ops)

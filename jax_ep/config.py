@@ -9,24 +9,52 @@ FP8_GROUP = 128
 HIDDEN_ALIGNMENT = 128
 
 
+# How the intranode combine moves rows (see jax_ep.cuda_backend): pull (read the peers' rows) or push (store
+# rows into the tokens' home ranks).
+COMBINE_METHODS = ("push", "pull")
+# Warps of each push-combine block that push at the start (of 16): half, since pushing is bound by the SM's
+# NVLink stores, which a few warps keep busy, and reducing by each warp's local read latency.
+DEFAULT_PUSH_WARPS = 8
+MAX_PUSH_WARPS = 16
+# Buffer(low_latency_transport=...): "auto" (peer stores inside the NVLink domain) or "nvshmem".
+LOW_LATENCY_TRANSPORTS = ("auto", "nvshmem")
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Kernel tuning for normal-mode dispatch/combine (ignored by the `xla` backend).
+    """Kernel tuning for normal-mode dispatch/combine (ignored by the `xla` backend). Each field changes the
+    compiled programs of the Buffer that holds it.
 
     num_sms: SMs (thread blocks, one per SM) each op's kernel occupies, as DeepEP's `Config.num_sms`. Every
-        block both reads peers' rows and writes this rank's outputs, so any count works; the kernels pull
-        over NVLink and have no chunked ring queues to size.
+        block both reads peers' rows and writes this rank's outputs, so any count works.
     timeout_s: bound on every spin-wait; a stalled peer raises an error naming the op and rank.
+    combine: "push", "pull", or None: pull where one process drives the whole EP group (peers read `y` in
+        place), push where the group spans processes (pulling would first stage every row of `y`); both give
+        the same sums bit for bit. $JAX_EP_COMBINE overrides None (jax_ep.environment).
+    push_warps: warps of each push-combine block (1 to 16) that push before they help reduce; None: 8, or
+        $JAX_EP_COMBINE_PUSH_WARPS.
     """
 
     num_sms: int = 24
     timeout_s: float = 30.0
+    combine: str | None = None
+    push_warps: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.num_sms, int) or self.num_sms < 1:
             raise ValueError(f"Config.num_sms must be a positive integer, got {self.num_sms}")
         if self.timeout_s <= 0:
             raise ValueError(f"Config.timeout_s must be positive, got {self.timeout_s}")
+        if self.combine not in (None,) + COMBINE_METHODS:
+            raise ValueError(f"Config.combine must be one of {COMBINE_METHODS} or None, got {self.combine!r}")
+        if self.push_warps is not None and (not isinstance(self.push_warps, int)
+                                            or not 1 <= self.push_warps <= MAX_PUSH_WARPS):
+            raise ValueError(f"Config.push_warps must be an integer from 1 to {MAX_PUSH_WARPS} or None, "
+                             f"got {self.push_warps!r}")
+
+    def with_overrides(self, combine: str | None, push_warps: int | None) -> "Config":
+        """This Config with the fields it leaves open (None) taken from environment overrides."""
+        return dataclasses.replace(self, combine=self.combine or combine, push_warps=self.push_warps or push_warps)
 
 
 # Top-k entries per token the low-latency CUDA kernels support (csrc kLowLatencyMaxTopk): the combine region

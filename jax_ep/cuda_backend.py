@@ -14,9 +14,9 @@ Combine moves rows one of two ways (same results, bit for bit): "pull" (each ran
 from the peers' `y`; across processes each rank first copies its valid rows of `y` into its workspace) or
 "push" (each rank stores its rows into the tokens' home ranks, which reduce them from local memory: no copy,
 no NVLink reads; in one process the peers store into a scratch result of the call). By default one process
-pulls and a group spanning processes pushes; $JAX_EP_COMBINE=push|pull picks one for every group (read while
-tracing), e.g. to compare them. $JAX_EP_COMBINE_PUSH_WARPS (1 to 16, default 8) tunes the push: how many of
-each block's 16 warps push at the start (the others reduce what has arrived; the pushers join them after).
+pulls and a group spanning processes pushes; `Config.combine` picks one, and `Config.push_warps` (1 to 16,
+default 8) tunes the push: how many of each block's 16 warps push at the start (the others reduce what has
+arrived; the pushers join them after).
 
 Bounded waits: a kernel that waits longer than `Config.timeout_s` for a peer writes a record (op, rank, peer)
 to pinned host memory and executes `trap`. The handler cannot see this (under CUDA graphs it does not even
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import socket
 from typing import NamedTuple
 
@@ -41,22 +40,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import _native, cuda_low_latency
-from jax_ep.config import low_latency_buffer_bytes
+from jax_ep import _native, cuda_low_latency, environment
+from jax_ep.config import COMBINE_METHODS, DEFAULT_PUSH_WARPS, Config, low_latency_buffer_bytes
 
 DISPATCH_TARGET = "jax_ep_dispatch"
 CACHED_DISPATCH_TARGET = "jax_ep_cached_dispatch"
 COMBINE_TARGET = "jax_ep_combine"
 STORE_PROBE_TARGET = "jax_ep_store_probe"
-
-# Forces the combine's method ("push" or "pull") in every intranode group, and tunes the push (see the module
-# docstring).
-COMBINE_ENV = "JAX_EP_COMBINE"
-_COMBINE_METHODS = ("push", "pull")
-PUSH_WARPS_ENV = "JAX_EP_COMBINE_PUSH_WARPS"
-# Half the warps: pushing is bound by the SM's NVLink stores, which a few warps keep busy, while reducing is
-# bound by each warp's local read latency (see csrc/intranode.cu, push combine).
-DEFAULT_PUSH_WARPS = 8
 
 MAX_RANKS = 8  # csrc kMaxIntranodeRanks
 MAX_TOPK = 32  # one warp lane per top-k entry
@@ -90,32 +80,24 @@ class KernelParams:
                     timeout_ns=np.int64(self.timeout_ns))
 
 
-def combine_method(spans_processes: bool, environ=os.environ) -> str:
-    """"push" or "pull" (see the module docstring): $JAX_EP_COMBINE when set, else push in a group spanning
-    processes (pulling would first copy every valid row of y into the workspace) and pull in one process (peers
-    read y in place; pushing would need a scratch result of (R - 1) * T rows)."""
-    forced = environ.get(COMBINE_ENV, "")
-    if forced not in ("",) + _COMBINE_METHODS:
-        raise ValueError(f"jax_ep: ${COMBINE_ENV} must be one of {_COMBINE_METHODS} or unset, got {forced!r}")
-    return forced or ("push" if spans_processes else "pull")
+def combine_method(config: Config, spans_processes: bool) -> str:
+    """"push" or "pull" (see the module docstring): `config.combine`, else push in a group spanning processes
+    (pulling would first copy every valid row of y into the workspace) and pull in one process (peers read y
+    in place; pushing would need a scratch result of (R - 1) * T rows)."""
+    return config.combine or ("push" if spans_processes else "pull")
 
 
-def combine_push_warps(spans_processes: bool, environ=os.environ) -> int:
-    """0 where combine pulls, else the warps of each block that push ($JAX_EP_COMBINE_PUSH_WARPS, 1 to 16)."""
-    if combine_method(spans_processes, environ) == "pull":
+def combine_push_warps(config: Config, spans_processes: bool) -> int:
+    """0 where combine pulls, else the warps of each block that push."""
+    if combine_method(config, spans_processes) == "pull":
         return 0
-    value = environ.get(PUSH_WARPS_ENV, "")
-    if not value:
-        return DEFAULT_PUSH_WARPS
-    if not value.isdigit() or not 1 <= int(value) <= 16:
-        raise ValueError(f"jax_ep: ${PUSH_WARPS_ENV} must be an integer from 1 to 16 or unset, got {value!r}")
-    return int(value)
+    return config.push_warps or DEFAULT_PUSH_WARPS
 
 
 def kernel_params(buffer) -> KernelParams:
     return KernelParams(buffer.buffer_id, buffer.config.num_sms, int(buffer.config.timeout_s * 1e9),
                         buffer.num_nvl_bytes if buffer.spans_processes else None,
-                        combine_push_warps(buffer.spans_processes))
+                        combine_push_warps(buffer.config, buffer.spans_processes))
 
 
 # ---- workspace sizing ------------------------------------------------------------------------------------------
@@ -149,12 +131,13 @@ def normal_buffer_bytes(num_tokens: int, hidden: int, num_ranks: int, num_topk: 
     bfloat16 [T, hidden] (or the FP8 pair with fp8=True) for dispatch and float32 for the combined weights;
     combine rows are taken at up to 4 bytes an element: the push combine receives (R-1)*T of them, the pull
     combine stages y [capacity, hidden] (capacity defaults to R*T). `combine` ("push" or "pull") defaults to
-    the method such a group runs ($JAX_EP_COMBINE, else push)."""
-    if combine not in (None,) + _COMBINE_METHODS:
-        raise ValueError(f"jax_ep.normal_buffer_bytes: combine must be one of {_COMBINE_METHODS} or None, "
+    the method such a group runs with `Config.combine` None (push, or $JAX_EP_COMBINE)."""
+    if combine not in (None,) + COMBINE_METHODS:
+        raise ValueError(f"jax_ep.normal_buffer_bytes: combine must be one of {COMBINE_METHODS} or None, "
                          f"got {combine!r}")
     capacity = num_ranks * num_tokens if capacity is None else capacity
-    push = (combine or combine_method(spans_processes=True)) == "push"
+    default = Config().with_overrides(environment.overrides().combine, None)
+    push = (combine or combine_method(default, spans_processes=True)) == "push"
     rows = (hidden, hidden // 128 * 4) if fp8 else (2 * hidden,)
     return max(dispatch_staging_bytes(num_tokens, rows, num_topk, num_ranks, True),
                _staged(num_tokens * 4 * hidden),       # cached dispatch of a float32 cotangent

@@ -4,11 +4,9 @@ forward and backward) on the devices present, checked against a single-device de
 Without a GPU it runs on 8 virtual CPU devices."""
 from __future__ import annotations
 
-import os
+from jax_ep import environment
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    # Read when JAX creates its CPU client (at first use), so setting it here still takes effect.
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+environment.virtual_cpu_devices(8)  # before JAX starts its CPU backend (at first use); GPUs ignore it
 
 import argparse  # noqa: E402
 import time  # noqa: E402

@@ -3,11 +3,9 @@ creates and the `jax.distributed` key-value store carries to every process. jax_
 process: keep XLA's experimental NVSHMEM flag (`--xla_gpu_experimental_enable_nvshmem`) off."""
 from __future__ import annotations
 
-import os
-
 import jax
 
-from jax_ep import _native
+from jax_ep import _native, environment
 
 _UID_KEY = "jax_ep/nvshmem/unique_id"
 
@@ -25,8 +23,8 @@ def initialize(timeout_s: float = 60.0, symmetric_bytes: int | None = None) -> N
         raise RuntimeError("jax_ep: this build has no NVSHMEM (install the cuda12/cuda13 extra and rebuild)")
     if _native._C.nvshmem_is_initialized():
         return
-    if symmetric_bytes is not None and "NVSHMEM_SYMMETRIC_SIZE" not in os.environ:
-        os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(int(symmetric_bytes))
+    if symmetric_bytes is not None:
+        environment.set_default("NVSHMEM_SYMMETRIC_SIZE", str(int(symmetric_bytes)))
     from jax._src import distributed
 
     client = distributed.global_state.client

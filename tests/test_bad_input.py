@@ -508,8 +508,9 @@ def test_forced_nvshmem_transport_is_ignored_where_no_kernels_run(mesh, monkeypa
 
 
 def resolve(requested, *, environ=None, low_latency=True, one_process_per_gpu=False):
+    forced = jax_ep.environment.overrides(environ or {}).low_latency_transport
     return jax_ep.buffer.resolve_low_latency_transport(requested, backend="cuda", low_latency=low_latency,
-                                                        one_process_per_gpu=one_process_per_gpu, environ=environ or {})
+                                                        one_process_per_gpu=one_process_per_gpu, forced=forced)
 
 
 def test_transport_resolution_of_a_cuda_buffer():

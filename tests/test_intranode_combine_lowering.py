@@ -1,8 +1,8 @@
-"""The cuda backend's intranode combine on CPU, what can be checked without a GPU: how the process model and
-$JAX_EP_COMBINE pick the push or the pull combine (the custom call's push_warps attribute, 0 for pull, and the
-scratch result of a push in one process), $JAX_EP_COMBINE_PUSH_WARPS, the workspace a group spanning processes
-needs, and the error for a Buffer too small for it. Lowering compiles and runs nothing, so a Buffer made for the
-xla backend stands in for a cuda one."""
+"""The cuda backend's intranode combine on CPU, what can be checked without a GPU: how the process model,
+Config.combine and its override $JAX_EP_COMBINE pick the push or the pull combine (the custom call's push_warps
+attribute, 0 for pull, and the scratch result of a push in one process), Config.push_warps and
+$JAX_EP_COMBINE_PUSH_WARPS, the workspace a group spanning processes needs, and the error for a Buffer too small
+for it. Lowering compiles and runs nothing, so a Buffer made for the xla backend stands in for a cuda one."""
 from __future__ import annotations
 
 import re
@@ -20,10 +20,10 @@ R, T, H, K, E = 4, 8, 512, 3, 16
 ENV, WARPS_ENV = "JAX_EP_COMBINE", "JAX_EP_COMBINE_PUSH_WARPS"
 
 
-def cuda_standin(spans_processes: bool, num_nvl_bytes: int = 1 << 30):
+def cuda_standin(spans_processes: bool, num_nvl_bytes: int = 1 << 30, config: jax_ep.Config | None = None):
     if not _native.has_target(cuda_backend.COMBINE_TARGET, "cuda"):
         pytest.skip("this build has no CUDA normal-mode kernels")
-    buf = jax_ep.Buffer(mesh_of(R), "ep", backend="xla")
+    buf = jax_ep.Buffer(mesh_of(R), "ep", backend="xla", config=config)
     buf.backend, buf.spans_processes, buf.num_nvl_bytes = "cuda", spans_processes, num_nvl_bytes
     return buf
 
@@ -61,6 +61,27 @@ def test_process_model_and_environment_pick_the_method(monkeypatch, spans_proces
     scratch = f"tensor<{slots_bytes(4 * H)}xui8>"
     assert (scratch in results) == (push and not spans_processes), results
     assert f"tensor<{T}x{H}xf32>" in results, results
+
+
+@pytest.mark.parametrize("spans_processes", [False, True])
+@pytest.mark.parametrize("method", ["push", "pull"])
+def test_config_picks_the_method_and_warps(monkeypatch, spans_processes, method):
+    """Config.combine and Config.push_warps win over the environment, which fills only what they leave open."""
+    monkeypatch.setenv(ENV, "pull" if method == "push" else "push")
+    monkeypatch.setenv(WARPS_ENV, "3")
+    (call,) = combine_calls(cuda_standin(spans_processes, config=jax_ep.Config(combine=method, push_warps=5)))
+    assert f"push_warps = {5 if method == 'push' else 0} : i64" in call, call
+    (call,) = combine_calls(cuda_standin(spans_processes, config=jax_ep.Config(combine=method)))
+    assert f"push_warps = {3 if method == 'push' else 0} : i64" in call, call
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("combine", "both", r"Config.combine must be one of \('push', 'pull'\) or None"),
+    ("push_warps", 0, "Config.push_warps must be an integer from 1 to 16 or None"),
+    ("push_warps", 17, "Config.push_warps must be an integer from 1 to 16 or None")])
+def test_bad_config_values(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        jax_ep.Config(**{field: value})
 
 
 def test_push_warps_from_the_environment(monkeypatch):

@@ -3,7 +3,7 @@ for bit for dispatch (every output, the FP8 pair, the handle), cached dispatch a
 sums), gradients, determinism, capacity drops, T=0, DeepEP hidden sizes, and a jitted loop with command buffers
 (default flags, and forced in a subprocess), and the bounded wait of a rank whose peers never join. Combine runs
 the process model's default method (pull in one process, push across processes, or $JAX_EP_COMBINE), and both
-methods explicitly in the tests that name one.
+methods explicitly (Config.combine) in the tests that name one.
 
 Both process models run this file: one process driving every GPU (plain pytest), and one process per GPU
 (test_multiprocess_gpu.py starts R processes that each run it; ranks = the process count, inputs become
@@ -16,7 +16,6 @@ import os
 import subprocess
 import sys
 import time
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 import jax_ep
 from gpu.conftest import (RANKS_SHARE_GPUS, bounded_wait_timeout_s, gather_to_every_process, leave_together, needs_nccl,
                           one_process_gpus)
-from jax_ep import cuda_backend
+from jax_ep import cuda_backend, environment
 
 MULTI_PROCESS = jax.process_count() > 1
 RANKS = [jax.process_count()] if MULTI_PROCESS else [2, 4]
@@ -48,8 +47,10 @@ def mesh(R: int) -> Mesh:
 
 
 @functools.cache
-def buffer(R: int, backend: str) -> jax_ep.Buffer:
-    return jax_ep.Buffer(mesh(R), "ep", backend=backend)
+def buffer(R: int, backend: str, combine: str | None = None) -> jax_ep.Buffer:
+    """The Buffer of R ranks; `combine` ("push" or "pull") its Config.combine (None: the process model's method,
+    or $JAX_EP_COMBINE)."""
+    return jax_ep.Buffer(mesh(R), "ep", backend=backend, config=jax_ep.Config(combine=combine))
 
 
 def spmd(R: int, body, gather: bool = True):
@@ -66,19 +67,6 @@ def spmd(R: int, body, gather: bool = True):
                             args)
         out = fn(*args)
         return gather_to_every_process(out) if gather else out
-
-    return run
-
-
-def with_combine_method(method: str | None, fn):
-    """`fn` run with $JAX_EP_COMBINE = method ("push" or "pull"), which the cuda backend reads while tracing (at
-    the first call of a jitted function); None leaves the environment as it is."""
-    if method is None:
-        return fn
-
-    def run(*args):
-        with mock.patch.dict(os.environ, {cuda_backend.COMBINE_ENV: method}):
-            return fn(*args)
 
     return run
 
@@ -269,7 +257,7 @@ def combine_body(buf, E: int, C, with_bias: bool):
 
 @functools.cache
 def combine_fn(R: int, backend: str, E: int, with_bias: bool, C=None, method=None):
-    return with_combine_method(method, spmd(R, combine_body(buffer(R, backend), E, C, with_bias)))
+    return spmd(R, combine_body(buffer(R, backend, method if backend == "cuda" else None), E, C, with_bias))
 
 
 def run_combine(R, backend, E, x, idx, w, x2, y, bias, C=None, method=None):
@@ -401,7 +389,7 @@ def test_repeated_runs_identical(R, method):
     for i in range(10):
         for name, a, b in zip(("cached", "combine", "weights"), jax.device_get(fn(*args)), first):
             assert_bits(a, b, f"run {i}: {name}")
-    assert cuda_backend.errors(buffer(R, "cuda")) == []
+    assert cuda_backend.errors(buffer(R, "cuda", method)) == []
 
 
 @needs_one_process
@@ -475,7 +463,7 @@ def test_jitted_loop_forced_command_buffers(R):
     device, so replay stays correct; with either combine method (the push combine's flags and token tickets
     live on the device too)."""
     for method in ("pull", "push"):
-        proc = run_worker("loop", R, FORCED_COMMAND_BUFFER_FLAGS, env_extra={cuda_backend.COMBINE_ENV: method})
+        proc = run_worker("loop", R, FORCED_COMMAND_BUFFER_FLAGS, env_extra={environment.COMBINE: method})
         assert proc.returncode == 0 and "LOOP OK" in proc.stdout, (method, proc.stdout[-3000:] + proc.stderr[-3000:])
 
 

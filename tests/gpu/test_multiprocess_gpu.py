@@ -31,7 +31,7 @@ import pytest
 
 from gpu.conftest import GATHER_DIR_ENV, cuda_devices
 from gpu.test_intranode import FORCED_COMMAND_BUFFER_FLAGS
-from jax_ep import cuda_backend
+from jax_ep import environment
 
 WORKER = Path(__file__).resolve().parent / "mp_worker.py"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -155,7 +155,7 @@ def test_jitted_loops_with_forced_command_buffers(method, R, tmp_path):
     included), the combine pushing or pulling: call numbers, flags and tickets live on the device, so graph
     replay stays in step across processes."""
     files = [str(Path(__file__).parent / f) for f in ("test_intranode.py", "test_low_latency.py")]
-    env = {"XLA_FLAGS": FORCED_COMMAND_BUFFER_FLAGS, cuda_backend.COMBINE_ENV: method}
+    env = {"XLA_FLAGS": FORCED_COMMAND_BUFFER_FLAGS, environment.COMBINE: method}
     codes, outputs = launch("pytest", R, [*files, "-x", "-k", "jitted_loop_default_flags"], SUITE_TIMEOUT_S, tmp_path,
                             env)
     assert_suite_passed(f"jitted loops, forced command buffers, combine {method}", R, codes, outputs, min_passed=2,
