@@ -3,6 +3,8 @@
 #pragma once
 #include <cstdint>
 
+#include "kernel_limits.h"  // the limits and sizes below (kMaxIntranodeRanks, ...), shared with jax_ep._C
+
 namespace jax_ep {
 
 // Dispatch layout (docs/design.md, "Layout"). topk_idx is [num_tokens, num_topk]; an id outside
@@ -49,8 +51,6 @@ namespace jax_ep {
 // into the start of its own workspace and publishes offsets in it instead of pointers. The push combine
 // (CombineArgs::push_warps) instead publishes where peers store rows for it (a scratch result, or in a staged group
 // its workspace) and the release barrier then means that no peer still writes there.
-
-inline constexpr int kMaxIntranodeRanks = 8;
 
 struct IntranodeState;  // device memory of one rank (intranode_state.h)
 struct IntranodeError;  // host-mapped timeout record of one rank (intranode_state.h)
@@ -221,7 +221,7 @@ std::string nvshmem_region_destroy(int64_t buffer_id, bool release);
 
 namespace jax_ep {
 
-// ---- Internode normal mode (internode.cu, internode_runtime.cu; layouts in internode_state.h) ---------------
+// ---- Internode normal mode (internode.cu, internode_runtime.cu; layouts: internode_state.h, kernel_limits.h) ----
 // The normal-mode contract over N nodes of P ranks, one process per GPU. Every rank owns one NVSHMEM symmetric
 // region (allocated collectively by every PE of the job): the header, then `region_bytes` that each op lays
 // out for its shapes. Network traffic goes through NVSHMEM puts and signals, between the ranks of one local

@@ -49,6 +49,8 @@ namespace {
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr unsigned kFullMask = 0xffffffffu;
+static_assert(kNormalMaxTopk <= 32, "a token's top-k entries are handled one per lane of a warp");
+
 // Loads in flight per lane in row copies (see intranode.cu).
 constexpr int kCopyUnroll = 14;
 // Packs per lane summed per step in the combine's relay and origin loops (their loads issued together).
@@ -669,7 +671,7 @@ cudaError_t launch_combine_from(const InternodeCall& call, const InternodeCombin
 
 cudaError_t internode_dispatch(const InternodeCall& call, const InternodeDispatchArgs& args) {
   const InternodeRank& g = call.group;
-  if (args.num_topk < 1 || args.num_topk > 32 || args.num_payloads < 1 || args.num_payloads > 2 ||
+  if (args.num_topk < 1 || args.num_topk > kNormalMaxTopk || args.num_payloads < 1 || args.num_payloads > 2 ||
       args.num_experts % g.num_ranks != 0)
     return cudaErrorInvalidValue;
   const int64_t payload_bytes = args.x_row_bytes[0] + (args.num_payloads == 2 ? args.x_row_bytes[1] : 0);

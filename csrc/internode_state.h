@@ -1,7 +1,8 @@
 // Internode normal mode: the symmetric region every rank allocates with NVSHMEM (same offsets on every PE),
-// its fixed header and the per-call layouts of the space after it. Plain C++ (no CUDA types): the kernels
-// (internode.cu), the runtime (internode_runtime.cu), the FFI handlers and the nanobind module (which exports
-// the sizes so that jax_ep/internode.py's mirror of them is tested) share it.
+// its fixed header and the per-call layouts of the space after it. Plain C++ (no CUDA types), shared by the kernels
+// (internode.cu), the runtime (internode_runtime.cu) and the FFI handlers. The limits, the header's size and the
+// layout structs (InternodeDispatchLayout, InternodeCombineLayout) live in kernel_limits.h, which jax_ep._C also
+// exports for jax_ep.internode_buffer_bytes; this header describes them and holds what only the CUDA side needs.
 //
 // Ranks: EP rank g = node * ranks_per_node + local. Network traffic only flows between ranks of the same local
 // index on different nodes ("rails"); inside a node, ranks read each other's regions through NVLink
@@ -9,24 +10,9 @@
 #pragma once
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define JAX_EP_HOST_DEVICE __host__ __device__
-#else
-#define JAX_EP_HOST_DEVICE
-#endif
+#include "kernel_limits.h"
 
 namespace jax_ep {
-
-inline constexpr int kMaxInternodeRanks = 64;  // node masks and routing tables are sized for this
-inline constexpr int kMaxRanksPerNode = 8;     // one NVLink domain, as the intranode groups
-inline constexpr int64_t kInternodeAlign = 256;
-inline constexpr int64_t kInternodeHeaderBytes = 4096;
-
-JAX_EP_HOST_DEVICE inline int64_t internode_align(int64_t bytes) {
-  return (bytes + kInternodeAlign - 1) / kInternodeAlign * kInternodeAlign;
-}
-
-JAX_EP_HOST_DEVICE inline int64_t internode_align16(int64_t bytes) { return (bytes + 15) / 16 * 16; }
 
 // The first kInternodeHeaderBytes of a rank's region. Flags hold call numbers (every rank runs the same ops in
 // the same order, so call n is the same op everywhere) and only grow: no op ever cleans them.
@@ -62,65 +48,16 @@ static_assert(sizeof(InternodeHeader) <= kInternodeHeaderBytes, "the header fits
 //                                   in token order, or -1)
 //   outgoing  [N] x routing_bytes   this rank's routing into node m, put from here into node m's meta
 // Fixed slots need no count exchange before the data moves, and every output is deterministic.
-struct InternodeDispatchLayout {
-  int64_t num_tokens = 0, ranks_per_node = 0;
-  int64_t payload_bytes = 0, slot_bytes = 0, slots = 0;
-  int64_t topk_bytes = 0, weights = 0;  // weights: offset of topk_weights inside the topk part
-  int64_t routing_bytes = 0, meta_bytes = 0, meta = 0, outgoing = 0;
-  int64_t total = 0;
-
-  JAX_EP_HOST_DEVICE InternodeDispatchLayout(int64_t num_nodes, int64_t ranks_per_node_, int64_t num_tokens_,
-                                             int64_t num_topk, int64_t payload_bytes_)
-      : num_tokens(num_tokens_), ranks_per_node(ranks_per_node_), payload_bytes(payload_bytes_) {
-    slot_bytes = internode_align16(payload_bytes);
-    slots = 0;
-    if (num_topk > 0) {
-      weights = internode_align(num_tokens * num_topk * 4);
-      topk_bytes = 2 * weights;
-      routing_bytes = kInternodeAlign + internode_align(num_tokens * ranks_per_node * 4);
-    }
-    meta_bytes = topk_bytes + routing_bytes;
-    meta = internode_align(num_nodes * num_tokens * slot_bytes);
-    outgoing = meta + num_nodes * meta_bytes;
-    total = outgoing + num_nodes * routing_bytes;
-  }
-  JAX_EP_HOST_DEVICE int64_t slot(int64_t source_node, int64_t token) const {
-    return slots + (source_node * num_tokens + token) * slot_bytes;
-  }
-  JAX_EP_HOST_DEVICE int64_t topk_of(int64_t source_node) const { return meta + source_node * meta_bytes; }
-  JAX_EP_HOST_DEVICE int64_t routing_of(int64_t source_node) const { return topk_of(source_node) + topk_bytes; }
-  JAX_EP_HOST_DEVICE int64_t outgoing_of(int64_t node) const { return outgoing + node * routing_bytes; }
-  // Inside a routing part: counts at 0, offsets from here.
-  static constexpr int64_t kOffsets = kInternodeAlign;
-};
+// (InternodeDispatchLayout in kernel_limits.h computes these offsets.)
+static_assert(kMaxRanksPerNode * sizeof(int32_t) <= InternodeDispatchLayout::kOffsets,
+              "a routing part's counts fit before its offsets");
 
 // Combine after the header, for capacity C and rows of E elements:
 //   staged    [C] x staged_row_bytes    this rank's valid y rows, where the node peers that relay their tokens
 //                                       read them
 //   received  [N][T] x partial_bytes    float32 partial sums for this rank's tokens, by the node that reduced them
 //   sending   [N][T] x partial_bytes    partials this rank reduced for the tokens of rank (s, local), put from here
-struct InternodeCombineLayout {
-  int64_t num_tokens = 0;
-  int64_t staged_row_bytes = 0, staged = 0;
-  int64_t partial_bytes = 0, received = 0, sending = 0;
-  int64_t total = 0;
-
-  JAX_EP_HOST_DEVICE InternodeCombineLayout(int64_t num_nodes, int64_t num_tokens_, int64_t capacity,
-                                            int64_t row_elements, int64_t y_item_bytes)
-      : num_tokens(num_tokens_) {
-    staged_row_bytes = internode_align16(row_elements * y_item_bytes);
-    partial_bytes = internode_align16(row_elements * 4);
-    received = internode_align(capacity * staged_row_bytes);
-    sending = received + internode_align(num_nodes * num_tokens * partial_bytes);
-    total = sending + num_nodes * num_tokens * partial_bytes;
-  }
-  JAX_EP_HOST_DEVICE int64_t received_row(int64_t node, int64_t token) const {
-    return received + (node * num_tokens + token) * partial_bytes;
-  }
-  JAX_EP_HOST_DEVICE int64_t sending_row(int64_t node, int64_t token) const {
-    return sending + (node * num_tokens + token) * partial_bytes;
-  }
-};
+// (InternodeCombineLayout in kernel_limits.h computes these offsets.)
 
 // Error-record values (IntranodeError.op / .wait) of the internode kernels; the intranode and low-latency
 // modes use 1..4 and 10..13.

@@ -34,6 +34,7 @@ namespace {
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr unsigned kFullMask = 0xffffffffu;
+static_assert(kNormalMaxTopk <= 32, "a token's top-k entries are handled one per lane of a warp");
 
 // ---- memory access ---------------------------------------------------------------------------------------
 
@@ -680,55 +681,48 @@ __global__ void __launch_bounds__(kThreads, 1) store_probe_kernel(const __grid_c
 int grid_size(const IntranodeCall& call) { return std::max(1, std::min(call.num_sms, call.group.device_sms)); }
 
 // Host side of a StagePlan: in a single-process group every input is published as its pointer; in a staged
-// group each input gets a 256-byte aligned region of this rank's workspace (from kStagingOffset on, in the
-// order added: jax_ep/cuda_backend.py sizes Buffers with the same rule) and is published as its offset.
+// group each input is copied to its region of this rank's workspace (offsets from the op's staging struct in
+// kernel_limits.h, which also sizes Buffers for jax_ep) and published as its offset.
 class StagePlanBuilder {
  public:
   explicit StagePlanBuilder(const IntranodeRank& group) : group_(group) {}
 
-  // Publishes input `src` ([rows, row_bytes]; null stays null) as the next view address.
-  void publish(const void* src, int64_t rows, int64_t row_bytes, const int32_t* valid_index = nullptr,
-               int64_t valid_limit = 0) {
+  // Publishes input `src` ([rows, row_bytes]; null stays null) as the next view address; a staged group copies it
+  // to workspace offset `staged_at`.
+  void publish(const void* src, int64_t rows, int64_t row_bytes, int64_t staged_at,
+               const int32_t* valid_index = nullptr, int64_t valid_limit = 0) {
     if (!group_.staged || src == nullptr) {
       plan_.published[published_++] = src;
       return;
     }
-    const int64_t offset = take(rows * row_bytes);
-    plan_.regions[plan_.num_regions++] = {src, group_.workspaces[group_.rank] + offset, rows, row_bytes, valid_index,
-                                          valid_limit};
-    plan_.published[published_++] = reinterpret_cast<const void*>(offset);
+    plan_.regions[plan_.num_regions++] = {src, group_.workspaces[group_.rank] + staged_at, rows, row_bytes,
+                                          valid_index, valid_limit};
+    plan_.published[published_++] = reinterpret_cast<const void*>(staged_at);
   }
 
   // Publishes scratch the kernel writes and peers read (dispatch's send offsets), or that peers write (the push
-  // combine's slots): in a staged group it moves into the workspace.
+  // combine's slots): a staged group uses its workspace at offset `staged_at` instead.
   template <typename T>
-  T* publish_scratch(T* scratch, int64_t bytes) {
+  T* publish_scratch(T* scratch, int64_t staged_at) {
     if (!group_.staged) {
       plan_.published[published_++] = scratch;
       return scratch;
     }
-    const int64_t offset = take(bytes);
-    plan_.published[published_++] = reinterpret_cast<const void*>(offset);
-    return reinterpret_cast<T*>(group_.workspaces[group_.rank] + offset);
+    plan_.published[published_++] = reinterpret_cast<const void*>(staged_at);
+    return reinterpret_cast<T*>(group_.workspaces[group_.rank] + staged_at);
   }
 
-  // The plan, or false when the staged regions do not fit the staging room (the low-latency region follows).
-  bool finish(StagePlan* out) const {
+  // The plan, or false when a staged group's regions, which end at `staging_end`, do not fit its staging room
+  // (the low-latency region follows it).
+  bool finish(StagePlan* out, int64_t staging_end) const {
     *out = plan_;
-    return !group_.staged || end_ <= group_.staging_bytes;
+    return !group_.staged || staging_end <= group_.staging_bytes;
   }
 
  private:
-  int64_t take(int64_t bytes) {
-    const int64_t offset = end_;
-    end_ += (bytes + 255) / 256 * 256;
-    return offset;
-  }
-
   const IntranodeRank& group_;
   StagePlan plan_ = {};
   int published_ = 0;
-  int64_t end_ = kStagingOffset;
 };
 
 // Rows per push unit (see kPushUnitBytes); sender and receiver derive it from the same shapes.
@@ -762,13 +756,14 @@ template <typename In, typename Bias, typename Out>
 cudaError_t launch_combine(const IntranodeCall& call, const CombineArgs& args) {
   const int ranks = call.group.num_ranks;
   const int64_t row_bytes = args.row_elements * static_cast<int64_t>(sizeof(In));
+  const CombineStaging staging(args.num_tokens, row_bytes, ranks, args.capacity, args.push_warps > 0);
   StagePlanBuilder builder(call.group);
   if (args.push_warps > 0)  // view: the slots where peers store their rows for this rank
-    builder.publish_scratch(args.slots, (ranks - 1) * args.num_tokens * row_bytes);
+    builder.publish_scratch(args.slots, staging.rows);
   else  // view: y (a staged group copies the valid rows: source index below R * T)
-    builder.publish(args.y, args.capacity, row_bytes, args.recv_src_index, ranks * args.num_tokens);
+    builder.publish(args.y, args.capacity, row_bytes, staging.rows, args.recv_src_index, ranks * args.num_tokens);
   StagePlan plan;
-  if (!builder.finish(&plan)) return cudaErrorMemoryAllocation;
+  if (!builder.finish(&plan, staging.end)) return cudaErrorMemoryAllocation;
   if (ranks <= 2)
     launch_combine_for_ranks<In, Bias, Out, 2>(call, args, plan);
   else if (ranks <= 4)
@@ -790,26 +785,29 @@ cudaError_t launch_combine_from(const IntranodeCall& call, const CombineArgs& ar
 }  // namespace
 
 cudaError_t intranode_dispatch(const IntranodeCall& call, const DispatchArgs& args) {
-  if (args.num_topk > 32 || args.num_payloads < 1 || args.num_payloads > 2) return cudaErrorInvalidValue;
+  if (args.num_topk > kNormalMaxTopk || args.num_payloads < 1 || args.num_payloads > 2) return cudaErrorInvalidValue;
+  const bool two_payloads = args.num_payloads == 2;
+  const DispatchStaging staging(args.num_tokens, {args.x_row_bytes[0], two_payloads ? args.x_row_bytes[1] : 0},
+                                args.num_topk, args.topk_weights != nullptr, call.group.num_ranks);
   DispatchArgs staged_args = args;
   StagePlanBuilder builder(call.group);  // view order: payloads, topk_idx, topk_weights, send_offset
-  builder.publish(args.x[0], args.num_tokens, args.x_row_bytes[0]);
-  builder.publish(args.num_payloads == 2 ? args.x[1] : nullptr, args.num_tokens, args.x_row_bytes[1]);
-  builder.publish(args.topk_idx, args.num_tokens, args.num_topk * 4);
-  builder.publish(args.topk_weights, args.num_tokens, args.num_topk * 4);
-  staged_args.send_offset =
-      builder.publish_scratch(args.send_offset, args.num_tokens * call.group.num_ranks * sizeof(int32_t));
+  builder.publish(args.x[0], args.num_tokens, args.x_row_bytes[0], staging.payloads[0]);
+  builder.publish(two_payloads ? args.x[1] : nullptr, args.num_tokens, args.x_row_bytes[1], staging.payloads[1]);
+  builder.publish(args.topk_idx, args.num_tokens, args.num_topk * 4, staging.topk_idx);
+  builder.publish(args.topk_weights, args.num_tokens, args.num_topk * 4, staging.topk_weights);
+  staged_args.send_offset = builder.publish_scratch(args.send_offset, staging.send_offset);
   StagePlan plan;
-  if (!builder.finish(&plan)) return cudaErrorMemoryAllocation;
+  if (!builder.finish(&plan, staging.end)) return cudaErrorMemoryAllocation;
   dispatch_kernel<<<grid_size(call), kThreads, 0, call.stream>>>(call.group, staged_args, plan, call.timeout_ns);
   return cudaGetLastError();
 }
 
 cudaError_t intranode_cached_dispatch(const IntranodeCall& call, const CachedDispatchArgs& args) {
+  const CachedDispatchStaging staging(args.num_tokens, args.row_bytes);
   StagePlanBuilder builder(call.group);
-  builder.publish(args.x, args.num_tokens, args.row_bytes);
+  builder.publish(args.x, args.num_tokens, args.row_bytes, staging.x);
   StagePlan plan;
-  if (!builder.finish(&plan)) return cudaErrorMemoryAllocation;
+  if (!builder.finish(&plan, staging.end)) return cudaErrorMemoryAllocation;
   cached_dispatch_kernel<<<grid_size(call), kThreads, 0, call.stream>>>(call.group, args, plan, call.timeout_ns);
   return cudaGetLastError();
 }

@@ -7,12 +7,9 @@
 
 namespace jax_ep {
 
-// Most pointers one op publishes (dispatch: two payloads, topk_idx, topk_weights, send_offset).
+// Most pointers one op publishes (dispatch: two payloads, topk_idx, topk_weights, send_offset). Where a staged
+// group copies them in its workspace: the staging structs of kernel_limits.h.
 inline constexpr int kMaxPublishedPointers = 5;
-
-// Staged groups (IntranodeRank::staged) copy inputs to their workspace from this offset on; offset 0 is never
-// a staged region, so a published 0 still means "no such input".
-inline constexpr int64_t kStagingOffset = 256;
 
 // Push combine: the rows of y are pushed in units of consecutive rows; a receiver keeps one readiness flag per
 // (sending rank, unit), so a call uses at most this many units (intranode.cu sizes them from the capacity).

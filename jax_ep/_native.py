@@ -46,6 +46,27 @@ def with_nvshmem() -> bool:
     return _C is not None and bool(_C.with_nvshmem)
 
 
+# The kernels' limits and fixed sizes (csrc/kernel_limits.h), read once from the extension; empty when it did not load.
+_LIMITS: dict[str, int] = {} if _C is None else dict(_C.limits())
+
+
+def limit(name: str) -> int | None:
+    """The kernels' limit or fixed size `name` (a key of `_C.limits()`, defined in csrc/kernel_limits.h), or None
+    when the extension did not load: then only the xla backend runs, and no code that checks these limits is
+    reached."""
+    if _C is None:
+        return None
+    return _LIMITS[name]
+
+
+def extension(feature: str):
+    """The extension module `_C`, or a clear error naming `feature` when it did not load."""
+    if _C is None:
+        raise RuntimeError(f"jax_ep: {feature} needs the native extension jax_ep._C, which did not load "
+                           f"({_IMPORT_ERROR}); install jax_ep with pip (from a checkout: pip install -e .)")
+    return _C
+
+
 def has_target(target: str, platform: str) -> bool:
     """Whether `target` has a handler for `platform` ("cpu" or "cuda")."""
     return platform.lower() in _TARGET_PLATFORMS.get(target, set())

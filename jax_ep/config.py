@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jax_ep import _native
+
 # FP8 payloads carry one float32 scale per this many channels (docs/design.md, "FP8 payloads").
 FP8_GROUP = 128
 # Hidden sizes must be a multiple of this (16-byte rows for bf16 and FP8 scale groups).
@@ -57,37 +59,26 @@ class Config:
         return dataclasses.replace(self, combine=self.combine or combine, push_warps=self.push_warps or push_warps)
 
 
-# Top-k entries per token the low-latency CUDA kernels support (csrc kLowLatencyMaxTopk): the combine region
-# keeps one row per (token, top-k entry).
-LOW_LATENCY_MAX_TOPK = 16
+# Top-k entries per token the low-latency CUDA kernels support (csrc/kernel_limits.h): the combine region keeps one
+# row per (token, top-k entry).
+LOW_LATENCY_MAX_TOPK = _native.limit("low_latency_max_topk")
 
 
 def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int) -> int:
-    """Bytes of the low-latency region of each rank (csrc/low_latency_state.h, LowLatencyLayout): a 512-byte
-    header of call counters and credits, the kernels' trace (88 KB: the instants of each kernel's last 256 calls,
-    for the benchmark), the dispatch send's progress counter per expert (8 bytes each), the combine send's
-    counter of row pieces sent per (local expert, source rank) (4 bytes each), the staging rows
-    (this rank's `M` rows as sent, each a 48-byte row header of top-k ids followed by `2 * hidden` bytes: a
-    BF16 row, or the smaller FP8 values and scales), then two buffer sets (calls alternate between them), each
+    """Bytes of the low-latency region of each rank, computed by the native extension from the layout the kernels
+    use (csrc/kernel_limits.h, LowLatencyLayout; csrc/low_latency_state.h says what each part holds). In order: a
+    header of call counters and credits; the kernels' trace of their recent calls (for the benchmark); the dispatch
+    send's counter per expert (uint64) and the combine send's counter per (local expert, source rank) (uint32); this
+    rank's `M` staged rows, each a row header of top-k ids then `2 * hidden` bytes (a BF16 row; FP8 values and
+    scales are smaller); then two buffer sets, calls alternating between them, each holding
 
-    - per expert: a dispatch flag and a combine flag (8 bytes each, each array 256-byte aligned);
+    - a dispatch flag and a combine flag per expert (uint64);
     - the dispatch index: the source token of each of `M` positions per (local expert, source rank), int32;
-    - the dispatch receive slots: `M` rows per source rank (a token crosses to a rank once), i.e. `R * M` rows
-      of 48 + 2 * hidden bytes;
-    - the combine receive slots: `M * 16` rows of `2 * hidden` bytes, one per (token, top-k entry)."""
-    experts, tokens = num_experts, num_max_dispatch_tokens_per_rank
-    dispatch_row, combine_row = _DISPATCH_ROW_HEADER + 2 * hidden, 2 * hidden
-    per_set = (2 * _aligned(experts * 8) + _aligned(experts * tokens * 4) + _aligned(num_ranks * tokens * dispatch_row)
-               + tokens * LOW_LATENCY_MAX_TOPK * combine_row)
-    return (_LOW_LATENCY_HEADER + _aligned(_LOW_LATENCY_TRACE) + _aligned(experts * 8) + _aligned(experts * 4)
-            + _aligned(tokens * dispatch_row)
-            + 2 * per_set)
+    - the dispatch receive slots: `M` rows per source rank (a token crosses to a rank once), `R * M` rows of a
+      row header and `2 * hidden` bytes;
+    - the combine receive slots: one row of `2 * hidden` bytes per (token, top-k entry), `M * LOW_LATENCY_MAX_TOPK`.
 
-
-_LOW_LATENCY_HEADER = 512
-_LOW_LATENCY_TRACE = 4 * 256 * 88  # kernels * kLowLatencyTraceCalls * sizeof(LowLatencyTrace)
-_DISPATCH_ROW_HEADER = 48
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // 256) * 256
+    Each array starts aligned; `jax_ep._C.limits()` gives the alignment and the fixed sizes."""
+    native = _native.extension("jax_ep.low_latency_buffer_bytes")
+    return native.low_latency_region_bytes(int(num_max_dispatch_tokens_per_rank), int(hidden), int(num_ranks),
+                                           int(num_experts))

@@ -41,15 +41,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ep import _native, cuda_low_latency, environment
-from jax_ep.config import COMBINE_METHODS, DEFAULT_PUSH_WARPS, Config, low_latency_buffer_bytes
+from jax_ep.config import COMBINE_METHODS, DEFAULT_PUSH_WARPS, FP8_GROUP, Config, low_latency_buffer_bytes
 
 DISPATCH_TARGET = "jax_ep_dispatch"
 CACHED_DISPATCH_TARGET = "jax_ep_cached_dispatch"
 COMBINE_TARGET = "jax_ep_combine"
 STORE_PROBE_TARGET = "jax_ep_store_probe"
 
-MAX_RANKS = 8  # csrc kMaxIntranodeRanks
-MAX_TOPK = 32  # one warp lane per top-k entry
+# Limits of the intranode kernels (csrc/kernel_limits.h): ranks of a group (one NVLink domain), and top-k entries per
+# token of a normal-mode dispatch (one warp lane each; the internode kernels share it).
+MAX_RANKS = _native.limit("max_intranode_ranks")
+MAX_TOPK = _native.limit("normal_max_topk")
 _FLOAT_TYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 int32 = jnp.int32
@@ -101,27 +103,29 @@ def kernel_params(buffer) -> KernelParams:
 
 
 # ---- workspace sizing ------------------------------------------------------------------------------------------
-# Mirrors StagePlanBuilder in csrc/intranode.cu: staged inputs start at byte 256 of the workspace, each in its
-# own 256-byte aligned region, in the order the kernel publishes them.
-
-_STAGING_OFFSET = 256
-
-
-def _staged(*region_bytes: int) -> int:
-    return _STAGING_OFFSET + sum(-(-b // 256) * 256 for b in region_bytes)
+# A group spanning processes stages each op's inputs in the workspace; the regions, their order and alignment are
+# laid out once, in csrc/kernel_limits.h (the staging structs the kernels' launches use), and computed by `_C`.
+_SIZING = "sizing the workspace of the cuda backend"
 
 
 def dispatch_staging_bytes(num_tokens: int, row_bytes: tuple[int, ...], num_topk: int, num_ranks: int,
                            with_weights: bool) -> int:
-    """Workspace bytes a dispatch stages: payload rows, topk_idx, [topk_weights] and the send offsets."""
-    topk = num_tokens * num_topk * 4
-    return _staged(*(num_tokens * b for b in row_bytes), topk, topk if with_weights else 0, num_tokens * num_ranks * 4)
+    """Workspace bytes a dispatch stages: payload rows (1 or 2 row sizes), topk_idx, [topk_weights] and the send
+    offsets."""
+    return _native.extension(_SIZING).dispatch_staging_bytes(
+        int(num_tokens), [int(b) for b in row_bytes], int(num_topk), int(num_ranks), bool(with_weights))
+
+
+def cached_dispatch_staging_bytes(num_tokens: int, row_bytes: int) -> int:
+    """Workspace bytes a cached dispatch stages: the new rows."""
+    return _native.extension(_SIZING).cached_dispatch_staging_bytes(int(num_tokens), int(row_bytes))
 
 
 def combine_staging_bytes(num_tokens: int, row_bytes: int, num_ranks: int, capacity: int, push: bool) -> int:
     """Workspace bytes a combine uses in a group spanning processes: push, the slots where the peers store
     their rows ((R - 1) * T rows); pull, the staged copy of y (capacity rows)."""
-    return _staged((num_ranks - 1) * num_tokens * row_bytes if push else capacity * row_bytes)
+    return _native.extension(_SIZING).combine_staging_bytes(
+        int(num_tokens), int(row_bytes), int(num_ranks), int(capacity), bool(push))
 
 
 def normal_buffer_bytes(num_tokens: int, hidden: int, num_ranks: int, num_topk: int, *, capacity: int | None = None,
@@ -138,9 +142,9 @@ def normal_buffer_bytes(num_tokens: int, hidden: int, num_ranks: int, num_topk: 
     capacity = num_ranks * num_tokens if capacity is None else capacity
     default = Config().with_overrides(environment.overrides().combine, None)
     push = (combine or combine_method(default, spans_processes=True)) == "push"
-    rows = (hidden, hidden // 128 * 4) if fp8 else (2 * hidden,)
+    rows = (hidden, hidden // FP8_GROUP * 4) if fp8 else (2 * hidden,)
     return max(dispatch_staging_bytes(num_tokens, rows, num_topk, num_ranks, True),
-               _staged(num_tokens * 4 * hidden),       # cached dispatch of a float32 cotangent
+               cached_dispatch_staging_bytes(num_tokens, 4 * hidden),  # of a float32 cotangent
                combine_staging_bytes(num_tokens, 4 * hidden, num_ranks, capacity, push))  # float32 rows
 
 
@@ -195,7 +199,8 @@ def create(buffer) -> None:
     reason = unsupported_reason(buffer.mesh, buffer.axis_name)
     if reason:
         raise NotImplementedError(f"jax_ep.Buffer: {reason}")
-    staging = -(-buffer.num_nvl_bytes // 256) * 256 if buffer.spans_processes else 0  # LL region 256-byte aligned
+    align = _native.limit("low_latency_align")  # the LL region follows the staging room, aligned
+    staging = -(-buffer.num_nvl_bytes // align) * align if buffer.spans_processes else 0
     workspace_bytes = staging
     low_latency_bytes = 0
     buffer.low_latency_offset = None
@@ -458,7 +463,7 @@ def call_dispatch(target: str, x_leaves, topk_idx, topk_weights, handle_types, *
 def cached_dispatch(leaf, handle, *, params: KernelParams) -> jax.Array:
     """Dispatch new data [T, ...] along the routing of `handle` -> [C, ...]."""
     capacity = handle.recv_src_index.shape[0]
-    _check_staging("cached dispatch", params, _staged(leaf.shape[0] * _row_bytes(leaf)))
+    _check_staging("cached dispatch", params, cached_dispatch_staging_bytes(leaf.shape[0], _row_bytes(leaf)))
     result_type = jax.typeof(leaf).update(shape=(capacity, *leaf.shape[1:]), dtype=leaf.dtype)
     return jax.ffi.ffi_call(CACHED_DISPATCH_TARGET, result_type)(leaf, handle.recv_src_index, **params.attributes())
 

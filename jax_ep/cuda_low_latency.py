@@ -33,8 +33,11 @@ DISPATCH_RECV_TARGET = "jax_ep_low_latency_dispatch_recv"
 COMBINE_SEND_TARGET = "jax_ep_low_latency_combine_send"
 COMBINE_RECV_TARGET = "jax_ep_low_latency_combine_recv"
 
-MAX_EXPERTS = 4096  # csrc kLowLatencyMaxExperts
-MAX_ENTRIES = 8192  # csrc kLowLatencyMaxEntries: tokens * top-k of one dispatch (the send's routing in shared memory)
+# Limits of the low-latency kernels (csrc/kernel_limits.h): experts of a Buffer (ids travel as int16), and top-k
+# entries of one dispatch, tokens * top-k (the send keeps the routing in shared memory); LOW_LATENCY_MAX_TOPK is in
+# config.
+MAX_EXPERTS = _native.limit("low_latency_max_experts")
+MAX_ENTRIES = _native.limit("low_latency_max_entries")
 _PAYLOAD_BF16, _PAYLOAD_FP8, _PAYLOAD_FP8_UE8M0 = 0, 1, 2  # csrc LowLatencyPayload
 TRANSPORTS = {"peer_stores": 0, "nvshmem": 1}  # Buffer.low_latency_transport -> csrc LowLatencyTransport
 
@@ -76,8 +79,9 @@ def params(op: str, buffer) -> LowLatencyParams:
     if offset is None:
         raise RuntimeError(f"jax_ep.{op}: the cuda Buffer has no low-latency region (buffer.low_latency_offset is "
                            "unset); create it with num_max_dispatch_tokens_per_rank, hidden and num_experts")
-    if offset % 256:
-        raise RuntimeError(f"jax_ep.{op}: buffer.low_latency_offset={offset} is not 256-byte aligned")
+    align = _native.limit("low_latency_align")
+    if offset % align:
+        raise RuntimeError(f"jax_ep.{op}: buffer.low_latency_offset={offset} is not {align}-byte aligned")
     if buffer.num_experts > MAX_EXPERTS:
         raise ValueError(f"jax_ep.{op} (cuda): at most {MAX_EXPERTS} experts, the Buffer has {buffer.num_experts}")
     return LowLatencyParams(buffer.buffer_id, TRANSPORTS[buffer.low_latency_transport], int(offset),
@@ -100,7 +104,8 @@ def dispatch_send(x, topk_idx, *, params: LowLatencyParams, use_fp8, round_scale
     check_topk("low_latency_dispatch", num_topk)
     if num_tokens * num_topk > MAX_ENTRIES:
         raise ValueError(f"jax_ep.low_latency_dispatch (cuda): at most {MAX_ENTRIES} top-k entries per rank (tokens * "
-                         f"top-k, e.g. 512 * 16), got {num_tokens} * {num_topk}")
+                         f"top-k, e.g. {MAX_ENTRIES // LOW_LATENCY_MAX_TOPK} * {LOW_LATENCY_MAX_TOPK}), got "
+                         f"{num_tokens} * {num_topk}")
     aval = jax.typeof(x)
     result_types = (aval.update(shape=(), dtype=jnp.uint32), aval.update(shape=(), dtype=int32))
     token, invalid = jax.ffi.ffi_call(DISPATCH_SEND_TARGET, result_types)(
@@ -158,12 +163,13 @@ KERNELS = ("dispatch send", "dispatch recv", "combine send", "combine recv")  # 
 
 
 def trace(buffer, reset: bool = False) -> list[dict[str, dict]]:
-    """Per local device of `buffer`: for each LL kernel, its trace of the last 256 calls (csrc/low_latency_state.h,
-    LowLatencyTrace) as {field: int64 array over the ring's slots} with the fields `call`, `units` and the
-    %globaltimer instants `first_start`, `last_start`, `first_flag`, `last_flag`, `end` (ns, comparable within
-    one GPU only; a slot holds a finished call when end > first_start > 0), and `phases`: {phase: ns summed over
-    `units`}. `reset` prepares every slot afterwards: call it before the calls to measure, while none of the
-    buffer's kernels runs (the benchmark's breakdown)."""
+    """Per local device of `buffer`: for each LL kernel, its trace of its recent calls (a ring of
+    `_C.limits()["low_latency_trace_calls"]` slots; csrc/low_latency_state.h, LowLatencyTrace) as {field: int64 array
+    over the ring's slots} with the fields `call`, `units` and the %globaltimer instants `first_start`,
+    `last_start`, `first_flag`, `last_flag`, `end` (ns, comparable within one GPU only; a slot holds a finished call
+    when end > first_start > 0), and `phases`: {phase: ns summed over `units`}. `reset` prepares every slot
+    afterwards: call it before the calls to measure, while none of the buffer's kernels runs (the benchmark's
+    breakdown)."""
     if buffer.low_latency_offset is None:
         raise ValueError("jax_ep: this Buffer has no low-latency region (create it with "
                          "num_max_dispatch_tokens_per_rank, hidden and num_experts on the cuda backend)")

@@ -12,9 +12,9 @@ casts. So the result is the flat rank-order sum of the intranode mode with the a
 can differ from it in the last bits, and is deterministic. Partials travel as float32 (exact, twice the bytes
 of BF16 rows on the network for BF16 y).
 
-Memory: one NVSHMEM symmetric region per GPU of `num_rdma_bytes` (plus a 4 KiB header), allocated collectively
-by every process when the Buffer is created; each op lays out its part of it from its shapes
-(csrc/internode_state.h, mirrored by `dispatch_region_bytes` / `combine_region_bytes` here) and a call that
+Memory: one NVSHMEM symmetric region per GPU of `num_rdma_bytes` (plus a header of `HEADER_BYTES`), allocated
+collectively by every process when the Buffer is created; each op lays out its part of it from its shapes
+(csrc/internode_state.h and kernel_limits.h; `dispatch_region_bytes` / `combine_region_bytes` here) and a call that
 needs more raises while tracing. `internode_buffer_bytes` gives what given shapes need. jax_ep initialises
 NVSHMEM at the first internode Buffer and, when NVSHMEM_SYMMETRIC_SIZE is unset, sizes its symmetric heap for
 that Buffer (with room for NVSHMEM's own allocations); set it yourself when several internode Buffers live at
@@ -37,14 +37,17 @@ import numpy as np
 
 from jax_ep import _native, cuda_backend
 from jax_ep._checks import is_int
+from jax_ep.config import FP8_GROUP
 
 DISPATCH_TARGET = "jax_ep_internode_dispatch"
 CACHED_DISPATCH_TARGET = "jax_ep_internode_cached_dispatch"
 COMBINE_TARGET = "jax_ep_internode_combine"
 
-MAX_RANKS = 64  # csrc kMaxInternodeRanks
-MAX_RANKS_PER_NODE = 8  # csrc kMaxRanksPerNode
-HEADER_BYTES = 4096  # csrc kInternodeHeaderBytes
+# Limits and the region header of the internode kernels (csrc/kernel_limits.h): ranks of the EP axis, ranks per node
+# (one NVLink domain), and the header each rank's symmetric region holds before its num_rdma_bytes.
+MAX_RANKS = _native.limit("max_internode_ranks")
+MAX_RANKS_PER_NODE = _native.limit("max_ranks_per_node")
+HEADER_BYTES = _native.limit("internode_header_bytes")
 DEFAULT_NUM_RDMA_BYTES = 1 << 30
 # Room left in NVSHMEM's symmetric heap, when jax_ep sizes it, for NVSHMEM's own allocations.
 NVSHMEM_HEAP_MARGIN = 256 << 20
@@ -89,10 +92,8 @@ def available() -> bool:
     return _native.has_target(DISPATCH_TARGET, "cuda")
 
 
-# ---- region sizes (mirror csrc/internode_state.h; tests compare the two) -------------------------------------
-
-def _aligned(nbytes: int, alignment: int = 256) -> int:
-    return -(-nbytes // alignment) * alignment
+# ---- region sizes (laid out in csrc/kernel_limits.h, computed by `_C`) -------------------------------------------
+_SIZING = "sizing the region of the internode kernels"
 
 
 def dispatch_region_bytes(num_nodes: int, ranks_per_node: int, num_tokens: int, num_topk: int,
@@ -100,20 +101,15 @@ def dispatch_region_bytes(num_nodes: int, ranks_per_node: int, num_tokens: int, 
     """Region bytes of a dispatch (num_topk=0: cached dispatch) whose token rows are payload_bytes long: a slot
     per (source node, token), and with top-k the per-source-node topk_idx/weights and routing, and this rank's
     outgoing routing per node."""
-    slots = _aligned(num_nodes * num_tokens * _aligned(payload_bytes, 16))
-    if num_topk == 0:
-        return slots
-    topk = 2 * _aligned(num_tokens * num_topk * 4)
-    routing = 256 + _aligned(num_tokens * ranks_per_node * 4)
-    return slots + num_nodes * (topk + routing) + num_nodes * routing
+    return _native.extension(_SIZING).internode_dispatch_bytes(int(num_nodes), int(ranks_per_node), int(num_tokens),
+                                                               int(num_topk), int(payload_bytes))
 
 
 def combine_region_bytes(num_nodes: int, num_tokens: int, capacity: int, row_elements: int, item_bytes: int) -> int:
     """Region bytes of a combine of y [capacity, row_elements]: the staged rows of y, then float32 partials
     received and sent per (node, token)."""
-    partial = _aligned(row_elements * 4, 16)
-    return (_aligned(capacity * _aligned(row_elements * item_bytes, 16)) + _aligned(num_nodes * num_tokens * partial)
-            + num_nodes * num_tokens * partial)
+    return _native.extension(_SIZING).internode_combine_bytes(int(num_nodes), int(num_tokens), int(capacity),
+                                                              int(row_elements), int(item_bytes))
 
 
 def internode_buffer_bytes(num_tokens: int, hidden: int, num_ranks: int, num_topk: int, ranks_per_node: int, *,
@@ -127,7 +123,7 @@ def internode_buffer_bytes(num_tokens: int, hidden: int, num_ranks: int, num_top
     combine part."""
     num_nodes = num_ranks // ranks_per_node
     capacity = num_ranks * num_tokens if capacity is None else capacity
-    payload = hidden + hidden // 128 * 4 if fp8 else 2 * hidden
+    payload = hidden + hidden // FP8_GROUP * 4 if fp8 else 2 * hidden
     return max(dispatch_region_bytes(num_nodes, ranks_per_node, num_tokens, num_topk, payload),
                dispatch_region_bytes(num_nodes, ranks_per_node, num_tokens, 0, 4 * hidden),
                combine_region_bytes(num_nodes, num_tokens, capacity, hidden, 4))

@@ -1,7 +1,7 @@
 """The internode mode on CPU: what can be checked without GPUs. Buffer arguments (ranks_per_node,
-num_rdma_bytes) and backend selection; how hosts make nodes; the region sizes against the C++ layout; the ops
-trace and lower (forward, FP8, cached dispatch, bias, gradients) to the internode custom calls; a call that
-needs more than num_rdma_bytes, and a foreign handle, raise before anything runs. Lowering compiles and runs
+num_rdma_bytes) and backend selection; how hosts make nodes; the region sizes against the layout's description;
+the ops trace and lower (forward, FP8, cached dispatch, bias, gradients) to the internode custom calls; a call
+that needs more than num_rdma_bytes, and a foreign handle, raise before anything runs. Lowering compiles and runs
 nothing, so a Buffer made for the xla backend stands in for an internode one."""
 from __future__ import annotations
 
@@ -75,19 +75,46 @@ def native():
     return _native._C
 
 
+def aligned(nbytes: int, alignment: int) -> int:
+    return -(-nbytes // alignment) * alignment
+
+
+def dispatch_region_oracle(nodes: int, per_node: int, tokens: int, topk: int, payload: int) -> int:
+    """The dispatch layout csrc/internode_state.h describes: a slot per (source node, token) of the payload bytes
+    rounded up to 16; with top-k, per source node its topk_idx and topk_weights (int32 and f32 [T, K], each
+    aligned) and its routing into this node (one aligned block of per-rank counts, then the offsets [T, P] int32,
+    aligned), and this rank's outgoing routing per node. Parts start aligned to the region's alignment."""
+    align = native().limits()["internode_align"]
+    slots = aligned(nodes * tokens * aligned(payload, 16), align)
+    if topk == 0:
+        return slots
+    topk_part = 2 * aligned(tokens * topk * 4, align)
+    routing = align + aligned(tokens * per_node * 4, align)
+    return slots + nodes * (topk_part + routing) + nodes * routing
+
+
+def combine_region_oracle(nodes: int, tokens: int, capacity: int, elements: int, item: int) -> int:
+    """The combine layout csrc/internode_state.h describes: y's rows staged (rows rounded up to 16 bytes, the part
+    aligned), then float32 partials received and sent per (node, token)."""
+    align = native().limits()["internode_align"]
+    partial = aligned(elements * 4, 16)
+    return aligned(capacity * aligned(elements * item, 16), align) + aligned(nodes * tokens * partial, align) + \
+        nodes * tokens * partial
+
+
 @pytest.mark.parametrize("nodes,per_node,tokens,topk,payload", [
     (2, 2, 96, 8, 512), (4, 1, 37, 5, 384 * 4), (2, 8, 4096, 8, 7168 * 2), (8, 8, 4096, 8, 7168 + 224),
     (2, 2, 96, 0, 4 * 256), (3, 2, 1, 1, 2)])
-def test_dispatch_region_matches_the_kernels_layout(nodes, per_node, tokens, topk, payload):
+def test_dispatch_region_matches_its_description(nodes, per_node, tokens, topk, payload):
     assert internode.dispatch_region_bytes(nodes, per_node, tokens, topk, payload) == \
-        native().internode_dispatch_bytes(nodes, per_node, tokens, topk, payload)
+        dispatch_region_oracle(nodes, per_node, tokens, topk, payload)
 
 
 @pytest.mark.parametrize("nodes,tokens,capacity,elements,item", [
     (2, 96, 384, 512, 2), (4, 37, 7, 5, 4), (2, 4096, 16384, 7168, 2), (8, 4096, 1, 7168, 4)])
-def test_combine_region_matches_the_kernels_layout(nodes, tokens, capacity, elements, item):
+def test_combine_region_matches_its_description(nodes, tokens, capacity, elements, item):
     assert internode.combine_region_bytes(nodes, tokens, capacity, elements, item) == \
-        native().internode_combine_bytes(nodes, tokens, capacity, elements, item)
+        combine_region_oracle(nodes, tokens, capacity, elements, item)
 
 
 def test_buffer_bytes_by_hand():

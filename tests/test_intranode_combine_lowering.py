@@ -106,26 +106,49 @@ def test_bad_environment_values(monkeypatch, name, value, message):
         combine_calls(cuda_standin(False))
 
 
+def staged(*region_bytes: int) -> int:
+    """Workspace a group spanning processes needs for these staged regions: from the staging offset on, each
+    region rounded up to the staging alignment (both the extension's)."""
+    offset, align = _native.limit("staging_offset"), _native.limit("staging_align")
+    return offset + sum(-(-b // align) * align for b in region_bytes)
+
+
 @pytest.mark.parametrize("method", ["push", "pull"])
 def test_workspace_check_names_the_size(monkeypatch, method):
     """A group spanning processes: combine's workspace is the slots (push) or the staged copy of y [R*T rows]
-    (pull), from byte 256 on in 256-byte aligned regions; one byte less raises, naming the size."""
+    (pull), one aligned region after the staging offset; one byte less raises, naming the size."""
     monkeypatch.setenv(ENV, method)
     rows = R * T if method == "pull" else (R - 1) * T
-    need = 256 + -(-rows * 4 * H // 256) * 256
+    need = staged(rows * 4 * H)
     assert len(combine_calls(cuda_standin(True, num_nvl_bytes=need))) == 1
     with pytest.raises(ValueError, match=rf"combine \(cuda\).*num_nvl_bytes >= {need} "):
         combine_calls(cuda_standin(True, num_nvl_bytes=need - 1))
 
 
+def test_dispatch_staging_per_region():
+    """Dispatch stages its payload rows (one payload, or the FP8 pair), topk_idx, topk_weights when given, and the
+    send offsets [T, R] int32, each in its own aligned region; cached dispatch stages its new rows."""
+    if not _native.available():
+        pytest.skip("the native extension did not load")
+    tokens, topk, values, scales = 37, 5, 7168, 7168 // 128 * 4
+    routing, offsets = tokens * topk * 4, tokens * R * 4
+    assert cuda_backend.dispatch_staging_bytes(tokens, (values, scales), topk, R, True) == \
+        staged(tokens * values, tokens * scales, routing, routing, offsets)
+    assert cuda_backend.dispatch_staging_bytes(tokens, (2 * values,), topk, R, False) == \
+        staged(tokens * 2 * values, routing, offsets)
+    assert cuda_backend.cached_dispatch_staging_bytes(tokens, 4 * H) == staged(tokens * 4 * H)
+    with pytest.raises(ValueError, match="1 or 2 row sizes"):
+        cuda_backend.dispatch_staging_bytes(tokens, (), topk, R, True)
+
+
 def test_normal_buffer_bytes_per_method(monkeypatch):
     """The combine of float32 rows dominates at these sizes: (R-1)*T rows pushed, or C rows staged to pull."""
     Tb, Hb, Rb, Kb = 4096, 7168, 4, 8
-    pushed = 256 + (Rb - 1) * Tb * 4 * Hb
-    pulled = 256 + Rb * Tb * 4 * Hb
+    pushed = staged((Rb - 1) * Tb * 4 * Hb)
+    pulled = staged(Rb * Tb * 4 * Hb)
     assert jax_ep.normal_buffer_bytes(Tb, Hb, Rb, Kb, combine="push") == pushed
     assert jax_ep.normal_buffer_bytes(Tb, Hb, Rb, Kb, combine="pull") == pulled
-    assert jax_ep.normal_buffer_bytes(Tb, Hb, Rb, Kb, combine="pull", capacity=Tb) == 256 + Tb * 4 * Hb
+    assert jax_ep.normal_buffer_bytes(Tb, Hb, Rb, Kb, combine="pull", capacity=Tb) == staged(Tb * 4 * Hb)
     monkeypatch.delenv(ENV, raising=False)  # a group spanning processes pushes by default
     assert jax_ep.normal_buffer_bytes(Tb, Hb, Rb, Kb) == pushed
     monkeypatch.setenv(ENV, "pull")

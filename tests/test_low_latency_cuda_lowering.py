@@ -13,7 +13,8 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from conftest import mesh_of
-from jax_ep import cuda_low_latency
+from jax_ep import _native, cuda_low_latency
+from jax_ep.config import LOW_LATENCY_MAX_TOPK
 
 R, T, H, K, E, M = 4, 8, 512, 3, 8, 16
 
@@ -65,32 +66,42 @@ def test_buffer_without_low_latency_region():
 
 def test_topk_beyond_the_kernels_limit():
     buf = cuda_standin()
-    with pytest.raises(ValueError, match=r"low_latency_dispatch \(cuda\): at most 16 top-k entries per token, got 17"):
-        lower(buf, lambda x, i: jax_ep.low_latency_dispatch(buf, x, i).recv_count, X, ((T, 17), jnp.int32))
+    topk = LOW_LATENCY_MAX_TOPK + 1
+    message = rf"low_latency_dispatch \(cuda\): at most {LOW_LATENCY_MAX_TOPK} top-k entries per token, got {topk}"
+    with pytest.raises(ValueError, match=message):
+        lower(buf, lambda x, i: jax_ep.low_latency_dispatch(buf, x, i).recv_count, X, ((T, topk), jnp.int32))
 
 
 def test_topk_entries_beyond_the_kernels_limit():
-    """The send keeps a rank's routing in shared memory: T * K <= 8192."""
-    tokens, topk = 1024, 9
+    """The send keeps a rank's routing in shared memory: T * K <= MAX_ENTRIES, however few entries each token has."""
+    entries = cuda_low_latency.MAX_ENTRIES
+    tokens, topk = entries // 8, 9
     buf = jax_ep.Buffer(mesh_of(R), "ep", backend="xla", num_max_dispatch_tokens_per_rank=tokens, hidden=H,
                         num_experts=E)
     buf.backend, buf.low_latency_offset, buf.low_latency_transport = "cuda", 0, "peer_stores"
-    with pytest.raises(ValueError, match=r"at most 8192 top-k entries per rank \(tokens \* top-k, e.g. 512 \* 16\), "
-                                         r"got 1024 \* 9"):
+    example = rf"{entries // LOW_LATENCY_MAX_TOPK} \* {LOW_LATENCY_MAX_TOPK}"
+    with pytest.raises(ValueError, match=rf"at most {entries} top-k entries per rank \(tokens \* top-k, e.g. "
+                                         rf"{example}\), got {tokens} \* {topk}"):
         lower(buf, lambda x, i: jax_ep.low_latency_dispatch(buf, x, i).recv_count, ((tokens, H), jnp.bfloat16),
               ((tokens, topk), jnp.int32))
 
 
 def test_region_size():
-    # header + trace (4 kernels x 256 calls x 11 words) + a dispatch send counter per expert (8 bytes) + a combine
-    # send counter per (local expert, source rank) (4 bytes) + staging rows + 2 sets of
-    # (2 flag arrays + an int32 index of E*M positions + R*M dispatch rows + 16*M combine rows); a dispatch row
-    # is a 48-byte row header and 2H bytes, a combine row 2H bytes; the counters, the flag arrays, the index and
-    # the row arrays each start 256-byte aligned (here every size but the counters' and the flags' already is a
-    # multiple of 256).
-    dispatch_row, combine_row = 48 + 2 * H, 2 * H
-    trace, counters, flags = 4 * 256 * 11 * 8, 2 * 256, 2 * 256  # E * 8 and E * 4 bytes, each aligned up
+    """The region as docs/design.md and csrc/low_latency_state.h describe it, in order: the header, the trace, a
+    dispatch send counter per expert (8 bytes) and a combine send counter per (local expert, source rank) (4 bytes),
+    the staging rows, then 2 sets of (2 flag arrays of 8 bytes per expert, an int32 index of E*M positions, R*M
+    dispatch rows, MAX_TOPK*M combine rows). A dispatch row is a row header and 2H bytes, a combine row 2H bytes;
+    each array starts aligned (here every size but the counters' and the flags' already is a multiple of the
+    alignment). The fixed sizes and the alignment are the extension's."""
+    if not _native.available():
+        pytest.skip("the native extension did not load")
+    limit = _native.limit
+    align, header = limit("low_latency_align"), limit("low_latency_header_bytes")
+    trace = limit("low_latency_trace_bytes")
+    dispatch_row, combine_row = limit("low_latency_row_header_bytes") + 2 * H, 2 * H
+    assert E * 8 <= align  # so each counter array and each flag array takes one alignment unit
+    counters = flags = 2 * align
     index = E * M * 4
-    assert (M * dispatch_row) % 256 == 0 and index % 256 == 0 and trace % 256 == 0
-    set_bytes = flags + index + R * M * dispatch_row + 16 * M * combine_row
-    assert jax_ep.low_latency_buffer_bytes(M, H, R, E) == 512 + trace + counters + M * dispatch_row + 2 * set_bytes
+    assert (M * dispatch_row) % align == 0 and index % align == 0 and trace % align == 0 and header % align == 0
+    set_bytes = flags + index + R * M * dispatch_row + LOW_LATENCY_MAX_TOPK * M * combine_row
+    assert jax_ep.low_latency_buffer_bytes(M, H, R, E) == header + trace + counters + M * dispatch_row + 2 * set_bytes

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "api.h"
+#include "kernel_limits.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ep::ffi_handlers {
@@ -145,7 +146,8 @@ xla::ffi::Error DecodeDispatch(const std::string& op, const std::vector<xla::ffi
   if (topk_idx.element_type() != ffi::DataType::S32 || idx_dims.size() != 2)
     return invalid("topk_idx must be int32 [num_tokens, num_topk]");
   if (num_experts < num_ranks || num_experts % num_ranks) return invalid("num_experts must be a multiple of the ranks");
-  if (idx_dims[1] < 1 || idx_dims[1] > 32) return invalid("1 to 32 top-k entries per token");
+  if (idx_dims[1] < 1 || idx_dims[1] > kNormalMaxTopk)
+    return invalid("1 to " + std::to_string(kNormalMaxTopk) + " top-k entries per token");
   a->num_payloads = static_cast<int32_t>(payloads);
   a->num_tokens = idx_dims[0];
   a->num_topk = idx_dims[1];

@@ -29,7 +29,8 @@ ffi::Error MakeCall(const char* op, cudaStream_t stream, int32_t device, int64_t
       transport != static_cast<int64_t>(LowLatencyTransport::kNvshmem))
     return Invalid(op, "unknown transport " + std::to_string(transport));
   if (ll_offset < 0 || ll_offset % kLowLatencyAlign)
-    return Invalid(op, "the low-latency region offset " + std::to_string(ll_offset) + " is not 256-byte aligned");
+    return Invalid(op, "the low-latency region offset " + std::to_string(ll_offset) + " is not " +
+                           std::to_string(kLowLatencyAlign) + "-byte aligned");
   int64_t available = 0;
   if (const std::string missing = low_latency_lookup(buffer_id, device, static_cast<LowLatencyTransport>(transport),
                                                      ll_offset, call, &available);

@@ -1,5 +1,6 @@
-// The nanobind module jax_ep._C: FFI handler capsules per (target, platform), build facts, region sizes and the
-// intranode, NVSHMEM and internode runtime entry points (C++ exceptions from the runtime become Python exceptions).
+// The nanobind module jax_ep._C: FFI handler capsules per (target, platform), build facts, the kernels' limits and
+// region sizes, and the intranode, NVSHMEM and internode runtime entry points (C++ exceptions from the runtime become
+// Python exceptions).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
@@ -7,7 +8,7 @@
 
 #include "api.h"
 #include "handlers.h"
-#include "internode_state.h"
+#include "kernel_limits.h"
 
 namespace nb = nanobind;
 
@@ -50,13 +51,66 @@ nb::dict Registrations() {
   return targets;
 }
 
+// Every limit and fixed size of csrc/kernel_limits.h that jax_ep checks or sizes with, by name.
+nb::dict Limits() {
+  nb::dict limits;
+  limits["max_intranode_ranks"] = jax_ep::kMaxIntranodeRanks;
+  limits["normal_max_topk"] = jax_ep::kNormalMaxTopk;
+  limits["staging_offset"] = jax_ep::kStagingOffset;
+  limits["staging_align"] = jax_ep::kStagingAlign;
+  limits["low_latency_max_topk"] = jax_ep::kLowLatencyMaxTopk;
+  limits["low_latency_max_experts"] = jax_ep::kLowLatencyMaxExperts;
+  limits["low_latency_max_entries"] = jax_ep::kLowLatencyMaxEntries;
+  limits["low_latency_align"] = jax_ep::kLowLatencyAlign;
+  limits["low_latency_header_bytes"] = jax_ep::kLowLatencyHeaderBytes;
+  limits["low_latency_trace_calls"] = jax_ep::kLowLatencyTraceCalls;
+  limits["low_latency_trace_bytes"] = jax_ep::kLowLatencyTraceBytes;
+  limits["low_latency_row_header_bytes"] = jax_ep::kLowLatencyRowHeaderBytes;
+  limits["max_internode_ranks"] = jax_ep::kMaxInternodeRanks;
+  limits["max_ranks_per_node"] = jax_ep::kMaxRanksPerNode;
+  limits["internode_align"] = jax_ep::kInternodeAlign;
+  limits["internode_header_bytes"] = jax_ep::kInternodeHeaderBytes;
+  return limits;
+}
+
+// Dispatch staging for one or two payloads (the FP8 pair), as the intranode dispatch lays it out.
+int64_t DispatchStagingBytes(int64_t num_tokens, const std::vector<int64_t>& payload_row_bytes, int64_t num_topk,
+                             int64_t num_ranks, bool with_weights) {
+  if (payload_row_bytes.size() != 1 && payload_row_bytes.size() != 2)
+    throw nb::value_error("dispatch_staging_bytes: payload_row_bytes must hold 1 or 2 row sizes");
+  const int64_t row_bytes[2] = {payload_row_bytes[0], payload_row_bytes.size() == 2 ? payload_row_bytes[1] : 0};
+  return jax_ep::DispatchStaging(num_tokens, row_bytes, num_topk, with_weights, num_ranks).end;
+}
+
 }  // namespace
 
 NB_MODULE(_C, m) {
   m.doc() = "jax_ep native extension: XLA FFI handlers and the device runtime";
   m.def("registrations", &Registrations, "{target name: {platform: FFI handler capsule}}");
-  // Internode region sizes (internode_state.h), in every build: jax_ep/internode.py mirrors them and a CPU test
-  // compares the two.
+  // Limits and sizes (csrc/kernel_limits.h), in every build: jax_ep reads them here instead of keeping its own copies.
+  m.def("limits", &Limits, "{name: value} of the kernels' limits and fixed sizes (csrc/kernel_limits.h).");
+  m.def(
+      "low_latency_region_bytes",
+      [](int64_t num_max_tokens, int64_t hidden, int64_t num_ranks, int64_t num_experts) {
+        return jax_ep::LowLatencyLayout(num_max_tokens, hidden, num_ranks, num_experts).total;
+      },
+      nb::arg("num_max_tokens"), nb::arg("hidden"), nb::arg("num_ranks"), nb::arg("num_experts"),
+      "Bytes of a rank's low-latency region for these sizes.");
+  m.def("dispatch_staging_bytes", &DispatchStagingBytes, nb::arg("num_tokens"), nb::arg("payload_row_bytes"),
+        nb::arg("num_topk"), nb::arg("num_ranks"), nb::arg("with_weights"),
+        "Workspace bytes an intranode dispatch stages in a group spanning processes (payload_row_bytes: 1 or 2).");
+  m.def(
+      "cached_dispatch_staging_bytes",
+      [](int64_t num_tokens, int64_t row_bytes) { return jax_ep::CachedDispatchStaging(num_tokens, row_bytes).end; },
+      nb::arg("num_tokens"), nb::arg("row_bytes"),
+      "Workspace bytes an intranode cached dispatch stages in a group spanning processes.");
+  m.def(
+      "combine_staging_bytes",
+      [](int64_t num_tokens, int64_t row_bytes, int64_t num_ranks, int64_t capacity, bool push) {
+        return jax_ep::CombineStaging(num_tokens, row_bytes, num_ranks, capacity, push).end;
+      },
+      nb::arg("num_tokens"), nb::arg("row_bytes"), nb::arg("num_ranks"), nb::arg("capacity"), nb::arg("push"),
+      "Workspace bytes an intranode combine uses in a group spanning processes (push: the slots; pull: y's copy).");
   m.def(
       "internode_dispatch_bytes",
       [](int64_t num_nodes, int64_t ranks_per_node, int64_t num_tokens, int64_t num_topk, int64_t payload_bytes) {
@@ -71,7 +125,6 @@ NB_MODULE(_C, m) {
       },
       nb::arg("num_nodes"), nb::arg("num_tokens"), nb::arg("capacity"), nb::arg("row_elements"), nb::arg("item_bytes"),
       "Region bytes of an internode combine.");
-  m.attr("internode_header_bytes") = jax_ep::kInternodeHeaderBytes;
 #if defined(JAX_EP_WITH_CUDA)
   m.def("create_intranode", &jax_ep::intranode_create, nb::arg("buffer_id"), nb::arg("device_ordinals"),
         nb::arg("workspace_bytes"), nb::arg("staging_bytes"),
