@@ -8,6 +8,7 @@ from jax_ep.buffer import Buffer
 from jax_ep.config import Config, low_latency_buffer_bytes
 from jax_ep.cuda_backend import normal_buffer_bytes
 from jax_ep.fp8 import per_token_cast_to_fp8
+from jax_ep.grouped_matmul import grouped_matmul
 from jax_ep.internode import internode_buffer_bytes
 from jax_ep.ops import (
     LowLatencyPending,
@@ -33,7 +34,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Buffer", "Config", "low_latency_buffer_bytes", "normal_buffer_bytes", "internode_buffer_bytes",
-    "per_token_cast_to_fp8",
+    "per_token_cast_to_fp8", "grouped_matmul",
     "get_dispatch_layout", "dispatch", "combine",
     "low_latency_dispatch", "low_latency_combine",
     "low_latency_dispatch_send", "low_latency_dispatch_recv",

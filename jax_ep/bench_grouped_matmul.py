@@ -1,0 +1,261 @@
+"""Benchmark of `grouped_matmul`: `python -m jax_ep.bench_grouped_matmul [--groups 16 64] [--m 24576 --d 2048
+--f 1408] [--sweep] [--json PATH]`.
+
+Times the forward and backward pass of an expert SwiGLU block over M rows sorted by expert,
+
+    gate, up = split(grouped_matmul(x, W_gate_up)); h = silu(gate) * up; y = grouped_matmul(h, W_down)
+    grads of sum(y * cotangent) with respect to x, W_gate_up [G, D, 2F] and W_down [G, F, D],
+
+for each implementation ("pallas": jax_ep's kernels, "jax_pallas": JAX's, and "ragged_dot" at 16 groups or
+fewer, or everywhere with --ragged-dot, since it is slow with many groups), with random group sizes (a
+multinomial split of M with Dirichlet(1) weights, seeded) and with "aligned" sizes (every group a multiple
+of 128 rows). A dense chain of the same matmuls ([M, D] x [D, 2F], [M, F] x [F, D], same backward) is the
+roofline proxy. FLOPs: 3 x 2·M·(D·2F + F·D) (forward, dx and dw of both matmuls; useful work only).
+Each figure is the median over --runs timed runs of --calls back-to-back calls each (after a warm-up),
+rotating through --input-sets input sets so that consecutive calls never read the same data.
+
+--sweep instead times each grouped product alone (fwd, dx and dw of both matmuls) for every block
+configuration of a small grid (`SWEEP_GRID`) and prints the best per shape as `BlockConfigRule`s to paste
+into `jax_ep.grouped_matmul.BLOCK_CONFIG_TABLE`.
+
+On a machine without a Hopper GPU only "ragged_dot" and the dense chain run (try --m 256 --d 128 --f 128).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import itertools
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ep.grouped_matmul import (
+    OPS, PALLAS_KERNELS, BlockConfig, BlockConfigRule, block_config, config_unsupported_reason, grouped_matmul,
+    pallas_grouped_op, pallas_unsupported_reason,
+)
+
+DTYPE = jnp.bfloat16
+ALIGNMENT = 128  # rows: the "aligned" case's group sizes are multiples of this
+# --sweep's block configurations per kernel family (those that do not fit a shape are skipped).
+SWEEP_GRID = {
+    "pallas": dict(block_m=(128,), block_n=(128, 256), block_k=(64,), num_stages=(3, 4),
+                   grid_tile_width=(1, 4, 8)),
+    "jax_pallas": dict(block_m=(64, 128), block_n=(128, 256), block_k=(64,), num_stages=(4,),
+                       grid_tile_width=(1, 4, 8)),
+}
+
+
+def random_group_sizes(rng: np.random.Generator, num_rows: int, groups: int, aligned: bool) -> np.ndarray:
+    """A multinomial split of num_rows into `groups` sizes with Dirichlet(1) weights; with `aligned`, of the
+    num_rows // ALIGNMENT blocks of ALIGNMENT rows (the remainder going to the last group)."""
+    weights = rng.dirichlet(np.ones(groups))
+    if not aligned:
+        return rng.multinomial(num_rows, weights).astype(np.int32)
+    sizes = rng.multinomial(num_rows // ALIGNMENT, weights) * ALIGNMENT
+    sizes[-1] += num_rows % ALIGNMENT
+    return sizes.astype(np.int32)
+
+
+def swiglu_flops(m: int, d: int, f: int) -> int:
+    return 3 * 2 * m * (d * 2 * f + f * d)
+
+
+def swiglu_loss(x, w_gate_up, w_down, cotangent, matmul):
+    gate, up = jnp.split(matmul(x, w_gate_up), 2, axis=-1)
+    y = matmul(jax.nn.silu(gate) * up, w_down)
+    return jnp.sum((y * cotangent).astype(jnp.float32))
+
+
+@functools.partial(jax.jit, static_argnames="implementation")
+def grouped_swiglu_grads(x, w_gate_up, w_down, cotangent, group_sizes, implementation):
+    matmul = functools.partial(grouped_matmul, group_sizes=group_sizes, implementation=implementation)
+    return jax.grad(swiglu_loss, argnums=(0, 1, 2))(x, w_gate_up, w_down, cotangent, matmul)
+
+
+@jax.jit
+def dense_swiglu_grads(x, w_gate_up, w_down, cotangent):
+    return jax.grad(swiglu_loss, argnums=(0, 1, 2))(x, w_gate_up, w_down, cotangent, jnp.dot)
+
+
+def median_ms(fn, input_sets, runs: int, calls: int, warmup: int = 2) -> float:
+    """Median over `runs` of the time per call of `calls` back-to-back calls (one block_until_ready per
+    run), the calls rotating through input_sets."""
+    sets = itertools.cycle(input_sets)
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*next(sets)))
+    per_call = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        outs = [fn(*next(sets)) for _ in range(calls)]
+        jax.block_until_ready(outs)
+        per_call.append((time.perf_counter() - start) / calls)
+    return statistics.median(per_call) * 1e3
+
+
+def _normal(key, shape, scale=1.0):
+    return (jax.random.normal(key, shape, jnp.float32) * scale).astype(DTYPE)
+
+
+def make_inputs(seed: int, m: int, d: int, f: int, groups: int | None):
+    """x [m, d], W_gate_up, W_down (with a leading group axis unless groups is None), cotangent [m, d]."""
+    keys = jax.random.split(jax.random.key(seed), 4)
+    lead = () if groups is None else (groups,)
+    # Weights scaled by 1/sqrt(fan-in) keep the activations O(1).
+    return (_normal(keys[0], (m, d)), _normal(keys[1], (*lead, d, 2 * f), d ** -0.5),
+            _normal(keys[2], (*lead, f, d), f ** -0.5), _normal(keys[3], (m, d)))
+
+
+def unsupported_reason(implementation: str, m: int, d: int, f: int, groups: int) -> str | None:
+    """Why `implementation` cannot run both matmuls of the block here, or None."""
+    if implementation == "ragged_dot":
+        return None
+    for k, n in ((d, 2 * f), (f, d)):
+        if reason := pallas_unsupported_reason((m, k), (groups, k, n), DTYPE, implementation):
+            return reason
+    return None
+
+
+def run_block_benchmark(args, report) -> None:
+    m, d, f = args.m, args.d, args.f
+    flops = swiglu_flops(m, d, f)
+    dense_sets = [make_inputs(args.seed + i, m, d, f, None) for i in range(args.input_sets)]
+    dense_ms = median_ms(dense_swiglu_grads, dense_sets, args.runs, args.calls)
+    del dense_sets
+    report(dict(case="dense", implementation="dense chain", groups=None, ms=dense_ms,
+                tflops=flops / dense_ms / 1e9, ratio_to_dense=1.0))
+    for groups in args.groups:
+        input_sets = [make_inputs(args.seed + i, m, d, f, groups) for i in range(args.input_sets)]
+        rng = np.random.default_rng(args.seed + groups)
+        for case in ("random", "aligned"):
+            sizes = [jnp.asarray(random_group_sizes(rng, m, groups, case == "aligned"))
+                     for _ in range(args.input_sets)]
+            for implementation in (*PALLAS_KERNELS, "ragged_dot"):
+                if implementation == "ragged_dot" and (case == "aligned" or (groups > 16 and not args.ragged_dot)):
+                    continue
+                if reason := unsupported_reason(implementation, m, d, f, groups):
+                    report(dict(case=case, implementation=implementation, groups=groups, skipped=reason))
+                    continue
+                fn = functools.partial(grouped_swiglu_grads, implementation=implementation)
+                ms = median_ms(fn, [(*inputs, s) for inputs, s in zip(input_sets, sizes)], args.runs, args.calls)
+                report(dict(case=case, implementation=implementation, groups=groups, ms=ms,
+                            tflops=flops / ms / 1e9, ratio_to_dense=dense_ms / ms))
+        del input_sets
+
+
+def sweep_configs(kernels: str):
+    grid = SWEEP_GRID[kernels]
+    for values in itertools.product(*grid.values()):
+        yield BlockConfig(**dict(zip(grid, values)))
+
+
+def op_operands(op: str, x, w, dy):
+    return {"fwd": (x, w), "dx": (dy, w), "dw": (x, dy)}[op]
+
+
+def run_sweep(args, report) -> list[str]:
+    """Times every fitting config of SWEEP_GRID for each grouped product; returns the best as rules."""
+    m, d, f = args.m, args.d, args.f
+    rules = []
+    for groups, (k, n), kernels in itertools.product(args.groups, ((d, 2 * f), (f, d)), args.sweep_kernels):
+        if reason := pallas_unsupported_reason((m, k), (groups, k, n), DTYPE, kernels):
+            report(dict(sweep=True, kernels=kernels, groups=groups, k=k, n=n, skipped=reason))
+            continue
+        keys = jax.random.split(jax.random.key(args.seed), 3)
+        x, w, dy = _normal(keys[0], (m, k)), _normal(keys[1], (groups, k, n), k ** -0.5), _normal(keys[2], (m, n))
+        rng = np.random.default_rng(args.seed + groups)
+        sizes = [jnp.asarray(random_group_sizes(rng, m, groups, False)) for _ in range(args.input_sets)]
+        for op in OPS:
+            default = block_config(kernels, op, m, k, n, groups)
+            timings = {}
+            for config in sweep_configs(kernels):
+                if config_unsupported_reason(kernels, op, config, m, k, n):
+                    continue
+                fn = jax.jit(functools.partial(pallas_grouped_op, op, kernels, config=config))
+                try:
+                    timings[config] = median_ms(fn, [(*op_operands(op, x, w, dy), s) for s in sizes],
+                                                runs=5, calls=5, warmup=1)
+                except Exception as e:  # noqa: BLE001 (e.g. a config that overflows shared memory)
+                    report(dict(sweep=True, kernels=kernels, op=op, groups=groups, k=k, n=n,
+                                config=dataclasses.asdict(config), skipped=str(e).splitlines()[0][:200]))
+            if not timings:
+                continue
+            best = min(timings, key=timings.get)
+            op_flops = 2 * m * k * n
+            report(dict(sweep=True, kernels=kernels, op=op, groups=groups, m=m, k=k, n=n,
+                        best=dataclasses.asdict(best), best_ms=timings[best], best_tflops=op_flops / timings[best] / 1e9,
+                        default_ms=timings.get(default), tried=len(timings)))
+            rule = BlockConfigRule(kernels, op, (m, m), (k, k), (n, n), (groups, groups), best)
+            rules.append(f"    {rule!r},  # {timings[best]:.3f} ms, {op_flops / timings[best] / 1e9:.0f} TFLOP/s")
+    return rules
+
+
+def _print_record(record) -> None:
+    if record.get("sweep"):
+        where = f"{record['kernels']:10s} G={record['groups']:<3} K={record['k']:<5} N={record['n']:<5}"
+        if "skipped" in record:
+            print(f"sweep {where} {record.get('op', '')}: skipped ({record['skipped']})")
+        else:
+            default = record["default_ms"]
+            print(f"sweep {where} {record['op']:3s}: best {record['best_ms']:.3f} ms ({record['best_tflops']:.0f} "
+                  f"TFLOP/s, default {'-' if default is None else f'{default:.3f} ms'}, {record['tried']} configs) "
+                  f"{record['best']}")
+    elif "skipped" in record:
+        print(f"G={record['groups']:<3} {record['case']:8s} {record['implementation']:11s} skipped: {record['skipped']}")
+    else:
+        groups = "" if record["groups"] is None else f"G={record['groups']}"
+        print(f"{groups:5s} {record['case']:8s} {record['implementation']:11s} {record['ms']:9.3f} ms "
+              f"{record['tflops']:7.1f} TFLOP/s  {record['ratio_to_dense']:.2f}x dense")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jax_ep.bench_grouped_matmul", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--groups", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--m", type=int, default=24576, help="rows (tokens x top-k routed to this rank)")
+    parser.add_argument("--d", type=int, default=2048, help="model dimension")
+    parser.add_argument("--f", type=int, default=1408, help="expert hidden dimension")
+    parser.add_argument("--sweep", action="store_true", help="time block configurations instead (see above)")
+    parser.add_argument("--sweep-kernels", nargs="+", choices=PALLAS_KERNELS, default=["pallas"],
+                        help="with --sweep: the kernel families to sweep")
+    parser.add_argument("--ragged-dot", action="store_true", help="time ragged_dot at more than 16 groups too")
+    parser.add_argument("--runs", type=int, default=20, help="timed runs per figure (the median is reported)")
+    parser.add_argument("--calls", type=int, default=5, help="back-to-back calls per timed run")
+    parser.add_argument("--input-sets", type=int, default=3, help="input sets the calls rotate through")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="write every figure to this file")
+    args = parser.parse_args(argv)
+
+    device = jax.devices()[0]
+    print(f"{device.device_kind} ({device.platform}), jax {jax.__version__}; M={args.m} D={args.d} F={args.f} "
+          f"{jnp.dtype(DTYPE).name}; SwiGLU forward+backward = {swiglu_flops(args.m, args.d, args.f) / 1e12:.3f} "
+          f"TFLOP" + ("; --sweep: each grouped product alone" if args.sweep else ""))
+    records = []
+
+    def report(record):
+        records.append(record)
+        _print_record(record)
+        sys.stdout.flush()
+
+    if args.sweep:
+        rules = run_sweep(args, report)
+        if rules:
+            print("\n# Best configurations, for jax_ep.grouped_matmul.BLOCK_CONFIG_TABLE:")
+            print("\n".join(rules))
+    else:
+        run_block_benchmark(args, report)
+    if args.json:
+        header = dict(device=device.device_kind, jax=jax.__version__, m=args.m, d=args.d, f=args.f,
+                      dtype=jnp.dtype(DTYPE).name, runs=args.runs, calls=args.calls)
+        with open(args.json, "w") as f:
+            json.dump(dict(header, records=records), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

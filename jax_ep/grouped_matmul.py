@@ -1,0 +1,324 @@
+"""`grouped_matmul`: the per-expert matmul of a MoE block over rows sorted by expert, with its VJP.
+
+    y = grouped_matmul(x, w, group_sizes)      # x [M, K], w [G, K, N], group_sizes int32 [G] -> y [M, N]
+
+Rows 0 .. group_sizes[0]-1 of x belong to group 0, the next group_sizes[1] rows to group 1, and so on;
+y[r] = x[r] @ w[g] for a row r of group g, accumulated in float32 and returned in x's dtype. Rows past
+sum(group_sizes) get zeros (and a zero dx), and jax_ep's Pallas kernels spend no matmul work on them.
+Group sizes are clamped like `jax.lax.ragged_dot` treats them: a negative size counts as 0, and groups
+are cut at row M (a group reaching past row M keeps only its rows before M; later groups are empty and
+get a zero dw). The VJP: dx = grouped_matmul of dy with each w[g] transposed; dw[g] = x_g^T dy_g (zeros
+for an empty group); group_sizes gets no cotangent. On the Pallas paths the cotangent's rows past
+sum(group_sizes) must be finite: dw's kernels read a few of them with the last group and multiply them by 0.
+
+Implementations (`implementation=`):
+
+* "pallas": jax_ep's Pallas Mosaic GPU kernels (`_grouped_matmul_kernels`): tiles aligned to the groups,
+  so that many groups cost little more than few. Hopper (sm_90) GPUs, bfloat16/float16.
+* "jax_pallas": JAX's own Pallas Mosaic GPU kernels (`ragged_dot_mgpu.ragged_dot` for the forward pass
+  and dx, `transposed_ragged_dot_mgpu.transposed_ragged_dot` for dw), kept for comparison. Their tiles
+  lie on a fixed 128-row grid, and a tile that a group boundary crosses is computed once per group.
+* "ragged_dot": `jax.lax.ragged_dot` / `ragged_dot_general` (any platform and dtype; XLA expands it into
+  a dense dot per group on GPUs, which is slow with many groups).
+* "auto" (default): "pallas" where it can run (`pallas_unsupported_reason` is None), else "ragged_dot".
+
+Asking for "pallas" or "jax_pallas" where they cannot run raises ValueError saying why.
+
+Block configurations: `BLOCK_CONFIG_TABLE` below, keyed by kernel family, operation (fwd, dx, dw) and
+ranges of the problem's (M, K, N, G); `python -m jax_ep.bench_grouped_matmul --sweep` prints rules for it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import types
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+IMPLEMENTATIONS = ("auto", "pallas", "jax_pallas", "ragged_dot")
+PALLAS_KERNELS = ("pallas", "jax_pallas")
+OPS = ("fwd", "dx", "dw")
+PALLAS_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockConfig:
+    """The tiling of one Pallas grouped-matmul launch.
+
+    block_m: output rows per tile (JAX's kernels; jax_ep's are fixed at 128: two warpgroups of 64 rows).
+      For dw, the rows of dw[g] (K) per tile.
+    block_n: output columns per tile.
+    block_k: contracted elements per pipeline step (for dw: rows of x and dy).
+    num_stages: pipeline depth, i.e. steps in flight (JAX's max_concurrent_steps).
+    grid_tile_width: column blocks per stripe of the tile order (JAX's grid_block_n); wider stripes read
+      lhs rows fewer times from HBM, narrower ones keep fewer weight columns in L2.
+    """
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    num_stages: int = 4
+    grid_tile_width: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockConfigRule:
+    """`config` applies to `op` ("fwd", "dx" or "dw") of `kernels` ("pallas" or "jax_pallas") for the
+    grouped_matmul problems x [M, K], w [G, K, N] with each of M, K, N, G in its inclusive range. dx and dw
+    are keyed by the forward problem's shape too."""
+    kernels: str
+    op: str
+    m: tuple[int, int]
+    k: tuple[int, int]
+    n: tuple[int, int]
+    groups: tuple[int, int]
+    config: BlockConfig
+
+    def matches(self, kernels: str, op: str, m: int, k: int, n: int, groups: int) -> bool:
+        ranges = ((self.m, m), (self.k, k), (self.n, n), (self.groups, groups))
+        return (self.kernels, self.op) == (kernels, op) and all(lo <= v <= hi for (lo, hi), v in ranges)
+
+
+# Where no rule matches. 128x128x64 tiles, 4 stages: the best of a sweep of JAX's kernels on one H200 at
+# M=24576, D=2048, F=1408. Stripes of 4 column blocks: with 1, the lhs would be read from HBM once per
+# column block, more traffic than the matmul's time allows at these shapes.
+DEFAULT_BLOCK_CONFIG = BlockConfig(block_m=128, block_n=128, block_k=64, num_stages=4, grid_tile_width=4)
+
+# The tuned block configurations: the first rule that matches wins. Empty until measured on the device;
+# `python -m jax_ep.bench_grouped_matmul --sweep` prints the rules to paste here.
+BLOCK_CONFIG_TABLE: tuple[BlockConfigRule, ...] = ()
+
+
+def block_config(kernels: str, op: str, m: int, k: int, n: int, groups: int) -> BlockConfig:
+    """The block configuration of `op` for the grouped_matmul problem x [m, k], w [groups, k, n]."""
+    for rule in BLOCK_CONFIG_TABLE:
+        if rule.matches(kernels, op, m, k, n, groups):
+            return rule.config
+    return DEFAULT_BLOCK_CONFIG
+
+
+# Keywords the JAX kernels are called with; their absence (a different JAX) makes "jax_pallas" unavailable.
+_JAX_RAGGED_DOT_KEYWORDS = frozenset(
+    {"group_sizes", "block_m", "block_n", "block_k", "max_concurrent_steps", "grid_block_n", "transpose_rhs"})
+_JAX_TRANSPOSED_RAGGED_DOT_KEYWORDS = _JAX_RAGGED_DOT_KEYWORDS - {"transpose_rhs"}
+
+
+@functools.cache
+def _pallas_modules() -> types.SimpleNamespace:
+    """The Pallas kernel modules, imported on first use (so that `import jax_ep` never needs them), with
+    the reason each family cannot be used here (None if it can)."""
+    modules = types.SimpleNamespace(ours=None, jax_ragged_dot=None, jax_transposed_ragged_dot=None,
+                                    reasons={})
+    try:
+        from jax_ep import _grouped_matmul_kernels
+        modules.ours = _grouped_matmul_kernels
+        modules.reasons["pallas"] = None
+    except Exception as e:  # noqa: BLE001 (any failure to import an optional backend means "not here")
+        modules.reasons["pallas"] = f"the Pallas Mosaic GPU API failed to import: {e!r}"
+    try:
+        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+        missing = (_JAX_RAGGED_DOT_KEYWORDS - inspect.signature(ragged_dot_mgpu.ragged_dot).parameters.keys()
+                   | _JAX_TRANSPOSED_RAGGED_DOT_KEYWORDS
+                   - inspect.signature(transposed_ragged_dot_mgpu.transposed_ragged_dot).parameters.keys())
+        if missing:
+            modules.reasons["jax_pallas"] = (f"this JAX's Pallas ragged-dot kernels lack the keyword arguments "
+                                             f"{sorted(missing)}")
+        else:
+            modules.jax_ragged_dot = ragged_dot_mgpu.ragged_dot
+            modules.jax_transposed_ragged_dot = transposed_ragged_dot_mgpu.transposed_ragged_dot
+            modules.reasons["jax_pallas"] = None
+    except Exception as e:  # noqa: BLE001
+        modules.reasons["jax_pallas"] = f"JAX's Pallas ragged-dot kernels failed to import: {e!r}"
+    return modules
+
+
+def _hopper_unsupported_reason() -> str | None:
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return f"the default device is {device.platform}, not a CUDA GPU"
+    capability = str(getattr(device, "compute_capability", "unknown"))
+    if not capability.startswith("9."):
+        return f"the GPU has compute capability {capability}; the kernels use Hopper's wgmma (9.x)"
+    return None
+
+
+def _op_shape(op: str, m: int, k: int, n: int) -> tuple[int, int, int]:
+    """(output rows, output columns, contracted size) of one op of the problem x [m, k], w [G, k, n]; for
+    dw the output rows are those of one dw[g] and the contracted size is m."""
+    return {"fwd": (m, n, k), "dx": (m, k, n), "dw": (k, n, m)}[op]
+
+
+def config_unsupported_reason(kernels: str, op: str, config: BlockConfig, m: int, k: int, n: int) -> str | None:
+    """Why `config` does not fit `op` of the problem x [m, k], w [G, k, n] on `kernels`, or None. (Shared
+    memory is not checked: a config that overflows it fails when the kernel is lowered.)"""
+    rows, cols, contracted = _op_shape(op, m, k, n)
+    divisors = [("output columns", cols, config.block_n)]
+    if op == "dw":
+        divisors.append(("rows of dw[g]", rows, config.block_m))
+    else:
+        divisors.append(("contracted size", contracted, config.block_k))
+    for what, size, block in divisors:
+        if size % block:
+            return f"{op}: {what} {size} is not a multiple of the block size {block} ({config})"
+    if m < config.block_m:
+        return f"{op}: M={m} is below one tile of {config.block_m} rows"
+    if kernels == "pallas" and (config.block_m != 128 or config.block_n % 64 or config.block_k % 64
+                                or config.block_n > 256):
+        return (f"{op}: jax_ep's kernels take block_m=128, block_n a multiple of 64 up to 256 and block_k a "
+                f"multiple of 64, not {config}")
+    return None
+
+
+def pallas_unsupported_reason(x_shape, w_shape, dtype, kernels: str = "pallas") -> str | None:
+    """Why the Pallas `kernels` ("pallas" or "jax_pallas") cannot compute grouped_matmul for x of x_shape
+    [M, K] and w of w_shape [G, K, N] in `dtype` (forward and both gradients) on the default device, or
+    None if they can."""
+    reason = _pallas_modules().reasons[kernels] or _hopper_unsupported_reason()
+    if reason:
+        return reason
+    if jnp.dtype(dtype) not in PALLAS_DTYPES:
+        return f"dtype {jnp.dtype(dtype)} is not bfloat16 or float16"
+    (m, k), (groups, _, n) = x_shape, w_shape
+    for op in OPS:
+        config = block_config(kernels, op, m, k, n, groups)
+        if reason := config_unsupported_reason(kernels, op, config, m, k, n):
+            return reason
+    return None
+
+
+def _num_sms() -> int:
+    return jax.devices()[0].core_count
+
+
+def pallas_grouped_op(op: str, kernels: str, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
+                      config: BlockConfig) -> jax.Array:
+    """One grouped product on the Pallas `kernels`, with `config`, for group_sizes already clamped
+    (non-negative, summing to at most M):
+
+    * "fwd": lhs x [M, K], rhs w [G, K, N] -> [M, N]
+    * "dx":  lhs dy [M, N], rhs w [G, K, N] -> [M, K] (dy_g @ w[g]^T)
+    * "dw":  lhs x [M, K], rhs dy [M, N] -> [G, K, N] (x_g^T @ dy_g)
+
+    Rows past sum(group_sizes) of the fwd and dx outputs are zero. The benchmark's sweep calls this."""
+    modules = _pallas_modules()
+    if kernels == "pallas":
+        kernel_args = dict(block_n=config.block_n, block_k=config.block_k, num_stages=config.num_stages,
+                           grid_tile_width=config.grid_tile_width, num_sms=_num_sms())
+        if op == "dw":
+            return modules.ours.ragged_contraction_matmul(lhs, rhs, group_sizes, **kernel_args)
+        schedule = modules.ours.row_tile_schedule(group_sizes, lhs.shape[0])
+        return modules.ours.ragged_rows_matmul(lhs, rhs, *schedule, transpose_rhs=op == "dx", **kernel_args)
+    kernel_args = dict(group_sizes=group_sizes, block_m=config.block_m, block_n=config.block_n,
+                       block_k=config.block_k, max_concurrent_steps=config.num_stages,
+                       grid_block_n=config.grid_tile_width)
+    if op == "dw":
+        return modules.jax_transposed_ragged_dot(lhs, rhs, **kernel_args)
+    out = modules.jax_ragged_dot(lhs, rhs, transpose_rhs=op == "dx", **kernel_args)
+    # JAX's kernel leaves the rows past the last group unwritten.
+    row_in_a_group = jnp.arange(lhs.shape[0]) < jnp.sum(group_sizes)
+    return jnp.where(row_in_a_group[:, None], out, jnp.zeros((), out.dtype))
+
+
+def _clamp_group_sizes(group_sizes: jax.Array, num_rows: int) -> jax.Array:
+    """Negative sizes to 0, and groups cut at row num_rows."""
+    ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes, 0)), num_rows)
+    return jnp.diff(ends, prepend=0).astype(jnp.int32)
+
+
+_DX_DIMENSIONS = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+_DW_DIMENSIONS = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+
+
+def _grouped_op(op: str, implementation: str, lhs, rhs, group_sizes, problem_shape) -> jax.Array:
+    """`op` of `pallas_grouped_op`, on `implementation`, for the forward problem (M, K, N, G)."""
+    if implementation == "ragged_dot":
+        if op == "fwd":
+            out = lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+        else:
+            dimensions = _DX_DIMENSIONS if op == "dx" else _DW_DIMENSIONS
+            out = lax.ragged_dot_general(lhs, rhs, group_sizes, dimensions, preferred_element_type=jnp.float32)
+        return out.astype(lhs.dtype)
+    return pallas_grouped_op(op, implementation, lhs, rhs, group_sizes,
+                             block_config(implementation, op, *problem_shape))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _grouped_matmul(x, w, group_sizes, implementation):
+    return _grouped_op("fwd", implementation, x, w, group_sizes, _problem_shape(x, w))
+
+
+def _grouped_matmul_fwd(x, w, group_sizes, implementation):
+    return _grouped_matmul(x, w, group_sizes, implementation), (x, w, group_sizes)
+
+
+def _grouped_matmul_bwd(implementation, residuals, dy):
+    x, w, group_sizes = residuals
+    shape = _problem_shape(x, w)
+    dx = _grouped_op("dx", implementation, dy, w, group_sizes, shape)
+    dw = _grouped_op("dw", implementation, x, dy, group_sizes, shape)
+    return dx, dw, None  # group_sizes is integer-valued: no cotangent
+
+
+_grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
+
+
+def _problem_shape(x, w) -> tuple[int, int, int, int]:
+    (m, k), (groups, _, n) = x.shape, w.shape
+    return m, k, n, groups
+
+
+def _validate(x, w, group_sizes, implementation: str):
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if x.ndim != 2:
+        raise ValueError(f"x must be 2-D [M, K], got shape {x.shape}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"x must have a floating dtype, got {x.dtype}")
+    if w.ndim != 3:
+        raise ValueError(f"w must be 3-D [G, K, N], got shape {w.shape}")
+    if w.dtype != x.dtype:
+        raise TypeError(f"w must have x's dtype {x.dtype}, got {w.dtype}")
+    if w.shape[1] != x.shape[1]:
+        raise ValueError(f"w's K (shape {w.shape}, axis 1) must equal x's K (shape {x.shape}, axis 1)")
+    if w.shape[0] < 1:
+        raise ValueError(f"w must have at least one group, got shape {w.shape}")
+    if group_sizes.shape != (w.shape[0],):
+        raise ValueError(f"group_sizes must have shape (G,) = ({w.shape[0]},), got {group_sizes.shape}")
+    if group_sizes.dtype != jnp.int32:
+        raise TypeError(f"group_sizes must be int32, got {group_sizes.dtype}")
+
+
+def resolve_implementation(x, w, implementation: str = "auto") -> str:
+    """The implementation grouped_matmul(x, w, ..., implementation=implementation) runs: "auto" resolved,
+    and "pallas"/"jax_pallas" checked (ValueError if they cannot run here)."""
+    if implementation == "ragged_dot":
+        return implementation
+    kernels = "pallas" if implementation == "auto" else implementation
+    reason = pallas_unsupported_reason(x.shape, w.shape, x.dtype, kernels)
+    if reason is None:
+        return kernels
+    if implementation == "auto":
+        return "ragged_dot"
+    raise ValueError(f"implementation={implementation!r} cannot run here: {reason}")
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
+                   implementation: str = "auto") -> jax.Array:
+    """y[r] = x[r] @ w[g] for each row r of group g; zeros past sum(group_sizes). See the module docstring.
+
+    Args:
+      x: [M, K], a floating dtype (bfloat16 or float16 for the Pallas kernels).
+      w: [G, K, N], x's dtype.
+      group_sizes: int32 [G], the rows of each group, in order from row 0.
+      implementation: "auto", "pallas", "jax_pallas" or "ragged_dot".
+
+    Returns:
+      [M, N] in x's dtype (float32 accumulation). Differentiable in x and w.
+    """
+    _validate(x, w, group_sizes, implementation)
+    chosen = resolve_implementation(x, w, implementation)
+    return _grouped_matmul(x, w, _clamp_group_sizes(group_sizes, x.shape[0]), chosen)

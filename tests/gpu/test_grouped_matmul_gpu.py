@@ -1,0 +1,117 @@
+"""jax_ep.grouped_matmul's Pallas paths on the GPU: jax_ep's kernels ("pallas") and JAX's ("jax_pallas")
+against the NumPy float64 oracle and lax.ragged_dot's gradients, with random group sizes (empty groups,
+rows past the last group), 16 and 64 groups, small shapes and one realistic MoE shape; and that "auto"
+picks "pallas" on a Hopper GPU."""
+import functools
+
+import jax
+import pytest
+
+if jax.devices()[0].platform != "gpu":
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+
+from jax_ep import grouped_matmul  # noqa: E402
+from jax_ep.grouped_matmul import pallas_unsupported_reason, resolve_implementation  # noqa: E402
+
+CAPABILITY = str(getattr(jax.devices()[0], "compute_capability", "unknown"))
+needs_hopper = pytest.mark.skipif(not CAPABILITY.startswith("9."),
+                                  reason=f"the Pallas kernels need compute capability 9.x, this GPU has {CAPABILITY}")
+
+BF16_TOLERANCE = 1e-2  # relative L2 error of bf16 outputs (rounding alone is ~2^-9)
+
+
+def random_group_sizes(rng, num_rows, groups):
+    """Dirichlet-random sizes with about a tenth of the groups empty and 0-5% of the rows past the last
+    group."""
+    used_rows = num_rows - int(rng.integers(0, num_rows // 20 + 1))
+    weights = rng.dirichlet(np.ones(groups))
+    weights[rng.random(groups) < 0.1] = 0
+    weights[rng.integers(groups)] += 1e-3  # at least one non-empty group
+    return rng.multinomial(used_rows, weights / weights.sum()).astype(np.int32)
+
+
+def oracle(x, w, dy, sizes):
+    """y, dx, dw in float64."""
+    x, w, dy = (np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in (x, w, dy))
+    y, dx, dw = np.zeros((x.shape[0], w.shape[2])), np.zeros_like(x), np.zeros_like(w)
+    ends = np.cumsum(sizes)
+    for g, (start, end) in enumerate(zip(ends - sizes, ends)):
+        y[start:end] = x[start:end] @ w[g]
+        dx[start:end] = dy[start:end] @ w[g].T
+        dw[g] = x[start:end].T @ dy[start:end]
+    return y, dx, dw
+
+
+def relative_error(actual, expected):
+    actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
+    return np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-30)
+
+
+@functools.partial(jax.jit, static_argnames="implementation")
+def forward_and_grads(x, w, dy, group_sizes, implementation):
+    y, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, group_sizes, implementation=implementation), x, w)
+    return (y, *vjp(dy))
+
+
+@jax.jit
+def lax_forward_and_grads(x, w, dy, group_sizes):
+    y, vjp = jax.vjp(lambda x, w: lax.ragged_dot(x, w, group_sizes), x, w)
+    return (y, *vjp(dy))
+
+
+SHAPES = [  # (M, K, N, G)
+    (1024, 256, 384, 16),
+    (1024, 256, 384, 64),
+    (4096, 2048, 1408, 64),  # an expert projection of a realistic MoE block
+]
+
+
+@needs_hopper
+@pytest.mark.parametrize("implementation", ["pallas", "jax_pallas"])
+@pytest.mark.parametrize("m, k, n, groups", SHAPES)
+def test_pallas_matches_oracle_and_lax(implementation, m, k, n, groups, capsys):
+    rng = np.random.default_rng(m + k + n + groups)
+    x, w, dy = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+                for shape in ((m, k), (groups, k, n), (m, n)))
+    sizes = random_group_sizes(rng, m, groups)
+    group_sizes = jnp.asarray(sizes)
+    y, dx, dw = forward_and_grads(x, w, dy, group_sizes, implementation)
+
+    for name, actual, expected in zip(("y", "dx", "dw"), (y, dx, dw), oracle(x, w, dy, sizes)):
+        assert relative_error(actual, expected) <= BF16_TOLERANCE, name
+    total = int(sizes.sum())
+    assert not np.any(np.asarray(y[total:], np.float32)), "rows past the last group must be zero"
+    assert not np.any(np.asarray(dx[total:], np.float32)), "dx rows past the last group must be zero"
+    assert not np.any(np.asarray(dw[sizes == 0], np.float32)), "dw of an empty group must be zero"
+
+    identical = []
+    for name, ours, theirs in zip(("y", "dx", "dw"), (y, dx, dw), lax_forward_and_grads(x, w, dy, group_sizes)):
+        assert relative_error(ours, np.asarray(jnp.asarray(theirs, jnp.float32), np.float64)) <= BF16_TOLERANCE
+        identical.append(f"{name}={bool(jnp.array_equal(ours, theirs))}")
+    with capsys.disabled():
+        print(f"\n{implementation} M={m} K={k} N={n} G={groups}: bit-identical to lax.ragged_dot: "
+              f"{' '.join(identical)}")
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("implementation", ["pallas", "jax_pallas"])
+def test_groups_past_row_m_are_cut(implementation, dtype):
+    rng = np.random.default_rng(0)
+    m, k, n = 512, 256, 256
+    x, w, dy = (jnp.asarray(rng.standard_normal(shape), dtype) for shape in ((m, k), (4, k, n), (m, n)))
+    y, dx, dw = forward_and_grads(x, w, dy, jnp.array([300, -5, 400, 7], jnp.int32), implementation)
+    for name, actual, expected in zip(("y", "dx", "dw"), (y, dx, dw), oracle(x, w, dy, np.array([300, 0, 212, 0]))):
+        assert relative_error(actual, expected) <= BF16_TOLERANCE, name
+
+
+@needs_hopper
+def test_auto_picks_pallas_on_hopper():
+    x = jax.ShapeDtypeStruct((4096, 2048), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((64, 2048, 1408), jnp.bfloat16)
+    assert pallas_unsupported_reason(x.shape, w.shape, x.dtype) is None
+    assert resolve_implementation(x, w, "auto") == "pallas"

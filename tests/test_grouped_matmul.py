@@ -1,0 +1,294 @@
+"""jax_ep.grouped_matmul without a GPU: forward and gradients ("ragged_dot") against a NumPy float64 oracle,
+argument errors, the choice of implementation, and jax_ep's Pallas kernels as far as a CPU takes them (the
+tile schedule, lowering to Mosaic GPU, and the forward kernel in JAX's GPU interpreter). The Pallas kernels
+themselves are checked on the GPU by tests/gpu/test_grouped_matmul_gpu.py."""
+import functools
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.test_util import check_grads
+
+from jax_ep import grouped_matmul
+from jax_ep.grouped_matmul import pallas_unsupported_reason, resolve_implementation
+
+gm_module = importlib.import_module("jax_ep.grouped_matmul")  # the name jax_ep.grouped_matmul is the function
+# These tests also run on GPU machines (tests/conftest.py); a few are about what happens without one.
+cpu_only = pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="checks the behaviour on a CPU")
+
+
+def full_float32():
+    """float32 products in float32 (a GPU would otherwise use TF32), for the float32 tolerances below."""
+    return jax.default_matmul_precision("highest")
+
+
+def oracle_group_ranges(group_sizes, num_rows):
+    """[start, end) of each group: rows handed out in order, a negative size counting as 0, cut at num_rows."""
+    ranges, start = [], 0
+    for size in group_sizes:
+        end = min(start + max(int(size), 0), num_rows)
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+def oracle(x, w, dy, group_sizes):
+    """y, dx, dw of grouped_matmul in float64."""
+    x, w, dy = (np.asarray(a, np.float64) for a in (x, w, dy))
+    y, dx, dw = np.zeros((x.shape[0], w.shape[2])), np.zeros_like(x), np.zeros_like(w)
+    for g, (start, end) in enumerate(oracle_group_ranges(group_sizes, x.shape[0])):
+        y[start:end] = x[start:end] @ w[g]
+        dx[start:end] = dy[start:end] @ w[g].T
+        dw[g] = x[start:end].T @ dy[start:end]
+    return y, dx, dw
+
+
+@functools.partial(jax.jit, static_argnames="implementation")
+def forward_and_grads(x, w, dy, group_sizes, implementation="ragged_dot"):
+    y, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, group_sizes, implementation=implementation), x, w)
+    return (y, *vjp(dy))
+
+
+def relative_error(actual, expected):
+    actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
+    return np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-30)
+
+
+def random_operands(rng, m, k, n, groups, dtype):
+    cast = lambda shape: jnp.asarray(rng.standard_normal(shape), dtype)  # noqa: E731
+    return cast((m, k)), cast((groups, k, n)), cast((m, n))
+
+
+def check_against_oracle(x, w, dy, sizes, tolerance):
+    with full_float32():
+        y, dx, dw = forward_and_grads(x, w, dy, jnp.asarray(sizes, jnp.int32))
+    assert (y.dtype, dx.dtype, dw.dtype) == (x.dtype, x.dtype, w.dtype)
+    as64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)  # noqa: E731 (the rounded inputs)
+    expected = oracle(as64(x), as64(w), as64(dy), sizes)
+    for name, actual, want in zip(("y", "dx", "dw"), (y, dx, dw), expected):
+        assert relative_error(actual, want) <= tolerance, name
+    # Rows past the last group: exactly zero output and zero dx.
+    end = oracle_group_ranges(sizes, x.shape[0])[-1][1]
+    assert not np.any(np.asarray(y[end:], np.float32)) and not np.any(np.asarray(dx[end:], np.float32))
+
+
+SHAPES = [(37, 5, 3, 1), (64, 8, 16, 4), (50, 3, 7, 6)]  # (M, K, N, G): few, so jit compiles each once
+
+
+@st.composite
+def problems(draw):
+    """A shape of SHAPES and group sizes: random with empty groups, all rows in one group, a sum below or
+    above M, negative sizes."""
+    m, k, n, groups = draw(st.sampled_from(SHAPES))
+    kind = draw(st.sampled_from(["random", "one_group", "short", "long", "negative"]))
+    if kind == "one_group":
+        sizes = [0] * groups
+        sizes[draw(st.integers(0, groups - 1))] = m
+    else:
+        high = {"random": m // groups + 3, "short": m // (2 * groups), "long": m, "negative": m // groups}[kind]
+        low = -3 if kind == "negative" else 0
+        sizes = draw(st.lists(st.integers(low, high), min_size=groups, max_size=groups))
+        if kind == "random":  # zero or more empty groups, then give the remaining rows to a random group
+            sizes[draw(st.integers(0, groups - 1))] += max(m - sum(sizes), 0)
+    return (m, k, n, groups), sizes, draw(st.integers(0, 2**31 - 1))
+
+
+@settings(max_examples=40, deadline=None)
+@given(problems())
+def test_matches_oracle_float32(problem):
+    (m, k, n, groups), sizes, seed = problem
+    x, w, dy = random_operands(np.random.default_rng(seed), m, k, n, groups, jnp.float32)
+    check_against_oracle(x, w, dy, sizes, tolerance=1e-5)
+
+
+@settings(max_examples=10, deadline=None)
+@given(problems())
+def test_matches_oracle_bfloat16(problem):
+    (m, k, n, groups), sizes, seed = problem
+    x, w, dy = random_operands(np.random.default_rng(seed), m, k, n, groups, jnp.bfloat16)
+    check_against_oracle(x, w, dy, sizes, tolerance=1e-2)  # bf16 outputs: ~2^-9 relative rounding
+
+
+@pytest.mark.parametrize("sizes", [[3, 0, 9, 4], [16, 0, 0, 0], [0, 0, 0, 0], [5, 20, 7, 2]])
+def test_gradients_by_finite_differences(sizes):
+    x, w, _ = random_operands(np.random.default_rng(1), 16, 4, 3, 4, jnp.float32)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    with full_float32():
+        check_grads(lambda x, w: grouped_matmul(x, w, group_sizes), (x, w), order=1, modes=("rev",),
+                    eps=1e-2, atol=1e-2, rtol=1e-2)
+
+
+def test_single_group_is_a_matmul():
+    x, w, _ = random_operands(np.random.default_rng(2), 24, 6, 5, 1, jnp.float32)
+    with full_float32():
+        y = grouped_matmul(x, w, jnp.array([24], jnp.int32))
+    np.testing.assert_allclose(y, np.asarray(x, np.float64) @ np.asarray(w[0], np.float64), rtol=1e-5, atol=1e-5)
+
+
+def test_group_sizes_are_traced_under_jit():
+    x, w, dy = random_operands(np.random.default_rng(3), 64, 8, 16, 4, jnp.float32)
+    forward_and_grads(x, w, dy, jnp.array([16, 16, 16, 16], jnp.int32))
+    compiles = forward_and_grads._cache_size()
+    check_against_oracle(x, w, dy, [1, 0, 40, 2], tolerance=1e-5)
+    assert forward_and_grads._cache_size() == compiles  # new sizes, same executable
+
+
+@pytest.mark.parametrize("x_shape, w_shape, sizes_shape, sizes_dtype, x_dtype, w_dtype, error, match", [
+    ((8,), (2, 8, 4), (2,), jnp.int32, jnp.float32, jnp.float32, ValueError, "x must be 2-D"),
+    ((8, 3), (3, 4), (2,), jnp.int32, jnp.float32, jnp.float32, ValueError, "w must be 3-D"),
+    ((8, 3), (2, 5, 4), (2,), jnp.int32, jnp.float32, jnp.float32, ValueError, "w's K"),
+    ((8, 3), (2, 3, 4), (3,), jnp.int32, jnp.float32, jnp.float32, ValueError, "group_sizes must have shape"),
+    ((8, 3), (2, 3, 4), (2, 1), jnp.int32, jnp.float32, jnp.float32, ValueError, "group_sizes must have shape"),
+    ((8, 3), (2, 3, 4), (2,), jnp.uint32, jnp.float32, jnp.float32, TypeError, "group_sizes must be int32"),
+    ((8, 3), (2, 3, 4), (2,), jnp.float32, jnp.float32, jnp.float32, TypeError, "group_sizes must be int32"),
+    ((8, 3), (2, 3, 4), (2,), jnp.int32, jnp.float32, jnp.bfloat16, TypeError, "w must have x's dtype"),
+    ((8, 3), (2, 3, 4), (2,), jnp.int32, jnp.int32, jnp.int32, TypeError, "x must have a floating dtype"),
+    ((8, 3), (0, 3, 4), (0,), jnp.int32, jnp.float32, jnp.float32, ValueError, "at least one group"),
+])
+def test_argument_errors(x_shape, w_shape, sizes_shape, sizes_dtype, x_dtype, w_dtype, error, match):
+    x = jax.ShapeDtypeStruct(x_shape, x_dtype)
+    w = jax.ShapeDtypeStruct(w_shape, w_dtype)
+    sizes = jax.ShapeDtypeStruct(sizes_shape, sizes_dtype)
+    with pytest.raises(error, match=match):
+        jax.eval_shape(grouped_matmul, x, w, sizes)
+
+
+def test_unknown_implementation():
+    x, w, _ = random_operands(np.random.default_rng(4), 8, 2, 2, 1, jnp.float32)
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        grouped_matmul(x, w, jnp.array([8], jnp.int32), implementation="cuda")
+
+
+@cpu_only
+def test_auto_falls_back_to_ragged_dot_on_cpu():
+    x, w, dy = random_operands(np.random.default_rng(5), 256, 128, 128, 4, jnp.bfloat16)
+    assert "not a CUDA GPU" in pallas_unsupported_reason(x.shape, w.shape, x.dtype)
+    assert resolve_implementation(x, w, "auto") == "ragged_dot"
+    sizes = jnp.array([100, 0, 50, 60], jnp.int32)
+    auto = forward_and_grads(x, w, dy, sizes, implementation="auto")
+    explicit = forward_and_grads(x, w, dy, sizes, implementation="ragged_dot")
+    for a, b in zip(auto, explicit):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@cpu_only
+@pytest.mark.parametrize("implementation", ["pallas", "jax_pallas"])
+def test_pallas_on_cpu_raises_with_the_reason(implementation):
+    x, w, _ = random_operands(np.random.default_rng(6), 256, 128, 128, 2, jnp.bfloat16)
+    with pytest.raises(ValueError, match=f"implementation='{implementation}' cannot run here: .*not a CUDA GPU"):
+        grouped_matmul(x, w, jnp.array([128, 128], jnp.int32), implementation=implementation)
+
+
+@pytest.mark.parametrize("dtype, m, k, n, expected", [
+    (jnp.bfloat16, 4096, 2048, 1408, "pallas"),
+    (jnp.float16, 256, 128, 256, "pallas"),
+    (jnp.float32, 4096, 2048, 1408, "ragged_dot"),   # dtype
+    (jnp.bfloat16, 4096, 2048, 1400, "ragged_dot"),  # N not a multiple of 128
+    (jnp.bfloat16, 4096, 2000, 1408, "ragged_dot"),  # K not a multiple of 128 (the dw tiles)
+    (jnp.bfloat16, 100, 2048, 1408, "ragged_dot"),   # fewer rows than one tile
+])
+def test_auto_choice_on_a_hopper_gpu(monkeypatch, dtype, m, k, n, expected):
+    """The choice "auto" makes where the device is a Hopper GPU (pretended; nothing runs)."""
+    monkeypatch.setattr(gm_module, "_hopper_unsupported_reason", lambda: None)
+    x, w = jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((16, k, n), dtype)
+    assert resolve_implementation(x, w, "auto") == expected
+
+
+# --- jax_ep's Pallas kernels, as far as a CPU takes them ------------------------------------------------
+
+try:
+    from jax_ep import _grouped_matmul_kernels as kernels
+except ImportError:
+    kernels = None
+needs_pallas = pytest.mark.skipif(kernels is None, reason="this JAX has no Pallas Mosaic GPU")
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _schedule(group_sizes, num_rows):
+    return kernels.row_tile_schedule(group_sizes, num_rows)
+
+
+@needs_pallas
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(0, 300), min_size=5, max_size=5), st.sampled_from([700, 1024]))
+def test_row_tile_schedule_writes_every_row_once(sizes, num_rows):
+    sizes = np.asarray(gm_module._clamp_group_sizes(jnp.asarray(sizes, jnp.int32), num_rows))
+    tile_group, first, end = (np.asarray(a) for a in _schedule(jnp.asarray(sizes), num_rows))
+    ranges = oracle_group_ranges(sizes, num_rows)
+    written = np.zeros(num_rows, int)
+    for group, lo, hi in zip(tile_group, first, end):
+        if lo == hi:
+            continue
+        written[lo:hi] += 1
+        tile_start = lo - lo % kernels.ROW_ALIGNMENT
+        assert hi - tile_start <= kernels.BLOCK_ROWS  # within one tile's rows
+        group_start, group_end = ranges[group] if group >= 0 else (ranges[-1][1], num_rows)
+        assert group_start <= lo and hi <= group_end
+    np.testing.assert_array_equal(written, 1)
+    # Unused entries are at the end, and each group has as few tiles as its aligned rows need.
+    used = first < end
+    assert used[:used.sum()].all()
+    for g, (start, stop) in enumerate(ranges):
+        aligned = start - start % kernels.ROW_ALIGNMENT
+        tiles = -(-(stop - aligned) // kernels.BLOCK_ROWS) if stop > start else 0
+        assert np.sum(used & (tile_group == g)) == tiles
+
+
+@needs_pallas
+@pytest.mark.parametrize("num_row_blocks, num_col_blocks, width", [(5, 4, 2), (3, 7, 3), (4, 1, 1), (6, 5, 8)])
+def test_striped_order_visits_every_block_once(num_row_blocks, num_col_blocks, width):
+    index = jnp.arange(num_row_blocks * num_col_blocks)
+    rows, cols = kernels._striped_order(index, num_row_blocks, num_col_blocks, width)
+    pairs = sorted(zip(np.asarray(rows).tolist(), np.asarray(cols).tolist()))
+    assert pairs == [(r, c) for r in range(num_row_blocks) for c in range(num_col_blocks)]
+
+
+KERNEL_CONFIG = dict(block_n=128, block_k=64, num_stages=4, grid_tile_width=4, num_sms=132)
+
+
+@needs_pallas
+@pytest.mark.parametrize("op", ["fwd", "dx", "dw"])
+def test_kernels_lower_to_mosaic_gpu(op):
+    """Lowering runs Mosaic GPU's layout inference and shared-memory sizing: what a compile on the device
+    would reject first. (The final PTX compile needs the device.)"""
+    m, k, n, groups = 1024, 256, 384, 5
+    bf16 = jnp.bfloat16
+    sizes = jax.ShapeDtypeStruct((groups,), jnp.int32)
+    if op == "dw":
+        args = (jax.ShapeDtypeStruct((m, k), bf16), jax.ShapeDtypeStruct((m, n), bf16), sizes)
+        fn = functools.partial(kernels.ragged_contraction_matmul, **KERNEL_CONFIG)
+    else:
+        rows_k, out_n = (k, n) if op == "fwd" else (n, k)
+        args = (jax.ShapeDtypeStruct((m, rows_k), bf16), jax.ShapeDtypeStruct((groups, k, n), bf16), sizes)
+
+        def fn(lhs, rhs, group_sizes):
+            schedule = kernels.row_tile_schedule(group_sizes, lhs.shape[0])
+            return kernels.ragged_rows_matmul(lhs, rhs, *schedule, transpose_rhs=op == "dx", **KERNEL_CONFIG)
+    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
+@cpu_only
+@needs_pallas
+def test_forward_kernel_in_the_gpu_interpreter():
+    """The rows kernel run by JAX's Pallas GPU interpreter: warp specialization, the tile schedule with
+    unaligned group starts and an empty group, partial stores, zero rows past the last group. (The
+    interpreter cannot run transposed wgmma operands, which dx and dw use.)"""
+    interpret = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.params",
+                                    reason="JAX's Pallas GPU interpreter moved")
+    rng = np.random.default_rng(7)
+    m, k, n, sizes = 256, 64, 64, [0, 37, 100, 80]
+    x, w, _ = random_operands(rng, m, k, n, len(sizes), jnp.bfloat16)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    # Reads past the array (a tile's rows from an aligned group start) are TMA zero fills on the device.
+    params = interpret.InterpretGPUParams(out_of_bounds_reads="uninitialized")
+    with interpret.force_gpu_interpret_mode(params):
+        y = kernels.ragged_rows_matmul(x, w, *kernels.row_tile_schedule(group_sizes, m), transpose_rhs=False,
+                                       block_n=64, block_k=64, num_stages=2, grid_tile_width=1, num_sms=2)
+    expected = oracle(np.asarray(x, np.float64), np.asarray(w, np.float64), np.zeros((m, n)), sizes)[0]
+    assert relative_error(y, expected) <= 1e-2
+    np.testing.assert_array_equal(np.asarray(y[sum(sizes):], np.float32), 0)  # unwritten rows would be nan
