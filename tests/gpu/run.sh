@@ -55,7 +55,7 @@ if [ "$mode" = nvshmem ]; then
   exit 0
 fi
 if [ "$mode" = accept ]; then  # every GPU test (both process models, internode 2 x 2) and the demo
-  step gpu_tests 150 python3 -m pytest -q -rs tests/gpu --ignore=tests/gpu/test_multiprocess_gpu.py
+  step gpu_tests 240 python3 -m pytest -q -rs tests/gpu --ignore=tests/gpu/test_multiprocess_gpu.py
   parallel=(); python3 -c "import xdist" 2>/dev/null && parallel=(-n "${MP_WORKERS:-4}")
   rm -f "$OUT/suites.txt"
   JAX_EP_TEST_SUITE_LOG="$OUT/suites.txt" step mp_suites 300 python3 -m pytest -q -rs "${parallel[@]}" \
