@@ -6,8 +6,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_ep.grouped_matmul import grouped_matmul
-
 
 def swiglu(x, w_gate, w_up, w_down, matmul=jnp.matmul):
     """down(silu(x @ gate) * (x @ up)). With jnp.matmul, leading expert axes of the weights broadcast:
@@ -21,16 +19,15 @@ def grouped_swiglu(rows, local_ids, weights, w_gate, w_up, w_down):
 
     rows [C, D]; local_ids int32 [C, K] (-1: the expert is elsewhere, or a padding row); weights float32
     [C, K] (0 where the id is -1); w_gate/w_up [L, D, F], w_down [L, F, D]. The (row, expert) pairs are
-    sorted by expert so that one `jax_ep.grouped_matmul` per projection runs every expert on its own rows
-    (Pallas kernels on Hopper GPUs, jax.lax.ragged_dot elsewhere); pairs without an expert sort last, beyond
-    every group, cost no matmul work and contribute nothing. Returns float32 [C, D]."""
+    sorted by expert so that one jax.lax.ragged_dot per projection runs every expert on its own rows; pairs
+    without an expert sort last, beyond every group, and contribute nothing. Returns float32 [C, D]."""
     num_rows, num_topk = local_ids.shape
     num_local = w_gate.shape[0]
     expert = jnp.where(local_ids >= 0, local_ids, num_local).reshape(-1)
     order = jnp.argsort(expert, stable=True)
     row = order // num_topk
     group_sizes = jnp.bincount(expert, length=num_local + 1)[:num_local].astype(jnp.int32)
-    out = swiglu(rows[row], w_gate, w_up, w_down, matmul=functools.partial(grouped_matmul, group_sizes=group_sizes))
+    out = swiglu(rows[row], w_gate, w_up, w_down, matmul=functools.partial(jax.lax.ragged_dot, group_sizes=group_sizes))
     weighted = out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     return jnp.zeros((num_rows, rows.shape[1]), jnp.float32).at[row].add(weighted)
 
