@@ -54,7 +54,9 @@ def topk_weights(op: str, weights, idx) -> None:
 def num_experts(op: str, value, num_ranks: int) -> int:
     if value is None:
         raise ValueError(f"jax_ep.{op}: num_experts is required (pass it or set it on the Buffer)")
-    if not is_int(value) or value <= 0 or value % num_ranks:
+    if not is_int(value):
+        raise TypeError(f"jax_ep.{op}: num_experts must be an integer, got {value!r} ({type(value).__name__})")
+    if value <= 0 or value % num_ranks:
         raise ValueError(f"jax_ep.{op}: num_experts must be a positive multiple of the {num_ranks} EP ranks, got {value}")
     return int(value)
 

@@ -49,6 +49,19 @@ def _given(value, default):
     return default if value is None else value
 
 
+def _check_buffer(op: str, buffer) -> None:
+    """The ops take the Buffer first: a call that left it out would otherwise fail on its second argument."""
+    if not isinstance(buffer, Buffer):
+        raise TypeError(f"jax_ep.{op}: the first argument must be the jax_ep.Buffer (jax_ep.{op}(buffer, ...)), got "
+                        f"{type(buffer).__name__}")
+
+
+def _check_normal_handle(op: str, handle) -> None:
+    if not (hasattr(handle, "recv_src_index") and hasattr(handle, "is_token_in_rank")):
+        raise TypeError(f"jax_ep.{op}: handle must be the handle of a jax_ep.dispatch (DispatchResult.handle), got "
+                        f"{type(handle).__name__}")
+
+
 def _raise_on_count(op: str, count, describe) -> None:
     """Turns a positive device-side count (dropped tokens, invalid ids) into a run-time error (`strict`)."""
 
@@ -79,6 +92,7 @@ def get_dispatch_layout(buffer: Buffer, topk_idx, num_experts: int | None = None
     """Per-rank routing summary of `topk_idx` [T, K] (int32): tokens per rank and per expert (each counted
     once however many of its entries point there), `is_token_in_rank` [T, R] and `invalid_ids`.
     Runs the native FFI handler on platforms that have one (CPU, CUDA), else the `xla` implementation."""
+    _check_buffer("get_dispatch_layout", buffer)
     buffer.check_alive()
     num_ranks = _checks.num_ranks("get_dispatch_layout", buffer.axis_name, buffer.num_ranks)
     num_experts = _checks.num_experts("get_dispatch_layout", _given(num_experts, buffer.num_experts), num_ranks)
@@ -246,7 +260,16 @@ def dispatch(
     handle: the handle of an earlier dispatch: a cached dispatch of new data along the same routing
     (returns recv_x and the handle; other fields None).
     """
+    _check_buffer("dispatch", buffer)
     if handle is not None:
+        given = [name for name, value in (("topk_idx", topk_idx), ("topk_weights", topk_weights),
+                                          ("num_experts", num_experts), ("max_recv_tokens", max_recv_tokens))
+                 if value is not None] + (["expert_alignment"] if expert_alignment != 1 else []) + \
+            (["strict"] if strict else [])
+        if given:
+            raise ValueError(f"jax_ep.dispatch: a cached dispatch (handle=) takes x alone, the routing comes from the "
+                             f"handle; got {', '.join(given)} too")
+        _check_normal_handle("dispatch", handle)
         spec = _normal_spec("dispatch", buffer, None)
         num_tokens, _ = _checks.payload("dispatch", x)
         if num_tokens != handle_num_tokens(handle):
@@ -287,6 +310,8 @@ def combine(buffer: Buffer, y, handle, topk_weights=None, bias=None) -> CombineR
     """Brings rows back to their home rank and sums them: out[t] = sum over the ranks r that received t of
     y_r[row of t], unweighted, in float32 in rank order, cast to y's dtype. Padding rows are ignored.
     topk_weights [C, K] float32 are summed the same way; bias [T, H] is added in float32."""
+    _check_buffer("combine", buffer)
+    _check_normal_handle("combine", handle)
     spec = _normal_spec("combine", buffer, None)
     capacity, num_tokens = handle_capacity(handle), handle_num_tokens(handle)
     if y.ndim != 2 or y.shape[0] != capacity or not jnp.issubdtype(y.dtype, jnp.floating):
@@ -297,8 +322,9 @@ def combine(buffer: Buffer, y, handle, topk_weights=None, bias=None) -> CombineR
         raise TypeError(f"jax_ep.combine: topk_weights must be float32 [{capacity}, num_topk], got {list(topk_weights.shape)}")
     if topk_weights is not None:
         _checks.exact("combine", "topk_weights", topk_weights, jnp.float32, (capacity, topk_weights.shape[1]))
-    if bias is not None and tuple(bias.shape) != (num_tokens, y.shape[1]):
-        raise TypeError(f"jax_ep.combine: bias must be [{num_tokens}, {y.shape[1]}], got {list(bias.shape)}")
+    if bias is not None and (tuple(bias.shape) != (num_tokens, y.shape[1]) or not jnp.issubdtype(bias.dtype, jnp.floating)):
+        raise TypeError(f"jax_ep.combine: bias must be floating [{num_tokens}, {y.shape[1]}], got "
+                        f"{jnp.dtype(bias.dtype).name}{list(bias.shape)}")
     return _combine(spec, y, handle, topk_weights, bias)
 
 
@@ -419,6 +445,7 @@ def low_latency_dispatch_send(buffer: Buffer, x, topk_idx, *, use_fp8: bool = Tr
     `Config.timeout_s` (`jax_ep.cuda_low_latency.errors(buffer)` names the wait). Receives may come in any
     order."""
     op = "low_latency_dispatch"
+    _check_buffer(op, buffer)
     if x.ndim != 2:
         raise TypeError(f"jax_ep.{op}: x must be bfloat16 [num_tokens, hidden], got {_checks._desc(x)}")
     _checks.exact(op, "x", x, jnp.bfloat16, x.shape)
@@ -446,6 +473,7 @@ def low_latency_dispatch_send(buffer: Buffer, x, topk_idx, *, use_fp8: bool = Tr
 
 
 def _check_pending(op: str, buffer: Buffer, pending: LowLatencyPending) -> None:
+    _check_buffer(op, buffer)
     buffer.check_alive()
     if not isinstance(pending, LowLatencyPending) or pending.spec.buffer_id != buffer.buffer_id:
         raise ValueError(f"jax_ep.{op}: pass the LowLatencyPending that the send half returned for this Buffer")
@@ -484,6 +512,7 @@ def low_latency_dispatch(buffer: Buffer, x, topk_idx, *, use_fp8: bool = True, r
 def low_latency_combine_send(buffer: Buffer, y, topk_idx, topk_weights, handle: LowLatencyHandle) -> LowLatencyPending:
     """Send half of `low_latency_combine`."""
     op = "low_latency_combine"
+    _check_buffer(op, buffer)
     spec = _low_latency_spec(op, buffer, topk_idx.shape[0], y.shape[-1])
     experts_per_rank = spec.num_experts // spec.num_ranks
     _checks.exact(op, "y", y, jnp.bfloat16, (experts_per_rank, spec.num_ranks * spec.num_max_tokens, buffer.hidden))

@@ -276,6 +276,14 @@ def test_num_experts_required_by_dispatch(mesh):
         lower_in_shard_map(mesh, lambda x, i: jax_ep.dispatch(buf, x, i), x_global(), routing())
 
 
+@pytest.mark.parametrize("num_experts", [8.0, "8", True])
+def test_num_experts_not_an_integer(mesh, num_experts):
+    buf = jax_ep.Buffer(mesh, "ep", backend="xla")
+    text = f"jax_ep.dispatch: num_experts must be an integer, got {num_experts!r} ({type(num_experts).__name__})"
+    with pytest.raises(TypeError, match=msg(text)):
+        lower_in_shard_map(mesh, lambda x, i: jax_ep.dispatch(buf, x, i, num_experts=num_experts), x_global(), routing())
+
+
 def test_num_experts_zero_with_buffer_default(mesh, buffer):
     with pytest.raises(ValueError, match=msg("num_experts must be a positive multiple")):
         lower_in_shard_map(mesh, lambda x, i: jax_ep.dispatch(buffer, x, i, num_experts=0), x_global(), routing())
@@ -356,8 +364,61 @@ def test_combine_y_hidden_not_multiple_of_128(mesh, buffer):
 ], ids=["tokens", "hidden", "rank1"])
 def test_combine_bias_shape(mesh, buffer, make_bias, got):
     op = combine_after_dispatch(buffer, lambda out: out.recv_x, bias=make_bias)
-    with pytest.raises(TypeError, match=msg(f"jax_ep.combine: bias must be [4, 128], got {got}")):
+    with pytest.raises(TypeError, match=msg(f"jax_ep.combine: bias must be floating [4, 128], got float32{got}")):
         lower_in_shard_map(mesh, op, x_global(), routing())
+
+
+def test_combine_integer_bias(mesh, buffer):
+    """An integer bias is an error, not a silent cast."""
+    op = combine_after_dispatch(buffer, lambda out: out.recv_x, bias=lambda x: x.astype(jnp.int32))
+    with pytest.raises(TypeError, match=msg("jax_ep.combine: bias must be floating [4, 128], got int32[4, 128]")):
+        lower_in_shard_map(mesh, op, x_global(), routing())
+
+
+def test_combine_handle_of_another_kind(mesh, buffer):
+    def op(x, idx):
+        return jax_ep.combine(buffer, jax_ep.dispatch(buffer, x, idx, num_experts=E).recv_x, {"rows": idx}).x
+
+    with pytest.raises(TypeError, match=msg("jax_ep.combine: handle must be the handle of a jax_ep.dispatch "
+                                            "(DispatchResult.handle), got dict")):
+        lower_in_shard_map(mesh, op, x_global(), routing())
+
+
+@pytest.mark.parametrize("extra, names", [(dict(num_experts=E), "num_experts"), (dict(strict=True), "strict"),
+                                          (dict(max_recv_tokens=8, expert_alignment=2), "max_recv_tokens, "
+                                                                                         "expert_alignment")])
+def test_cached_dispatch_takes_x_alone(mesh, buffer, extra, names):
+    def op(x, idx):
+        handle = jax_ep.dispatch(buffer, x, idx, num_experts=E).handle
+        return jax_ep.dispatch(buffer, x, handle=handle, **extra).recv_x
+
+    with pytest.raises(ValueError, match=msg("jax_ep.dispatch: a cached dispatch (handle=) takes x alone, the routing "
+                                             f"comes from the handle; got {names} too")):
+        lower_in_shard_map(mesh, op, x_global(), routing())
+
+
+def test_cached_dispatch_ignores_no_topk_idx(mesh, buffer):
+    def op(x, idx):
+        handle = jax_ep.dispatch(buffer, x, idx, num_experts=E).handle
+        return jax_ep.dispatch(buffer, x, idx, handle=handle).recv_x
+
+    with pytest.raises(ValueError, match=msg("got topk_idx too")):
+        lower_in_shard_map(mesh, op, x_global(), routing())
+
+
+@pytest.mark.parametrize("call", ["dispatch", "combine", "get_dispatch_layout"])
+def test_buffer_left_out(mesh, buffer, call):
+    """Called without the Buffer (the other arguments shifted one place), each op names the missing first
+    argument, not what then lands in its second."""
+    def combine_without_buffer(x, i):
+        d = jax_ep.dispatch(buffer, x, i, num_experts=E)
+        return jax_ep.combine(d.recv_x, d.handle, d.recv_topk_weights)
+
+    ops = {"dispatch": lambda x, i: jax_ep.dispatch(x, i, None, num_experts=E),
+           "combine": combine_without_buffer,
+           "get_dispatch_layout": lambda x, i: jax_ep.get_dispatch_layout(i, E)}
+    with pytest.raises(TypeError, match=msg(f"jax_ep.{call}: the first argument must be the jax_ep.Buffer")):
+        lower_in_shard_map(mesh, ops[call], x_global(), routing())
 
 
 @pytest.mark.parametrize("make_w, exc_text", [
