@@ -273,23 +273,26 @@ def _problem_shape(x, w) -> tuple[int, int, int, int]:
 
 def _validate(x, w, group_sizes, implementation: str):
     if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+        raise ValueError(f"jax_ep.grouped_matmul: implementation must be one of {IMPLEMENTATIONS}, "
+                         f"got {implementation!r}")
     if x.ndim != 2:
-        raise ValueError(f"x must be 2-D [M, K], got shape {x.shape}")
+        raise ValueError(f"jax_ep.grouped_matmul: x must be 2-D [M, K], got shape {x.shape}")
     if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"x must have a floating dtype, got {x.dtype}")
+        raise TypeError(f"jax_ep.grouped_matmul: x must have a floating dtype, got {x.dtype}")
     if w.ndim != 3:
-        raise ValueError(f"w must be 3-D [G, K, N], got shape {w.shape}")
+        raise ValueError(f"jax_ep.grouped_matmul: w must be 3-D [G, K, N], got shape {w.shape}")
     if w.dtype != x.dtype:
-        raise TypeError(f"w must have x's dtype {x.dtype}, got {w.dtype}")
+        raise TypeError(f"jax_ep.grouped_matmul: w must have x's dtype {x.dtype}, got {w.dtype}")
     if w.shape[1] != x.shape[1]:
-        raise ValueError(f"w's K (shape {w.shape}, axis 1) must equal x's K (shape {x.shape}, axis 1)")
+        raise ValueError(f"jax_ep.grouped_matmul: w's K (shape {w.shape}, axis 1) must equal x's K "
+                         f"(shape {x.shape}, axis 1)")
     if w.shape[0] < 1:
-        raise ValueError(f"w must have at least one group, got shape {w.shape}")
+        raise ValueError(f"jax_ep.grouped_matmul: w must have at least one group, got shape {w.shape}")
     if group_sizes.shape != (w.shape[0],):
-        raise ValueError(f"group_sizes must have shape (G,) = ({w.shape[0]},), got {group_sizes.shape}")
+        raise ValueError(f"jax_ep.grouped_matmul: group_sizes must have shape (G,) = ({w.shape[0]},), "
+                         f"got {group_sizes.shape}")
     if group_sizes.dtype != jnp.int32:
-        raise TypeError(f"group_sizes must be int32, got {group_sizes.dtype}")
+        raise TypeError(f"jax_ep.grouped_matmul: group_sizes must be int32, got {group_sizes.dtype}")
 
 
 def resolve_implementation(x, w, implementation: str = "auto") -> str:
@@ -303,7 +306,7 @@ def resolve_implementation(x, w, implementation: str = "auto") -> str:
         return kernels
     if implementation == "auto":
         return "ragged_dot"
-    raise ValueError(f"implementation={implementation!r} cannot run here: {reason}")
+    raise ValueError(f"jax_ep.grouped_matmul: implementation={implementation!r} cannot run here: {reason}")
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
