@@ -33,9 +33,53 @@ cudaError_t layout_cuda(const int32_t* topk_idx, int64_t num_tokens, int64_t num
 
 #if defined(JAX_EP_WITH_CUDA)
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace jax_ep {
+
+// ---- Normal mode (intranode and internode) ----------------------------------------------------------------------
+
+// Per launch of a normal-mode op: the rank (IntranodeRank or InternodeRank), the grid size (clamped to the device)
+// and the spin-wait bound.
+template <typename Rank>
+struct NormalCall {
+  Rank group;
+  int32_t num_sms = 0;
+  int64_t timeout_ns = 0;
+  cudaStream_t stream = nullptr;
+};
+
+// Normal dispatch (docs/design.md, "Normal dispatch"): what every mode's dispatch takes and writes; every array is
+// this rank's. Payload rows are moved as bytes. Each mode's args add its handle arrays after these fields.
+struct NormalDispatchArgs {
+  int32_t num_payloads = 0;  // 1, or 2 for the FP8 pair (values, scales)
+  const void* x[2] = {};     // [num_tokens, row_bytes] each
+  int64_t x_row_bytes[2] = {};
+  const int32_t* topk_idx = nullptr;     // [num_tokens, num_topk]
+  const float* topk_weights = nullptr;   // [num_tokens, num_topk], or null
+  int64_t num_tokens = 0, num_topk = 0, num_experts = 0, capacity = 0, expert_alignment = 1;
+  void* recv_x[2] = {};                  // [capacity, row_bytes] each
+  int32_t* recv_topk_idx = nullptr;      // [capacity, num_topk]
+  float* recv_topk_weights = nullptr;    // [capacity, num_topk], null iff topk_weights is
+  int32_t* num_recv_tokens = nullptr;    // scalar
+  int32_t* num_recv_tokens_per_expert = nullptr;  // [num_experts / num_ranks]
+  int32_t* num_dropped = nullptr;        // scalar
+  int32_t* invalid_ids = nullptr;        // scalar
+  int32_t* recv_src_index = nullptr;     // [capacity]: source rank * num_tokens + source token; padding R*T
+  bool* is_token_in_rank = nullptr;      // [num_tokens, num_ranks]
+};
+
+// The combines' element types: y, the bias and the result are each float32, bfloat16 or float16.
+enum class FloatType : int32_t { kF32, kBF16, kF16 };
+
+// Normal combine: the rows every mode's combine sums. Each mode's args add the handle's arrays, then the bias and
+// the result (y's type or float32).
+struct NormalCombineArgs {
+  const void* y = nullptr;  // [capacity, row_elements]
+  FloatType y_type = FloatType::kF32;
+  int64_t row_elements = 0, capacity = 0, num_tokens = 0;
+};
 
 // ---- Intranode groups: the device memory every NVLink op of a Buffer shares ------------------------------
 // Each rank of a group owns one device allocation: its IntranodeState (call numbers, barrier flags, the
@@ -98,33 +142,14 @@ bool intranode_lookup(int64_t buffer_id, int device_ordinal, IntranodeRank* out)
 std::vector<std::string> intranode_errors(int64_t buffer_id);
 // (calls, summed kernel nanoseconds) per device of buffer_id in this process, by CUDA ordinal, since the
 // last reset; `reset` zeroes the sums. Call only while no kernel of the buffer runs.
+#if defined(JAX_EP_INSTRUMENT)
 std::vector<std::pair<uint64_t, uint64_t>> intranode_kernel_times(int64_t buffer_id, bool reset);
+#endif
 
-// Per launch: the rank, the grid size (clamped to the device) and the spin-wait bound.
-struct IntranodeCall {
-  IntranodeRank group;
-  int32_t num_sms = 0;
-  int64_t timeout_ns = 0;
-  cudaStream_t stream = nullptr;
-};
+using IntranodeCall = NormalCall<IntranodeRank>;
 
-// Normal dispatch (docs/design.md, "Normal dispatch"); every array is this rank's. Payload rows are moved as bytes.
-struct DispatchArgs {
-  int32_t num_payloads = 0;  // 1, or 2 for the FP8 pair (values, scales)
-  const void* x[2] = {};     // [num_tokens, row_bytes] each
-  int64_t x_row_bytes[2] = {};
-  const int32_t* topk_idx = nullptr;     // [num_tokens, num_topk]
-  const float* topk_weights = nullptr;   // [num_tokens, num_topk], or null
-  int64_t num_tokens = 0, num_topk = 0, num_experts = 0, capacity = 0, expert_alignment = 1;
-  void* recv_x[2] = {};                  // [capacity, row_bytes] each
-  int32_t* recv_topk_idx = nullptr;      // [capacity, num_topk]
-  float* recv_topk_weights = nullptr;    // [capacity, num_topk], null iff topk_weights is
-  int32_t* num_recv_tokens = nullptr;    // scalar
-  int32_t* num_recv_tokens_per_expert = nullptr;  // [num_experts / num_ranks]
-  int32_t* num_dropped = nullptr;        // scalar
-  int32_t* invalid_ids = nullptr;        // scalar
-  int32_t* recv_src_index = nullptr;     // [capacity]: source rank * num_tokens + source token; padding R*T
-  bool* is_token_in_rank = nullptr;      // [num_tokens, num_ranks]
+// Normal dispatch, intranode: the handle adds send_row.
+struct DispatchArgs : NormalDispatchArgs {
   int32_t* send_offset = nullptr;        // [num_tokens, num_ranks] scratch: rank of token t among this
                                          // rank's tokens sent to r, -1 if not sent (peers read it)
   int32_t* send_row = nullptr;           // [num_tokens, num_ranks]: row of token t on rank r, -1 if none
@@ -140,24 +165,19 @@ struct CachedDispatchArgs {
 };
 cudaError_t intranode_cached_dispatch(const IntranodeCall& call, const CachedDispatchArgs& args);
 
-enum class FloatType : int32_t { kF32, kBF16, kF16 };
-
 // Normal combine: out[t] = (sum over r in rank order of y_r[send_row[t, r]] in float32) + bias[t], cast
 // to out_type. bias is null or [num_tokens, row_elements] of bias_type (y's type or f32).
 // Two ways to move the rows, with bit-identical results: pull (each rank reads its tokens' rows from the peers'
 // y; a staged group first copies its valid rows of y into its workspace) or push (each rank stores its rows of
 // y into the token's home rank, which reduces them locally; no copy in a staged group).
-struct CombineArgs {
-  const void* y = nullptr;  // [capacity, row_elements]
-  FloatType y_type = FloatType::kF32;
-  int64_t row_elements = 0, capacity = 0, num_tokens = 0;
+struct CombineArgs : NormalCombineArgs {
   const int32_t* send_row = nullptr;  // [num_tokens, num_ranks] from this rank's dispatch handle
   const int32_t* recv_src_index = nullptr;  // [capacity] from the handle: which rows are valid, and whose
   const void* bias = nullptr;
   FloatType bias_type = FloatType::kF32;
   void* out = nullptr;  // [num_tokens, row_elements]
   FloatType out_type = FloatType::kF32;  // y's type or f32
-  // 0: pull. 1 to 16: push, with this many warps of each 16-warp block pushing at the start (the others
+  // 0: pull. 1 to kCombineMaxPushWarps: push, with this many warps of each block pushing at the start (the others
   // reduce from the start; the pushing warps join them once their rows are out).
   int32_t push_warps = 0;
   // Push with one process driving the group: scratch of (num_ranks - 1) * num_tokens rows where the peers
@@ -166,6 +186,7 @@ struct CombineArgs {
 };
 cudaError_t intranode_combine(const IntranodeCall& call, const CombineArgs& args);
 
+#if defined(JAX_EP_INSTRUMENT)
 // The benchmark's all-to-all store ceiling: every rank stores `bytes_per_peer` bytes into each peer's `out`
 // ([num_ranks, bytes_per_peer] bytes, region `rank` of each peer), all peers at once, with plain 16-byte
 // stores from the call's SMs. One process driving the group only (peers write into XLA's buffers).
@@ -174,6 +195,7 @@ struct StoreProbeArgs {
   int64_t bytes_per_peer = 0;  // a multiple of 16
 };
 cudaError_t intranode_store_probe(const IntranodeCall& call, const StoreProbeArgs& args);
+#endif
 
 }  // namespace jax_ep
 #endif
@@ -217,8 +239,6 @@ std::string nvshmem_region_destroy(int64_t buffer_id, bool release);
 #endif
 
 #if defined(JAX_EP_WITH_NVSHMEM)
-#include "internode_state.h"
-
 namespace jax_ep {
 
 // ---- Internode normal mode (internode.cu, internode_runtime.cu; layouts: internode_state.h, kernel_limits.h) ----
@@ -253,34 +273,16 @@ bool internode_lookup(int64_t buffer_id, int device_ordinal, InternodeRank* out)
 // One line per rank of buffer_id in this process whose kernel timed out (op, rank, the rank it waited for, what).
 std::vector<std::string> internode_errors(int64_t buffer_id);
 // (calls, summed kernel nanoseconds) per device of buffer_id in this process since the last reset.
+#if defined(JAX_EP_INSTRUMENT)
 std::vector<std::pair<uint64_t, uint64_t>> internode_kernel_times(int64_t buffer_id, bool reset);
+#endif
 
-struct InternodeCall {
-  InternodeRank group;
-  int32_t num_sms = 0;
-  int64_t timeout_ns = 0;
-  cudaStream_t stream = nullptr;
-};
+using InternodeCall = NormalCall<InternodeRank>;
 
-// Normal dispatch over nodes; outputs as DispatchArgs's. The handle's relay part describes this rank as a relay:
-// relay_row [N*T, P]: row on node peer j of token t of rank (s, local) (index s*T + t), -1 where that peer has
-// none (not routed there, or dropped); relay_token [N*T]: whether that token came into this node at all.
-struct InternodeDispatchArgs {
-  int32_t num_payloads = 0;  // 1, or 2 for the FP8 pair
-  const void* x[2] = {};
-  int64_t x_row_bytes[2] = {};
-  const int32_t* topk_idx = nullptr;
-  const float* topk_weights = nullptr;  // or null
-  int64_t num_tokens = 0, num_topk = 0, num_experts = 0, capacity = 0, expert_alignment = 1;
-  void* recv_x[2] = {};
-  int32_t* recv_topk_idx = nullptr;
-  float* recv_topk_weights = nullptr;   // null iff topk_weights is
-  int32_t* num_recv_tokens = nullptr;
-  int32_t* num_recv_tokens_per_expert = nullptr;
-  int32_t* num_dropped = nullptr;
-  int32_t* invalid_ids = nullptr;
-  int32_t* recv_src_index = nullptr;    // [capacity]: source rank * T + source token; padding R*T
-  bool* is_token_in_rank = nullptr;     // [T, R]
+// Normal dispatch over nodes. The handle's relay part describes this rank as a relay: relay_row [N*T, P]: row on
+// node peer j of token t of rank (s, local) (index s*T + t), -1 where that peer has none (not routed there, or
+// dropped); relay_token [N*T]: whether that token came into this node at all.
+struct InternodeDispatchArgs : NormalDispatchArgs {
   int32_t* relay_row = nullptr;         // [N*T, P]
   bool* relay_token = nullptr;          // [N*T]
 };
@@ -299,10 +301,7 @@ cudaError_t internode_cached_dispatch(const InternodeCall& call, const Internode
 
 // out[t] = (sum over nodes m in order of partial_m[t]) + bias[t], cast to out_type, where partial_m[t] = the sum
 // over node m's ranks j in order of y_(m,j)[row of t] (float32 both, each starting from 0).
-struct InternodeCombineArgs {
-  const void* y = nullptr;  // [capacity, row_elements]
-  FloatType y_type = FloatType::kF32;
-  int64_t row_elements = 0, capacity = 0, num_tokens = 0;
+struct InternodeCombineArgs : NormalCombineArgs {
   const int32_t* recv_src_index = nullptr;   // [capacity]: which rows of y are valid
   const bool* is_token_in_rank = nullptr;    // [T, R]: which nodes hold partials of this rank's tokens
   const int32_t* relay_row = nullptr;        // [N*T, P]
@@ -408,6 +407,7 @@ cudaError_t low_latency_combine_recv(const LowLatencyCall& call, const LowLatenc
 
 // One line per device of `device_ordinals` whose LL kernel of `buffer_id` timed out (readable after the trap).
 std::vector<std::string> low_latency_errors(int64_t buffer_id, const std::vector<int>& device_ordinals);
+#if defined(JAX_EP_INSTRUMENT)
 // Per device of buffer_id in this process: the raw LowLatencyTrace ring of every LL kernel (low_latency_state.h;
 // LowLatencyKernel order, kLowLatencyTraceCalls slots each, 64-bit words named by low_latency_trace_fields);
 // `reset` then prepares every slot for the next calls. Call only while no kernel of the buffer runs.
@@ -415,6 +415,7 @@ std::vector<std::vector<uint64_t>> low_latency_trace(int64_t buffer_id, const st
                                                      LowLatencyTransport transport, int64_t ll_offset, bool reset);
 // The names of a trace slot's words: the fields every kernel has, then per kernel its phases ("-": unused).
 std::pair<std::vector<std::string>, std::vector<std::vector<std::string>>> low_latency_trace_fields();
+#endif
 
 }  // namespace jax_ep
 #endif

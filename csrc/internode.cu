@@ -37,6 +37,7 @@
 #include <algorithm>
 
 #include "api.h"
+#include "call_frame.cuh"
 #include "device_common.cuh"
 #include "float_rows.cuh"
 #include "internode_state.h"
@@ -46,13 +47,6 @@
 namespace jax_ep {
 namespace {
 
-constexpr int kThreads = 512;
-constexpr int kWarps = kThreads / 32;
-constexpr unsigned kFullMask = 0xffffffffu;
-static_assert(kNormalMaxTopk <= 32, "a token's top-k entries are handled one per lane of a warp");
-
-// Loads in flight per lane in row copies (see intranode.cu).
-constexpr int kCopyUnroll = 14;
 // Packs per lane summed per step in the combine's relay and origin loops (their loads issued together).
 constexpr int kSumUnroll = 4;
 
@@ -66,9 +60,6 @@ __device__ __forceinline__ char* data_of(char* region) { return region + kIntern
 // The rank with this rank's local index on node m, and its PE.
 __device__ __forceinline__ int rail_rank(const InternodeRank& g, int node) { return node * g.ranks_per_node + g.local; }
 __device__ __forceinline__ int rail_pe(const InternodeRank& g, int node) { return g.pe_of_rank[rail_rank(g, node)]; }
-
-__device__ __forceinline__ int global_warp() { return blockIdx.x * kWarps + threadIdx.x / 32; }
-__device__ __forceinline__ int num_global_warps() { return gridDim.x * kWarps; }
 
 // OR of a 64-bit value over the warp.
 __device__ __forceinline__ uint64_t warp_or(uint64_t bits) {
@@ -95,15 +86,6 @@ __device__ __forceinline__ void wait_for(const InternodeRank& g, const CallConte
     fail_on_timeout(&header_of(g.region)->error_claimed, g.error, g.rank, static_cast<int32_t>(op),
                     static_cast<int32_t>(wait), peer, ctx.call, seen, waited);
   });
-}
-
-__device__ __forceinline__ void begin_call(const InternodeRank& g, CallContext& ctx) {
-  if (threadIdx.x == 0) {
-    InternodeHeader* own = header_of(g.region);
-    ctx.call = *reinterpret_cast<volatile uint64_t*>(&own->calls_completed) + 1;
-    if (blockIdx.x == 0) own->call_start_ns = now_ns();
-  }
-  __syncthreads();
 }
 
 // Every block of this rank reaches barrier `index` (0, 1, ... within the call) before any passes it. Writes
@@ -181,36 +163,22 @@ template <typename Epilogue>
 __device__ void finish_call(const InternodeRank& g, CallContext& ctx, InternodeOp op, int64_t timeout_ns,
                             Epilogue epilogue) {
   InternodeHeader* own = header_of(g.region);
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    ctx.last_block = atomicAdd(&own->blocks_finished, 1u) == gridDim.x - 1;
-    __threadfence();
-  }
-  __syncthreads();
-  if (!ctx.last_block) return;
-  epilogue();
-  __syncthreads();
-  const int j = threadIdx.x;
-  if (j < g.ranks_per_node) {
-    __threadfence_system();
-    store_release_sys(&header_of(g.node_regions[j])->released[g.local], ctx.call);
-    wait_for<uint64_t>(g, ctx, &own->released[j], ctx.call, op, InternodeWait::kRelease,
-                       g.node * g.ranks_per_node + j, timeout_ns);
-  }
-  __syncthreads();
-  const int m = threadIdx.x;
-  if (m < g.num_nodes && m != g.node) {
-    __threadfence_system();
-    nvshmemx_signal_op(&own->credit[g.node], ctx.call, NVSHMEM_SIGNAL_SET, rail_pe(g, m));
-  }
-  if (threadIdx.x == 0) {
-    own->timed_ns += now_ns() - *reinterpret_cast<volatile uint64_t*>(&own->call_start_ns);
-    own->timed_calls += 1;
-    own->blocks_finished = 0;
-    own->grid_arrivals = 0;
-    own->calls_completed = ctx.call;
-  }
+  const auto release = [&] {
+    const int j = threadIdx.x;
+    if (j < g.ranks_per_node) {
+      __threadfence_system();
+      store_release_sys(&header_of(g.node_regions[j])->released[g.local], ctx.call);
+      wait_for<uint64_t>(g, ctx, &own->released[j], ctx.call, op, InternodeWait::kRelease,
+                         g.node * g.ranks_per_node + j, timeout_ns);
+    }
+    __syncthreads();
+    const int m = threadIdx.x;
+    if (m < g.num_nodes && m != g.node) {
+      __threadfence_system();
+      nvshmemx_signal_op(&own->credit[g.node], ctx.call, NVSHMEM_SIGNAL_SET, rail_pe(g, m));
+    }
+  };
+  end_call(own, ctx, epilogue, release, [](InternodeHeader* header) { header->grid_arrivals = 0; });
 }
 
 // ---- sending this rank's tokens ----------------------------------------------------------------------------------
@@ -326,31 +294,13 @@ __device__ void route_own_tokens(const InternodeRank& g, const InternodeDispatch
   for (int64_t tile = 0; tile < num_tokens; tile += kThreads) {
     const int64_t t = tile + threadIdx.x;
     uint64_t ranks = 0;  // bit r: the token goes to rank r
-    if (t < num_tokens) {
-      for (int k = 0; k < num_topk; ++k) {
-        const int32_t e = a.topk_idx[t * num_topk + k];
-        if (e == -1) continue;
-        if (e < -1 || e >= num_experts) {
-          ++own_invalid;
-          continue;
-        }
-        ranks |= 1ull << (e / experts_per_rank);
-      }
-    }
+    add_token_ranks(a.topk_idx, t, num_tokens, num_topk, num_experts, experts_per_rank, ranks, own_invalid);
     for (int r = 0; r < num_ranks; ++r) {
       const unsigned ballot = __ballot_sync(kFullMask, (ranks >> r) & 1u);
       if (lane == 0) warp_base[warp][r] = __popc(ballot);
     }
     __syncthreads();
-    for (int r = threadIdx.x; r < num_ranks; r += kThreads) {  // exclusive scan over warps, continuing the totals
-      int32_t running = totals[r];
-      for (int w = 0; w < kWarps; ++w) {
-        const int32_t count = warp_base[w][r];
-        warp_base[w][r] = running;
-        running += count;
-      }
-      totals[r] = running;
-    }
+    for (int r = threadIdx.x; r < num_ranks; r += kThreads) scan_warp_counts(warp_base, totals, r);
     __syncthreads();
     for (int r = 0; r < num_ranks; ++r) {
       const bool sent = (ranks >> r) & 1u;
@@ -429,7 +379,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int num_ranks = g.num_ranks, ranks_per_node = g.ranks_per_node, me = g.rank, lane = threadIdx.x % 32;
   const int64_t num_tokens = a.num_tokens, capacity = a.capacity;
 
-  begin_call(g, ctx);
+  begin_call([&] { return header_of(g.region); }, ctx);
   if (blockIdx.x == 0) {
     route_own_tokens(g, a, layout);
     put_routing(g, ctx, layout, timeout_ns);
@@ -505,7 +455,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr InternodeOp kOp = InternodeOp::kCachedDispatch;
   __shared__ CallContext ctx;
   const int lane = threadIdx.x % 32;
-  begin_call(g, ctx);
+  begin_call([&] { return header_of(g.region); }, ctx);
   const SendRows rows{1, {a.x, nullptr}, {a.row_bytes, 0}};
   send_own_tokens(g, ctx, layout, rows, 0, NodesOfRanks{a.is_token_in_rank, g.num_ranks, g.ranks_per_node}, kOp,
                   timeout_ns);
@@ -513,18 +463,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   relay_when_arrived(g, ctx, kOp, timeout_ns);
   wait_node_ready(g, ctx, kOp, timeout_ns);
 
-  const int64_t num_pairs = g.num_ranks * a.num_tokens;
-  for (int64_t row = global_warp(); row < a.capacity; row += num_global_warps()) {
-    const int32_t src = a.recv_src_index[row];
-    void* dst = row_of(a.recv_x, row, a.row_bytes);
-    if (src >= 0 && src < num_pairs) {
-      const int src_rank = static_cast<int>(src / a.num_tokens);
-      const char* relay = data_of(g.node_regions[src_rank % g.ranks_per_node]);
-      warp_copy(dst, relay + layout.slot(src_rank / g.ranks_per_node, src % a.num_tokens), a.row_bytes, lane);
-    } else {
-      warp_zero_row(dst, a.row_bytes, lane);
-    }
-  }
+  fill_cached_rows(a, g.num_ranks, [&](void* dst, int64_t src, int64_t t) {
+    const int src_rank = static_cast<int>(src);
+    const char* relay = data_of(g.node_regions[src_rank % g.ranks_per_node]);
+    warp_copy(dst, relay + layout.slot(src_rank / g.ranks_per_node, t), a.row_bytes, lane);
+  });
   finish_call(g, ctx, kOp, timeout_ns, [] {});
 }
 
@@ -559,7 +502,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t num_tokens = a.num_tokens, capacity = a.capacity, vecs = a.row_elements / kVec;
   const int64_t row_bytes = a.row_elements * static_cast<int64_t>(sizeof(In));
   char* own = data_of(g.region);
-  begin_call(g, ctx);
+  begin_call([&] { return header_of(g.region); }, ctx);
 
   // 1. Stage this rank's valid rows, where the node's relays read them.
   const int64_t num_pairs = num_ranks * num_tokens;
@@ -639,8 +582,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // ---- launches ------------------------------------------------------------------------------------------------------
 
-int grid_size(const InternodeCall& call) { return std::max(1, std::min(call.num_sms, call.group.device_sms)); }
-
 template <typename In, typename Bias, typename Out>
 cudaError_t launch_combine(const InternodeCall& call, const InternodeCombineArgs& args,
                            const InternodeCombineLayout& layout) {
@@ -654,17 +595,6 @@ cudaError_t launch_combine(const InternodeCall& call, const InternodeCombineArgs
   else
     return cudaErrorInvalidValue;
   return cudaGetLastError();
-}
-
-// Out and Bias are either y's type In or float32.
-template <typename In>
-cudaError_t launch_combine_from(const InternodeCall& call, const InternodeCombineArgs& args,
-                                const InternodeCombineLayout& layout) {
-  const bool float_out = args.out_type == FloatType::kF32;
-  if (args.bias != nullptr && args.bias_type == FloatType::kF32)
-    return float_out ? launch_combine<In, float, float>(call, args, layout)
-                     : launch_combine<In, float, In>(call, args, layout);
-  return float_out ? launch_combine<In, In, float>(call, args, layout) : launch_combine<In, In, In>(call, args, layout);
 }
 
 }  // namespace
@@ -690,19 +620,13 @@ cudaError_t internode_cached_dispatch(const InternodeCall& call, const Internode
 }
 
 cudaError_t internode_combine(const InternodeCall& call, const InternodeCombineArgs& args) {
-  const bool out_ok = args.out_type == args.y_type || args.out_type == FloatType::kF32;
-  const bool bias_ok = args.bias == nullptr || args.bias_type == args.y_type || args.bias_type == FloatType::kF32;
-  if (!out_ok || !bias_ok) return cudaErrorInvalidValue;
-  const int64_t item_bytes = args.y_type == FloatType::kF32 ? 4 : 2;
-  const InternodeCombineLayout layout(call.group.num_nodes, args.num_tokens, args.capacity, args.row_elements,
-                                      item_bytes);
-  if (layout.total > call.group.region_bytes) return cudaErrorMemoryAllocation;
-  switch (args.y_type) {
-    case FloatType::kF32: return launch_combine_from<float>(call, args, layout);
-    case FloatType::kBF16: return launch_combine_from<__nv_bfloat16>(call, args, layout);
-    case FloatType::kF16: return launch_combine_from<__half>(call, args, layout);
-  }
-  return cudaErrorInvalidValue;
+  return with_combine_types(args, [&](auto in, auto bias, auto out) {
+    using In = typename decltype(in)::type;
+    const InternodeCombineLayout layout(call.group.num_nodes, args.num_tokens, args.capacity, args.row_elements,
+                                        sizeof(In));
+    if (layout.total > call.group.region_bytes) return cudaErrorMemoryAllocation;
+    return launch_combine<In, typename decltype(bias)::type, typename decltype(out)::type>(call, args, layout);
+  });
 }
 
 }  // namespace jax_ep

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "kernel_limits.h"
+#include "kernel_timer.h"
 
 namespace jax_ep {
 
@@ -29,10 +30,9 @@ struct InternodeHeader {
   // Written by node peers through NVLink (index: the writer's local index):
   uint64_t ready[kMaxRanksPerNode];      // [j]: latest call for which node peer j's region can be read
   uint64_t released[kMaxRanksPerNode];   // [j]: latest call after which node peer j reads nothing of this region
-  // Kernel time of every call (%globaltimer, block 0's start to the last block's end), for the benchmark.
-  uint64_t call_start_ns;
-  uint64_t timed_calls;
-  uint64_t timed_ns;
+#if defined(JAX_EP_INSTRUMENT)
+  KernelTimer timer;  // read and reset by internode_kernel_times()
+#endif
 };
 static_assert(sizeof(InternodeHeader) <= kInternodeHeaderBytes, "the header fits its reserved bytes");
 

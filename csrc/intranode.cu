@@ -23,6 +23,7 @@
 #include <cstring>
 
 #include "api.h"
+#include "call_frame.cuh"
 #include "device_common.cuh"
 #include "float_rows.cuh"
 #include "intranode_state.h"
@@ -31,16 +32,7 @@
 namespace jax_ep {
 namespace {
 
-constexpr int kThreads = 512;
-constexpr int kWarps = kThreads / 32;
-constexpr unsigned kFullMask = 0xffffffffu;
-static_assert(kNormalMaxTopk <= 32, "a token's top-k entries are handled one per lane of a warp");
-
 // ---- memory access ---------------------------------------------------------------------------------------
-
-// Loads in flight per lane in row copies: a 7168-wide BF16 row is 28 16-byte units per lane, so 14 cover it
-// in 2 round trips over NVLink.
-constexpr int kCopyUnroll = 14;
 
 template <typename T>
 __device__ __forceinline__ T load_nc(const T* ptr) {
@@ -122,15 +114,6 @@ __device__ __forceinline__ void wait_for_staging(const IntranodeRank& g, const S
   __threadfence();
 }
 
-// Step 1 (every block).
-__device__ __forceinline__ void begin_call(const IntranodeRank& g, CallContext& ctx) {
-  if (threadIdx.x == 0) {
-    ctx.call = *reinterpret_cast<volatile uint64_t*>(&g.states[g.rank]->calls_completed) + 1;
-    if (blockIdx.x == 0) g.states[g.rank]->call_start_ns = now_ns();
-  }
-  __syncthreads();
-}
-
 // Step 2 (block 0, once this rank's view is written and every thread of the block passed a barrier).
 __device__ __forceinline__ void signal_arrival(const IntranodeRank& g, const CallContext& ctx) {
   if (threadIdx.x < g.num_ranks) {
@@ -162,31 +145,19 @@ template <typename Epilogue>
 __device__ __forceinline__ void finish_call(const IntranodeRank& g, CallContext& ctx, IntranodeOp op,
                                             int64_t timeout_ns, Epilogue epilogue) {
   IntranodeState* own = g.states[g.rank];
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    ctx.last_block = atomicAdd(&own->blocks_finished, 1u) == gridDim.x - 1;
-    __threadfence();
-  }
-  __syncthreads();
-  if (!ctx.last_block) return;
-  epilogue();
-  __syncthreads();
-  if (threadIdx.x < g.num_ranks) {
-    const int peer = threadIdx.x;
-    __threadfence_system();
-    store_release_sys(&g.states[peer]->released[g.rank], ctx.call);
-    wait_for_flag(g, &own->released[peer], ctx.call, op, IntranodeWait::kRelease, peer, timeout_ns);
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    own->timed_ns += now_ns() - *reinterpret_cast<volatile uint64_t*>(&own->call_start_ns);
-    own->timed_calls += 1;
-    own->blocks_finished = 0;
-    own->blocks_staged = 0;
-    own->combine_tickets = 0;
-    own->calls_completed = ctx.call;
-  }
+  const auto release = [&] {
+    if (threadIdx.x < g.num_ranks) {
+      const int peer = threadIdx.x;
+      __threadfence_system();
+      store_release_sys(&g.states[peer]->released[g.rank], ctx.call);
+      wait_for_flag(g, &own->released[peer], ctx.call, op, IntranodeWait::kRelease, peer, timeout_ns);
+    }
+    __syncthreads();
+  };
+  end_call(own, ctx, epilogue, release, [](IntranodeState* state) {
+    state->blocks_staged = 0;
+    state->combine_tickets = 0;
+  });
 }
 
 // Steps 1-3 of an op whose view is its published input addresses and, where `counts` is given (block 0's shared
@@ -194,7 +165,7 @@ __device__ __forceinline__ void finish_call(const IntranodeRank& g, CallContext&
 __device__ __forceinline__ void publish_inputs_and_wait(const IntranodeRank& g, CallContext& ctx, const StagePlan& plan,
                                                         IntranodeOp op, int64_t timeout_ns,
                                                         const int32_t* counts = nullptr) {
-  begin_call(g, ctx);
+  begin_call([&] { return g.states[g.rank]; }, ctx);
   stage_inputs(g, plan);
   if (blockIdx.x == 0) {
     wait_for_staging(g, plan, ctx.call, op, timeout_ns);
@@ -209,9 +180,6 @@ __device__ __forceinline__ void publish_inputs_and_wait(const IntranodeRank& g, 
   }
   wait_for_arrivals(g, ctx, op, timeout_ns);
 }
-
-__device__ __forceinline__ int global_warp() { return blockIdx.x * kWarps + threadIdx.x / 32; }
-__device__ __forceinline__ int num_global_warps() { return gridDim.x * kWarps; }
 
 // ---- dispatch ----------------------------------------------------------------------------------------------
 
@@ -233,17 +201,7 @@ __device__ __forceinline__ void route_own_tokens(const DispatchArgs& a, int num_
   for (int64_t tile = 0; tile < num_tokens; tile += kThreads) {
     const int64_t t = tile + threadIdx.x;
     uint32_t ranks = 0;  // bit r: the token goes to rank r
-    if (t < num_tokens) {
-      for (int k = 0; k < num_topk; ++k) {
-        const int32_t e = a.topk_idx[t * num_topk + k];
-        if (e == -1) continue;
-        if (e < -1 || e >= num_experts) {
-          ++own_invalid;
-          continue;
-        }
-        ranks |= 1u << (e / experts_per_rank);
-      }
-    }
+    add_token_ranks(a.topk_idx, t, num_tokens, num_topk, num_experts, experts_per_rank, ranks, own_invalid);
     int32_t lane_offset[kMaxIntranodeRanks];
 #pragma unroll
     for (int r = 0; r < kMaxIntranodeRanks; ++r) {
@@ -252,16 +210,7 @@ __device__ __forceinline__ void route_own_tokens(const DispatchArgs& a, int num_
       if (lane == 0) warp_base[warp][r] = __popc(ballot);
     }
     __syncthreads();
-    if (threadIdx.x < num_ranks) {  // exclusive scan of the warps' counts, continuing the running total
-      const int r = threadIdx.x;
-      int32_t running = totals[r];
-      for (int w = 0; w < kWarps; ++w) {
-        const int32_t count = warp_base[w][r];
-        warp_base[w][r] = running;
-        running += count;
-      }
-      totals[r] = running;
-    }
+    if (threadIdx.x < num_ranks) scan_warp_counts(warp_base, totals, threadIdx.x);
     __syncthreads();
     if (t < num_tokens) {
 #pragma unroll
@@ -317,7 +266,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
   const int64_t num_tokens = a.num_tokens, capacity = a.capacity;
   const int64_t experts_per_rank = a.num_experts / num_ranks;
 
-  begin_call(g, ctx);
+  begin_call([&] { return g.states[g.rank]; }, ctx);
   stage_inputs(g, plan);
   if (blockIdx.x == 0) {
     route_own_tokens(a, num_ranks, own_totals);
@@ -376,17 +325,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   __shared__ CallContext ctx;
   const int lane = threadIdx.x % 32;
   publish_inputs_and_wait(g, ctx, plan, IntranodeOp::kCachedDispatch, timeout_ns);
-
-  const int64_t num_pairs = g.num_ranks * a.num_tokens;
-  for (int64_t row = global_warp(); row < a.capacity; row += num_global_warps()) {
-    const int32_t src = a.recv_src_index[row];
-    void* dst = row_of(a.recv_x, row, a.row_bytes);
-    if (src >= 0 && src < num_pairs)
-      warp_copy_row(dst, row_of(ctx.views[src / a.num_tokens].pointers[0], src % a.num_tokens, a.row_bytes),
-                    a.row_bytes, lane);
-    else
-      warp_zero_row(dst, a.row_bytes, lane);
-  }
+  fill_cached_rows(a, g.num_ranks, [&](void* dst, int64_t src_rank, int64_t t) {
+    warp_copy_row(dst, row_of(ctx.views[src_rank].pointers[0], t, a.row_bytes), a.row_bytes, lane);
+  });
   finish_call(g, ctx, IntranodeOp::kCachedDispatch, timeout_ns, [] {});
 }
 
@@ -654,7 +595,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_push_kernel(const __grid_
   finish_call(g, ctx, IntranodeOp::kCombine, timeout_ns, [] {});
 }
 
-// ---- store ceiling probe (benchmark) -----------------------------------------------------------------------
+// ---- store ceiling probe (benchmark, instrumented builds only) -----------------------------------------------
+#if defined(JAX_EP_INSTRUMENT)
 
 // Every block stores 16-byte units into every peer's region for this rank, peers interleaved per unit so
 // that all links carry traffic at once.
@@ -675,10 +617,9 @@ __global__ void __launch_bounds__(kThreads, 1) store_probe_kernel(const __grid_c
   }
   finish_call(g, ctx, IntranodeOp::kStoreProbe, timeout_ns, [] {});
 }
+#endif
 
 // ---- launches ----------------------------------------------------------------------------------------------
-
-int grid_size(const IntranodeCall& call) { return std::max(1, std::min(call.num_sms, call.group.device_sms)); }
 
 // Host side of a StagePlan: in a single-process group every input is published as its pointer; in a staged
 // group each input is copied to its region of this rank's workspace (offsets from the op's staging struct in
@@ -773,15 +714,6 @@ cudaError_t launch_combine(const IntranodeCall& call, const CombineArgs& args) {
   return cudaGetLastError();
 }
 
-// Out and Bias are either y's type In or float32.
-template <typename In>
-cudaError_t launch_combine_from(const IntranodeCall& call, const CombineArgs& args) {
-  const bool float_out = args.out_type == FloatType::kF32;
-  if (args.bias != nullptr && args.bias_type == FloatType::kF32)
-    return float_out ? launch_combine<In, float, float>(call, args) : launch_combine<In, float, In>(call, args);
-  return float_out ? launch_combine<In, In, float>(call, args) : launch_combine<In, In, In>(call, args);
-}
-
 }  // namespace
 
 cudaError_t intranode_dispatch(const IntranodeCall& call, const DispatchArgs& args) {
@@ -812,6 +744,7 @@ cudaError_t intranode_cached_dispatch(const IntranodeCall& call, const CachedDis
   return cudaGetLastError();
 }
 
+#if defined(JAX_EP_INSTRUMENT)
 cudaError_t intranode_store_probe(const IntranodeCall& call, const StoreProbeArgs& args) {
   if (call.group.staged) return cudaErrorNotSupported;  // a peer process cannot map `out`
   if (args.bytes_per_peer % 16 != 0) return cudaErrorInvalidValue;
@@ -820,20 +753,18 @@ cudaError_t intranode_store_probe(const IntranodeCall& call, const StoreProbeArg
   store_probe_kernel<<<grid_size(call), kThreads, 0, call.stream>>>(call.group, args, plan, call.timeout_ns);
   return cudaGetLastError();
 }
+#endif
 
 cudaError_t intranode_combine(const IntranodeCall& call, const CombineArgs& args) {
-  const bool out_ok = args.out_type == args.y_type || args.out_type == FloatType::kF32;
-  const bool bias_ok = args.bias == nullptr || args.bias_type == args.y_type || args.bias_type == FloatType::kF32;
+  static_assert(kCombineMaxPushWarps == kWarps, "a block's warps may all push");
   // A push in one process stores into the scratch result (the handler checks that it came).
-  const bool push_ok = args.push_warps >= 0 && args.push_warps <= kWarps &&
+  const bool push_ok = args.push_warps >= 0 && args.push_warps <= kCombineMaxPushWarps &&
                        (args.push_warps == 0 || call.group.staged || call.group.num_ranks == 1 || args.slots);
-  if (!out_ok || !bias_ok || !push_ok) return cudaErrorInvalidValue;
-  switch (args.y_type) {
-    case FloatType::kF32: return launch_combine_from<float>(call, args);
-    case FloatType::kBF16: return launch_combine_from<__nv_bfloat16>(call, args);
-    case FloatType::kF16: return launch_combine_from<__half>(call, args);
-  }
-  return cudaErrorInvalidValue;
+  if (!push_ok) return cudaErrorInvalidValue;
+  return with_combine_types(args, [&](auto in, auto bias, auto out) {
+    return launch_combine<typename decltype(in)::type, typename decltype(bias)::type, typename decltype(out)::type>(
+        call, args);
+  });
 }
 
 }  // namespace jax_ep

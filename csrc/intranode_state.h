@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "api.h"
+#include "kernel_timer.h"
 
 namespace jax_ep {
 
@@ -36,11 +37,9 @@ struct IntranodeState {
   uint64_t arrived[kMaxIntranodeRanks];   // [p]: latest call for which rank p published its view
   uint64_t released[kMaxIntranodeRanks];  // [p]: latest call after which rank p reads nothing of ours
   IntranodeView view;
-  // Kernel time of every call (%globaltimer from block 0's start to the last block's end), summed for the
-  // benchmark's "bare kernel" figure; read and reset by intranode_kernel_times().
-  uint64_t call_start_ns;
-  uint64_t timed_calls;
-  uint64_t timed_ns;
+#if defined(JAX_EP_INSTRUMENT)
+  KernelTimer timer;  // read and reset by intranode_kernel_times()
+#endif
   // Push combine: [p][u] = latest call in which rank p finished storing its unit u of rows destined here
   // (written by rank p, release; call numbers only grow, so the flags are never cleared).
   uint64_t combine_ready[kMaxIntranodeRanks][kMaxCombineUnits];

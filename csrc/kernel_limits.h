@@ -16,15 +16,34 @@
 
 namespace jax_ep {
 
+// ---- build -------------------------------------------------------------------------------------------------------
+
+// The benchmark's instrumentation, compiled in only by the CMake option JAX_EP_INSTRUMENT (`pip install ...
+// --config-settings=cmake.define.JAX_EP_INSTRUMENT=ON`): the normal-mode kernels' timers, the low-latency kernels'
+// trace and the store probe. A default build carries none of them: no clock reads in the kernels, no trace in the
+// low-latency region, no timer in the states.
+#if defined(JAX_EP_INSTRUMENT)
+inline constexpr bool kInstrumented = true;
+#else
+inline constexpr bool kInstrumented = false;
+#endif
+
+// ---- normal mode (intranode and internode) -----------------------------------------------------------------------
+
+// Threads of every normal-mode kernel's block (one block per SM).
+inline constexpr int kNormalThreads = 512;
+// The push combine's pushing warps per block: 1 to every warp of the block.
+inline constexpr int kCombineMaxPushWarps = kNormalThreads / 32;
+
+// Top-k entries per token of a normal-mode dispatch (intranode and internode): the kernels give each entry of a
+// token one lane of a warp.
+inline constexpr int kNormalMaxTopk = 32;
+
 // ---- intranode normal mode ---------------------------------------------------------------------------------------
 
 // Ranks of an intranode group (one NVLink domain): the per-rank tables of the state, views and launches have this
 // many entries.
 inline constexpr int kMaxIntranodeRanks = 8;
-
-// Top-k entries per token of a normal-mode dispatch (intranode and internode): the kernels give each entry of a
-// token one lane of a warp.
-inline constexpr int kNormalMaxTopk = 32;
 
 // Groups spanning processes ("staged", api.h): a peer process cannot map XLA's buffers, so each op copies the inputs
 // its peers read into its own workspace, one region per input in the order the op publishes them. Regions start at
@@ -106,12 +125,13 @@ inline constexpr int64_t kLowLatencyHeaderBytes = 512;
 enum LowLatencyKernel : int { kDispatchSendKernel = 0, kDispatchRecvKernel, kCombineSendKernel, kCombineRecvKernel,
                               kLowLatencyKernels };
 
-// The trace after the header: a ring of kLowLatencyTraceCalls slots per kernel, each a LowLatencyTrace.
+// The trace after the header (instrumented builds only, kInstrumented): a ring of kLowLatencyTraceCalls slots per
+// kernel, each a LowLatencyTrace. A default build's region has no trace (0 bytes).
 inline constexpr int kLowLatencyTraceCalls = 256;
 inline constexpr int64_t kLowLatencyTraceSlotBytes = 88;  // 11 64-bit words
 inline constexpr int64_t kLowLatencyTraceOffset = kLowLatencyHeaderBytes;
 inline constexpr int64_t kLowLatencyTraceBytes =
-    static_cast<int64_t>(kLowLatencyKernels) * kLowLatencyTraceCalls * kLowLatencyTraceSlotBytes;
+    kInstrumented ? static_cast<int64_t>(kLowLatencyKernels) * kLowLatencyTraceCalls * kLowLatencyTraceSlotBytes : 0;
 
 // What precedes each dispatched row: DispatchRowHeader, the token's top-k expert ids as int16, padded so that the
 // payload after it stays 16-byte aligned.

@@ -37,6 +37,7 @@
 #include "intranode_state.h"
 #include "low_latency_state.h"
 #include "low_latency_transport.cuh"
+#include "registry.h"
 
 namespace jax_ep {
 namespace {
@@ -114,7 +115,9 @@ __device__ __forceinline__ uint32_t next_call(const uint32_t* completed) {
   return *reinterpret_cast<const volatile uint32_t*>(completed) + 1;
 }
 
-// ---- per-call trace (LowLatencyTrace) ------------------------------------------------------------------------
+// ---- per-call trace (LowLatencyTrace; instrumented builds only) ------------------------------------------------
+// Every function here does nothing in a default build (kInstrumented false): its region has no trace, and the
+// kernels read no clock.
 
 __device__ __forceinline__ LowLatencyTrace* trace_slot(const LowLatencyCall& c, const LowLatencyLayout& layout,
                                                        LowLatencyKernel kernel, uint32_t call) {
@@ -128,10 +131,17 @@ __host__ __device__ inline LowLatencyTrace prepared_trace() {
   return trace;
 }
 
-// A flag raised (sends) or a wait for flags satisfied (receives), now.
+// A flag raised (sends) or a wait for flags satisfied (receives), at `ns`.
 __device__ __forceinline__ void trace_flag(LowLatencyTrace* trace, uint64_t ns) {
+  if (!kInstrumented) return;
   atomicMin(reinterpret_cast<unsigned long long*>(&trace->first_flag), static_cast<unsigned long long>(ns));
   atomicMax(reinterpret_cast<unsigned long long*>(&trace->last_flag), static_cast<unsigned long long>(ns));
+}
+
+// The same, now, in the trace of call `call` of `kernel`.
+__device__ __forceinline__ void trace_flag_now(const LowLatencyCall& c, const LowLatencyLayout& layout,
+                                               LowLatencyKernel kernel, uint32_t call) {
+  if (kInstrumented) trace_flag(trace_slot(c, layout, kernel, call), now_ns());
 }
 
 // A block's start and its time per phase, kept by thread 0 in shared memory (no registers held through the
@@ -148,38 +158,57 @@ __device__ __forceinline__ BlockClock& block_clock() {
 }
 
 __device__ __forceinline__ void clock_begin() {
-  if (threadIdx.x != 0) return;
+  if (!kInstrumented || threadIdx.x != 0) return;
   BlockClock& clock = block_clock();
   clock.start = clock.last = now_ns();
   for (int p = 0; p < kLowLatencyPhases; ++p) clock.phase_ns[p] = 0;
 }
 
 __device__ __forceinline__ void clock_mark(int phase) {
-  if (threadIdx.x != 0) return;
+  if (!kInstrumented || threadIdx.x != 0) return;
   BlockClock& clock = block_clock();
   const uint64_t ns = now_ns();
   clock.phase_ns[phase] += ns - clock.last;
   clock.last = ns;
 }
 
-// Every block calls this after its work: adds its start and its phases (over `units`) to the call's trace and
-// returns true in the one block that finished last, which then sees every other block's writes (and may
-// publish them to peers with release stores). That block also closes the call's trace and prepares the slot of
-// the kernel's next call.
+// Thread 0 of every block, at its end: adds the block's start and its phases (over `units`) to the call's trace,
+// whose slot it returns (null in a default build).
+__device__ __forceinline__ LowLatencyTrace* trace_block(const LowLatencyCall& c, const LowLatencyLayout& layout,
+                                                        LowLatencyKernel kernel, uint32_t call, uint64_t units) {
+  if (!kInstrumented) return nullptr;
+  const BlockClock& clock = block_clock();
+  LowLatencyTrace* trace = trace_slot(c, layout, kernel, call);
+  atomicMin(reinterpret_cast<unsigned long long*>(&trace->first_start), static_cast<unsigned long long>(clock.start));
+  atomicMax(reinterpret_cast<unsigned long long*>(&trace->last_start), static_cast<unsigned long long>(clock.start));
+  atomicAdd(reinterpret_cast<unsigned long long*>(&trace->units), static_cast<unsigned long long>(units));
+  for (int p = 0; p < kLowLatencyPhases; ++p)
+    if (clock.phase_ns[p])
+      atomicAdd(reinterpret_cast<unsigned long long*>(&trace->phase_ns[p]),
+                static_cast<unsigned long long>(clock.phase_ns[p]));
+  return trace;
+}
+
+// Thread 0 of the last block of a call: closes the call's trace and prepares the slot of the kernel's next call.
+__device__ __forceinline__ void close_trace(const LowLatencyCall& c, const LowLatencyLayout& layout,
+                                            LowLatencyKernel kernel, uint32_t call, LowLatencyTrace* trace) {
+  if (!kInstrumented) return;
+  trace->end = now_ns();
+  trace->call = call;
+  *trace_slot(c, layout, kernel, call + 1) = prepared_trace();
+}
+
+// ---- end of a kernel's call ------------------------------------------------------------------------------------
+
+// Every block calls this after its work: returns true in the one block that finished last, which then sees every
+// other block's writes (and may publish them to peers with release stores). Instrumented builds also add the
+// block to the call's trace (its phases over `units`), and the last block closes it.
 __device__ bool finish_block(const LowLatencyCall& c, const LowLatencyLayout& layout, LowLatencyKernel kernel,
                              uint32_t call, uint64_t units) {
   __shared__ bool last;
   __syncthreads();
   if (threadIdx.x == 0) {
-    const BlockClock& clock = block_clock();
-    LowLatencyTrace* trace = trace_slot(c, layout, kernel, call);
-    atomicMin(reinterpret_cast<unsigned long long*>(&trace->first_start), static_cast<unsigned long long>(clock.start));
-    atomicMax(reinterpret_cast<unsigned long long*>(&trace->last_start), static_cast<unsigned long long>(clock.start));
-    atomicAdd(reinterpret_cast<unsigned long long*>(&trace->units), static_cast<unsigned long long>(units));
-    for (int p = 0; p < kLowLatencyPhases; ++p)
-      if (clock.phase_ns[p])
-        atomicAdd(reinterpret_cast<unsigned long long*>(&trace->phase_ns[p]),
-                  static_cast<unsigned long long>(clock.phase_ns[p]));
+    LowLatencyTrace* trace = trace_block(c, layout, kernel, call, units);
     LowLatencyHeader* own = own_header(c);
     // GPU scope is enough: every block of the kernel is on this GPU; what the last block then publishes to peers
     // (the receives' credits) goes through Transport::signal, a system-scope release cumulative over what it
@@ -190,9 +219,7 @@ __device__ bool finish_block(const LowLatencyCall& c, const LowLatencyLayout& la
     last = atomicAdd(&own->blocks_finished[kernel], 1u) == gridDim.x - 1;
     if (last) {
       own->blocks_finished[kernel] = 0;  // every block has counted: ready for the next call
-      trace->end = now_ns();
-      trace->call = call;
-      *trace_slot(c, layout, kernel, call + 1) = prepared_trace();
+      close_trace(c, layout, kernel, call, trace);
     }
     __threadfence();
   }
@@ -294,7 +321,7 @@ __device__ void count_toward_flag(const LowLatencyCall& c, const LowLatencyLayou
   const int64_t flag = layout.set_offset(call & 1) + layout.dispatch_flags +
                        ((e % experts_per_rank) * num_ranks + c.group.rank) * static_cast<int64_t>(sizeof(uint64_t));
   Transport::signal(c, e / experts_per_rank, flag, (uint64_t{call} << 32) | (total >> 32));
-  trace_flag(trace_slot(c, layout, kDispatchSendKernel, call), now_ns());
+  trace_flag_now(c, layout, kDispatchSendKernel, call);
 }
 
 // Byte offsets inside a dispatch slot row: the DispatchRowHeader, the values, then (FP8) the scales.
@@ -644,7 +671,7 @@ __global__ void __launch_bounds__(kThreads, kDispatchRecvBlocksPerSm)
     if (threadIdx.x == 0) {
       begins[0] = 0;
       for (int s = 0; s < num_ranks; ++s) begins[s + 1] = begins[s] + counts[s];
-      trace_flag(trace_slot(c, layout, kDispatchRecvKernel, call), now_ns());
+      trace_flag_now(c, layout, kDispatchRecvKernel, call);
     }
     __syncthreads();
     clock_mark(kWaiting);
@@ -718,7 +745,7 @@ __device__ __forceinline__ void raise_combine_flag(const LowLatencyCall& c, cons
                     layout.set_offset(call & 1) + layout.combine_flags +
                         (c.group.rank * experts_per_rank + p / num_ranks) * static_cast<int64_t>(sizeof(uint64_t)),
                     call);
-  trace_flag(trace_slot(c, layout, kCombineSendKernel, call), now_ns());
+  trace_flag_now(c, layout, kCombineSendKernel, call);
 }
 
 // One thread, after a piece of a row of pair p is written and published (a barrier after its warp's puts):
@@ -836,16 +863,18 @@ __global__ void __launch_bounds__(kThreads, kCombineRecvBlocksPerSm)
   const LowLatencyLayout layout(c.num_max_tokens, hidden, c.group.num_ranks, num_experts);
   const uint32_t call = *a.token, set = call & 1;
   const char* base = c.region + layout.set_offset(set);
-  if (threadIdx.x == 0) {
-    item_ns[kWaiting] = item_ns[kSumming] = items = last_ready = 0;
-    first_ready = ~0ull;
+  if (kInstrumented) {
+    if (threadIdx.x == 0) {
+      item_ns[kWaiting] = item_ns[kSumming] = items = last_ready = 0;
+      first_ready = ~0ull;
+    }
+    __syncthreads();
   }
-  __syncthreads();
 
   const uint64_t* flags = reinterpret_cast<const uint64_t*>(base + layout.combine_flags);
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(a.out);
   for (int64_t item = global_warp(); item < a.num_tokens * split.parts; item += num_global_warps()) {
-    const uint64_t begin = lane == 0 ? now_ns() : 0;
+    const uint64_t begin = kInstrumented && lane == 0 ? now_ns() : 0;
     const int64_t t = item / split.parts, part = item % split.parts;
     int32_t expert = -1, slot = lane;
     float weight = 0.f;
@@ -864,7 +893,7 @@ __global__ void __launch_bounds__(kThreads, kCombineRecvBlocksPerSm)
                  [&](uint64_t v) { return static_cast<uint32_t>(v) == call; }, kCombineFlagPollNs);
     __syncwarp();  // the lanes' acquires order every lane's row loads below
     uint64_t ready = 0;
-    if (lane == 0) {
+    if (kInstrumented && lane == 0) {
       ready = now_ns();
       atomicAdd(&item_ns[kWaiting], static_cast<unsigned long long>(ready - begin));
       atomicMin(&first_ready, static_cast<unsigned long long>(ready));
@@ -910,20 +939,22 @@ __global__ void __launch_bounds__(kThreads, kCombineRecvBlocksPerSm)
         *reinterpret_cast<uint4*>(out + t * hidden + ch) = *reinterpret_cast<const uint4*>(packed);
       }
     }
-    if (lane == 0) {
+    if (kInstrumented && lane == 0) {
       atomicAdd(&item_ns[kSumming], static_cast<unsigned long long>(now_ns() - ready));
       atomicAdd(&items, 1ull);
     }
   }
 
-  __syncthreads();  // the block's items are timed
-  if (threadIdx.x == 0) {
-    block_clock().phase_ns[kWaiting] = item_ns[kWaiting];
-    block_clock().phase_ns[kSumming] = item_ns[kSumming];
-    if (items) {
-      LowLatencyTrace* trace = trace_slot(c, layout, kCombineRecvKernel, call);
-      trace_flag(trace, first_ready);
-      trace_flag(trace, last_ready);
+  if (kInstrumented) {
+    __syncthreads();  // the block's items are timed
+    if (threadIdx.x == 0) {
+      block_clock().phase_ns[kWaiting] = item_ns[kWaiting];
+      block_clock().phase_ns[kSumming] = item_ns[kSumming];
+      if (items) {
+        LowLatencyTrace* trace = trace_slot(c, layout, kCombineRecvKernel, call);
+        trace_flag(trace, first_ready);
+        trace_flag(trace, last_ready);
+      }
     }
   }
   if (finish_block(c, layout, kCombineRecvKernel, call, items)) give_credits<Transport>(c, call, /*dispatch=*/false);
@@ -1035,6 +1066,7 @@ std::string low_latency_lookup(int64_t buffer_id, int device_ordinal, LowLatency
   return "unknown low-latency transport " + std::to_string(static_cast<int>(transport));
 }
 
+#if defined(JAX_EP_INSTRUMENT)
 std::vector<std::vector<uint64_t>> low_latency_trace(int64_t buffer_id, const std::vector<int>& device_ordinals,
                                                      LowLatencyTransport transport, int64_t ll_offset, bool reset) {
   constexpr size_t kWords = kLowLatencyTraceBytes / sizeof(uint64_t);
@@ -1064,29 +1096,11 @@ std::pair<std::vector<std::string>, std::vector<std::vector<std::string>>> low_l
   for (const auto& names : kLowLatencyPhaseNames) phases.emplace_back(std::begin(names), std::end(names));
   return {std::vector<std::string>(std::begin(kLowLatencyTraceFields), std::end(kLowLatencyTraceFields)), phases};
 }
+#endif
 
 std::vector<std::string> low_latency_errors(int64_t buffer_id, const std::vector<int>& device_ordinals) {
-  static const char* const kOps[] = {"low_latency_dispatch (send)", "low_latency_dispatch (receive)",
-                                     "low_latency_combine (send)", "low_latency_combine (receive)"};
-  std::vector<std::string> lines;
-  for (int device : device_ordinals) {
-    IntranodeRank rank;
-    if (!intranode_lookup(buffer_id, device, &rank) || !rank.error) continue;
-    // Pinned, mapped host memory: with unified addressing its device pointer is its host pointer.
-    const volatile IntranodeError& e = *rank.error;
-    const int op = e.op - static_cast<int>(LowLatencyOp::kDispatchSend);
-    if (op < 0 || op > 3) continue;
-    const uint32_t call = static_cast<uint32_t>(e.call);
-    const std::string waited_for =
-        e.wait == static_cast<int32_t>(LowLatencyWait::kCredit)
-            ? " to finish receiving call " + std::to_string(call - 2) +
-                  " (a credit: are more than two results of this op between send and receive?)"
-            : " to send its rows of call " + std::to_string(call) + " (flag " + std::to_string(e.seen) + ")";
-    lines.push_back("jax_ep " + std::string(kOps[op]) + " timed out on rank " + std::to_string(e.rank) +
-                    " (CUDA device " + std::to_string(device) + ") after " + std::to_string(e.waited_ns / 1000000) +
-                    " ms waiting for rank " + std::to_string(e.peer) + waited_for);
-  }
-  return lines;
+  return timeout_errors(buffer_id, static_cast<int32_t>(LowLatencyOp::kDispatchSend),
+                        static_cast<int32_t>(LowLatencyOp::kCombineRecv), &device_ordinals);
 }
 
 }  // namespace jax_ep

@@ -7,7 +7,8 @@
 // is relative to the region's start, so one offset names the same word on every rank. It holds:
 //   header                                   kLowLatencyHeaderBytes: this rank's call counters and credits (below)
 //   trace [kernel][kLowLatencyTraceCalls]    LowLatencyTrace: %globaltimer instants of each LL kernel's recent
-//                                            calls on this rank (the benchmark's breakdown; kLowLatencyTraceBytes)
+//                                            calls on this rank (the benchmark's breakdown; kLowLatencyTraceBytes,
+//                                            0 unless the build is instrumented)
 //   dispatch_counters [E] uint64             the send's progress per expert, this rank's own (low_latency.cu,
 //                                            count_toward_flag); zero between calls
 //   combine_counters [E] uint32              the combine send's row pieces written per (local expert,
@@ -56,7 +57,7 @@ struct LowLatencyHeader {
 };
 static_assert(sizeof(LowLatencyHeader) <= kLowLatencyHeaderBytes, "the header fits its reserved bytes");
 
-// ---- trace: where one call of an LL kernel spent its time, on this rank (read by low_latency_trace) --------
+// ---- trace (instrumented builds only): where one call of an LL kernel spent its time, on this rank -------------
 // Every instant is this GPU's %globaltimer in ns (comparable across the kernels of one GPU, not across GPUs).
 // Call c of an op uses slot c % kLowLatencyTraceCalls of each of its kernels (the send and the receive of a
 // call share the number). Blocks add their share with atomics as they end; the last block of call c writes

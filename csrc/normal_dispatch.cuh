@@ -1,15 +1,54 @@
 // Parts of the normal-mode dispatch kernels that do not depend on where the rows come from (intranode.cu: peers'
-// inputs over NVLink; internode.cu: the node's relays): the warps' walk over (source rank, token) pairs, the top-k
-// row of a received token, the received and dropped counts, the padding rows and the expert-alignment epilogue.
-// `Args` is DispatchArgs or InternodeDispatchArgs (the same output fields). Internal linkage, as
-// device_common.cuh.
+// inputs over NVLink; internode.cu: the node's relays): the routing of this rank's tokens, the warps' walk over
+// (source rank, token) pairs, the top-k row of a received token, the received and dropped counts, the padding rows,
+// the expert-alignment epilogue and the cached dispatch's rows. `Args` is DispatchArgs or InternodeDispatchArgs
+// (the same output fields), or for the cached dispatch CachedDispatchArgs or InternodeCachedDispatchArgs. Internal
+// linkage, as device_common.cuh.
 #pragma once
 #include <cstdint>
 
+#include "call_frame.cuh"
 #include "device_common.cuh"
 
 namespace jax_ep {
 namespace {
+
+// ---- routing this rank's tokens (block 0, before anything is sent) ------------------------------------------------
+
+// Adds to `ranks` the ranks that token t names, where t < num_tokens (bit r: one of its top-k ids lives on rank r;
+// Mask holds a bit per rank). Ids outside [-1, num_experts) name no rank and count in `invalid`.
+template <typename Mask>
+__device__ __forceinline__ void add_token_ranks(const int32_t* topk_idx, int64_t t, int64_t num_tokens, int num_topk,
+                                                int32_t num_experts, int32_t experts_per_rank, Mask& ranks,
+                                                int32_t& invalid) {
+  if (t < num_tokens) {
+    for (int k = 0; k < num_topk; ++k) {
+      const int32_t e = topk_idx[t * num_topk + k];
+      if (e == -1) continue;
+      if (e < -1 || e >= num_experts) {
+        ++invalid;
+        continue;
+      }
+      ranks |= Mask{1} << (e / experts_per_rank);
+    }
+  }
+}
+
+// One thread per rank r, once every warp of the block stored its count of a tile's tokens for r in
+// warp_counts[w][r]: replaces each count by the warp's first index among this rank's tokens for r (an exclusive
+// scan over the warps, from totals[r]), and advances totals[r] past the tile.
+template <int kBlockWarps, int kRanks>
+__device__ __forceinline__ void scan_warp_counts(int32_t (&warp_counts)[kBlockWarps][kRanks], int32_t* totals, int r) {
+  int32_t running = totals[r];
+  for (int w = 0; w < kBlockWarps; ++w) {
+    const int32_t count = warp_counts[w][r];
+    warp_counts[w][r] = running;
+    running += count;
+  }
+  totals[r] = running;
+}
+
+// ---- receiving -----------------------------------------------------------------------------------------------------
 
 // The grid's warps take the (source rank, source token) pairs in a strided order, 32 at a time (one lane each
 // asks `row_of(src, t)` where its pair lands here, -1 for nowhere), then receive the pairs that land here one
@@ -92,6 +131,24 @@ __device__ __forceinline__ void align_expert_counts(const Args& a, int num_ranks
     const int64_t count = __ldcg(a.num_recv_tokens_per_expert + j);
     a.num_recv_tokens_per_expert[j] =
         static_cast<int32_t>((count + a.expert_alignment - 1) / a.expert_alignment * a.expert_alignment);
+  }
+}
+
+// ---- cached dispatch ------------------------------------------------------------------------------------------------
+
+// The grid's warps fill the cached dispatch's rows [capacity, row_bytes]: row i is the row of source pair
+// recv_src_index[i] = src_rank * T + t, which `copy(dst, src_rank, t)` (int64) copies (a whole warp), or zeros.
+template <typename Args, typename Copy>
+__device__ __forceinline__ void fill_cached_rows(const Args& a, int num_ranks, Copy copy) {
+  const int lane = threadIdx.x % 32;
+  const int64_t num_pairs = num_ranks * a.num_tokens;
+  for (int64_t row = global_warp(); row < a.capacity; row += num_global_warps()) {
+    const int32_t src = a.recv_src_index[row];
+    void* dst = row_of(a.recv_x, row, a.row_bytes);
+    if (src >= 0 && src < num_pairs)
+      copy(dst, src / a.num_tokens, src % a.num_tokens);
+    else
+      warp_zero_row(dst, a.row_bytes, lane);
   }
 }
 

@@ -5,7 +5,7 @@
 #include <nvshmemx.h>
 
 #include <cstring>
-#include <map>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -13,16 +13,17 @@
 #include <vector>
 
 #include "api.h"
+#include "registry.h"
 
 namespace jax_ep {
 namespace {
 
-std::mutex g_mutex;
+// NVSHMEM is initialised once per process; the Buffers' symmetric regions are kept in the registry.
+std::mutex g_bootstrap_mutex;
 bool g_initialized = false;
-// Symmetric regions of Buffers by (buffer id, CUDA ordinal); one process per GPU, so at most one ordinal.
-std::map<std::pair<int64_t, int>, SymmetricRegion> g_regions;
 
-void check_cuda(cudaError_t err, const char* what) {
+// A CUDA call on the current device.
+void check(cudaError_t err, const char* what) {
   if (err != cudaSuccess)
     throw std::runtime_error(std::string("jax_ep nvshmem: ") + what + " failed: " + cudaGetErrorString(err));
 }
@@ -45,14 +46,14 @@ std::string nvshmem_unique_id() {
 }
 
 void nvshmem_initialize(int device_ordinal, int rank, int num_ranks, const std::string& unique_id) {
-  std::lock_guard<std::mutex> lock(g_mutex);
+  std::lock_guard<std::mutex> lock(g_bootstrap_mutex);
   if (g_initialized) throw std::runtime_error("jax_ep nvshmem: already initialised in this process");
   if (unique_id.size() != sizeof(nvshmemx_uniqueid_t))
     throw std::invalid_argument("jax_ep nvshmem: the unique id has " + std::to_string(unique_id.size()) +
                                 " bytes, expected " + std::to_string(sizeof(nvshmemx_uniqueid_t)));
   nvshmemx_uniqueid_t id;
   std::memcpy(&id, unique_id.data(), sizeof(id));
-  check_cuda(cudaSetDevice(device_ordinal), "cudaSetDevice");
+  check(cudaSetDevice(device_ordinal), "cudaSetDevice");
   nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
   check_status(nvshmemx_set_attr_uniqueid_args(rank, num_ranks, &id, &attr), "nvshmemx_set_attr_uniqueid_args");
   check_status(nvshmemx_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr), "nvshmemx_init_attr");
@@ -64,7 +65,7 @@ void nvshmem_initialize(int device_ordinal, int rank, int num_ranks, const std::
 }
 
 bool nvshmem_is_initialized() {
-  std::lock_guard<std::mutex> lock(g_mutex);
+  std::lock_guard<std::mutex> lock(g_bootstrap_mutex);
   return g_initialized;
 }
 
@@ -73,24 +74,26 @@ void* nvshmem_allocate(int64_t bytes) {
   if (pointer == nullptr && bytes > 0)
     throw std::runtime_error("jax_ep nvshmem: nvshmem_malloc of " + std::to_string(bytes) +
                              " bytes failed (raise NVSHMEM_SYMMETRIC_SIZE)");
-  check_cuda(cudaMemset(pointer, 0, static_cast<size_t>(bytes)), "cudaMemset (symmetric memory)");
-  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  check(cudaMemset(pointer, 0, static_cast<size_t>(bytes)), "cudaMemset (symmetric memory)");
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   nvshmem_barrier_all();  // every PE zeroed its part before anyone writes into it
   return pointer;
 }
 
 void nvshmem_release(void* pointer) {
-  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   nvshmem_free(pointer);
 }
 
 void nvshmem_region_create(int64_t buffer_id, int device_ordinal, int64_t bytes, const std::vector<int>& pes) {
-  // The caller (jax_ep.cuda_backend) checked these on every process before this collective call; a failure
+  // The caller (jax_ep's cuda backend) checked these on every process before this collective call; a failure
   // here is a bug, and the other PEs would wait in nvshmem_malloc.
+  if (!nvshmem_is_initialized())
+    throw std::runtime_error("jax_ep nvshmem: not initialised (jax_ep.nvshmem.initialize())");
+  Registry& entries = registry();
   {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    if (!g_initialized) throw std::runtime_error("jax_ep nvshmem: not initialised (jax_ep.nvshmem.initialize())");
-    if (g_regions.count({buffer_id, device_ordinal}))
+    std::lock_guard<std::mutex> lock(entries.mutex);
+    if (const DeviceEntry* entry = entries.find(buffer_id, device_ordinal); entry && entry->symmetric)
       throw std::invalid_argument("jax_ep nvshmem: buffer " + std::to_string(buffer_id) +
                                   " already has a region on CUDA device " + std::to_string(device_ordinal));
   }
@@ -102,59 +105,49 @@ void nvshmem_region_create(int64_t buffer_id, int device_ordinal, int64_t bytes,
     if (pe < 0 || pe >= nvshmem_n_pes())
       throw std::invalid_argument("jax_ep nvshmem: PE " + std::to_string(pe) + " outside the " +
                                   std::to_string(nvshmem_n_pes()) + " PEs");
-  int current = 0;
-  check_cuda(cudaGetDevice(&current), "cudaGetDevice");
-  check_cuda(cudaSetDevice(device_ordinal), "cudaSetDevice");
-  SymmetricRegion region;
-  try {
-    region.base = static_cast<char*>(nvshmem_allocate(bytes));  // collective: every PE, same size
-  } catch (...) {
-    cudaSetDevice(current);
-    throw;
+  auto region = std::make_unique<SymmetricRegion>();
+  {
+    CurrentDeviceGuard restore_device;
+    check_cuda(cudaSetDevice(device_ordinal), "cudaSetDevice", device_ordinal, "jax_ep nvshmem");
+    // Collective: every PE, same size. Outside the registry's lock: the other PEs may take their time.
+    region->base = static_cast<char*>(nvshmem_allocate(bytes));
   }
-  check_cuda(cudaSetDevice(current), "cudaSetDevice");
-  region.bytes = bytes;
-  region.num_ranks = static_cast<int32_t>(pes.size());
-  for (size_t r = 0; r < pes.size(); ++r) region.pes[r] = pes[r];
-  std::lock_guard<std::mutex> lock(g_mutex);
-  g_regions[{buffer_id, device_ordinal}] = region;
+  region->bytes = bytes;
+  region->num_ranks = static_cast<int32_t>(pes.size());
+  for (size_t r = 0; r < pes.size(); ++r) region->pes[r] = pes[r];
+  std::lock_guard<std::mutex> lock(entries.mutex);
+  CurrentDeviceGuard restore_device;  // a new entry allocates its timeout record on the device
+  entries.find_or_create(buffer_id, device_ordinal).symmetric = std::move(region);
 }
 
 bool nvshmem_region_lookup(int64_t buffer_id, int device_ordinal, SymmetricRegion* out) {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  auto it = g_regions.find({buffer_id, device_ordinal});
-  if (it == g_regions.end()) return false;
-  *out = it->second;
-  return true;
+  return registry().copy_part(buffer_id, device_ordinal, out,
+                              [](const DeviceEntry& entry) { return entry.symmetric.get(); });
+}
+
+void release_symmetric(int device, void* pointer, ErrorList& errors) {
+  try {
+    check_cuda(cudaSetDevice(device), "cudaSetDevice", device, "jax_ep nvshmem");
+    nvshmem_release(pointer);
+  } catch (const std::exception& e) {
+    errors.note(e.what());
+  }
 }
 
 std::string nvshmem_region_destroy(int64_t buffer_id, bool release) {
-  std::vector<std::pair<int, SymmetricRegion>> doomed;
+  std::vector<std::pair<int, std::unique_ptr<SymmetricRegion>>> doomed;
+  Registry& entries = registry();
   {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    for (auto it = g_regions.begin(); it != g_regions.end();) {
-      if (it->first.first != buffer_id) {
-        ++it;
-        continue;
-      }
-      doomed.emplace_back(it->first.second, it->second);
-      it = g_regions.erase(it);  // no lookup finds it from here on
-    }
+    std::lock_guard<std::mutex> lock(entries.mutex);
+    for (DeviceEntry* entry : entries.entries_of(buffer_id))
+      if (entry->symmetric) doomed.emplace_back(entry->device, std::move(entry->symmetric));  // no lookup finds it
+    entries.erase_empty(buffer_id);
   }
-  std::string errors;
-  if (!release) return errors;
-  int current = 0;
-  cudaGetDevice(&current);
-  for (const auto& [device, region] : doomed) {
-    try {
-      check_cuda(cudaSetDevice(device), "cudaSetDevice");
-      nvshmem_release(region.base);  // collective: every PE frees its part
-    } catch (const std::exception& e) {
-      errors += std::string(errors.empty() ? "" : "; ") + e.what();
-    }
-  }
-  cudaSetDevice(current);
-  return errors;
+  ErrorList errors;
+  if (!release) return errors.text();
+  CurrentDeviceGuard restore_device;
+  for (const auto& [device, region] : doomed) release_symmetric(device, region->base, errors);
+  return errors.text();
 }
 
 int nvshmem_ring_check() {
@@ -168,11 +161,11 @@ int nvshmem_ring_check() {
     }
   } release{words};
   ring_put_kernel<<<1, 1>>>(words);
-  check_cuda(cudaGetLastError(), "ring_put_kernel launch");
-  check_cuda(cudaDeviceSynchronize(), "ring_put_kernel");
+  check(cudaGetLastError(), "ring_put_kernel launch");
+  check(cudaDeviceSynchronize(), "ring_put_kernel");
   nvshmem_barrier_all();  // also completes every PE's puts
   int value = -1;
-  check_cuda(cudaMemcpy(&value, words, sizeof(int), cudaMemcpyDeviceToHost), "cudaMemcpy");
+  check(cudaMemcpy(&value, words, sizeof(int), cudaMemcpyDeviceToHost), "cudaMemcpy");
   return value;
 }
 

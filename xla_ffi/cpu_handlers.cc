@@ -1,8 +1,6 @@
-// CPU XLA FFI handlers for the local (communication-free) ops.
+// CPU XLA FFI handler of the local (communication-free) layout op.
 #include "api.h"
 #include "handlers.h"
-
-namespace ffi = xla::ffi;
 
 namespace jax_ep::ffi_handlers {
 namespace {
@@ -20,14 +18,6 @@ ffi::Error LayoutCpuImpl(ffi::Buffer<ffi::S32> topk_idx, int64_t num_experts, in
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LayoutCpu, LayoutCpuImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("num_ranks")
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::PRED>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LayoutCpu, LayoutCpuImpl, WithLayoutSignature(ffi::Ffi::Bind()));
 
 }  // namespace jax_ep::ffi_handlers

@@ -1,194 +1,256 @@
-// Handler symbols defined in cpu_handlers.cc, cuda_handlers.cc, intranode_handlers.cc, low_latency_handlers.cc and
-// internode_handlers.cc, exported by module.cc.
+// The frame of jax_ep's XLA FFI handlers (cpu_handlers.cc, cuda_handlers.cc, intranode_handlers.cc,
+// internode_handlers.cc, low_latency_handlers.cc): errors that name the op, the bindings every CUDA handler starts
+// with, the normal-mode handler that finds this device's rank, and the decoding of buffers. csrc/api.h is the one
+// header of the kernels and runtime that the handlers see. module.cc exports the handler symbols declared last.
 #pragma once
+#include <optional>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "api.h"
-#include "kernel_limits.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ep::ffi_handlers {
 
+namespace ffi = xla::ffi;
+
 // An op's bad-argument error: "jax_ep <op>: <message>" (op names the mode where it matters, e.g.
 // "internode dispatch").
-inline xla::ffi::Error Invalid(const std::string& op, const std::string& message) {
-  return xla::ffi::Error::InvalidArgument("jax_ep " + op + ": " + message);
+inline ffi::Error Invalid(const std::string& op, const std::string& message) {
+  return ffi::Error::InvalidArgument("jax_ep " + op + ": " + message);
 }
-
-#if defined(JAX_EP_WITH_CUDA)
-// The error of a kernel launch that failed for a reason the handler has no better words for (each handler file
-// first turns the errors its launch functions use for refused arguments into Invalid).
-inline xla::ffi::Error LaunchFailed(const std::string& op, cudaError_t err) {
-  return xla::ffi::Error::Internal("jax_ep " + op + ": kernel launch failed: " + cudaGetErrorString(err));
-}
-#endif
 
 // The layout handlers' shared argument check (CPU and CUDA).
-inline xla::ffi::Error CheckLayoutArgs(const xla::ffi::Buffer<xla::ffi::S32>& topk_idx, int64_t num_experts,
-                                       int64_t num_ranks) {
-  if (topk_idx.dimensions().size() != 2)
-    return xla::ffi::Error::InvalidArgument("jax_ep layout: topk_idx must be rank 2");
+inline ffi::Error CheckLayoutArgs(const ffi::Buffer<ffi::S32>& topk_idx, int64_t num_experts, int64_t num_ranks) {
+  if (topk_idx.dimensions().size() != 2) return Invalid("layout", "topk_idx must be rank 2");
   if (num_ranks <= 0 || num_experts % num_ranks != 0)
-    return xla::ffi::Error::InvalidArgument("jax_ep layout: num_experts must be a positive multiple of num_ranks");
-  return xla::ffi::Error::Success();
+    return Invalid("layout", "num_experts must be a positive multiple of num_ranks");
+  return ffi::Error::Success();
+}
+
+// Int64 attributes appended to a binding by name, in order (jax_ep's call sites send every attribute as np.int64).
+// Bindings only move along a chain of calls, so the last name ends the recursion.
+template <typename Binding>
+auto Int64Attrs(Binding binding, const char* name) {
+  return std::move(binding).template Attr<int64_t>(name);
+}
+
+template <typename Binding, typename... Names>
+auto Int64Attrs(Binding binding, const char* name, const char* next, Names... names) {
+  return Int64Attrs(std::move(binding).template Attr<int64_t>(name), next, names...);
+}
+
+// N operands of any type appended to a binding (the handlers check their types and shapes themselves, to name
+// what is wrong).
+template <size_t N, typename Binding>
+auto AnyBufferArgs(Binding binding) {
+  if constexpr (N == 1)
+    return std::move(binding).template Arg<ffi::AnyBuffer>();
+  else
+    return AnyBufferArgs<N - 1>(std::move(binding).template Arg<ffi::AnyBuffer>());
+}
+
+// The layout op's signature after a binding's start (CPU: nothing; CUDA: the stream): topk_idx, the attributes
+// num_experts and num_ranks, and the results num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank and
+// invalid_ids.
+template <typename Binding>
+auto WithLayoutSignature(Binding binding) {
+  return Int64Attrs(std::move(binding).template Arg<ffi::Buffer<ffi::S32>>(), "num_experts", "num_ranks")
+      .template Ret<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::Buffer<ffi::PRED>>()
+      .template Ret<ffi::Buffer<ffi::S32>>();
 }
 
 #if defined(JAX_EP_WITH_CUDA)
-// The launch settings of a normal-mode call (Call: IntranodeCall or InternodeCall): this device's rank in
-// buffer `buffer_id`, found by `lookup` (intranode_lookup or internode_lookup; `mode` and `created_with` word
-// the error when there is none), the SM count, the wait bound and the stream.
-template <typename Call, typename Lookup>
-xla::ffi::Error MakeNormalCall(const char* op, Lookup lookup, const char* mode, const char* created_with,
-                               cudaStream_t stream, int32_t device, int64_t buffer_id, int64_t num_sms,
-                               int64_t timeout_ns, Call* call) {
-  if (!lookup(buffer_id, device, &call->group))
-    return Invalid(op, std::string("no ") + mode + " state of buffer " + std::to_string(buffer_id) +
-                           " on CUDA device " + std::to_string(device) + " (create the Buffer " + created_with +
-                           " over a mesh holding this device and keep it alive while programs that use it run)");
-  if (num_sms < 1 || timeout_ns < 1) return Invalid(op, "num_sms and timeout_ns must be positive");
-  call->num_sms = static_cast<int32_t>(num_sms);
-  call->timeout_ns = timeout_ns;
-  call->stream = stream;
-  return xla::ffi::Error::Success();
+// The answer to a launch function's error (cudaSuccess: none). Launch functions refuse arguments with
+// cudaErrorMemoryAllocation (the Buffer's memory is too small for the call; `too_small()` words why) and
+// cudaErrorInvalidValue (outside the kernel's limits); anything else is a failed launch.
+template <typename TooSmall>
+ffi::Error Launched(const std::string& op, cudaError_t err, TooSmall too_small) {
+  if (err == cudaSuccess) return ffi::Error::Success();
+  if (err == cudaErrorMemoryAllocation) return Invalid(op, too_small());
+  if (err == cudaErrorInvalidValue) return Invalid(op, "arguments outside the kernel's limits");
+  return ffi::Error::Internal("jax_ep " + op + ": kernel launch failed: " + cudaGetErrorString(err));
 }
 
-// Decoding of the normal-mode handlers' buffers (intranode_handlers.cc, internode_handlers.cc). In a namespace of
-// their own so that a handler file's local helpers cannot clash with them.
-namespace buffer_args {
-
-inline xla::ffi::Error Collect(const xla::ffi::RemainingArgs& args, std::vector<xla::ffi::AnyBuffer>* out) {
-  for (size_t i = 0; i < args.size(); ++i) {
-    auto buffer = args.get<xla::ffi::AnyBuffer>(i);
-    if (!buffer.has_value()) return buffer.error();
-    out->push_back(*buffer);
-  }
-  return xla::ffi::Error::Success();
+// Every CUDA handler's binding starts with this device's stream and its ordinal.
+inline auto CudaBinding() {
+  return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>();
 }
 
-inline xla::ffi::Error Collect(const xla::ffi::RemainingRets& rets, std::vector<xla::ffi::AnyBuffer>* out) {
-  for (size_t i = 0; i < rets.size(); ++i) {
-    auto buffer = rets.get<xla::ffi::AnyBuffer>(i);
-    if (!buffer.has_value()) return buffer.error();
-    out->push_back(**buffer);
-  }
-  return xla::ffi::Error::Success();
+// ---- normal mode (intranode_handlers.cc, internode_handlers.cc) -----------------------------------------------------
+
+// A normal-mode handler's binding: the stream, the ordinal and the attributes of every normal-mode call; the op's
+// operands, results and attributes follow.
+inline auto NormalBinding() { return Int64Attrs(CudaBinding(), "buffer_id", "num_sms", "timeout_ns"); }
+
+// This device's rank of a normal-mode Buffer (api.h's lookups, by rank type), and the words for its absence.
+inline bool FindRank(int64_t buffer_id, int device, IntranodeRank* rank) {
+  return intranode_lookup(buffer_id, device, rank);
+}
+inline const char* MissingRank(const IntranodeRank&) { return "no intranode state"; }
+inline const char* CreatedWith(const IntranodeRank&) { return "with backend='cuda'"; }
+#if defined(JAX_EP_WITH_NVSHMEM)
+inline bool FindRank(int64_t buffer_id, int device, InternodeRank* rank) {
+  return internode_lookup(buffer_id, device, rank);
+}
+inline const char* MissingRank(const InternodeRank&) { return "no internode state"; }
+inline const char* CreatedWith(const InternodeRank&) { return "with ranks_per_node"; }
+#endif
+
+// The implementation of a normal-mode handler bound by NormalBinding(): finds this device's rank of the Buffer,
+// fills the launch settings (Call: IntranodeCall or InternodeCall), then returns body(op, call, the op's decoded
+// operands...). `op` names the op in errors.
+template <typename Call, typename Body>
+auto NormalHandler(const char* op, Body body) {
+  return [op, body](cudaStream_t stream, int32_t device, int64_t buffer_id, int64_t num_sms, int64_t timeout_ns,
+                    auto... operands) -> ffi::Error {
+    Call call;
+    if (!FindRank(buffer_id, device, &call.group))
+      return Invalid(op, std::string(MissingRank(call.group)) + " of buffer " + std::to_string(buffer_id) +
+                             " on CUDA device " + std::to_string(device) + " (create the Buffer " +
+                             CreatedWith(call.group) +
+                             " over a mesh holding this device and keep it alive while programs that use it run)");
+    if (num_sms < 1 || timeout_ns < 1) return Invalid(op, "num_sms and timeout_ns must be positive");
+    call.num_sms = static_cast<int32_t>(num_sms);
+    call.timeout_ns = timeout_ns;
+    call.stream = stream;
+    return body(op, call, std::move(operands)...);
+  };
 }
 
-inline int64_t LeadingDim(const xla::ffi::AnyBuffer& buffer) {
+// The operands and results every normal-mode dispatch handler decodes alike into the NormalDispatchArgs part of
+// its args. args: x payloads (num_payloads: 1, or 2 for the FP8 pair), topk_idx, [topk_weights]; rets: recv
+// payloads, recv_topk_idx, [recv_topk_weights], num_recv_tokens, num_recv_tokens_per_expert, num_dropped,
+// invalid_ids, recv_src_index, is_token_in_rank, then the mode's `handle_results` handle arrays, which it returns
+// in *handle.
+ffi::Error DecodeDispatch(const std::string& op, ffi::RemainingArgs remaining_args,
+                          ffi::RemainingRets remaining_rets, int64_t num_payloads, int64_t num_experts,
+                          int64_t expert_alignment, int num_ranks, size_t handle_results, NormalDispatchArgs* a,
+                          std::vector<ffi::AnyBuffer>* handle);
+
+// The dispatch of either mode: its binding, and its implementation, which decodes what every dispatch has (see
+// DecodeDispatch) into Args (DispatchArgs or InternodeDispatchArgs), then returns launch(op, call, a, handle), where
+// `handle` holds the mode's two handle results.
+inline auto NormalDispatchBinding() {
+  return Int64Attrs(NormalBinding().RemainingArgs().RemainingRets(), "num_payloads", "num_experts",
+                    "expert_alignment");
+}
+
+template <typename Call, typename Args, typename Launch>
+auto NormalDispatchHandler(const char* op, Launch launch) {
+  return NormalHandler<Call>(op, [launch](const char* op, const Call& call, ffi::RemainingArgs args,
+                                          ffi::RemainingRets rets, int64_t num_payloads, int64_t num_experts,
+                                          int64_t expert_alignment) {
+    Args a;
+    std::vector<ffi::AnyBuffer> handle;
+    if (auto err = DecodeDispatch(op, args, rets, num_payloads, num_experts, expert_alignment, call.group.num_ranks,
+                                  /*handle_results=*/2, &a, &handle);
+        err.failure())
+      return err;
+    return launch(op, call, a, handle);
+  });
+}
+
+// ---- decoding buffers -----------------------------------------------------------------------------------------------
+
+inline int64_t LeadingDim(const ffi::AnyBuffer& buffer) {
   const auto dims = buffer.dimensions();
   return dims.size() == 0 ? 1 : dims[0];
 }
 
 // Bytes of one row: everything after the leading axis.
-inline int64_t RowBytes(const xla::ffi::AnyBuffer& buffer) {
+inline int64_t RowBytes(const ffi::AnyBuffer& buffer) {
   const auto dims = buffer.dimensions();
   int64_t elements = 1;
   for (size_t i = 1; i < dims.size(); ++i) elements *= dims[i];
-  return elements * static_cast<int64_t>(xla::ffi::ByteWidth(buffer.element_type()));
+  return elements * static_cast<int64_t>(ffi::ByteWidth(buffer.element_type()));
 }
 
 // Elements of one row: everything after the leading axis.
-inline int64_t RowElements(const xla::ffi::AnyBuffer& buffer) {
-  return RowBytes(buffer) / static_cast<int64_t>(xla::ffi::ByteWidth(buffer.element_type()));
+inline int64_t RowElements(const ffi::AnyBuffer& buffer) {
+  return RowBytes(buffer) / static_cast<int64_t>(ffi::ByteWidth(buffer.element_type()));
 }
 
-inline bool IsMatrix(const xla::ffi::AnyBuffer& buffer, xla::ffi::DataType type, int64_t rows, int64_t cols) {
+inline bool IsMatrix(const ffi::AnyBuffer& buffer, ffi::DataType type, int64_t rows, int64_t cols) {
   const auto dims = buffer.dimensions();
   return buffer.element_type() == type && dims.size() == 2 && dims[0] == rows && dims[1] == cols;
 }
 
-inline bool IsVector(const xla::ffi::AnyBuffer& buffer, xla::ffi::DataType type, int64_t size) {
+inline bool IsVector(const ffi::AnyBuffer& buffer, ffi::DataType type, int64_t size) {
   const auto dims = buffer.dimensions();
   return buffer.element_type() == type && dims.size() == 1 && dims[0] == size;
 }
 
-inline bool AsFloatType(xla::ffi::DataType dtype, FloatType* out) {
+template <typename T>
+const T* DataOf(const ffi::AnyBuffer& buffer) {
+  return static_cast<const T*>(buffer.untyped_data());
+}
+
+template <typename T>
+T* MutableDataOf(const ffi::AnyBuffer& buffer) {
+  return static_cast<T*>(buffer.untyped_data());
+}
+
+// The buffers of a variable operand or result list (the dispatches, whose payloads are one array or the FP8 pair).
+template <typename Remaining>
+ffi::Error Collect(const Remaining& remaining, std::vector<ffi::AnyBuffer>* out) {
+  for (size_t i = 0; i < remaining.size(); ++i) {
+    auto buffer = remaining.template get<ffi::AnyBuffer>(i);
+    if (!buffer.has_value()) return buffer.error();
+    if constexpr (std::is_same_v<Remaining, ffi::RemainingRets>)
+      out->push_back(**buffer);
+    else
+      out->push_back(*buffer);
+  }
+  return ffi::Error::Success();
+}
+
+inline bool AsFloatType(ffi::DataType dtype, FloatType* out) {
   switch (dtype) {
-    case xla::ffi::DataType::F32: *out = FloatType::kF32; return true;
-    case xla::ffi::DataType::BF16: *out = FloatType::kBF16; return true;
-    case xla::ffi::DataType::F16: *out = FloatType::kF16; return true;
+    case ffi::DataType::F32: *out = FloatType::kF32; return true;
+    case ffi::DataType::BF16: *out = FloatType::kBF16; return true;
+    case ffi::DataType::F16: *out = FloatType::kF16; return true;
     default: return false;
   }
 }
 
-// The optional bias operand of both normal-mode combines (Args: CombineArgs or InternodeCombineArgs, after
-// num_tokens and row_elements are set): floating [num_tokens, ...] with the result's row length. False where
-// it is not; the caller names the error.
+// The result and the optional bias of both normal-mode combines (Args: CombineArgs or InternodeCombineArgs), once
+// y [C, ...] is decoded: out [T, ...] of y's row length and type or float32, bias floating [T, ...] like out.
 template <typename Args>
-bool DecodeBias(const xla::ffi::AnyBuffer& bias, Args* a) {
-  if (!AsFloatType(bias.element_type(), &a->bias_type) || LeadingDim(bias) != a->num_tokens ||
-      RowElements(bias) != a->row_elements)
-    return false;
-  a->bias = bias.untyped_data();
-  return true;
-}
-
-// The operands and results every normal-mode dispatch handler decodes alike (Args: DispatchArgs or
-// InternodeDispatchArgs, whose fields share names). args: x payloads (num_payloads: 1, or 2 for the FP8 pair),
-// topk_idx, [topk_weights]; rets: recv payloads, recv_topk_idx, [recv_topk_weights], num_recv_tokens,
-// num_recv_tokens_per_expert, num_dropped, invalid_ids, recv_src_index, is_token_in_rank, then `handle_results`
-// of the kernel's own, from index *next on. `op` prefixes the error messages (e.g. "jax_ep dispatch").
-template <typename Args>
-xla::ffi::Error DecodeDispatch(const std::string& op, const std::vector<xla::ffi::AnyBuffer>& args,
-                               const std::vector<xla::ffi::AnyBuffer>& rets, int64_t num_payloads,
-                               int64_t num_experts, int64_t expert_alignment, int num_ranks, size_t handle_results,
-                               Args* a, size_t* next) {
-  namespace ffi = xla::ffi;
-  auto invalid = [&](const std::string& message) { return ffi::Error::InvalidArgument(op + ": " + message); };
-  if (num_payloads < 1 || num_payloads > 2) return invalid("num_payloads must be 1 or 2");
-  const size_t payloads = static_cast<size_t>(num_payloads);
-  if (args.size() != payloads + 1 && args.size() != payloads + 2) return invalid("wrong number of operands");
-  const bool has_weights = args.size() == payloads + 2;
-  if (rets.size() != payloads + (has_weights ? 8 : 7) + handle_results) return invalid("wrong number of results");
-  const ffi::AnyBuffer& topk_idx = args[payloads];
-  const auto idx_dims = topk_idx.dimensions();
-  if (topk_idx.element_type() != ffi::DataType::S32 || idx_dims.size() != 2)
-    return invalid("topk_idx must be int32 [num_tokens, num_topk]");
-  if (num_experts < num_ranks || num_experts % num_ranks) return invalid("num_experts must be a multiple of the ranks");
-  if (idx_dims[1] < 1 || idx_dims[1] > kNormalMaxTopk)
-    return invalid("1 to " + std::to_string(kNormalMaxTopk) + " top-k entries per token");
-  a->num_payloads = static_cast<int32_t>(payloads);
-  a->num_tokens = idx_dims[0];
-  a->num_topk = idx_dims[1];
-  a->num_experts = num_experts;
-  a->capacity = LeadingDim(rets[0]);
-  a->expert_alignment = expert_alignment;
-  for (size_t p = 0; p < payloads; ++p) {
-    if (LeadingDim(args[p]) != a->num_tokens || LeadingDim(rets[p]) != a->capacity ||
-        RowBytes(args[p]) != RowBytes(rets[p]))
-      return invalid("payload shapes disagree with topk_idx or the capacity");
-    a->x[p] = args[p].untyped_data();
-    a->x_row_bytes[p] = RowBytes(args[p]);
-    a->recv_x[p] = rets[p].untyped_data();
+ffi::Error DecodeCombineOutput(const std::string& op, const ffi::AnyBuffer& y, const ffi::AnyBuffer& out,
+                               const std::optional<ffi::AnyBuffer>& bias, Args* a) {
+  if (!AsFloatType(y.element_type(), &a->y_type) || !AsFloatType(out.element_type(), &a->out_type))
+    return Invalid(op, "y and the result must be float32, bfloat16 or float16");
+  a->y = y.untyped_data();
+  a->row_elements = RowElements(y);
+  a->capacity = LeadingDim(y);
+  a->num_tokens = LeadingDim(out);
+  if (RowElements(out) != a->row_elements) return Invalid(op, "y and the result differ in row size");
+  a->out = out.untyped_data();
+  if (bias.has_value()) {
+    if (!AsFloatType(bias->element_type(), &a->bias_type) || LeadingDim(*bias) != a->num_tokens ||
+        RowElements(*bias) != a->row_elements)
+      return Invalid(op, "bias must be floating [num_tokens, ...] like the result");
+    a->bias = bias->untyped_data();
   }
-  a->topk_idx = static_cast<const int32_t*>(topk_idx.untyped_data());
-  size_t i = payloads;
-  a->recv_topk_idx = static_cast<int32_t*>(rets[i++].untyped_data());
-  if (has_weights) {
-    a->topk_weights = static_cast<const float*>(args[payloads + 1].untyped_data());
-    a->recv_topk_weights = static_cast<float*>(rets[i++].untyped_data());
-  }
-  a->num_recv_tokens = static_cast<int32_t*>(rets[i++].untyped_data());
-  a->num_recv_tokens_per_expert = static_cast<int32_t*>(rets[i++].untyped_data());
-  a->num_dropped = static_cast<int32_t*>(rets[i++].untyped_data());
-  a->invalid_ids = static_cast<int32_t*>(rets[i++].untyped_data());
-  a->recv_src_index = static_cast<int32_t*>(rets[i++].untyped_data());
-  a->is_token_in_rank = static_cast<bool*>(rets[i++].untyped_data());
-  *next = i;
   return ffi::Error::Success();
 }
 
-}  // namespace buffer_args
 #endif
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(LayoutCpu);
 #if defined(JAX_EP_WITH_CUDA)
 XLA_FFI_DECLARE_HANDLER_SYMBOL(LayoutCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(IntranodeDispatch);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(IntranodeDispatch);  // intranode_handlers.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(IntranodeCachedDispatch);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(IntranodeCombine);
+#if defined(JAX_EP_INSTRUMENT)
 XLA_FFI_DECLARE_HANDLER_SYMBOL(IntranodeStoreProbe);
+#endif
 XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyDispatchSend);  // low_latency_handlers.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyDispatchRecv);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyCombineSend);

@@ -6,13 +6,26 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <stdexcept>
+#include <string>
+
 #include "api.h"
 #include "handlers.h"
-#include "kernel_limits.h"
 
 namespace nb = nanobind;
 
 namespace {
+
+// The benchmark's instruments (kernel timers, the low-latency trace) in a build without them: defined under the
+// same names, they raise this.
+void DefineNotInstrumented(nb::module_& m, const char* name) {
+  m.def(name, [name](nb::args, nb::kwargs) {
+    throw std::runtime_error(std::string("jax_ep._C.") + name +
+                             ": this jax_ep was built without the benchmark instrumentation; rebuild it with "
+                             "pip install --no-build-isolation -e . "
+                             "--config-settings=cmake.define.JAX_EP_INSTRUMENT=ON");
+  });
+}
 
 template <typename Fn>
 nb::capsule Capsule(Fn* handler) {
@@ -37,7 +50,9 @@ nb::dict Registrations() {
   targets["jax_ep_dispatch"] = cuda_only(Capsule(IntranodeDispatch));
   targets["jax_ep_cached_dispatch"] = cuda_only(Capsule(IntranodeCachedDispatch));
   targets["jax_ep_combine"] = cuda_only(Capsule(IntranodeCombine));
+#if defined(JAX_EP_INSTRUMENT)
   targets["jax_ep_store_probe"] = cuda_only(Capsule(IntranodeStoreProbe));
+#endif
   targets["jax_ep_low_latency_dispatch_send"] = cuda_only(Capsule(LowLatencyDispatchSend));
   targets["jax_ep_low_latency_dispatch_recv"] = cuda_only(Capsule(LowLatencyDispatchRecv));
   targets["jax_ep_low_latency_combine_send"] = cuda_only(Capsule(LowLatencyCombineSend));
@@ -56,6 +71,7 @@ nb::dict Limits() {
   nb::dict limits;
   limits["max_intranode_ranks"] = jax_ep::kMaxIntranodeRanks;
   limits["normal_max_topk"] = jax_ep::kNormalMaxTopk;
+  limits["combine_max_push_warps"] = jax_ep::kCombineMaxPushWarps;
   limits["staging_offset"] = jax_ep::kStagingOffset;
   limits["staging_align"] = jax_ep::kStagingAlign;
   limits["low_latency_max_topk"] = jax_ep::kLowLatencyMaxTopk;
@@ -87,6 +103,11 @@ int64_t DispatchStagingBytes(int64_t num_tokens, const std::vector<int64_t>& pay
 NB_MODULE(_C, m) {
   m.doc() = "jax_ep native extension: XLA FFI handlers and the device runtime";
   m.def("registrations", &Registrations, "{target name: {platform: FFI handler capsule}}");
+  // Whether the benchmark's instruments are compiled in (CMake option JAX_EP_INSTRUMENT): the kernel timers
+  // (intranode_kernel_times, internode_kernel_times), the low-latency trace (low_latency_trace,
+  // low_latency_trace_fields) and the FFI target jax_ep_store_probe. Without them those functions raise and the
+  // target is not registered.
+  m.attr("with_instrumentation") = jax_ep::kInstrumented;
   // Limits and sizes (csrc/kernel_limits.h), in every build: jax_ep reads them here instead of keeping its own copies.
   m.def("limits", &Limits, "{name: value} of the kernels' limits and fixed sizes (csrc/kernel_limits.h).");
   m.def(
@@ -157,6 +178,9 @@ NB_MODULE(_C, m) {
         "Waits for and frees every group of buffer_id; returns '' or the CUDA errors met.");
   m.def("intranode_errors", &jax_ep::intranode_errors, nb::arg("buffer_id"),
         "One line per rank of buffer_id whose kernel timed out waiting for a peer (readable after the trap).");
+  m.def("low_latency_errors", &jax_ep::low_latency_errors, nb::arg("buffer_id"), nb::arg("device_ordinals"),
+        "One line per device whose low-latency kernel of buffer_id timed out (op, rank, peer, call).");
+#if defined(JAX_EP_INSTRUMENT)
   m.def(
       "low_latency_trace",
       [](int64_t buffer_id, const std::vector<int>& device_ordinals, int transport, int64_t ll_offset, bool reset) {
@@ -168,10 +192,12 @@ NB_MODULE(_C, m) {
       "Per device: the LL kernels' trace rings as 64-bit words (kernel, slot, word); reset prepares them.");
   m.def("low_latency_trace_fields", &jax_ep::low_latency_trace_fields,
         "(names of the trace words every LL kernel has, per kernel the names of its phase words).");
-  m.def("low_latency_errors", &jax_ep::low_latency_errors, nb::arg("buffer_id"), nb::arg("device_ordinals"),
-        "One line per device whose low-latency kernel of buffer_id timed out (op, rank, peer, call).");
   m.def("intranode_kernel_times", &jax_ep::intranode_kernel_times, nb::arg("buffer_id"), nb::arg("reset") = false,
         "[(calls, summed kernel ns)] per device of buffer_id in this process, by CUDA ordinal, since the last reset (benchmark figure).");
+#else
+  for (const char* name : {"low_latency_trace", "low_latency_trace_fields", "intranode_kernel_times"})
+    DefineNotInstrumented(m, name);
+#endif
   m.attr("with_cuda") = true;
 #else
   m.attr("with_cuda") = false;
@@ -206,8 +232,12 @@ NB_MODULE(_C, m) {
         "Collective: waits for the device and frees the region of buffer_id; returns '' or the errors met.");
   m.def("internode_errors", &jax_ep::internode_errors, nb::arg("buffer_id"),
         "One line per rank of buffer_id in this process whose internode kernel timed out (readable after the trap).");
+#if defined(JAX_EP_INSTRUMENT)
   m.def("internode_kernel_times", &jax_ep::internode_kernel_times, nb::arg("buffer_id"), nb::arg("reset") = false,
         "[(calls, summed kernel ns)] per device of buffer_id in this process since the last reset.");
+#else
+  DefineNotInstrumented(m, "internode_kernel_times");
+#endif
 #else
   m.attr("with_nvshmem") = false;
 #endif
