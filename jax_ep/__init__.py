@@ -4,12 +4,12 @@ Create a `Buffer` outside `jit` from a mesh and its EP axis, then call the ops i
 over that axis. See README.md and docs/design.md ("Semantics") for the exact semantics.
 """
 from jax_ep import _native
+from jax_ep.backends.cuda.internode import internode_buffer_bytes
+from jax_ep.backends.cuda.intranode import normal_buffer_bytes
 from jax_ep.buffer import Buffer
 from jax_ep.config import Config, low_latency_buffer_bytes
-from jax_ep.cuda_backend import normal_buffer_bytes
 from jax_ep.fp8 import per_token_cast_to_fp8
 from jax_ep.grouped_matmul import grouped_matmul
-from jax_ep.internode import internode_buffer_bytes
 from jax_ep.ops import (
     LowLatencyPending,
     combine,

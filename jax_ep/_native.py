@@ -46,6 +46,23 @@ def with_nvshmem() -> bool:
     return _C is not None and bool(_C.with_nvshmem)
 
 
+def with_instrumentation() -> bool:
+    """Whether the extension was built with the benchmarks' instrumentation (kernel timers, the low-latency
+    kernels' trace, the store probe): CMake option JAX_EP_INSTRUMENT, off by default."""
+    return _C is not None and bool(getattr(_C, "with_instrumentation", False))
+
+
+INSTRUMENTED_BUILD = ("pip install --no-build-isolation -e . "
+                      "--config-settings=cmake.define.JAX_EP_INSTRUMENT=ON")
+
+
+def require_instrumentation(feature: str) -> None:
+    """Raises a clear error when a benchmark's instrument is asked for and the build has none."""
+    if not with_instrumentation():
+        raise RuntimeError(f"jax_ep: {feature} needs a build with the benchmarks' instrumentation; rebuild with "
+                           f"`{INSTRUMENTED_BUILD}`")
+
+
 # The kernels' limits and fixed sizes (csrc/kernel_limits.h), read once from the extension; empty when it did not load.
 _LIMITS: dict[str, int] = {} if _C is None else dict(_C.limits())
 

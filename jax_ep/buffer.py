@@ -8,14 +8,15 @@ from typing import Literal
 import jax
 from jax.sharding import Mesh
 
-from jax_ep import _native, cuda_backend, environment, internode
+from jax_ep import _native, environment
 from jax_ep._checks import is_int
+from jax_ep.backends import Backend
+from jax_ep.backends.cuda import internode, intranode
+from jax_ep.backends.xla import XlaBackend
 from jax_ep.config import HIDDEN_ALIGNMENT, LOW_LATENCY_TRANSPORTS, Config
 
-Backend = Literal["auto", "cuda", "xla"]
+BackendName = Literal["auto", "cuda", "xla"]
 _BACKENDS = ("auto", "cuda", "xla")
-# FFI target whose presence means the CUDA normal-mode kernels were built.
-CUDA_DISPATCH_TARGET = "jax_ep_dispatch"
 
 LowLatencyTransport = Literal["auto", "nvshmem"]
 
@@ -35,7 +36,7 @@ def resolve_backend(requested: str, platform: str) -> str:
     """`auto` takes the CUDA kernels on CUDA devices when they were built, else the portable `xla` backend."""
     if requested not in _BACKENDS:
         raise ValueError(f"jax_ep: backend must be one of {_BACKENDS}, got {requested!r}")
-    cuda_kernels = _native.has_target(CUDA_DISPATCH_TARGET, "cuda")
+    cuda_kernels = _native.has_target(intranode.DISPATCH_TARGET, "cuda")  # the CUDA normal-mode kernels were built
     if requested == "xla":
         return "xla"
     if requested == "cuda":
@@ -111,9 +112,12 @@ class Buffer:
     `ranks_per_node`: GPUs per node along the EP axis (EP rank g sits on node g // ranks_per_node). When it is
     below the axis size, or when it is not given and the axis spans several hosts, the cuda backend runs the
     internode normal mode (NVSHMEM between nodes, NVLink inside them; one process per GPU, see
-    `jax_ep.internode`). Setting it on one host (e.g. 2 on 4 GPUs) runs that mode with NVSHMEM carrying the
+    `jax_ep.backends.cuda.internode`). Setting it on one host (e.g. 2 on 4 GPUs) runs that mode with NVSHMEM carrying the
     traffic between the "nodes". `num_rdma_bytes` (internode mode): the per-GPU NVSHMEM region, default 1 GiB;
     `jax_ep.internode_buffer_bytes(...)` gives what given shapes need; a call that needs more raises.
+
+    `backend_impl` is the backend object chosen at creation (jax_ep.backends: the interface the ops call);
+    `backend` its name, "xla" or "cuda", and `internode` whether it runs the internode kernels.
     """
 
     def __init__(
@@ -122,7 +126,7 @@ class Buffer:
         axis_name: str = "ep",
         *,
         config: Config | None = None,
-        backend: Backend = "auto",
+        backend: BackendName = "auto",
         num_max_dispatch_tokens_per_rank: int | None = None,
         hidden: int | None = None,
         num_experts: int | None = None,
@@ -149,7 +153,7 @@ class Buffer:
             if value is not None and not is_int(value):
                 raise TypeError(f"jax_ep.Buffer: {name} must be an integer, got {value!r}")
         self.platform = _platform_of(mesh)
-        self.backend = resolve_backend(backend, self.platform)
+        resolved = resolve_backend(backend, self.platform)
         if hidden is not None and (hidden <= 0 or hidden % HIDDEN_ALIGNMENT):
             raise ValueError(f"jax_ep.Buffer: hidden must be a positive multiple of {HIDDEN_ALIGNMENT}, got {hidden}")
         if num_experts is not None and (num_experts <= 0 or num_experts % self.num_ranks):
@@ -169,36 +173,30 @@ class Buffer:
             ranks_per_node = internode.ranks_per_node_of(mesh, axis_name, ranks_per_node)  # checks it
         self.ranks_per_node = ranks_per_node  # set below when the cuda backend finds the nodes itself
         self.num_rdma_bytes = internode.DEFAULT_NUM_RDMA_BYTES if num_rdma_bytes is None else int(num_rdma_bytes)
-        self.internode = False  # the cuda backend runs the internode kernels
         self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank
         self.hidden = hidden
         self.num_experts = num_experts
         self.num_nvl_bytes = DEFAULT_NUM_NVL_BYTES if num_nvl_bytes is None else int(num_nvl_bytes)
-        self.spans_processes = cuda_backend.spans_processes(mesh, axis_name)  # some EP group has several processes
-        self.low_latency_offset = None  # byte offset of the low-latency region in its allocation (cuda)
         self.buffer_id = next(_buffer_ids)  # this process's name of the Buffer in jax_ep._C
-        self.collective_name = None  # its key-value store name when it spans processes (cuda_backend)
         has_low_latency_sizes = None not in (num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        self.low_latency_transport = resolve_low_latency_transport(
-            low_latency_transport, backend=self.backend, low_latency=has_low_latency_sizes,
+        transport = resolve_low_latency_transport(
+            low_latency_transport, backend=resolved, low_latency=has_low_latency_sizes,
             one_process_per_gpu=one_process_per_gpu(mesh), forced=overrides.low_latency_transport)
-        if self.backend == "cuda":
-            self._create_cuda(auto=backend == "auto")
-            if self.backend != "cuda" or self.internode:  # fell back, or internode (it has no low-latency ops)
-                self.low_latency_transport = None
+        cuda = self._create_cuda(transport, auto=backend == "auto") if resolved == "cuda" else None
+        self.backend_impl: Backend = XlaBackend(axis_name, self.num_ranks) if cuda is None else cuda
         self._alive = True
 
-    def _create_cuda(self, auto: bool) -> None:
+    def _create_cuda(self, low_latency_transport: str | None, auto: bool) -> Backend | None:
         """The cuda backend's device state: the internode kernels when the EP axis spans several nodes, else the
-        intranode ones. With backend='auto' a mesh the kernels cannot serve falls back to the xla backend (every
-        process sees the same mesh and hosts, so all fall back together)."""
+        intranode ones (with the low-latency region of `low_latency_transport`). None: with backend='auto' a mesh
+        the kernels cannot serve falls back to the xla backend (every process sees the same mesh and hosts, so all
+        fall back together)."""
         try:
             per_node = internode.ranks_per_node_of(self.mesh, self.axis_name, self.ranks_per_node)
         except internode.IrregularNodesError:
             if not auto:
                 raise
-            self.backend = "xla"
-            return
+            return None
         if per_node < self.num_ranks:
             self.ranks_per_node = per_node
             reason = internode.unsupported_reason(self)
@@ -207,20 +205,31 @@ class Buffer:
                     raise NotImplementedError(f"jax_ep.Buffer: {reason}")
                 warnings.warn(f"jax_ep.Buffer: the EP axis spans {self.num_ranks // per_node} nodes of {per_node} "
                               f"ranks, but {reason}; backend='auto' uses the xla backend", RuntimeWarning, stacklevel=3)
-                self.backend = "xla"
-                return
-            self.internode = True
-            internode.create(self)
-            return
-        if auto and cuda_backend.unsupported_reason(self.mesh, self.axis_name):
-            self.backend = "xla"  # e.g. more ranks than the kernels support: the portable backend serves it
-            return
+                return None
+            return internode.InternodeBackend.create(self, per_node)  # no low-latency ops across nodes
+        if auto and intranode.unsupported_reason(self.mesh, self.axis_name):
+            return None  # e.g. more ranks than the kernels support: the portable backend serves it
         try:
-            cuda_backend.create(self)
-        except cuda_backend.SpansHostsError:
+            return intranode.IntranodeBackend.create(self, low_latency_transport)
+        except intranode.SpansHostsError:
             if not auto:
                 raise
-            self.backend = "xla"
+            return None
+
+    @property
+    def backend(self) -> str:
+        """The backend the Buffer resolved: "xla" or "cuda"."""
+        return self.backend_impl.name
+
+    @property
+    def internode(self) -> bool:
+        """Whether the cuda backend runs the internode kernels."""
+        return self.backend_impl.internode
+
+    @property
+    def low_latency_transport(self) -> str | None:
+        """How the low-latency kernels reach their peers: "peer_stores", "nvshmem", or None where none run."""
+        return self.backend_impl.low_latency_transport
 
     @property
     def alive(self) -> bool:
@@ -232,11 +241,16 @@ class Buffer:
 
     def destroy(self) -> None:
         """Releases the buffer's device memory. Idempotent."""
-        if self._alive and self.backend == "cuda":
-            problems = internode.destroy(self) if self.internode else cuda_backend.destroy(self)
+        if self._alive:
+            problems = self.backend_impl.destroy()
             if problems:
                 warnings.warn(f"jax_ep.Buffer.destroy: {problems}", RuntimeWarning, stacklevel=2)
         self._alive = False
+
+    def errors(self) -> list[str]:
+        """One line per rank of this process whose kernel timed out waiting for a peer (op, rank, peer, call); the
+        records survive the trap that ends such a kernel (see jax_ep.backends.cuda)."""
+        return self.backend_impl.errors()
 
     def __enter__(self) -> "Buffer":
         return self

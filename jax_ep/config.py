@@ -11,13 +11,15 @@ FP8_GROUP = 128
 HIDDEN_ALIGNMENT = 128
 
 
-# How the intranode combine moves rows (see jax_ep.cuda_backend): pull (read the peers' rows) or push (store
-# rows into the tokens' home ranks).
+# How the intranode combine moves rows (see jax_ep.backends.cuda.intranode): pull (read the peers' rows) or push
+# (store rows into the tokens' home ranks).
 COMBINE_METHODS = ("push", "pull")
-# Warps of each push-combine block that push at the start (of 16): half, since pushing is bound by the SM's
-# NVLink stores, which a few warps keep busy, and reducing by each warp's local read latency.
+# Warps of each push-combine block that may push: all of the block's warps (csrc/kernel_limits.h). None when the
+# extension did not load: then only the xla backend runs, which reads no push_warps, and only their sign is checked.
+MAX_PUSH_WARPS = _native.limit("combine_max_push_warps")
+# Warps of each push-combine block that push at the start: half of them, since pushing is bound by the SM's NVLink
+# stores, which a few warps keep busy, and reducing by each warp's local read latency.
 DEFAULT_PUSH_WARPS = 8
-MAX_PUSH_WARPS = 16
 # Buffer(low_latency_transport=...): "auto" (peer stores inside the NVLink domain) or "nvshmem".
 LOW_LATENCY_TRANSPORTS = ("auto", "nvshmem")
 
@@ -49,8 +51,8 @@ class Config:
             raise ValueError(f"Config.timeout_s must be positive, got {self.timeout_s}")
         if self.combine not in (None,) + COMBINE_METHODS:
             raise ValueError(f"Config.combine must be one of {COMBINE_METHODS} or None, got {self.combine!r}")
-        if self.push_warps is not None and (not isinstance(self.push_warps, int)
-                                            or not 1 <= self.push_warps <= MAX_PUSH_WARPS):
+        if self.push_warps is not None and not (isinstance(self.push_warps, int) and 1 <= self.push_warps
+                                                and (MAX_PUSH_WARPS is None or self.push_warps <= MAX_PUSH_WARPS)):
             raise ValueError(f"Config.push_warps must be an integer from 1 to {MAX_PUSH_WARPS} or None, "
                              f"got {self.push_warps!r}")
 

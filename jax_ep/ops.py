@@ -1,8 +1,9 @@
 """The public ops, for use inside `jax.shard_map` over a Buffer's EP axis (docs/design.md, "Semantics").
 
-Each op checks its inputs while tracing, then runs the backend the Buffer resolved (`cuda` kernels through
-`jax.ffi.ffi_call`, or the portable `xla` backend). Normal-mode dispatch and combine carry `custom_vjp`
-rules: d dispatch = combine of the cotangents, d combine = cached dispatch of the cotangent.
+Each op checks its inputs while tracing, then calls the backend object the Buffer chose at creation
+(`Buffer.backend_impl`, jax_ep.backends: the `cuda` kernels through `jax.ffi.ffi_call`, or the portable `xla`
+backend). Normal-mode dispatch and combine carry `custom_vjp` rules: d dispatch = combine of the cotangents,
+d combine = cached dispatch of the cotangent.
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import _checks, _native, cuda_backend, cuda_low_latency, internode, xla_backend
+from jax_ep import _checks, _native
+from jax_ep.backends import Backend, LowLatencyCast, xla, zero_cotangent
 from jax_ep.buffer import Buffer
 from jax_ep.types import (
     CombineResult,
@@ -25,11 +27,6 @@ from jax_ep.types import (
 )
 
 LAYOUT_TARGET = "jax_ep_layout"
-
-
-def _zero_cotangent(tree):
-    """Cotangent for non-differentiable (integer / bool) inputs."""
-    return jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), tree)
 
 
 def _is_fp8_pair(x) -> bool:
@@ -97,7 +94,7 @@ def get_dispatch_layout(buffer: Buffer, topk_idx, num_experts: int | None = None
     num_ranks = _checks.num_ranks("get_dispatch_layout", buffer.axis_name, buffer.num_ranks)
     num_experts = _checks.num_experts("get_dispatch_layout", _given(num_experts, buffer.num_experts), num_ranks)
     _checks.topk_idx("get_dispatch_layout", topk_idx, num_experts)
-    portable = functools.partial(xla_backend.layout, num_experts=num_experts, num_ranks=num_ranks)
+    portable = functools.partial(xla.layout, num_experts=num_experts, num_ranks=num_ranks)
     native = functools.partial(_layout_ffi, num_experts=num_experts, num_ranks=num_ranks)
     branches = {p: native for p in ("cpu", "cuda") if _native.has_target(LAYOUT_TARGET, p)}
     if not branches:
@@ -111,57 +108,18 @@ def get_dispatch_layout(buffer: Buffer, topk_idx, num_experts: int | None = None
 class _NormalSpec:
     """Static parameters of one normal-mode call (hashable: a nondiff argument of the custom_vjp)."""
 
-    backend: str
-    axis_name: str
+    backend: Backend  # the Buffer's
     num_ranks: int
     num_experts: int
     capacity: int
     expert_alignment: int
-    # The kernels' buffer id, SM count and timeout: backend "cuda" (intranode) or "internode" (the cuda backend
-    # over several nodes).
-    kernel: cuda_backend.KernelParams | internode.InternodeParams | None = None
-
-
-# The kernel modules by _NormalSpec.backend: the same per-rank functions (dispatch, cached_dispatch, combine).
-_KERNELS = {"cuda": cuda_backend, "internode": internode}
-
-
-def _backend_dispatch(spec: _NormalSpec, x, topk_idx, topk_weights):
-    if spec.backend == "xla":
-        return xla_backend.dispatch(
-            _leaves(x), topk_idx, topk_weights, axis_name=spec.axis_name, num_ranks=spec.num_ranks,
-            num_experts=spec.num_experts, capacity=spec.capacity, expert_alignment=spec.expert_alignment,
-        )
-    if spec.backend in _KERNELS:
-        return _KERNELS[spec.backend].dispatch(
-            _leaves(x), topk_idx, topk_weights, params=spec.kernel, num_ranks=spec.num_ranks,
-            num_experts=spec.num_experts, capacity=spec.capacity, expert_alignment=spec.expert_alignment,
-        )
-    raise NotImplementedError(f"jax_ep: no {spec.backend!r} dispatch kernel in this build")
-
-
-def _backend_cached_dispatch(spec: _NormalSpec, leaf, handle):
-    if spec.backend == "xla":
-        return xla_backend.cached_dispatch(leaf, handle, axis_name=spec.axis_name)
-    if spec.backend in _KERNELS:
-        return _KERNELS[spec.backend].cached_dispatch(leaf, handle, params=spec.kernel)
-    raise NotImplementedError(f"jax_ep: no {spec.backend!r} cached dispatch kernel in this build")
-
-
-def _backend_combine(spec: _NormalSpec, leaf, handle, bias=None, out_dtype=jnp.float32):
-    """[T, ...] of out_dtype: rows summed in float32 over the ranks that received each token (in rank order;
-    internode: per node, then over nodes), plus `bias` in float32, cast once."""
-    if spec.backend == "xla":
-        out = xla_backend.combine(leaf, handle, axis_name=spec.axis_name, num_ranks=spec.num_ranks)
-        return (out if bias is None else out + bias.astype(jnp.float32)).astype(out_dtype)
-    if spec.backend in _KERNELS:  # the kernel adds the bias and casts (one pass over [T, H])
-        return _KERNELS[spec.backend].combine(leaf, handle, params=spec.kernel, bias=bias, out_dtype=out_dtype)
-    raise NotImplementedError(f"jax_ep: no {spec.backend!r} combine kernel in this build")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _dispatch(spec, x, topk_idx, topk_weights):
-    recv, recv_idx, recv_w, num_recv, per_expert, dropped, invalid, handle = _backend_dispatch(spec, x, topk_idx, topk_weights)
+    recv, recv_idx, recv_w, num_recv, per_expert, dropped, invalid, handle = spec.backend.dispatch(
+        _leaves(x), topk_idx, topk_weights, num_experts=spec.num_experts, capacity=spec.capacity,
+        expert_alignment=spec.expert_alignment)
     return DispatchResult(_like(x, recv), recv_idx, recv_w, num_recv, per_expert, dropped, invalid, handle)
 
 
@@ -172,13 +130,13 @@ def _dispatch_fwd(spec, x, topk_idx, topk_weights):
 
 def _dispatch_bwd(spec, residual, cotangent):
     handle, recv_topk_idx, topk_idx = residual
-    d_x = jax.tree.map(lambda g: _backend_combine(spec, g, handle).astype(g.dtype), cotangent.recv_x)
+    d_x = jax.tree.map(lambda g: spec.backend.combine(g, handle).astype(g.dtype), cotangent.recv_x)
     d_weights = None
     if cotangent.recv_topk_weights is not None:
         # Only entries whose expert lives on the receiving rank carry the weight; the others are constant 0.
         kept = jnp.where(recv_topk_idx >= 0, cotangent.recv_topk_weights, 0.0)
-        d_weights = _backend_combine(spec, kept, handle)
-    return d_x, _zero_cotangent(topk_idx), d_weights
+        d_weights = spec.backend.combine(kept, handle)
+    return d_x, zero_cotangent(topk_idx), d_weights
 
 
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
@@ -186,7 +144,7 @@ _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _cached_dispatch(spec, x, handle):
-    return jax.tree.map(lambda leaf: _backend_cached_dispatch(spec, leaf, handle), x)
+    return jax.tree.map(lambda leaf: spec.backend.cached_dispatch(leaf, handle), x)
 
 
 def _cached_dispatch_fwd(spec, x, handle):
@@ -194,8 +152,8 @@ def _cached_dispatch_fwd(spec, x, handle):
 
 
 def _cached_dispatch_bwd(spec, handle, cotangent):
-    d_x = jax.tree.map(lambda g: _backend_combine(spec, g, handle).astype(g.dtype), cotangent)
-    return d_x, _zero_cotangent(handle)
+    d_x = jax.tree.map(lambda g: spec.backend.combine(g, handle).astype(g.dtype), cotangent)
+    return d_x, zero_cotangent(handle)
 
 
 _cached_dispatch.defvjp(_cached_dispatch_fwd, _cached_dispatch_bwd)
@@ -203,8 +161,8 @@ _cached_dispatch.defvjp(_cached_dispatch_fwd, _cached_dispatch_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _combine(spec, y, handle, topk_weights, bias):
-    out = _backend_combine(spec, y, handle, bias, y.dtype)
-    weights = None if topk_weights is None else _backend_combine(spec, topk_weights, handle)
+    out = spec.backend.combine(y, handle, bias=bias, out_dtype=y.dtype)
+    weights = None if topk_weights is None else spec.backend.combine(topk_weights, handle)
     return CombineResult(out, weights)
 
 
@@ -214,10 +172,10 @@ def _combine_fwd(spec, y, handle, topk_weights, bias):
 
 def _combine_bwd(spec, residual, cotangent):
     handle, bias = residual
-    d_y = _backend_cached_dispatch(spec, cotangent.x, handle)
-    d_weights = None if cotangent.topk_weights is None else _backend_cached_dispatch(spec, cotangent.topk_weights, handle)
+    d_y = spec.backend.cached_dispatch(cotangent.x, handle)
+    d_weights = None if cotangent.topk_weights is None else spec.backend.cached_dispatch(cotangent.topk_weights, handle)
     d_bias = None if bias is None else cotangent.x.astype(bias.dtype)
-    return d_y, _zero_cotangent(handle), d_weights, d_bias
+    return d_y, zero_cotangent(handle), d_weights, d_bias
 
 
 _combine.defvjp(_combine_fwd, _combine_bwd)
@@ -226,16 +184,11 @@ _combine.defvjp(_combine_fwd, _combine_bwd)
 def _normal_spec(op: str, buffer: Buffer, num_experts, capacity=None, expert_alignment=1) -> _NormalSpec:
     buffer.check_alive()
     num_ranks = _checks.num_ranks(op, buffer.axis_name, buffer.num_ranks)
-    if buffer.internode:
-        backend, kernel = "internode", internode.params(buffer)
-    else:
-        backend, kernel = buffer.backend, cuda_backend.kernel_params(buffer) if buffer.backend == "cuda" else None
     return _NormalSpec(
-        backend=backend, axis_name=buffer.axis_name, num_ranks=num_ranks,
+        backend=buffer.backend_impl, num_ranks=num_ranks,
         num_experts=0 if num_experts is None else _checks.num_experts(op, num_experts, num_ranks),
         capacity=0 if capacity is None else _checks.positive(op, "max_recv_tokens", capacity),
         expert_alignment=_checks.positive(op, "expert_alignment", expert_alignment),
-        kernel=kernel,
     )
 
 
@@ -332,22 +285,12 @@ def combine(buffer: Buffer, y, handle, topk_weights=None, bias=None) -> CombineR
 
 @dataclasses.dataclass(frozen=True)
 class _LowLatencySpec:
-    backend: str
+    """The Buffer's low-latency sizes, checked, as one op's halves use them (static)."""
+
     buffer_id: int  # the Buffer a pending half belongs to: its receive half must use the same one
-    axis_name: str
     num_ranks: int
     num_experts: int
     num_max_tokens: int
-    kernel: cuda_low_latency.LowLatencyParams | None = None  # the cuda backend's LL region and timeout
-
-
-@dataclasses.dataclass(frozen=True)
-class _Cast:
-    """How low-latency dispatch casts its rows (static)."""
-
-    use_fp8: bool = False
-    round_scale: bool = False
-    use_ue8m0: bool = False
 
 
 @jax.tree_util.register_dataclass
@@ -357,7 +300,7 @@ class LowLatencyPending:
 
     state: Any
     spec: _LowLatencySpec = dataclasses.field(metadata=dict(static=True))
-    cast: _Cast = dataclasses.field(default=_Cast(), metadata=dict(static=True))
+    cast: LowLatencyCast = dataclasses.field(default=LowLatencyCast(), metadata=dict(static=True))
 
 
 def _low_latency_spec(op: str, buffer: Buffer, num_tokens: int, hidden: int) -> _LowLatencySpec:
@@ -373,67 +316,8 @@ def _low_latency_spec(op: str, buffer: Buffer, num_tokens: int, hidden: int) -> 
     if hidden != buffer.hidden:
         raise ValueError(f"jax_ep.{op}: hidden {hidden} differs from the Buffer's hidden={buffer.hidden}")
     num_experts = _checks.num_experts(op, buffer.num_experts, num_ranks)
-    kernel = cuda_low_latency.params(op, buffer) if buffer.backend == "cuda" else None
-    return _LowLatencySpec(buffer.backend, buffer.buffer_id, buffer.axis_name, num_ranks, num_experts,
-                           buffer.num_max_dispatch_tokens_per_rank, kernel)
-
-
-# The cuda receive halves differentiate through the xla implementation of the whole op (recomputed in the
-# backward pass): the kernels move the same values, so the gradients are the xla backend's. x / y and the
-# routing enter the receive as operands for that purpose only.
-
-def _xla_low_latency_dispatch(spec: _LowLatencySpec, cast: _Cast, x, topk_idx):
-    state = xla_backend.low_latency_dispatch_send(
-        x, topk_idx, axis_name=spec.axis_name, num_experts=spec.num_experts, use_fp8=cast.use_fp8,
-        round_scale=cast.round_scale, use_ue8m0=cast.use_ue8m0)
-    return xla_backend.low_latency_dispatch_recv(state, axis_name=spec.axis_name, num_ranks=spec.num_ranks,
-                                                 num_experts=spec.num_experts, num_max_tokens=spec.num_max_tokens)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _cuda_low_latency_dispatch_recv(spec: _LowLatencySpec, cast: _Cast, token, x, topk_idx):
-    return cuda_low_latency.dispatch_recv(token, params=spec.kernel, num_ranks=spec.num_ranks, hidden=x.shape[1],
-                                          use_fp8=cast.use_fp8, use_ue8m0=cast.use_ue8m0)
-
-
-def _cuda_low_latency_dispatch_recv_fwd(spec, cast, token, x, topk_idx):
-    return _cuda_low_latency_dispatch_recv(spec, cast, token, x, topk_idx), (token, x, topk_idx)
-
-
-def _cuda_low_latency_dispatch_recv_bwd(spec, cast, residual, cotangent):
-    token, x, topk_idx = residual
-    _, vjp = jax.vjp(lambda x: _xla_low_latency_dispatch(spec, cast, x, topk_idx)[0], x)
-    (d_x,) = vjp(tuple(cotangent[0]))
-    return _zero_cotangent(token), d_x, _zero_cotangent(topk_idx)
-
-
-_cuda_low_latency_dispatch_recv.defvjp(_cuda_low_latency_dispatch_recv_fwd, _cuda_low_latency_dispatch_recv_bwd)
-
-
-def _xla_low_latency_combine(spec: _LowLatencySpec, y, handle, topk_idx, topk_weights):
-    returned = xla_backend.low_latency_combine_send(y, handle, topk_idx.shape[0], axis_name=spec.axis_name,
-                                                    num_ranks=spec.num_ranks)
-    return xla_backend.low_latency_combine_recv(returned, topk_idx, topk_weights, num_experts=spec.num_experts)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _cuda_low_latency_combine_recv(spec: _LowLatencySpec, token, y, handle, topk_idx, topk_weights):
-    return cuda_low_latency.combine_recv(token, topk_idx, topk_weights, params=spec.kernel, hidden=y.shape[-1])
-
-
-def _cuda_low_latency_combine_recv_fwd(spec, token, y, handle, topk_idx, topk_weights):
-    out = _cuda_low_latency_combine_recv(spec, token, y, handle, topk_idx, topk_weights)
-    return out, (token, y, handle, topk_idx, topk_weights)
-
-
-def _cuda_low_latency_combine_recv_bwd(spec, residual, cotangent):
-    token, y, handle, topk_idx, topk_weights = residual
-    _, vjp = jax.vjp(lambda y, w: _xla_low_latency_combine(spec, y, handle, topk_idx, w), y, topk_weights)
-    d_y, d_weights = vjp(cotangent)
-    return _zero_cotangent(token), d_y, _zero_cotangent(handle), _zero_cotangent(topk_idx), d_weights
-
-
-_cuda_low_latency_combine_recv.defvjp(_cuda_low_latency_combine_recv_fwd, _cuda_low_latency_combine_recv_bwd)
+    buffer.backend_impl.check_low_latency(op, num_experts=num_experts)
+    return _LowLatencySpec(buffer.buffer_id, num_ranks, num_experts, buffer.num_max_dispatch_tokens_per_rank)
 
 
 def low_latency_dispatch_send(buffer: Buffer, x, topk_idx, *, use_fp8: bool = True, round_scale: bool = False,
@@ -442,8 +326,7 @@ def low_latency_dispatch_send(buffer: Buffer, x, topk_idx, *, use_fp8: bool = Tr
 
     At most two sends of one op (dispatch, or combine) of a Buffer may await their receive at once (two
     buffer sets); with the cuda backend a third send waits for the first receive and fails after
-    `Config.timeout_s` (`jax_ep.cuda_low_latency.errors(buffer)` names the wait). Receives may come in any
-    order."""
+    `Config.timeout_s` (`buffer.errors()` names the wait). Receives may come in any order."""
     op = "low_latency_dispatch"
     _check_buffer(op, buffer)
     if x.ndim != 2:
@@ -458,17 +341,9 @@ def low_latency_dispatch_send(buffer: Buffer, x, topk_idx, *, use_fp8: bool = Tr
     if cumulative_local_expert_recv_stats is not None:
         _checks.exact(op, "cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, jnp.int32,
                       (spec.num_experts // spec.num_ranks,))
-    cast = _Cast(bool(use_fp8), bool(use_fp8 and round_scale), bool(use_fp8 and use_ue8m0))
-    if spec.backend == "cuda":
-        # The gradient reaches x through the receive half (x is its operand), not through the send's token.
-        token, invalid = cuda_low_latency.dispatch_send(
-            jax.lax.stop_gradient(x), topk_idx, params=spec.kernel, use_fp8=cast.use_fp8, round_scale=cast.round_scale,
-            use_ue8m0=cast.use_ue8m0)
-        state = (token, invalid, x, topk_idx)
-    else:
-        state = xla_backend.low_latency_dispatch_send(
-            x, topk_idx, axis_name=spec.axis_name, num_experts=spec.num_experts, use_fp8=use_fp8,
-            round_scale=round_scale, use_ue8m0=use_ue8m0)
+    cast = LowLatencyCast(bool(use_fp8), bool(use_fp8 and round_scale), bool(use_fp8 and use_ue8m0))
+    state = buffer.backend_impl.low_latency_dispatch_send(x, topk_idx, num_experts=spec.num_experts,
+                                                          num_max_tokens=spec.num_max_tokens, cast=cast)
     return LowLatencyPending((state, cumulative_local_expert_recv_stats), spec, cast)
 
 
@@ -483,14 +358,8 @@ def low_latency_dispatch_recv(buffer: Buffer, pending: LowLatencyPending) -> Low
     """Receive half of `low_latency_dispatch`."""
     _check_pending("low_latency_dispatch_recv", buffer, pending)
     state, stats = pending.state
-    spec = pending.spec
-    if spec.backend == "cuda":
-        token, invalid, x, topk_idx = state
-        recv, recv_count, handle = _cuda_low_latency_dispatch_recv(spec, pending.cast, token, x, topk_idx)
-    else:
-        recv, recv_count, handle, invalid = xla_backend.low_latency_dispatch_recv(
-            state, axis_name=spec.axis_name, num_ranks=spec.num_ranks, num_experts=spec.num_experts,
-            num_max_tokens=spec.num_max_tokens)
+    recv, recv_count, handle, invalid = buffer.backend_impl.low_latency_dispatch_recv(
+        state, num_experts=pending.spec.num_experts, num_max_tokens=pending.spec.num_max_tokens, cast=pending.cast)
     stats = None if stats is None else stats + recv_count
     return LowLatencyDispatchResult(tuple(recv) if pending.cast.use_fp8 else recv[0], recv_count, handle, stats,
                                     invalid)
@@ -519,23 +388,17 @@ def low_latency_combine_send(buffer: Buffer, y, topk_idx, topk_weights, handle: 
     _checks.topk_idx(op, topk_idx, spec.num_experts)
     _checks.exact(op, "topk_weights", topk_weights, jnp.float32, topk_idx.shape)
     _checks.exact(op, "handle.src_token_index", handle.src_token_index, jnp.int32, y.shape[:2])
-    if spec.backend == "cuda":
-        cuda_low_latency.check_topk(op, topk_idx.shape[1])
-        # As in dispatch: gradients flow through the receive half, which takes y and the handle as operands.
-        token = cuda_low_latency.combine_send(*jax.lax.stop_gradient((y, handle)), params=spec.kernel)
-        return LowLatencyPending((token, y, handle, topk_idx, topk_weights), spec)
-    returned = xla_backend.low_latency_combine_send(y, handle, topk_idx.shape[0], axis_name=spec.axis_name,
-                                                    num_ranks=spec.num_ranks)
-    return LowLatencyPending((returned, topk_idx, topk_weights), spec)
+    state = buffer.backend_impl.low_latency_combine_send(y, handle, topk_idx, topk_weights,
+                                                         num_experts=spec.num_experts,
+                                                         num_max_tokens=spec.num_max_tokens)
+    return LowLatencyPending(state, spec)
 
 
 def low_latency_combine_recv(buffer: Buffer, pending: LowLatencyPending):
     """Receive half of `low_latency_combine`: bfloat16 [T, H]."""
     _check_pending("low_latency_combine_recv", buffer, pending)
-    if pending.spec.backend == "cuda":
-        return _cuda_low_latency_combine_recv(pending.spec, *pending.state)
-    returned, topk_idx, topk_weights = pending.state
-    return xla_backend.low_latency_combine_recv(returned, topk_idx, topk_weights, num_experts=pending.spec.num_experts)
+    return buffer.backend_impl.low_latency_combine_recv(pending.state, num_experts=pending.spec.num_experts,
+                                                        num_max_tokens=pending.spec.num_max_tokens)
 
 
 def low_latency_combine(buffer: Buffer, y, topk_idx, topk_weights, handle: LowLatencyHandle):

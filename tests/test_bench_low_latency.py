@@ -13,6 +13,7 @@ import numpy as np
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 from jax_ep import bench  # noqa: E402
+from jax_ep.bench import low_latency  # noqa: E402
 
 
 def test_low_latency_bench_record(tmp_path, capsys):
@@ -72,7 +73,7 @@ def test_baselines_follow_ops(tmp_path):
 
 
 def _prepared_ring(phases, slots=256):
-    """A trace ring as cuda_low_latency.trace returns it, every slot prepared (no call)."""
+    """A trace ring as Buffer.backend_impl.low_latency_trace returns it, every slot prepared (no call)."""
     ring = {name: np.zeros(slots, np.int64) for name in ("call", "units", "last_start", "last_flag", "end")}
     ring["first_start"], ring["first_flag"] = np.full(slots, -1, np.int64), np.full(slots, -1, np.int64)
     ring["phases"] = {name: np.zeros(slots, np.int64) for name in phases}
@@ -112,7 +113,7 @@ def test_trace_breakdown_hand_timed():
     """The benchmark's on-GPU breakdown against hand-computed figures: per GPU the medians over its finished
     calls (the slow last call moves the plain means only), then the mean over two GPUs with unrelated clocks."""
     traces = [_synthetic_gpu(10**12, 20_000), _synthetic_gpu(5 * 10**15, 22_000)]
-    b = bench.trace_breakdown(traces, "dispatch")
+    b = low_latency.trace_breakdown(traces, "dispatch")
     expected = {
         "calls": 10, "gpus": 2, "period": 40, "send": 21, "gap": 1, "recv": 5, "op": 27,
         "between": (14 + 12) / 2,  # 40 - (send + 1 + 5) per GPU
@@ -128,8 +129,8 @@ def test_trace_breakdown_hand_timed():
                        {"op": 28, "send": 22, "recv": 5, "dispatch recv: last flag": 4}]  # each GPU's own medians
     for name, value in expected.items():
         assert math.isclose(b[name], value, rel_tol=1e-12), (name, b[name], value)
-    assert bench.trace_breakdown(traces, "combine") is None  # no combine call ran
-    lines = bench._breakdown_lines(b | {"per_gpu": per_gpu}, "dispatch", "2 GPUs")
+    assert low_latency.trace_breakdown(traces, "combine") is None  # no combine call ran
+    lines = low_latency.breakdown_lines(b | {"per_gpu": per_gpu}, "dispatch", "2 GPUs")
     assert lines[3] == "per GPU: op 26.00 (recv's last flag 4.00); op 28.00 (recv's last flag 4.00) us"
     assert "an op every 40.00 us = send 21.00 + gap 1.00 + recv 5.00 + between ops 13.00 us" in lines[0]
     assert "plain means: send 21.00, recv 45.00 us" in lines[0]

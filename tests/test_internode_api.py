@@ -2,7 +2,8 @@
 num_rdma_bytes) and backend selection; how hosts make nodes; the region sizes against the layout's description;
 the ops trace and lower (forward, FP8, cached dispatch, bias, gradients) to the internode custom calls; a call
 that needs more than num_rdma_bytes, and a foreign handle, raise before anything runs. Lowering compiles and runs
-nothing, so a Buffer made for the xla backend stands in for an internode one."""
+nothing, so a Buffer made for the xla backend, holding an internode backend that allocated nothing, stands in for
+an internode one."""
 from __future__ import annotations
 
 import re
@@ -14,7 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from conftest import mesh_of
-from jax_ep import _native, internode
+from jax_ep import _native
+from jax_ep.backends.cuda import internode
 
 R, T, H, K, E = 4, 8, 256, 3, 8
 PER_NODE = 2
@@ -131,7 +133,8 @@ def test_buffer_bytes_by_hand():
 
 def standin(num_rdma_bytes=64 << 20):
     buf = jax_ep.Buffer(mesh_of(R), "ep", backend="xla", ranks_per_node=PER_NODE, num_rdma_bytes=num_rdma_bytes)
-    buf.backend, buf.internode = "cuda", True
+    buf.backend_impl = internode.InternodeBackend(buf.buffer_id, buf.config, R, PER_NODE, num_rdma_bytes)
+    assert (buf.backend, buf.internode) == ("cuda", True)
     return buf
 
 

@@ -2,7 +2,8 @@
 Config.combine and its override $JAX_EP_COMBINE pick the push or the pull combine (the custom call's push_warps
 attribute, 0 for pull, and the scratch result of a push in one process), Config.push_warps and
 $JAX_EP_COMBINE_PUSH_WARPS, the workspace a group spanning processes needs, and the error for a Buffer too small
-for it. Lowering compiles and runs nothing, so a Buffer made for the xla backend stands in for a cuda one."""
+for it. Lowering compiles and runs nothing, so a Buffer made for the xla backend, holding an intranode backend that
+allocated nothing, stands in for a cuda one."""
 from __future__ import annotations
 
 import re
@@ -14,17 +15,19 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from conftest import mesh_of
-from jax_ep import _native, cuda_backend
+from jax_ep import _native
+from jax_ep.backends.cuda import intranode
 
 R, T, H, K, E = 4, 8, 512, 3, 16
 ENV, WARPS_ENV = "JAX_EP_COMBINE", "JAX_EP_COMBINE_PUSH_WARPS"
 
 
 def cuda_standin(spans_processes: bool, num_nvl_bytes: int = 1 << 30, config: jax_ep.Config | None = None):
-    if not _native.has_target(cuda_backend.COMBINE_TARGET, "cuda"):
+    if not _native.has_target(intranode.COMBINE_TARGET, "cuda"):
         pytest.skip("this build has no CUDA normal-mode kernels")
     buf = jax_ep.Buffer(mesh_of(R), "ep", backend="xla", config=config)
-    buf.backend, buf.spans_processes, buf.num_nvl_bytes = "cuda", spans_processes, num_nvl_bytes
+    buf.backend_impl = intranode.IntranodeBackend(buf.buffer_id, buf.mesh, buf.axis_name, buf.config,
+                                                  staging_bytes=num_nvl_bytes if spans_processes else None)
     return buf
 
 
@@ -132,13 +135,13 @@ def test_dispatch_staging_per_region():
         pytest.skip("the native extension did not load")
     tokens, topk, values, scales = 37, 5, 7168, 7168 // 128 * 4
     routing, offsets = tokens * topk * 4, tokens * R * 4
-    assert cuda_backend.dispatch_staging_bytes(tokens, (values, scales), topk, R, True) == \
+    assert intranode.dispatch_staging_bytes(tokens, (values, scales), topk, R, True) == \
         staged(tokens * values, tokens * scales, routing, routing, offsets)
-    assert cuda_backend.dispatch_staging_bytes(tokens, (2 * values,), topk, R, False) == \
+    assert intranode.dispatch_staging_bytes(tokens, (2 * values,), topk, R, False) == \
         staged(tokens * 2 * values, routing, offsets)
-    assert cuda_backend.cached_dispatch_staging_bytes(tokens, 4 * H) == staged(tokens * 4 * H)
+    assert intranode.cached_dispatch_staging_bytes(tokens, 4 * H) == staged(tokens * 4 * H)
     with pytest.raises(ValueError, match="1 or 2 row sizes"):
-        cuda_backend.dispatch_staging_bytes(tokens, (), topk, R, True)
+        intranode.dispatch_staging_bytes(tokens, (), topk, R, True)
 
 
 def test_normal_buffer_bytes_per_method(monkeypatch):

@@ -1,7 +1,8 @@
 """The cuda backend's low-latency path on CPU: what can be checked without a GPU. The ops trace and lower
 (forward, split halves, gradients) to the four custom calls with the Buffer's attributes; the region size
 formula; clear errors for a Buffer without a low-latency region and for too many top-k entries.
-Lowering compiles and runs nothing, so a Buffer made for the xla backend stands in for a cuda one."""
+Lowering compiles and runs nothing, so a Buffer made for the xla backend, holding an intranode backend that
+allocated nothing, stands in for a cuda one."""
 from __future__ import annotations
 
 import re
@@ -13,17 +14,23 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from conftest import mesh_of
-from jax_ep import _native, cuda_low_latency
+from jax_ep import _native
+from jax_ep.backends.cuda import intranode, low_latency
 from jax_ep.config import LOW_LATENCY_MAX_TOPK
 
 R, T, H, K, E, M = 4, 8, 512, 3, 8, 16
 
 
-def cuda_standin(low_latency_offset=0):
-    if not cuda_low_latency.available():
+def cuda_standin(low_latency_offset=0, num_max_tokens=M):
+    """A cuda Buffer whose low-latency region (peer stores) starts at `low_latency_offset`; None: it has none."""
+    if not low_latency.available():
         pytest.skip("this build has no CUDA low-latency kernels")
-    buf = jax_ep.Buffer(mesh_of(R), "ep", backend="xla", num_max_dispatch_tokens_per_rank=M, hidden=H, num_experts=E)
-    buf.backend, buf.low_latency_offset, buf.low_latency_transport = "cuda", low_latency_offset, "peer_stores"
+    buf = jax_ep.Buffer(mesh_of(R), "ep", backend="xla", num_max_dispatch_tokens_per_rank=num_max_tokens, hidden=H,
+                        num_experts=E)
+    buf.backend_impl = intranode.IntranodeBackend(
+        buf.buffer_id, buf.mesh, buf.axis_name, buf.config,
+        low_latency_transport=None if low_latency_offset is None else "peer_stores",
+        low_latency_offset=low_latency_offset)
     return buf
 
 
@@ -74,11 +81,9 @@ def test_topk_beyond_the_kernels_limit():
 
 def test_topk_entries_beyond_the_kernels_limit():
     """The send keeps a rank's routing in shared memory: T * K <= MAX_ENTRIES, however few entries each token has."""
-    entries = cuda_low_latency.MAX_ENTRIES
+    entries = low_latency.MAX_ENTRIES
     tokens, topk = entries // 8, 9
-    buf = jax_ep.Buffer(mesh_of(R), "ep", backend="xla", num_max_dispatch_tokens_per_rank=tokens, hidden=H,
-                        num_experts=E)
-    buf.backend, buf.low_latency_offset, buf.low_latency_transport = "cuda", 0, "peer_stores"
+    buf = cuda_standin(num_max_tokens=tokens)
     example = rf"{entries // LOW_LATENCY_MAX_TOPK} \* {LOW_LATENCY_MAX_TOPK}"
     with pytest.raises(ValueError, match=rf"at most {entries} top-k entries per rank \(tokens \* top-k, e.g. "
                                          rf"{example}\), got {tokens} \* {topk}"):

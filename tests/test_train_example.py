@@ -1,5 +1,6 @@
 """python -m jax_ep.examples.train_moe, tiny: a few training steps per CPU dispatcher (the loss falls, the
-expert-parallel run tracks the dense reference, the plot is written) and the MoE block benchmark."""
+expert-parallel run tracks the dense reference, the plot is written). The block's benchmark is
+tests/test_bench_moe.py."""
 from __future__ import annotations
 
 import os
@@ -25,8 +26,3 @@ def test_training_loss_falls(tmp_path):
     np.testing.assert_allclose(losses["xla"], losses["none"], rtol=1e-2)
     assert plot.read_bytes().startswith(b"\x89PNG")
 
-
-def test_bench_block():
-    times = train_moe.main(["--bench-block", "--bench-tokens", "16", "--bench-runs", "1",
-                            "--dispatchers", "xla,low_latency", *TINY])
-    assert set(times) == {"xla", "low_latency"} and all(t > 0 for t in times.values())

@@ -8,8 +8,8 @@ other tokens; then comes a random token and, after it, each token is the rule's 
 before. The model must learn the permutations and look back at the rule token (attention), so the loss falls
 from log(vocab) towards the one unpredictable token per sequence.
 
---bench-block instead times forward + backward of one MoE block per dispatcher (default shape: D=2048,
-F=1408, E=64, K=6, 4096 tokens per rank, bfloat16)."""
+The block's own benchmark (forward + backward per dispatcher, beside the dense proxy of its FLOPs) is
+`python -m jax_ep.bench moe`."""
 from __future__ import annotations
 
 from jax_ep import environment
@@ -197,38 +197,6 @@ def plot(losses: dict[str, list[float]], path: str) -> None:
     print(f"wrote {path}")
 
 
-def bench_block(args, dispatchers: list[str], mesh: Mesh) -> dict[str, float]:
-    """Median time (ms) of forward + backward of one MoE block per dispatcher, bfloat16."""
-    num_ranks = mesh.shape["ep"]
-    tokens = args.bench_tokens
-    print(f"MoE block: D={args.d_model} F={args.d_ff} E={args.experts} K={args.topk}, {tokens} tokens per rank, "
-          f"{num_ranks} ranks, bfloat16, forward + backward")
-    x = jax.random.normal(jax.random.key(1), (num_ranks * tokens, args.d_model), jnp.bfloat16)
-    x = jax.device_put(x, NamedSharding(mesh, P("ep")))
-    times = {}
-    for dispatcher in dispatchers:
-        moe = MoE(args.d_model, args.d_ff, args.experts, args.topk, **moe_options(args, dispatcher, mesh, tokens),
-                  dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-        graphdef, state = nnx.split(moe)
-
-        def loss(state, x):
-            y, _ = nnx.merge(graphdef, state)(x)
-            return jnp.sum(y.astype(jnp.float32))
-
-        step = jax.jit(jax.grad(loss, argnums=(0, 1)))
-        for _ in range(3):  # compile and warm up
-            jax.block_until_ready(step(state, x))
-        runs = []
-        for _ in range(args.bench_runs):
-            start = time.perf_counter()
-            jax.block_until_ready(step(state, x))
-            runs.append(time.perf_counter() - start)
-        times[dispatcher] = float(np.median(runs)) * 1e3
-        backend = "" if moe.buffer is None else f" (jax_ep backend {moe.buffer.backend})"
-        print(f"  {dispatcher:12s} {times[dispatcher]:9.2f} ms{backend}", flush=True)
-    return times
-
-
 def parse_args(argv=None):
     on_gpu = jax.devices()[0].platform == "gpu"
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -243,11 +211,10 @@ def parse_args(argv=None):
     parser.add_argument("--batch", type=int, default=16, help="sequences per step (a multiple of the device count)")
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--vocab", type=int, default=64)
-    parser.add_argument("--d-model", type=int, help="a multiple of 128 (default 128; 2048 with --bench-block)")
-    parser.add_argument("--d-ff", type=int, help="expert FFN width (default 128; 1408 with --bench-block)")
-    parser.add_argument("--experts", type=int,
-                        help="a multiple of the device count (default 16; 64 with --bench-block)")
-    parser.add_argument("--topk", type=int, help="experts per token (default 2; 6 with --bench-block)")
+    parser.add_argument("--d-model", type=int, default=128, help="a multiple of 128")
+    parser.add_argument("--d-ff", type=int, default=128, help="expert FFN width")
+    parser.add_argument("--experts", type=int, default=16, help="a multiple of the device count")
+    parser.add_argument("--topk", type=int, default=2, help="experts per token")
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--capacity-factor", type=float, help="default: no capacity limit")
@@ -256,26 +223,17 @@ def parse_args(argv=None):
     parser.add_argument("--z-coef", type=float, default=1e-3, help="weight of the router z-loss")
     parser.add_argument("--remat", action="store_true", help="rematerialise each block in the backward pass")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--bench-block", action="store_true", help="time one MoE block instead of training")
-    parser.add_argument("--bench-tokens", type=int, default=4096, help="tokens per rank for --bench-block")
-    parser.add_argument("--bench-runs", type=int, default=10)
     args = parser.parse_args(argv)
-    shape_defaults = (2048, 1408, 64, 6) if args.bench_block else (128, 128, 16, 2)
-    for name, default in zip(("d_model", "d_ff", "experts", "topk"), shape_defaults):
-        if getattr(args, name) is None:
-            setattr(args, name, default)
     args.dispatchers = [d for d in args.dispatchers.split(",") if d]
     return args
 
 
 def main(argv=None) -> dict:
-    """Returns {dispatcher: losses} (or {dispatcher: ms} with --bench-block)."""
+    """Returns {dispatcher: losses}."""
     args = parse_args(argv)
     devices = jax.devices()
     mesh = Mesh(np.array(devices), ("ep",))
     print(f"devices: {len(devices)} x {devices[0].platform} ({devices[0].device_kind})")
-    if args.bench_block:
-        return bench_block(args, args.dispatchers, mesh)
     losses = {dispatcher: train(args, dispatcher, mesh) for dispatcher in args.dispatchers}
     first, *others = args.dispatchers
     for dispatcher in others:

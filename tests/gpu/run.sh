@@ -48,7 +48,11 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run, log to $OUT/NAME.log, record th
 
 nvidia-smi -L; python3 --version; python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 strip=true; [ "$mode" = nvshmem ] && strip=false  # symbols for the probe's backtraces
-step build 240 python3 -m pip install --no-build-isolation --no-deps -v --config-settings=install.strip=$strip -e . || { tail -40 "$OUT/build.log"; exit 1; }
+# The benchmarks read the kernels' timers and traces and run the store probe: the instrumented build. The tests
+# (and users) run the default build, which has none of them.
+case "$mode" in quick|accept|mp|internode|nvshmem) instrument=OFF ;; *) instrument=ON ;; esac
+step build 240 python3 -m pip install --no-build-isolation --no-deps -v --config-settings=install.strip=$strip \
+  --config-settings=cmake.define.JAX_EP_INSTRUMENT=$instrument -e . || { tail -40 "$OUT/build.log"; exit 1; }
 python3 -c "import jax_ep._native as n; print('cuda:', n.with_cuda(), 'nvshmem:', n.with_nvshmem())" | tee -a "$OUT/build.log"
 if [ "$mode" = nvshmem ]; then
   OUT="$OUT/nvshmem_probe" bash tests/gpu/nvshmem_probe/run.sh
@@ -175,9 +179,9 @@ if [ "$mode" = rest ] || [ "$mode" = full ]; then
 fi
 if [ "$mode" != quick ]; then
   step bench 240 python3 -m jax_ep.bench intranode --sms ${BENCH_SMS:-24 64 132} --json "$OUT/bench.json" --plot "$OUT/bench.png"
+  step moe_block 300 python3 -m jax_ep.bench moe --json "$OUT/moe.json" --plot "$OUT/moe.png"
   if [ -d jax_ep/examples ]; then
     step train_moe 240 python3 -m jax_ep.examples.train_moe --steps 100 --dispatchers normal,xla --plot "$OUT/loss.png"
-    step moe_block 180 python3 -m jax_ep.examples.train_moe --bench-block --dispatchers normal,xla
   fi
 fi
 if [ "$mode" = full ] || [ "$mode" = final ]; then
@@ -188,5 +192,5 @@ grep -hE "^(FAILED|ERROR)" "$OUT"/*.log | head -20
 [ -f "$OUT/bench.log" ] && tail -25 "$OUT/bench.log"
 [ -f "$OUT/demo.log" ] && tail -8 "$OUT/demo.log"
 [ -f "$OUT/train_moe.log" ] && tail -6 "$OUT/train_moe.log"
-[ -f "$OUT/moe_block.log" ] && tail -6 "$OUT/moe_block.log"
+[ -f "$OUT/moe_block.log" ] && grep -h "^\[moe\]" "$OUT/moe_block.log" | tail -12
 printf '\n== summary\n'; printf '%s\n' "${summary[@]}"

@@ -26,7 +26,7 @@ import jax_ep
 from gpu.conftest import gather_to_every_process, needs_nccl
 from gpu.test_intranode import (assert_bits, assert_dispatch_matches_oracle, combine_body, dispatch_body,
                                 dispatch_results, flat, make_case, ranks)
-from jax_ep import cuda_backend, internode
+from jax_ep.backends.cuda import internode
 
 R = jax.process_count()
 pytestmark = pytest.mark.skipif(R == 1, reason="internode mode needs one process per GPU: test_multiprocess_gpu.py "
@@ -72,7 +72,7 @@ def spmd(body):
 
 
 def no_timeouts(per_node: int):
-    assert cuda_backend.errors(buffer(per_node)) == []
+    assert buffer(per_node).errors() == []
 
 
 # ----------------------------------------------------------------------------------------------------------------

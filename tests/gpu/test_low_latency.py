@@ -20,7 +20,7 @@ import oracle as O
 import pytest
 
 import jax_ep
-from jax_ep import cuda_backend, cuda_low_latency
+from jax_ep.backends.cuda import low_latency
 from gpu.conftest import RANKS_SHARE_GPUS, bounded_wait_timeout_s, needs_nccl
 from gpu.test_intranode import (FORCED_COMMAND_BUFFER_FLAGS, RANKS, assert_bits, flat, mesh, needs_one_process, ranks,
                                 report_timeout, run_worker, spmd)
@@ -154,7 +154,7 @@ def test_few_tokens_many_experts(R, experts_per_rank):
     thread: whole runs (64 per rank), a short last run (72, DeepEP's 288 experts at R=4) and runs of 16 or 32
     pairs (1024 per rank; 4096 experts, the most the kernels take, at R=4)."""
     T, H, K, M = 5, 512, 8, 8  # UE8M0 packs four 128-channel scales per int32: H % 512 == 0
-    E = min(experts_per_rank * R, cuda_low_latency.MAX_EXPERTS)
+    E = min(experts_per_rank * R, low_latency.MAX_EXPERTS)
     x, idx, w, y, stats = make_inputs(R, T, H, K, E, M, seed=13, p_invalid=0.05)
     for mode in ("bf16", "fp8_ue8m0"):
         exp, out = expected(x, idx, w, y, stats, E, M, mode)
@@ -251,7 +251,7 @@ def test_repeated_runs_identical(R):
                 assert_bits(again[name], first[name], f"{mode} run {i}: {name}")
             for a, b in zip(again["recv"], first["recv"]):
                 assert_bits(a[exp.valid], b[exp.valid], f"{mode} run {i}: recv_x")
-    assert cuda_backend.errors(ll_buffer(R, M, H, E)) == []
+    assert ll_buffer(R, M, H, E).errors() == []
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -324,7 +324,7 @@ def check_loop(R: int, steps: int = 7):
         exp = O.low_latency_dispatch(want, idx, E, M)
         want = O.low_latency_combine(exp.recv_x, idx, w, E, exp)[0].astype(O.BF16)
     assert_bits(got, want, f"{steps} jitted low-latency rounds vs oracle")
-    assert cuda_backend.errors(ll_buffer(R, M, H, E)) == []
+    assert ll_buffer(R, M, H, E).errors() == []
 
 
 @pytest.mark.parametrize("R", RANKS)

@@ -211,7 +211,7 @@ def test_nvshmem_bootstrap_and_puts(R, tmp_path):
 @pytest.mark.parametrize("R", RANKS)
 def test_internode_suite(R, tmp_path):
     """tests/gpu/test_internode.py as R processes: R=4 as 2 nodes x 2 GPUs and 4 x 1, R=2 as 2 x 1."""
-    from jax_ep import internode
+    from jax_ep.backends.cuda import internode
 
     if not internode.available():
         pytest.skip("built without NVSHMEM (no internode kernels)")
@@ -227,7 +227,7 @@ def test_internode_process_that_never_joins_times_out(R, tmp_path):
     """The last process creates the internode Buffer (R/2 ranks per node) but never runs the dispatch: every
     other one raises within a bounded time with a record naming the op and itself; the absent rank's node peers
     and its peers on the same rail (same local index), which wait for it directly, name it."""
-    from jax_ep import internode
+    from jax_ep.backends.cuda import internode
 
     if not internode.available():
         pytest.skip("built without NVSHMEM (no internode kernels)")

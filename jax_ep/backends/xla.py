@@ -1,17 +1,20 @@
 """The portable `xla` backend: docs/design.md ("Semantics") with `jax.lax` collectives that run on every platform
 (CPU has no `ragged_all_to_all`, so tokens travel with dense `all_gather` / `all_to_all`).
 
-Every function here is per rank and runs inside `shard_map` over the EP axis. It moves about R times the
-bytes the CUDA kernels move; it is the reference the kernels are tested against and the fallback elsewhere.
+Every function here is per rank and runs inside `shard_map` over the EP axis; `XlaBackend` is them behind the
+backend interface. It moves about R times the bytes the CUDA kernels move; it is the reference the kernels are
+tested against and the fallback elsewhere.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jax_ep import fp8
+from jax_ep.backends import Backend, LowLatencyCast
 from jax_ep.types import DispatchLayout, LowLatencyHandle
 
 int32 = jnp.int32
@@ -177,3 +180,51 @@ def low_latency_combine_recv(returned, topk_idx, topk_weights, *, num_experts):
         rows = returned[e // experts_per_rank, tokens, e % experts_per_rank].astype(jnp.float32)
         out = out + jnp.where(valid, topk_weights[:, k], 0.0)[:, None] * rows
     return out.astype(jnp.bfloat16)
+
+
+# ---- the backend ---------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class XlaBackend(Backend):
+    """The functions above for a Buffer's EP axis."""
+
+    name: ClassVar[str] = "xla"
+    axis_name: str
+    num_ranks: int
+
+    def dispatch(self, x_leaves, topk_idx, topk_weights, *, num_experts, capacity, expert_alignment):
+        return dispatch(x_leaves, topk_idx, topk_weights, axis_name=self.axis_name, num_ranks=self.num_ranks,
+                        num_experts=num_experts, capacity=capacity, expert_alignment=expert_alignment)
+
+    def cached_dispatch(self, leaf, handle):
+        return cached_dispatch(leaf, handle, axis_name=self.axis_name)
+
+    def combine(self, y, handle, *, bias=None, out_dtype=jnp.float32):
+        out = combine(y, handle, axis_name=self.axis_name, num_ranks=self.num_ranks)
+        return (out if bias is None else out + bias.astype(jnp.float32)).astype(out_dtype)
+
+    def check_low_latency(self, op, *, num_experts):
+        pass  # any sizes
+
+    def low_latency_dispatch_send(self, x, topk_idx, *, num_experts, num_max_tokens, cast: LowLatencyCast):
+        return low_latency_dispatch_send(x, topk_idx, axis_name=self.axis_name, num_experts=num_experts,
+                                         use_fp8=cast.use_fp8, round_scale=cast.round_scale, use_ue8m0=cast.use_ue8m0)
+
+    def low_latency_dispatch_recv(self, state, *, num_experts, num_max_tokens, cast):
+        return low_latency_dispatch_recv(state, axis_name=self.axis_name, num_ranks=self.num_ranks,
+                                         num_experts=num_experts, num_max_tokens=num_max_tokens)
+
+    def low_latency_combine_send(self, y, handle, topk_idx, topk_weights, *, num_experts, num_max_tokens):
+        returned = low_latency_combine_send(y, handle, topk_idx.shape[0], axis_name=self.axis_name,
+                                            num_ranks=self.num_ranks)
+        return returned, topk_idx, topk_weights
+
+    def low_latency_combine_recv(self, state, *, num_experts, num_max_tokens):
+        returned, topk_idx, topk_weights = state
+        return low_latency_combine_recv(returned, topk_idx, topk_weights, num_experts=num_experts)
+
+    def destroy(self):
+        return ""  # no memory of its own
+
+    def errors(self):
+        return []  # no bounded waits of its own

@@ -1,5 +1,5 @@
-"""Benchmark of `grouped_matmul`: `python -m jax_ep.bench_grouped_matmul [--groups 16 64] [--m 24576 --d 2048
---f 1408] [--sweep] [--json PATH]`.
+"""grouped_matmul: `jax_ep.grouped_matmul` in an expert SwiGLU. `python -m jax_ep.bench grouped_matmul [--groups 16 64]
+[--m 24576 --d 2048 --f 1408] [--sweep] [--json PATH]`.
 
 Times the forward and backward pass of an expert SwiGLU block over M rows sorted by expert,
 
@@ -10,7 +10,8 @@ for each implementation ("pallas": jax_ep's kernels, "jax_pallas": JAX's, and "r
 fewer, or everywhere with --ragged-dot, since it is slow with many groups), with random group sizes (a
 multinomial split of M with Dirichlet(1) weights, seeded) and with "aligned" sizes (every group a multiple
 of 128 rows). A dense chain of the same matmuls ([M, D] x [D, 2F], [M, F] x [F, D], same backward) is the
-roofline proxy. FLOPs: 3 x 2·M·(D·2F + F·D) (forward, dx and dw of both matmuls; useful work only).
+roofline proxy (jax_ep.bench.swiglu). FLOPs: 3 x 2·M·(D·2F + F·D) (forward, dx and dw of both matmuls; useful
+work only).
 Each figure is the median over --runs timed runs of --calls back-to-back calls each (after a warm-up),
 rotating through --input-sets input sets so that consecutive calls never read the same data.
 
@@ -22,25 +23,36 @@ On a machine without a Hopper GPU only "ragged_dot" and the dense chain run (try
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import itertools
-import json
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ep.bench import harness
+from jax_ep.bench.swiglu import (
+    DTYPE,
+    dense_swiglu_ms,
+    make_inputs,
+    normal,
+    swiglu_flops,
+    swiglu_loss,
+)
 from jax_ep.grouped_matmul import (
-    OPS, PALLAS_KERNELS, BlockConfig, BlockConfigRule, block_config, config_unsupported_reason, grouped_matmul,
-    pallas_grouped_op, pallas_unsupported_reason,
+    OPS,
+    PALLAS_KERNELS,
+    BlockConfig,
+    BlockConfigRule,
+    block_config,
+    config_unsupported_reason,
+    grouped_matmul,
+    pallas_grouped_op,
+    pallas_unsupported_reason,
 )
 
-DTYPE = jnp.bfloat16
 ALIGNMENT = 128  # rows: the "aligned" case's group sizes are multiples of this
 # --sweep's block configurations per kernel family (those that do not fit a shape are skipped).
 SWEEP_GRID = {
@@ -62,53 +74,10 @@ def random_group_sizes(rng: np.random.Generator, num_rows: int, groups: int, ali
     return sizes.astype(np.int32)
 
 
-def swiglu_flops(m: int, d: int, f: int) -> int:
-    return 3 * 2 * m * (d * 2 * f + f * d)
-
-
-def swiglu_loss(x, w_gate_up, w_down, cotangent, matmul):
-    gate, up = jnp.split(matmul(x, w_gate_up), 2, axis=-1)
-    y = matmul(jax.nn.silu(gate) * up, w_down)
-    return jnp.sum((y * cotangent).astype(jnp.float32))
-
-
 @functools.partial(jax.jit, static_argnames="implementation")
 def grouped_swiglu_grads(x, w_gate_up, w_down, cotangent, group_sizes, implementation):
     matmul = functools.partial(grouped_matmul, group_sizes=group_sizes, implementation=implementation)
     return jax.grad(swiglu_loss, argnums=(0, 1, 2))(x, w_gate_up, w_down, cotangent, matmul)
-
-
-@jax.jit
-def dense_swiglu_grads(x, w_gate_up, w_down, cotangent):
-    return jax.grad(swiglu_loss, argnums=(0, 1, 2))(x, w_gate_up, w_down, cotangent, jnp.dot)
-
-
-def median_ms(fn, input_sets, runs: int, calls: int, warmup: int = 2) -> float:
-    """Median over `runs` of the time per call of `calls` back-to-back calls (one block_until_ready per
-    run), the calls rotating through input_sets."""
-    sets = itertools.cycle(input_sets)
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*next(sets)))
-    per_call = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        outs = [fn(*next(sets)) for _ in range(calls)]
-        jax.block_until_ready(outs)
-        per_call.append((time.perf_counter() - start) / calls)
-    return statistics.median(per_call) * 1e3
-
-
-def _normal(key, shape, scale=1.0):
-    return (jax.random.normal(key, shape, jnp.float32) * scale).astype(DTYPE)
-
-
-def make_inputs(seed: int, m: int, d: int, f: int, groups: int | None):
-    """x [m, d], W_gate_up, W_down (with a leading group axis unless groups is None), cotangent [m, d]."""
-    keys = jax.random.split(jax.random.key(seed), 4)
-    lead = () if groups is None else (groups,)
-    # Weights scaled by 1/sqrt(fan-in) keep the activations O(1).
-    return (_normal(keys[0], (m, d)), _normal(keys[1], (*lead, d, 2 * f), d ** -0.5),
-            _normal(keys[2], (*lead, f, d), f ** -0.5), _normal(keys[3], (m, d)))
 
 
 def unsupported_reason(implementation: str, m: int, d: int, f: int, groups: int) -> str | None:
@@ -124,9 +93,7 @@ def unsupported_reason(implementation: str, m: int, d: int, f: int, groups: int)
 def run_block_benchmark(args, report) -> None:
     m, d, f = args.m, args.d, args.f
     flops = swiglu_flops(m, d, f)
-    dense_sets = [make_inputs(args.seed + i, m, d, f, None) for i in range(args.input_sets)]
-    dense_ms = median_ms(dense_swiglu_grads, dense_sets, args.runs, args.calls)
-    del dense_sets
+    dense_ms = dense_swiglu_ms(m, d, f, runs=args.runs, calls=args.calls, input_sets=args.input_sets, seed=args.seed)
     report(dict(case="dense", implementation="dense chain", groups=None, ms=dense_ms,
                 tflops=flops / dense_ms / 1e9, ratio_to_dense=1.0))
     for groups in args.groups:
@@ -142,7 +109,8 @@ def run_block_benchmark(args, report) -> None:
                     report(dict(case=case, implementation=implementation, groups=groups, skipped=reason))
                     continue
                 fn = functools.partial(grouped_swiglu_grads, implementation=implementation)
-                ms = median_ms(fn, [(*inputs, s) for inputs, s in zip(input_sets, sizes)], args.runs, args.calls)
+                ms = harness.median_ms(fn, [(*inputs, s) for inputs, s in zip(input_sets, sizes)], args.runs,
+                                       args.calls)
                 report(dict(case=case, implementation=implementation, groups=groups, ms=ms,
                             tflops=flops / ms / 1e9, ratio_to_dense=dense_ms / ms))
         del input_sets
@@ -167,7 +135,7 @@ def run_sweep(args, report) -> list[str]:
             report(dict(sweep=True, kernels=kernels, groups=groups, k=k, n=n, skipped=reason))
             continue
         keys = jax.random.split(jax.random.key(args.seed), 3)
-        x, w, dy = _normal(keys[0], (m, k)), _normal(keys[1], (groups, k, n), k ** -0.5), _normal(keys[2], (m, n))
+        x, w, dy = normal(keys[0], (m, k)), normal(keys[1], (groups, k, n), k ** -0.5), normal(keys[2], (m, n))
         rng = np.random.default_rng(args.seed + groups)
         sizes = [jnp.asarray(random_group_sizes(rng, m, groups, False)) for _ in range(args.input_sets)]
         for op in OPS:
@@ -178,7 +146,7 @@ def run_sweep(args, report) -> list[str]:
                     continue
                 fn = jax.jit(functools.partial(pallas_grouped_op, op, kernels, config=config))
                 try:
-                    timings[config] = median_ms(fn, [(*op_operands(op, x, w, dy), s) for s in sizes],
+                    timings[config] = harness.median_ms(fn, [(*op_operands(op, x, w, dy), s) for s in sizes],
                                                 runs=5, calls=5, warmup=1)
                 except Exception as e:  # noqa: BLE001 (e.g. a config that overflows shared memory)
                     report(dict(sweep=True, kernels=kernels, op=op, groups=groups, k=k, n=n,
@@ -213,9 +181,7 @@ def _print_record(record) -> None:
               f"{record['tflops']:7.1f} TFLOP/s  {record['ratio_to_dense']:.2f}x dense")
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jax_ep.bench_grouped_matmul", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser) -> None:
     parser.add_argument("--groups", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--m", type=int, default=24576, help="rows (tokens x top-k routed to this rank)")
     parser.add_argument("--d", type=int, default=2048, help="model dimension")
@@ -228,9 +194,10 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", type=int, default=5, help="back-to-back calls per timed run")
     parser.add_argument("--input-sets", type=int, default=3, help="input sets the calls rotate through")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", help="write every figure to this file")
-    args = parser.parse_args(argv)
+    harness.add_output_arguments(parser)
 
+
+def run(args) -> dict:
     device = jax.devices()[0]
     print(f"{device.device_kind} ({device.platform}), jax {jax.__version__}; M={args.m} D={args.d} F={args.f} "
           f"{jnp.dtype(DTYPE).name}; SwiGLU forward+backward = {swiglu_flops(args.m, args.d, args.f) / 1e12:.3f} "
@@ -249,13 +216,6 @@ def main(argv=None) -> int:
             print("\n".join(rules))
     else:
         run_block_benchmark(args, report)
-    if args.json:
-        header = dict(device=device.device_kind, jax=jax.__version__, m=args.m, d=args.d, f=args.f,
-                      dtype=jnp.dtype(DTYPE).name, runs=args.runs, calls=args.calls)
-        with open(args.json, "w") as f:
-            json.dump(dict(header, records=records), f, indent=1)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    header = dict(device=device.device_kind, jax=jax.__version__, m=args.m, d=args.d, f=args.f,
+                  dtype=jnp.dtype(DTYPE).name, runs=args.runs, calls=args.calls)
+    return dict(header, records=records)

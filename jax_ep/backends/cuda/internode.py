@@ -20,24 +20,24 @@ NVSHMEM at the first internode Buffer and, when NVSHMEM_SYMMETRIC_SIZE is unset,
 that Buffer (with room for NVSHMEM's own allocations); set it yourself when several internode Buffers live at
 once.
 
-Bounded waits, lifetime and ordering rules are the intranode mode's (see `jax_ep.cuda_backend`); creation and
+Bounded waits, lifetime and ordering rules are the intranode mode's (see `jax_ep.backends.cuda`); creation and
 `destroy()` are collective over every process of the job (NVSHMEM allocations are).
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
-import socket
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import _native, cuda_backend
+from jax_ep import _native, nvshmem
 from jax_ep._checks import is_int
-from jax_ep.config import FP8_GROUP
+from jax_ep.backends import Backend
+from jax_ep.backends.cuda import normal, runtime
+from jax_ep.config import FP8_GROUP, Config
 
 DISPATCH_TARGET = "jax_ep_internode_dispatch"
 CACHED_DISPATCH_TARGET = "jax_ep_internode_cached_dispatch"
@@ -51,7 +51,6 @@ HEADER_BYTES = _native.limit("internode_header_bytes")
 DEFAULT_NUM_RDMA_BYTES = 1 << 30
 # Room left in NVSHMEM's symmetric heap, when jax_ep sizes it, for NVSHMEM's own allocations.
 NVSHMEM_HEAP_MARGIN = 256 << 20
-CREATION_TIMEOUT_S = 120.0
 
 int32 = jnp.int32
 
@@ -64,27 +63,6 @@ class InternodeHandle(NamedTuple):
     is_token_in_rank: jax.Array  # bool [T, R]: this rank's tokens per destination
     relay_row: jax.Array  # int32 [N*T, P]: row on node rank j of token t of rank (s, local) (index s*T + t), or -1
     relay_token: jax.Array  # bool [N*T]: whether token t of rank (s, local) came into this node
-
-
-@dataclasses.dataclass(frozen=True)
-class InternodeParams:
-    """Static parameters of every internode call: FFI attributes, and the sizes the trace-time checks need."""
-
-    buffer_id: int
-    num_sms: int
-    timeout_ns: int
-    num_rdma_bytes: int
-    num_nodes: int
-    ranks_per_node: int
-
-    def attributes(self) -> dict:
-        return dict(buffer_id=np.int64(self.buffer_id), num_sms=np.int64(self.num_sms),
-                    timeout_ns=np.int64(self.timeout_ns))
-
-
-def params(buffer) -> InternodeParams:
-    return InternodeParams(buffer.buffer_id, buffer.config.num_sms, int(buffer.config.timeout_s * 1e9),
-                           buffer.num_rdma_bytes, buffer.num_ranks // buffer.ranks_per_node, buffer.ranks_per_node)
 
 
 def available() -> bool:
@@ -129,27 +107,15 @@ def internode_buffer_bytes(num_tokens: int, hidden: int, num_ranks: int, num_top
                combine_region_bytes(num_nodes, num_tokens, capacity, hidden, 4))
 
 
-def _check_region(op: str, params: InternodeParams, need: int) -> None:
-    if need > params.num_rdma_bytes:
+def _check_region(op: str, num_rdma_bytes: int, need: int) -> None:
+    if need > num_rdma_bytes:
         raise ValueError(
             f"jax_ep.{op} (cuda, internode): this call needs {need} bytes of the Buffer's NVSHMEM region, the Buffer "
-            f"has num_rdma_bytes={params.num_rdma_bytes}; create it with num_rdma_bytes >= {need} "
+            f"has num_rdma_bytes={num_rdma_bytes}; create it with num_rdma_bytes >= {need} "
             "(jax_ep.internode_buffer_bytes computes it from the shapes)")
 
 
 # ---- topology ----------------------------------------------------------------------------------------------------
-
-@functools.cache
-def _process_hosts() -> tuple[str, ...]:
-    """The host name of every jax process, by process index (collective the first time: every process publishes
-    its own in the jax.distributed key-value store)."""
-    if jax.process_count() == 1:
-        return (socket.gethostname(),)
-    client = cuda_backend._kv_client()
-    client.key_value_set(f"jax_ep/host/{jax.process_index()}", socket.gethostname())
-    timeout_ms = int(CREATION_TIMEOUT_S * 1000)
-    return tuple(client.blocking_key_value_get(f"jax_ep/host/{p}", timeout_ms) for p in range(jax.process_count()))
-
 
 class IrregularNodesError(NotImplementedError):
     """The EP axis spans hosts, but not as consecutive blocks of equal size (the internode layout)."""
@@ -166,11 +132,11 @@ def ranks_per_node_of(mesh, axis_name: str, ranks_per_node: int | None) -> int:
             raise ValueError(f"jax_ep.Buffer: ranks_per_node must be a positive divisor of the {num_ranks} ranks on "
                              f"axis {axis_name!r}, got {ranks_per_node!r}")
         return int(ranks_per_node)
-    if not cuda_backend.spans_processes(mesh, axis_name):
+    if not runtime.spans_processes(mesh, axis_name):
         return num_ranks
-    hosts = _process_hosts()
+    hosts = runtime.process_hosts()
     sizes = {ranks_per_host([hosts[d.process_index] for d in group], axis_name)
-             for group in cuda_backend._ep_groups(mesh, axis_name)}
+             for group in runtime.ep_groups(mesh, axis_name)}
     if len(sizes) != 1:
         raise IrregularNodesError(f"jax_ep.Buffer: EP groups of axis {axis_name!r} have different ranks per host")
     return sizes.pop()
@@ -210,104 +176,116 @@ def unsupported_reason(buffer) -> str | None:
     return None
 
 
-# ---- runtime -----------------------------------------------------------------------------------------------------
+# ---- the backend -------------------------------------------------------------------------------------------------
 
-def create(buffer) -> None:
-    """Collective over every process: checks that every process passed the same sizes, initialises NVSHMEM
-    (once per process) and allocates this process's rank's region."""
-    from jax_ep import nvshmem
+@dataclasses.dataclass(frozen=True)
+class InternodeBackend(Backend):
+    """The internode kernels of one Buffer (normal mode; no low-latency ops)."""
 
-    me = jax.process_index()
-    group = next(g for g in cuda_backend._ep_groups(buffer.mesh, buffer.axis_name)
-                 if any(d.process_index == me for d in g))
-    rank = next(i for i, d in enumerate(group) if d.process_index == me)
-    # Processes reach this at different times (start-up, compilation): wait for each other longer than the
-    # kernels' bound on a stalled peer.
-    timeout_s = max(buffer.config.timeout_s, CREATION_TIMEOUT_S)
-    _check_same_sizes(buffer, timeout_s)
-    nvshmem.initialize(timeout_s, symmetric_bytes=HEADER_BYTES + buffer.num_rdma_bytes + NVSHMEM_HEAP_MARGIN)
-    _native._C.create_internode(buffer.buffer_id, int(group[rank].local_hardware_id), rank, buffer.ranks_per_node,
-                                [int(d.process_index) for d in group], buffer.num_rdma_bytes)
+    name: ClassVar[str] = "cuda"
+    internode: ClassVar[bool] = True
+    buffer_id: int  # the Buffer's name in jax_ep._C
+    config: Config
+    num_ranks: int
+    ranks_per_node: int
+    num_rdma_bytes: int  # each rank's NVSHMEM region (after its header)
 
+    @classmethod
+    def create(cls, buffer, ranks_per_node: int) -> InternodeBackend:
+        """Collective over every process: checks that every process passed the same sizes, initialises NVSHMEM
+        (once per process) and allocates this process's rank's region, for `buffer` (the Buffer being created:
+        its settings) over nodes of `ranks_per_node` ranks."""
+        backend = cls(buffer.buffer_id, buffer.config, buffer.num_ranks, ranks_per_node, buffer.num_rdma_bytes)
+        me = jax.process_index()
+        group = next(g for g in runtime.ep_groups(buffer.mesh, buffer.axis_name)
+                     if any(d.process_index == me for d in g))
+        rank = next(i for i, d in enumerate(group) if d.process_index == me)
+        timeout_s = max(buffer.config.timeout_s, runtime.CREATION_TIMEOUT_S)
+        backend._check_same_sizes(buffer.mesh, timeout_s)
+        nvshmem.initialize(timeout_s, symmetric_bytes=HEADER_BYTES + buffer.num_rdma_bytes + NVSHMEM_HEAP_MARGIN)
+        _native._C.create_internode(buffer.buffer_id, int(group[rank].local_hardware_id), rank, ranks_per_node,
+                                    [int(d.process_index) for d in group], buffer.num_rdma_bytes)
+        return backend
 
-def _check_same_sizes(buffer, timeout_s: float) -> None:
-    """Every process publishes its Buffer sizes and reads everyone's, so that all raise together on a mismatch
-    (before the collective allocation, which would otherwise wait forever)."""
-    if jax.process_count() == 1:
-        return
-    client = cuda_backend._kv_client()
-    buffer.collective_name = cuda_backend._collective_name(buffer)
-    sizes = dict(num_ranks=buffer.num_ranks, ranks_per_node=buffer.ranks_per_node, num_rdma_bytes=buffer.num_rdma_bytes)
-    key = f"{buffer.collective_name}/internode/{{}}".format
-    client.key_value_set(key(jax.process_index()), json.dumps(sizes))
-    for process in range(jax.process_count()):
-        try:
-            theirs = json.loads(client.blocking_key_value_get(key(process), int(timeout_s * 1000)))
-        except Exception as e:  # the client raises a runtime error on its deadline
-            raise RuntimeError(f"jax_ep.Buffer: process {process} did not create internode Buffer #{buffer.buffer_id} "
-                               f"within {timeout_s} s: {e}") from e
-        if theirs != sizes:
-            raise ValueError(f"jax_ep.Buffer: process {process} created internode Buffer #{buffer.buffer_id} with "
-                             f"{theirs}, this process with {sizes}; every process must pass the same sizes")
+    def _check_same_sizes(self, mesh, timeout_s: float) -> None:
+        """Every process publishes its Buffer sizes and reads everyone's, so that all raise together on a mismatch
+        (before the collective allocation, which would otherwise wait forever)."""
+        if jax.process_count() == 1:
+            return
+        client = runtime.kv_client()
+        name = runtime.collective_name(mesh)
+        sizes = dict(num_ranks=self.num_ranks, ranks_per_node=self.ranks_per_node, num_rdma_bytes=self.num_rdma_bytes)
+        key = f"{name}/internode/{{}}".format
+        client.key_value_set(key(jax.process_index()), json.dumps(sizes))
+        for process in range(jax.process_count()):
+            try:
+                theirs = json.loads(client.blocking_key_value_get(key(process), int(timeout_s * 1000)))
+            except Exception as e:  # the client raises a runtime error on its deadline
+                raise RuntimeError(f"jax_ep.Buffer: process {process} did not create internode Buffer "
+                                   f"#{self.buffer_id} within {timeout_s} s: {e}") from e
+            if theirs != sizes:
+                raise ValueError(f"jax_ep.Buffer: process {process} created internode Buffer #{self.buffer_id} with "
+                                 f"{theirs}, this process with {sizes}; every process must pass the same sizes")
 
+    @property
+    def num_nodes(self) -> int:
+        return self.num_ranks // self.ranks_per_node
 
-def destroy(buffer) -> str:
-    """Collective: frees this process's region after its GPU finished; returns '' or the problems met."""
-    return _native._C.destroy_internode(buffer.buffer_id)
+    def _attributes(self) -> dict:
+        return normal.kernel_attributes(self.buffer_id, self.config)
 
+    # ---- normal mode (per rank, inside shard_map) -------------------------------------------------------------
 
-def errors(buffer) -> list[str]:
-    """One line per rank of this process whose internode kernel timed out (op, rank, the rank it waited for)."""
-    return list(_native._C.internode_errors(buffer.buffer_id))
+    def dispatch(self, x_leaves, topk_idx, topk_weights, *, num_experts, capacity, expert_alignment):
+        num_tokens, num_topk = topk_idx.shape
+        normal.check_dispatch(self.num_ranks, num_tokens, num_topk)
+        payload = sum(normal.row_bytes(leaf) for leaf in x_leaves)
+        _check_region("dispatch", self.num_rdma_bytes,
+                      dispatch_region_bytes(self.num_nodes, self.ranks_per_node, num_tokens, num_topk, payload))
+        relayed = self.num_nodes * num_tokens
+        outs, (relay_row, relay_token) = normal.call_dispatch(
+            DISPATCH_TARGET, x_leaves, topk_idx, topk_weights,
+            (((relayed, self.ranks_per_node), int32), ((relayed,), jnp.bool_)), attributes=self._attributes(),
+            num_ranks=self.num_ranks, num_experts=num_experts, capacity=capacity, expert_alignment=expert_alignment)
+        *results, recv_src_index, is_token_in_rank = outs
+        return (*results, InternodeHandle(recv_src_index, is_token_in_rank, relay_row, relay_token))
 
+    def cached_dispatch(self, leaf, handle):
+        num_tokens, capacity = handle.is_token_in_rank.shape[0], handle.recv_src_index.shape[0]
+        _check_region("cached dispatch", self.num_rdma_bytes,
+                      dispatch_region_bytes(self.num_nodes, self.ranks_per_node, num_tokens, 0, normal.row_bytes(leaf)))
+        result_type = jax.typeof(leaf).update(shape=(capacity, *leaf.shape[1:]), dtype=leaf.dtype)
+        return jax.ffi.ffi_call(CACHED_DISPATCH_TARGET, result_type)(leaf, handle.recv_src_index,
+                                                                      handle.is_token_in_rank, **self._attributes())
 
-def kernel_times(buffer, reset: bool = False) -> list[tuple[int, int]]:
-    """(calls, summed kernel nanoseconds) of this process's GPU since the last reset (see cuda_backend)."""
-    return [tuple(t) for t in _native._C.internode_kernel_times(buffer.buffer_id, reset)]
+    def combine(self, y, handle, *, bias=None, out_dtype=jnp.float32):
+        """Each token's rows summed in float32 per node (local rank order), the nodes' partials in float32 in node
+        order; the kernel adds the bias and casts."""
+        if not isinstance(handle, InternodeHandle):
+            raise TypeError("jax_ep.combine (cuda, internode): the handle must come from a dispatch of this Buffer, "
+                            f"got {type(handle).__name__}")
+        y, bias, kernel_out = normal.combine_kernel_types(y, bias, out_dtype)
+        num_tokens = handle.is_token_in_rank.shape[0]
+        row_elements = int(np.prod(y.shape[1:], dtype=np.int64))
+        _check_region("combine", self.num_rdma_bytes, combine_region_bytes(self.num_nodes, num_tokens, y.shape[0],
+                                                                           row_elements, np.dtype(y.dtype).itemsize))
+        result_type = jax.typeof(y).update(shape=(num_tokens, *y.shape[1:]), dtype=kernel_out)
+        operands = (y, *handle) + (() if bias is None else (bias,))
+        out = jax.ffi.ffi_call(COMBINE_TARGET, result_type)(*operands, **self._attributes())
+        return out.astype(out_dtype)
 
+    # ---- lifetime -----------------------------------------------------------------------------------------------
 
-# ---- ops (per rank, inside shard_map) ----------------------------------------------------------------------------
+    def destroy(self) -> str:
+        """Collective: frees this process's region after its GPU finished."""
+        return _native._C.destroy_internode(self.buffer_id)
 
-def dispatch(x_leaves, topk_idx, topk_weights, *, params: InternodeParams, num_ranks, num_experts, capacity,
-             expert_alignment):
-    """Normal dispatch. Returns (recv leaves, recv_topk_idx, recv_topk_weights, num_recv_tokens,
-    num_recv_tokens_per_expert, num_dropped, invalid_ids, handle), as `xla_backend.dispatch`."""
-    num_tokens, num_topk = topk_idx.shape
-    cuda_backend.check_dispatch(num_ranks, num_tokens, num_topk)
-    payload = sum(cuda_backend._row_bytes(leaf) for leaf in x_leaves)
-    _check_region("dispatch", params,
-                  dispatch_region_bytes(params.num_nodes, params.ranks_per_node, num_tokens, num_topk, payload))
-    relayed = params.num_nodes * num_tokens
-    outs, (relay_row, relay_token) = cuda_backend.call_dispatch(
-        DISPATCH_TARGET, x_leaves, topk_idx, topk_weights,
-        (((relayed, params.ranks_per_node), int32), ((relayed,), jnp.bool_)), params=params, num_ranks=num_ranks,
-        num_experts=num_experts, capacity=capacity, expert_alignment=expert_alignment)
-    *results, recv_src_index, is_token_in_rank = outs
-    return (*results, InternodeHandle(recv_src_index, is_token_in_rank, relay_row, relay_token))
+    def errors(self) -> list[str]:
+        """The records of this process's rank (op, rank, the rank it waited for)."""
+        return list(_native._C.internode_errors(self.buffer_id))
 
-
-def cached_dispatch(leaf, handle, *, params: InternodeParams) -> jax.Array:
-    """Dispatch new data [T, ...] along the routing of `handle` (any normal-mode handle) -> [C, ...]."""
-    num_tokens, capacity = handle.is_token_in_rank.shape[0], handle.recv_src_index.shape[0]
-    _check_region("cached dispatch", params, dispatch_region_bytes(params.num_nodes, params.ranks_per_node, num_tokens,
-                                                                   0, cuda_backend._row_bytes(leaf)))
-    result_type = jax.typeof(leaf).update(shape=(capacity, *leaf.shape[1:]), dtype=leaf.dtype)
-    return jax.ffi.ffi_call(CACHED_DISPATCH_TARGET, result_type)(leaf, handle.recv_src_index, handle.is_token_in_rank,
-                                                                  **params.attributes())
-
-
-def combine(y, handle, *, params: InternodeParams, bias=None, out_dtype=jnp.float32) -> jax.Array:
-    """y [C, ...] -> [T, ...] of out_dtype: each token's rows summed in float32 per node (local rank order), the
-    nodes' partials in float32 in node order, plus `bias` in float32, cast once."""
-    if not isinstance(handle, InternodeHandle):
-        raise TypeError("jax_ep.combine (cuda, internode): the handle must come from a dispatch of this Buffer, got "
-                        f"{type(handle).__name__}")
-    y, bias, kernel_out = cuda_backend.combine_kernel_types(y, bias, out_dtype)
-    num_tokens = handle.is_token_in_rank.shape[0]
-    row_elements = int(np.prod(y.shape[1:], dtype=np.int64))
-    _check_region("combine", params, combine_region_bytes(params.num_nodes, num_tokens, y.shape[0], row_elements,
-                                                          np.dtype(y.dtype).itemsize))
-    result_type = jax.typeof(y).update(shape=(num_tokens, *y.shape[1:]), dtype=kernel_out)
-    operands = (y, *handle) + (() if bias is None else (bias,))
-    out = jax.ffi.ffi_call(COMBINE_TARGET, result_type)(*operands, **params.attributes())
-    return out.astype(out_dtype)
+    def kernel_times(self, reset: bool = False) -> list[tuple[int, int]]:
+        """(calls, summed kernel nanoseconds) of this process's GPU since the last reset (the benchmark's; see
+        IntranodeBackend.kernel_times)."""
+        _native.require_instrumentation("kernel_times")
+        return [tuple(t) for t in _native._C.internode_kernel_times(self.buffer_id, reset)]

@@ -9,7 +9,11 @@ Buffer sets and credits: call c of an op writes into buffer set c % 2 of the rec
 receiver finished receiving call c - 2 (a credit the send waits for). So at most two calls of one op (two
 dispatches, or two combines) may be between their send and their receive on a rank; a third send waits
 for a credit that never comes and fails after `Config.timeout_s` with an error naming the credit wait
-(`errors(buffer)`). Receives may run in any order.
+(`Buffer.errors()`). Receives may run in any order.
+
+Gradients: each receive half differentiates through the xla implementation of the whole op, recomputed in the
+backward pass (the kernels move the same values, so the gradients are the xla backend's). x / y and the routing
+enter the receive as operands for that purpose only; the sends see them through `stop_gradient`.
 
 Handle: `CudaLowLatencyHandle` extends the `xla` backend's `LowLatencyHandle` (same first two fields, bit
 for bit) with `src_topk_index`: where in its source token's top-k row each row's expert first appears;
@@ -19,6 +23,7 @@ combine accepts this handle; the CUDA combine needs it (an `xla` handle lacks th
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -26,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ep import _native
+from jax_ep.backends import LowLatencyCast, xla, zero_cotangent
 from jax_ep.config import FP8_GROUP, LOW_LATENCY_MAX_TOPK
 
 DISPATCH_SEND_TARGET = "jax_ep_low_latency_dispatch_send"
@@ -52,8 +58,9 @@ class CudaLowLatencyHandle(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class LowLatencyParams:
-    """Static attributes of every low-latency call: the Buffer's rank state, how its LL region is reached
-    (`transport`, a csrc LowLatencyTransport) and the sizes of that region."""
+    """Static parameters of every low-latency call: its FFI attributes (the Buffer's rank state, how its LL region
+    is reached, `transport` a csrc LowLatencyTransport, and the sizes of that region) and the EP axis where the
+    gradients' xla recomputation runs."""
 
     buffer_id: int
     transport: int
@@ -61,32 +68,32 @@ class LowLatencyParams:
     num_max_tokens: int
     num_experts: int
     timeout_ns: int
+    axis_name: str
+    num_ranks: int
 
     def attributes(self) -> dict:
-        return {name: np.int64(value) for name, value in dataclasses.asdict(self).items()}
+        return {name: np.int64(getattr(self, name))
+                for name in ("buffer_id", "transport", "ll_offset", "num_max_tokens", "num_experts", "timeout_ns")}
 
 
 def available() -> bool:
     return _native.has_target(DISPATCH_SEND_TARGET, "cuda")
 
 
-def params(op: str, buffer) -> LowLatencyParams:
-    """The Buffer's low-latency attributes, or a clear error when its workspace has no low-latency region."""
+def check_usable(op: str, offset: int | None, num_experts: int) -> None:
+    """Raises a clear error when a Buffer whose low-latency region starts at `offset` of its workspace (None: it
+    has none) cannot run low-latency op `op` with `num_experts` experts."""
     if not available():
         raise RuntimeError(f"jax_ep.{op}: this build has no CUDA low-latency kernels (rebuild with nvcc on the "
                            "PATH) ; use a Buffer with backend='xla'")
-    offset = getattr(buffer, "low_latency_offset", None)
     if offset is None:
-        raise RuntimeError(f"jax_ep.{op}: the cuda Buffer has no low-latency region (buffer.low_latency_offset is "
-                           "unset); create it with num_max_dispatch_tokens_per_rank, hidden and num_experts")
+        raise RuntimeError(f"jax_ep.{op}: the cuda Buffer has no low-latency region; create it with "
+                           "num_max_dispatch_tokens_per_rank, hidden and num_experts")
     align = _native.limit("low_latency_align")
     if offset % align:
-        raise RuntimeError(f"jax_ep.{op}: buffer.low_latency_offset={offset} is not {align}-byte aligned")
-    if buffer.num_experts > MAX_EXPERTS:
-        raise ValueError(f"jax_ep.{op} (cuda): at most {MAX_EXPERTS} experts, the Buffer has {buffer.num_experts}")
-    return LowLatencyParams(buffer.buffer_id, TRANSPORTS[buffer.low_latency_transport], int(offset),
-                            buffer.num_max_dispatch_tokens_per_rank, buffer.num_experts,
-                            int(buffer.config.timeout_s * 1e9))
+        raise RuntimeError(f"jax_ep.{op}: the low-latency region's offset {offset} is not {align}-byte aligned")
+    if num_experts > MAX_EXPERTS:
+        raise ValueError(f"jax_ep.{op} (cuda): at most {MAX_EXPERTS} experts, the Buffer has {num_experts}")
 
 
 def check_topk(op: str, num_topk: int) -> None:
@@ -98,8 +105,10 @@ def _payload(use_fp8: bool, use_ue8m0: bool) -> int:
     return _PAYLOAD_BF16 if not use_fp8 else _PAYLOAD_FP8_UE8M0 if use_ue8m0 else _PAYLOAD_FP8
 
 
-def dispatch_send(x, topk_idx, *, params: LowLatencyParams, use_fp8, round_scale, use_ue8m0):
-    """Casts and writes this rank's rows into the receivers' slots. Returns (token, invalid_ids)."""
+# ---- dispatch -------------------------------------------------------------------------------------------------
+
+def dispatch_send(x, topk_idx, *, params: LowLatencyParams, cast: LowLatencyCast):
+    """Casts and writes this rank's rows into the receivers' slots. Returns the state `dispatch_recv` takes."""
     num_tokens, num_topk = topk_idx.shape
     check_topk("low_latency_dispatch", num_topk)
     if num_tokens * num_topk > MAX_ENTRIES:
@@ -109,73 +118,131 @@ def dispatch_send(x, topk_idx, *, params: LowLatencyParams, use_fp8, round_scale
     aval = jax.typeof(x)
     result_types = (aval.update(shape=(), dtype=jnp.uint32), aval.update(shape=(), dtype=int32))
     token, invalid = jax.ffi.ffi_call(DISPATCH_SEND_TARGET, result_types)(
-        x, topk_idx, payload=np.int64(_payload(use_fp8, use_ue8m0)), round_scale=np.int64(round_scale),
-        **params.attributes())
-    return token, invalid
+        jax.lax.stop_gradient(x), topk_idx, payload=np.int64(_payload(cast.use_fp8, cast.use_ue8m0)),
+        round_scale=np.int64(cast.round_scale), **params.attributes())
+    return token, invalid, x, topk_idx
 
 
-def dispatch_recv(token, *, params: LowLatencyParams, num_ranks: int, hidden: int, use_fp8, use_ue8m0):
-    """Packs the received rows. Returns (recv leaves, recv_count [L], CudaLowLatencyHandle)."""
+def dispatch_recv(state, *, params: LowLatencyParams, cast: LowLatencyCast):
+    """Packs the received rows. Returns (recv leaves, recv_count [L], CudaLowLatencyHandle, invalid_ids)."""
+    token, invalid, x, topk_idx = state
+    return (*_dispatch_recv(params, cast, token, x, topk_idx), invalid)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _dispatch_recv(params: LowLatencyParams, cast: LowLatencyCast, token, x, topk_idx):
+    num_ranks, hidden = params.num_ranks, x.shape[1]
     experts_per_rank = params.num_experts // num_ranks
     rows = (experts_per_rank, num_ranks * params.num_max_tokens)
     aval = jax.typeof(token)
-    payload = [aval.update(shape=(*rows, hidden), dtype=jnp.float8_e4m3fn if use_fp8 else jnp.bfloat16)]
-    if use_fp8:
-        payload.append(aval.update(shape=(*rows, hidden // (4 * FP8_GROUP)), dtype=int32) if use_ue8m0
+    payload = [aval.update(shape=(*rows, hidden), dtype=jnp.float8_e4m3fn if cast.use_fp8 else jnp.bfloat16)]
+    if cast.use_fp8:
+        payload.append(aval.update(shape=(*rows, hidden // (4 * FP8_GROUP)), dtype=int32) if cast.use_ue8m0
                        else aval.update(shape=(*rows, hidden // FP8_GROUP), dtype=jnp.float32))
     result_types = (*payload, aval.update(shape=(experts_per_rank,), dtype=int32), aval.update(shape=rows, dtype=int32),
                     aval.update(shape=rows, dtype=int32), aval.update(shape=(experts_per_rank, num_ranks, 2), dtype=int32))
     outs = jax.ffi.ffi_call(DISPATCH_RECV_TARGET, result_types)(
-        token, hidden=np.int64(hidden), payload=np.int64(_payload(use_fp8, use_ue8m0)), **params.attributes())
+        token, hidden=np.int64(hidden), payload=np.int64(_payload(cast.use_fp8, cast.use_ue8m0)),
+        **params.attributes())
     recv = tuple(outs[:len(payload)])
     recv_count, src_token_index, src_topk_index, layout_range = outs[len(payload):]
     return recv, recv_count, CudaLowLatencyHandle(src_token_index, layout_range, src_topk_index)
 
 
-def combine_send(y, handle, *, params: LowLatencyParams):
-    """Returns every valid row of y [L, R*M, H] to its source rank. Returns the token."""
+def _dispatch_recv_fwd(params, cast, token, x, topk_idx):
+    return _dispatch_recv(params, cast, token, x, topk_idx), (token, x, topk_idx)
+
+
+def _dispatch_recv_bwd(params, cast, residual, cotangent):
+    token, x, topk_idx = residual
+
+    def xla_dispatch(x):
+        state = xla.low_latency_dispatch_send(
+            x, topk_idx, axis_name=params.axis_name, num_experts=params.num_experts, use_fp8=cast.use_fp8,
+            round_scale=cast.round_scale, use_ue8m0=cast.use_ue8m0)
+        return xla.low_latency_dispatch_recv(state, axis_name=params.axis_name, num_ranks=params.num_ranks,
+                                             num_experts=params.num_experts, num_max_tokens=params.num_max_tokens)[0]
+
+    _, vjp = jax.vjp(xla_dispatch, x)
+    (d_x,) = vjp(tuple(cotangent[0]))
+    return zero_cotangent(token), d_x, zero_cotangent(topk_idx)
+
+
+_dispatch_recv.defvjp(_dispatch_recv_fwd, _dispatch_recv_bwd)
+
+
+# ---- combine --------------------------------------------------------------------------------------------------
+
+def combine_send(y, handle, topk_idx, topk_weights, *, params: LowLatencyParams):
+    """Returns every valid row of y [L, R*M, H] to its source rank. Returns the state `combine_recv` takes."""
+    check_topk("low_latency_combine", topk_idx.shape[1])
     if not isinstance(handle, CudaLowLatencyHandle):
         raise TypeError("jax_ep.low_latency_combine (cuda): the handle must come from a low_latency_dispatch of the "
                         f"cuda backend, got {type(handle).__name__}")
+    sent_y, sent_handle = jax.lax.stop_gradient((y, handle))
     result_type = jax.typeof(y).update(shape=(), dtype=jnp.uint32)
-    return jax.ffi.ffi_call(COMBINE_SEND_TARGET, result_type)(
-        y, handle.src_token_index, handle.src_topk_index, handle.layout_range, **params.attributes())
+    token = jax.ffi.ffi_call(COMBINE_SEND_TARGET, result_type)(
+        sent_y, sent_handle.src_token_index, sent_handle.src_topk_index, sent_handle.layout_range,
+        **params.attributes())
+    return token, y, handle, topk_idx, topk_weights
 
 
-def combine_recv(token, topk_idx, topk_weights, *, params: LowLatencyParams, hidden: int):
+def combine_recv(state, *, params: LowLatencyParams):
     """out[t] = sum_k topk_weights[t, k] * (row of expert topk_idx[t, k] for t), float32 in k order, bf16 [T, H]."""
+    return _combine_recv(params, *state)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _combine_recv(params: LowLatencyParams, token, y, handle, topk_idx, topk_weights):
     check_topk("low_latency_combine", topk_idx.shape[1])
-    result_type = jax.typeof(topk_weights).update(shape=(topk_idx.shape[0], hidden), dtype=jnp.bfloat16)
+    result_type = jax.typeof(topk_weights).update(shape=(topk_idx.shape[0], y.shape[-1]), dtype=jnp.bfloat16)
     return jax.ffi.ffi_call(COMBINE_RECV_TARGET, result_type)(token, topk_idx, topk_weights, **params.attributes())
 
 
-def _local_ordinals(buffer) -> list[int]:
-    """CUDA ordinals of `buffer`'s devices in this process (XLA's DeviceOrdinal is the local hardware id)."""
-    return [int(d.local_hardware_id) for d in buffer.mesh.devices.flat if d.process_index == jax.process_index()]
+def _combine_recv_fwd(params, token, y, handle, topk_idx, topk_weights):
+    out = _combine_recv(params, token, y, handle, topk_idx, topk_weights)
+    return out, (token, y, handle, topk_idx, topk_weights)
 
 
-def errors(buffer) -> list[str]:
-    """One line per device of `buffer` whose low-latency kernel timed out (op, rank, peer, call)."""
-    return list(_native._C.low_latency_errors(buffer.buffer_id, _local_ordinals(buffer)))
+def _combine_recv_bwd(params, residual, cotangent):
+    token, y, handle, topk_idx, topk_weights = residual
+
+    def xla_combine(y, topk_weights):
+        returned = xla.low_latency_combine_send(y, handle, topk_idx.shape[0], axis_name=params.axis_name,
+                                                num_ranks=params.num_ranks)
+        return xla.low_latency_combine_recv(returned, topk_idx, topk_weights, num_experts=params.num_experts)
+
+    _, vjp = jax.vjp(xla_combine, y, topk_weights)
+    d_y, d_weights = vjp(cotangent)
+    return zero_cotangent(token), d_y, zero_cotangent(handle), zero_cotangent(topk_idx), d_weights
+
+
+_combine_recv.defvjp(_combine_recv_fwd, _combine_recv_bwd)
+
+
+# ---- bounded-wait records and the benchmark's trace ---------------------------------------------------------------
+
+def errors(buffer_id: int, ordinals) -> list[str]:
+    """One line per device (CUDA ordinals of this process) whose low-latency kernel timed out (op, rank, peer,
+    call)."""
+    return list(_native._C.low_latency_errors(buffer_id, list(ordinals)))
 
 
 KERNELS = ("dispatch send", "dispatch recv", "combine send", "combine recv")  # csrc LowLatencyKernel order
 
 
-def trace(buffer, reset: bool = False) -> list[dict[str, dict]]:
-    """Per local device of `buffer`: for each LL kernel, its trace of its recent calls (a ring of
+def trace(buffer_id: int, ordinals, transport: str, offset: int, reset: bool = False) -> list[dict[str, dict]]:
+    """Per device (CUDA ordinals of this process) of the Buffer whose low-latency region is reached by `transport`
+    at `offset`: for each LL kernel, its trace of its recent calls (a ring of
     `_C.limits()["low_latency_trace_calls"]` slots; csrc/low_latency_state.h, LowLatencyTrace) as {field: int64 array
     over the ring's slots} with the fields `call`, `units` and the %globaltimer instants `first_start`,
     `last_start`, `first_flag`, `last_flag`, `end` (ns, comparable within one GPU only; a slot holds a finished call
     when end > first_start > 0), and `phases`: {phase: ns summed over `units`}. `reset` prepares every slot
     afterwards: call it before the calls to measure, while none of the buffer's kernels runs (the benchmark's
     breakdown)."""
-    if buffer.low_latency_offset is None:
-        raise ValueError("jax_ep: this Buffer has no low-latency region (create it with "
-                         "num_max_dispatch_tokens_per_rank, hidden and num_experts on the cuda backend)")
+    _native.require_instrumentation("the low-latency kernels' trace")
     common, phases = _native._C.low_latency_trace_fields()
-    rings = _native._C.low_latency_trace(buffer.buffer_id, _local_ordinals(buffer),
-                                         TRANSPORTS[buffer.low_latency_transport], buffer.low_latency_offset, reset)
+    rings = _native._C.low_latency_trace(buffer_id, list(ordinals), TRANSPORTS[transport], offset, reset)
     devices = []
     for words in rings:
         # Instants are below 2**63 ns: as int64 they subtract exactly; a minimum never set reads -1.

@@ -1,0 +1,432 @@
+"""The `cuda` backend's intranode mode: the kernels of csrc/intranode.cu called through `jax.ffi.ffi_call`
+(docs/design.md, "Intranode kernels"), for EP groups driven by one process (peer access) or spread over processes
+on one host (one process per GPU: CUDA IPC handles exchanged through the `jax.distributed` key-value store), and
+the low-latency kernels of the same Buffer (`low_latency`).
+
+The Buffer's device memory is created here (`IntranodeBackend.create`) outside jit; each call names it by
+`buffer_id`. Each rank owns a workspace that its peers map: the low-latency region (when the Buffer has
+low-latency sizes) and, when the group spans processes, the region where each normal-mode op stages the inputs
+its peers read (a peer process cannot map XLA's buffers). That staging region is `num_nvl_bytes` large
+(`normal_buffer_bytes` says what a call needs); a call that needs more raises while tracing.
+
+Combine moves rows one of two ways (same results, bit for bit): "pull" (each rank reads its tokens' rows
+from the peers' `y`; across processes each rank first copies its valid rows of `y` into its workspace) or
+"push" (each rank stores its rows into the tokens' home ranks, which reduce them from local memory: no copy,
+no NVLink reads; in one process the peers store into a scratch result of the call). By default one process
+pulls and a group spanning processes pushes; `Config.combine` picks one, and `Config.push_warps` (1 to 16,
+default 8) tunes the push: how many of each block's 16 warps push at the start (the others reduce what has
+arrived; the pushers join them after).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+from typing import ClassVar, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jax_ep import _native, environment
+from jax_ep.backends import Backend, LowLatencyCast
+from jax_ep.backends.cuda import low_latency, normal, runtime
+from jax_ep.config import (
+    COMBINE_METHODS,
+    DEFAULT_PUSH_WARPS,
+    FP8_GROUP,
+    Config,
+    low_latency_buffer_bytes,
+)
+
+DISPATCH_TARGET = "jax_ep_dispatch"
+CACHED_DISPATCH_TARGET = "jax_ep_cached_dispatch"
+COMBINE_TARGET = "jax_ep_combine"
+STORE_PROBE_TARGET = "jax_ep_store_probe"
+
+# Ranks of an intranode group (one NVLink domain; csrc/kernel_limits.h).
+MAX_RANKS = _native.limit("max_intranode_ranks")
+
+int32 = jnp.int32
+
+
+class IntranodeHandle(NamedTuple):
+    """Normal-mode routing of the intranode kernels. The first two fields equal `XlaHandle`'s bit for bit (the
+    `xla` backend accepts this handle; cached dispatch here accepts an `XlaHandle`)."""
+
+    recv_src_index: jax.Array  # int32 [C]: source rank * T + source token of each row; R*T for padding rows
+    is_token_in_rank: jax.Array  # bool [T, R]: this rank's tokens per destination
+    send_row: jax.Array  # int32 [T, R]: row of this rank's token t on rank r; -1 where not sent or dropped
+
+
+def combine_method(config: Config, spans_processes: bool) -> str:
+    """"push" or "pull" (see the module docstring): `config.combine`, else push in a group spanning processes
+    (pulling would first copy every valid row of y into the workspace) and pull in one process (peers read y
+    in place; pushing would need a scratch result of (R - 1) * T rows)."""
+    return config.combine or ("push" if spans_processes else "pull")
+
+
+def combine_push_warps(config: Config, spans_processes: bool) -> int:
+    """0 where combine pulls, else the warps of each block that push."""
+    if combine_method(config, spans_processes) == "pull":
+        return 0
+    return config.push_warps or DEFAULT_PUSH_WARPS
+
+
+# ---- workspace sizing ------------------------------------------------------------------------------------------
+# A group spanning processes stages each op's inputs in the workspace; the regions, their order and alignment are
+# laid out once, in csrc/kernel_limits.h (the staging structs the kernels' launches use), and computed by `_C`.
+_SIZING = "sizing the workspace of the cuda backend"
+
+
+def dispatch_staging_bytes(num_tokens: int, row_bytes: tuple[int, ...], num_topk: int, num_ranks: int,
+                           with_weights: bool) -> int:
+    """Workspace bytes a dispatch stages: payload rows (1 or 2 row sizes), topk_idx, [topk_weights] and the send
+    offsets."""
+    return _native.extension(_SIZING).dispatch_staging_bytes(
+        int(num_tokens), [int(b) for b in row_bytes], int(num_topk), int(num_ranks), bool(with_weights))
+
+
+def cached_dispatch_staging_bytes(num_tokens: int, row_bytes: int) -> int:
+    """Workspace bytes a cached dispatch stages: the new rows."""
+    return _native.extension(_SIZING).cached_dispatch_staging_bytes(int(num_tokens), int(row_bytes))
+
+
+def combine_staging_bytes(num_tokens: int, row_bytes: int, num_ranks: int, capacity: int, push: bool) -> int:
+    """Workspace bytes a combine uses in a group spanning processes: push, the slots where the peers store
+    their rows ((R - 1) * T rows); pull, the staged copy of y (capacity rows)."""
+    return _native.extension(_SIZING).combine_staging_bytes(
+        int(num_tokens), int(row_bytes), int(num_ranks), int(capacity), bool(push))
+
+
+def normal_buffer_bytes(num_tokens: int, hidden: int, num_ranks: int, num_topk: int, *, capacity: int | None = None,
+                        fp8: bool = False, combine: str | None = None) -> int:
+    """`num_nvl_bytes` a Buffer needs so that the normal-mode ops (dispatch, cached dispatch, combine, their
+    gradients) of these sizes run in a group spanning processes: the most workspace any op uses. Rows are
+    bfloat16 [T, hidden] (or the FP8 pair with fp8=True) for dispatch and float32 for the combined weights;
+    combine rows are taken at up to 4 bytes an element: the push combine receives (R-1)*T of them, the pull
+    combine stages y [capacity, hidden] (capacity defaults to R*T). `combine` ("push" or "pull") defaults to
+    the method such a group runs with `Config.combine` None (push, or $JAX_EP_COMBINE)."""
+    if combine not in (None,) + COMBINE_METHODS:
+        raise ValueError(f"jax_ep.normal_buffer_bytes: combine must be one of {COMBINE_METHODS} or None, "
+                         f"got {combine!r}")
+    capacity = num_ranks * num_tokens if capacity is None else capacity
+    default = Config().with_overrides(environment.overrides().combine, None)
+    push = (combine or combine_method(default, spans_processes=True)) == "push"
+    rows = (hidden, hidden // FP8_GROUP * 4) if fp8 else (2 * hidden,)
+    return max(dispatch_staging_bytes(num_tokens, rows, num_topk, num_ranks, True),
+               cached_dispatch_staging_bytes(num_tokens, 4 * hidden),  # of a float32 cotangent
+               combine_staging_bytes(num_tokens, 4 * hidden, num_ranks, capacity, push))  # float32 rows
+
+
+def _check_staging(op: str, staging_bytes: int | None, need: int) -> None:
+    if staging_bytes is not None and need > staging_bytes:
+        raise ValueError(
+            f"jax_ep.{op} (cuda): this call needs {need} bytes of workspace in a group spanning processes (inputs "
+            f"staged for the peers, or the rows the push combine receives), the Buffer has "
+            f"num_nvl_bytes={staging_bytes}; create it with num_nvl_bytes >= {need} "
+            "(jax_ep.normal_buffer_bytes computes it from the shapes)")
+
+
+# ---- where the kernels run -------------------------------------------------------------------------------------
+
+def unsupported_reason(mesh, axis_name: str) -> str | None:
+    """Why these kernels cannot serve an EP axis of `mesh`, or None when they can (an axis spanning hosts is only
+    found out while creating: see SpansHostsError)."""
+    groups = runtime.ep_groups(mesh, axis_name)
+    if groups.shape[1] > MAX_RANKS:
+        return f"the cuda backend supports up to {MAX_RANKS} ranks per EP axis, the axis has {groups.shape[1]}"
+    return None
+
+
+class SpansHostsError(NotImplementedError):
+    """The EP axis spans hosts: the intranode kernels need every rank's GPU in one NVLink domain."""
+
+
+# ---- the backend -----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class IntranodeBackend(Backend):
+    """The intranode kernels of one Buffer, normal and low-latency modes."""
+
+    name: ClassVar[str] = "cuda"
+    buffer_id: int  # the Buffer's name in jax_ep._C
+    mesh: Mesh
+    axis_name: str
+    config: Config
+    # The staging room of each rank (num_nvl_bytes) when some EP group spans processes; None when the peers read
+    # XLA's buffers directly.
+    staging_bytes: int | None = None
+    collective_name: str | None = None  # the Buffer's name in the key-value store, when groups span processes
+    low_latency_transport: str | None = None  # "peer_stores", "nvshmem", or None: no low-latency region
+    low_latency_offset: int | None = None  # byte offset of the low-latency region in its allocation
+
+    @classmethod
+    def create(cls, buffer, low_latency_transport: str | None) -> IntranodeBackend:
+        """Allocates every EP group of `buffer` (the Buffer being created: its settings) with this process's
+        devices in it (one group per combination of the other mesh axes): directly when the group is local to
+        this process, else collectively with the group's other processes through the jax.distributed key-value
+        store.
+
+        Workspace of each rank: the staging region first (`num_nvl_bytes`, when any EP group of the Buffer spans
+        processes, also if only low-latency ops are used), then the low-latency region (when `low_latency_transport`
+        is peer stores). Under the NVSHMEM transport the low-latency region is NVSHMEM symmetric memory of its own,
+        allocated collectively by every process once the groups exist."""
+        reason = unsupported_reason(buffer.mesh, buffer.axis_name)
+        if reason:
+            raise NotImplementedError(f"jax_ep.Buffer: {reason}")
+        spans_processes = runtime.spans_processes(buffer.mesh, buffer.axis_name)
+        align = _native.limit("low_latency_align")  # the LL region follows the staging room, aligned
+        staging = -(-buffer.num_nvl_bytes // align) * align if spans_processes else 0
+        workspace_bytes = staging
+        low_latency_bytes = 0
+        low_latency_offset = None
+        if low_latency_transport is not None:
+            low_latency_bytes = low_latency_buffer_bytes(buffer.num_max_dispatch_tokens_per_rank, buffer.hidden,
+                                                         buffer.num_ranks, buffer.num_experts)
+            if low_latency_transport == "peer_stores":
+                low_latency_offset = staging
+                workspace_bytes += low_latency_bytes
+            else:
+                low_latency_offset = 0  # the start of the symmetric region
+        me = jax.process_index()
+        groups = list(enumerate(runtime.ep_groups(buffer.mesh, buffer.axis_name)))
+        collective_name = None
+        try:
+            for _, group in groups:
+                # local_hardware_id is the CUDA ordinal XLA hands the FFI handler as DeviceOrdinal.
+                if all(d.process_index == me for d in group):
+                    _native._C.create_intranode(buffer.buffer_id, [int(d.local_hardware_id) for d in group],
+                                                workspace_bytes, staging)
+            shared = [(i, g) for i, g in groups if any(d.process_index == me for d in g) and
+                      any(d.process_index != me for d in g)]
+            if shared:
+                collective_name = _create_across_processes(buffer, shared, workspace_bytes, staging)
+            if low_latency_transport == "nvshmem":
+                runtime.create_symmetric_region(buffer.buffer_id, buffer.mesh, buffer.axis_name,
+                                                buffer.config.timeout_s, low_latency_bytes)
+        except BaseException:
+            _native._C.destroy_intranode(buffer.buffer_id)
+            raise
+        return cls(buffer.buffer_id, buffer.mesh, buffer.axis_name, buffer.config,
+                   buffer.num_nvl_bytes if spans_processes else None, collective_name, low_latency_transport,
+                   low_latency_offset)
+
+    @property
+    def num_ranks(self) -> int:
+        return int(self.mesh.shape[self.axis_name])
+
+    @property
+    def spans_processes(self) -> bool:
+        return self.staging_bytes is not None
+
+    @property
+    def combine_push_warps(self) -> int:
+        """0: the pull combine; else the push combine with this many pushing warps per block."""
+        return combine_push_warps(self.config, self.spans_processes)
+
+    def _attributes(self) -> dict:
+        return normal.kernel_attributes(self.buffer_id, self.config)
+
+    # ---- normal mode ----------------------------------------------------------------------------------------
+
+    def dispatch(self, x_leaves, topk_idx, topk_weights, *, num_experts, capacity, expert_alignment):
+        num_tokens, num_topk = topk_idx.shape
+        num_ranks = self.num_ranks
+        normal.check_dispatch(num_ranks, num_tokens, num_topk)
+        row_bytes = tuple(normal.row_bytes(leaf) for leaf in x_leaves)
+        _check_staging("dispatch", self.staging_bytes,
+                       dispatch_staging_bytes(num_tokens, row_bytes, num_topk, num_ranks, topk_weights is not None))
+        routing = ((num_tokens, num_ranks), int32)
+        outs, (_send_offset, send_row) = normal.call_dispatch(
+            DISPATCH_TARGET, x_leaves, topk_idx, topk_weights, (routing, routing), attributes=self._attributes(),
+            num_ranks=num_ranks, num_experts=num_experts, capacity=capacity, expert_alignment=expert_alignment)
+        *results, recv_src_index, is_token_in_rank = outs
+        return (*results, IntranodeHandle(recv_src_index, is_token_in_rank, send_row))
+
+    def cached_dispatch(self, leaf, handle):
+        capacity = handle.recv_src_index.shape[0]
+        _check_staging("cached dispatch", self.staging_bytes,
+                       cached_dispatch_staging_bytes(leaf.shape[0], normal.row_bytes(leaf)))
+        result_type = jax.typeof(leaf).update(shape=(capacity, *leaf.shape[1:]), dtype=leaf.dtype)
+        return jax.ffi.ffi_call(CACHED_DISPATCH_TARGET, result_type)(leaf, handle.recv_src_index, **self._attributes())
+
+    def combine(self, y, handle, *, bias=None, out_dtype=jnp.float32):
+        """Each token's rows summed in float32 in rank order; the kernel adds the bias and casts (one pass)."""
+        if not isinstance(handle, IntranodeHandle):
+            raise TypeError("jax_ep.combine (cuda): the handle must come from a dispatch of the cuda backend, got "
+                            f"{type(handle).__name__}")
+        y, bias, kernel_out = normal.combine_kernel_types(y, bias, out_dtype)
+        num_tokens, num_ranks = handle.send_row.shape
+        row_bytes = normal.row_bytes(y)
+        push_warps = self.combine_push_warps
+        _check_staging("combine", self.staging_bytes,
+                       combine_staging_bytes(num_tokens, row_bytes, num_ranks, y.shape[0], push_warps > 0))
+        aval = jax.typeof(y)
+        result_types = [aval.update(shape=(num_tokens, *y.shape[1:]), dtype=kernel_out)]
+        if push_warps and not self.spans_processes:  # one process: the peers push into a scratch result
+            result_types.append(aval.update(shape=((num_ranks - 1) * num_tokens * row_bytes,), dtype=jnp.uint8))
+        operands = (y, handle.send_row, handle.recv_src_index) + (() if bias is None else (bias,))
+        out = jax.ffi.ffi_call(COMBINE_TARGET, result_types)(
+            *operands, push_warps=np.int64(push_warps), **self._attributes())[0]
+        return out.astype(out_dtype)
+
+    # ---- low-latency mode -----------------------------------------------------------------------------------
+
+    def check_low_latency(self, op, *, num_experts):
+        low_latency.check_usable(op, self.low_latency_offset, num_experts)
+
+    def _low_latency_params(self, num_experts: int, num_max_tokens: int) -> low_latency.LowLatencyParams:
+        return low_latency.LowLatencyParams(
+            self.buffer_id, low_latency.TRANSPORTS[self.low_latency_transport], self.low_latency_offset,
+            num_max_tokens, num_experts, runtime.timeout_ns(self.config), self.axis_name, self.num_ranks)
+
+    def low_latency_dispatch_send(self, x, topk_idx, *, num_experts, num_max_tokens, cast: LowLatencyCast):
+        return low_latency.dispatch_send(x, topk_idx, params=self._low_latency_params(num_experts, num_max_tokens),
+                                         cast=cast)
+
+    def low_latency_dispatch_recv(self, state, *, num_experts, num_max_tokens, cast: LowLatencyCast):
+        return low_latency.dispatch_recv(state, params=self._low_latency_params(num_experts, num_max_tokens),
+                                         cast=cast)
+
+    def low_latency_combine_send(self, y, handle, topk_idx, topk_weights, *, num_experts, num_max_tokens):
+        return low_latency.combine_send(y, handle, topk_idx, topk_weights,
+                                        params=self._low_latency_params(num_experts, num_max_tokens))
+
+    def low_latency_combine_recv(self, state, *, num_experts, num_max_tokens):
+        return low_latency.combine_recv(state, params=self._low_latency_params(num_experts, num_max_tokens))
+
+    # ---- lifetime -------------------------------------------------------------------------------------------
+
+    def destroy(self) -> str:
+        """Frees the device memory after its GPUs finished. In a group spanning processes every process first
+        waits for its GPUs and unmaps its peers, then all meet at a bounded barrier, then each frees its own
+        memory: nobody frees what another process still maps. An NVSHMEM region is freed collectively, and only
+        when every process says its GPU is healthy (runtime.destroy_symmetric_region)."""
+        problems = []
+        timeout_s = self.config.timeout_s
+        if self.spans_processes:
+            processes = sorted({d.process_index for d in self.mesh.devices.flat})
+            unmapped = _native._C.unmap_intranode(self.buffer_id)  # this process reads no peer memory from here on
+            if unmapped:
+                problems.append(unmapped)
+            try:
+                runtime.kv_client().wait_at_barrier(f"{self.collective_name}/destroy", int(timeout_s * 1000),
+                                                    processes)
+            except Exception as e:  # a peer died or never destroys: free ours anyway
+                problems.append(f"not every process reached destroy within {timeout_s} s ({e})")
+            if self.low_latency_transport == "nvshmem":
+                problems += runtime.destroy_symmetric_region(self.buffer_id, self.collective_name, processes,
+                                                             timeout_s, healthy=not problems)
+        elif self.low_latency_transport == "nvshmem":  # a single process: NVSHMEM with one PE
+            problems += runtime.destroy_symmetric_region(self.buffer_id, self.collective_name,
+                                                         [jax.process_index()], timeout_s, healthy=True)
+        freed = _native._C.destroy_intranode(self.buffer_id)
+        if freed:
+            problems.append(freed)
+        return "; ".join(problems)
+
+    def errors(self) -> list[str]:
+        """The normal-mode and low-latency kernels' records."""
+        return (list(_native._C.intranode_errors(self.buffer_id))
+                + low_latency.errors(self.buffer_id, runtime.local_ordinals(self.mesh)))
+
+    # ---- the benchmark's instruments ------------------------------------------------------------------------
+
+    def kernel_times(self, reset: bool = False) -> list[tuple[int, int]]:
+        """(calls, summed kernel nanoseconds) per device of this process, by CUDA ordinal: the bare kernel time of
+        each op, as %globaltimer sees it from the kernel's first block starting to its last block leaving."""
+        _native.require_instrumentation("kernel_times")
+        return [tuple(t) for t in _native._C.intranode_kernel_times(self.buffer_id, reset)]
+
+    def store_probe(self, token, *, bytes_per_peer: int) -> jax.Array:
+        """The all-to-all store ceiling (per rank, inside shard_map): every rank stores `bytes_per_peer` bytes into
+        each peer at once with plain 16-byte stores from `Config.num_sms` SMs; returns this rank's uint8
+        [num_ranks * bytes_per_peer] (what the peers stored). `token` orders the call after its producer. One
+        process driving the group only."""
+        _native.require_instrumentation("the store probe")
+        if self.spans_processes:
+            raise NotImplementedError("jax_ep store probe: needs one process driving every GPU of the EP group")
+        result_type = jax.typeof(token).update(shape=(self.num_ranks * bytes_per_peer,), dtype=jnp.uint8)
+        return jax.ffi.ffi_call(STORE_PROBE_TARGET, result_type)(token, **self._attributes())
+
+    def low_latency_trace(self, reset: bool = False) -> list[dict[str, dict]]:
+        """The low-latency kernels' trace of their recent calls per local device (see low_latency.trace)."""
+        if self.low_latency_offset is None:
+            raise ValueError("jax_ep: this Buffer has no low-latency region (create it with "
+                             "num_max_dispatch_tokens_per_rank, hidden and num_experts on the cuda backend)")
+        return low_latency.trace(self.buffer_id, runtime.local_ordinals(self.mesh), self.low_latency_transport,
+                                 self.low_latency_offset, reset)
+
+
+# ---- creation across processes ---------------------------------------------------------------------------------
+
+def _create_across_processes(buffer, groups, workspace_bytes: int, staging_bytes: int) -> str:
+    """Two collective steps per group: every process exports its ranks' CUDA IPC handles with the Buffer's
+    sizes to the key-value store, then maps every other rank's memory, after checking the sizes agree. Returns
+    the Buffer's name in the key-value store."""
+    client = runtime.kv_client()
+    name = runtime.collective_name(buffer.mesh)
+    me = jax.process_index()
+    timeout_ms = int(buffer.config.timeout_s * 1000)
+    sizes = dict(num_ranks=buffer.num_ranks, workspace_bytes=workspace_bytes, num_nvl_bytes=buffer.num_nvl_bytes,
+                 num_max_dispatch_tokens_per_rank=buffer.num_max_dispatch_tokens_per_rank, hidden=buffer.hidden,
+                 num_experts=buffer.num_experts)
+    key = "{}/group/{}/rank/{}".format
+    for index, group in groups:
+        for rank, device in enumerate(group):
+            if device.process_index == me:
+                handle = _native._C.export_intranode(buffer.buffer_id, int(device.local_hardware_id), rank,
+                                                     len(group), workspace_bytes, staging_bytes)
+                record = dict(sizes, process=me, host=socket.gethostname(), ordinal=int(device.local_hardware_id),
+                              handle=handle.hex())
+                client.key_value_set(key(name, index, rank), json.dumps(record))
+    for index, group in groups:
+        records = []
+        for rank, device in enumerate(group):
+            try:
+                record = client.blocking_key_value_get(key(name, index, rank), timeout_ms)
+                records.append(json.loads(record))
+            except Exception as e:  # the client raises a runtime error on its deadline
+                raise RuntimeError(
+                    f"jax_ep.Buffer: rank {rank} of EP group {index} (process {device.process_index}) did not create "
+                    f"Buffer #{buffer.buffer_id} within {buffer.config.timeout_s} s: {e}") from e
+        hosts = sorted({r["host"] for r in records})
+        if len(hosts) > 1:
+            raise SpansHostsError(f"jax_ep.Buffer: EP group {index} spans the hosts {hosts}; the intranode cuda "
+                                  "backend needs every rank's GPU on one host (use backend='xla')")
+        for rank, record in enumerate(records):
+            theirs = {k: record[k] for k in sizes}
+            if theirs != sizes:
+                raise ValueError(
+                    f"jax_ep.Buffer: rank {rank} of EP group {index} created Buffer #{buffer.buffer_id} with {theirs}, "
+                    f"this process with {sizes}; every rank must pass the same sizes")
+        handles = [bytes.fromhex(r["handle"]) for r in records]
+        local = [r["ordinal"] if r["process"] == me else -1 for r in records]
+        outcome = "ok"
+        try:
+            for device in group:
+                if device.process_index == me:
+                    _native._C.connect_intranode(buffer.buffer_id, int(device.local_hardware_id), handles, local)
+        except Exception as e:  # told to the other processes first, so that none of them waits on us at run time
+            outcome = f"{type(e).__name__}: {e}"
+        _confirm_connected(client, buffer, name, index, group, outcome, timeout_ms)
+    return name
+
+
+def _confirm_connected(client, buffer, name: str, index: int, group, outcome: str, timeout_ms: int) -> None:
+    """Every process of the group publishes whether it mapped its peers and reads the others': a Buffer is
+    created everywhere or nowhere (else a rank that failed would leave the others to time out at the first op)."""
+    key = "{}/group/{}/connected/{}".format
+    me = jax.process_index()
+    client.key_value_set(key(name, index, me), outcome)
+    for process in sorted({d.process_index for d in group}):
+        try:
+            theirs = client.blocking_key_value_get(key(name, index, process), timeout_ms)
+        except Exception as e:  # the client raises a runtime error on its deadline
+            raise RuntimeError(f"jax_ep.Buffer: process {process} did not finish creating Buffer #{buffer.buffer_id} "
+                               f"within {buffer.config.timeout_s} s: {e}") from e
+        if theirs != "ok":
+            raise RuntimeError(f"jax_ep.Buffer: process {process} could not map its peers' memory for Buffer "
+                               f"#{buffer.buffer_id} (EP group {index}): {theirs}")

@@ -1,0 +1,82 @@
+"""What the intranode and internode normal-mode kernels share on the Python side: the attributes every call
+carries, the dispatch FFI call (its operands and the results every dispatch kernel writes), the types the combine
+kernels read and write, and the top-k limit."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ep import _native
+from jax_ep.backends.cuda import runtime
+
+# Top-k entries per token of a normal-mode dispatch (csrc/kernel_limits.h): one warp lane each.
+MAX_TOPK = _native.limit("normal_max_topk")
+# Row types the combine kernels read directly.
+_FLOAT_TYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+int32 = jnp.int32
+
+
+def kernel_attributes(buffer_id: int, config) -> dict:
+    """The FFI attributes of every normal-mode call: the Buffer's id in the native runtime, the SMs its kernel
+    occupies and the bound on its waits."""
+    return dict(buffer_id=np.int64(buffer_id), num_sms=np.int64(config.num_sms),
+                timeout_ns=np.int64(runtime.timeout_ns(config)))
+
+
+def row_bytes(leaf) -> int:
+    """Bytes of one row (token) of `leaf` [T, ...]."""
+    return int(np.prod(leaf.shape[1:], dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+
+
+def check_dispatch(num_ranks: int, num_tokens: int, num_topk: int) -> None:
+    if num_topk > MAX_TOPK:
+        raise ValueError(f"jax_ep.dispatch (cuda): at most {MAX_TOPK} top-k entries per token, got {num_topk}")
+    if num_ranks * num_tokens >= 2**31 - 1:
+        raise ValueError(f"jax_ep.dispatch (cuda): ranks * tokens must fit int32, got {num_ranks} * {num_tokens}")
+
+
+def call_dispatch(target: str, x_leaves, topk_idx, topk_weights, handle_types, *, attributes: dict, num_ranks,
+                  num_experts, capacity, expert_alignment):
+    """The normal-mode dispatch FFI call (intranode or internode kernels): its operands, the results every
+    dispatch kernel writes and then results of `handle_types` ((shape, dtype) pairs). Returns ((recv leaves,
+    recv_topk_idx, recv_topk_weights or None, num_recv_tokens, num_recv_tokens_per_expert, num_dropped,
+    invalid_ids, recv_src_index, is_token_in_rank), the results of handle_types)."""
+    num_tokens, num_topk = topk_idx.shape
+    aval = jax.typeof(x_leaves[0])
+
+    def result(shape, dtype):
+        return aval.update(shape=shape, dtype=dtype)
+
+    result_types = [result((capacity, *leaf.shape[1:]), leaf.dtype) for leaf in x_leaves]
+    result_types.append(result((capacity, num_topk), int32))
+    if topk_weights is not None:
+        result_types.append(result((capacity, num_topk), jnp.float32))
+    result_types += [
+        result((), int32), result((num_experts // num_ranks,), int32), result((), int32), result((), int32),
+        result((capacity,), int32), result((num_tokens, num_ranks), jnp.bool_),
+        *(result(shape, dtype) for shape, dtype in handle_types),
+    ]
+    operands = (*x_leaves, topk_idx) + (() if topk_weights is None else (topk_weights,))
+    outs = list(jax.ffi.ffi_call(target, result_types)(
+        *operands, num_payloads=np.int64(len(x_leaves)), num_experts=np.int64(num_experts),
+        expert_alignment=np.int64(expert_alignment), **attributes,
+    ))
+    recv_leaves = tuple(outs[:len(x_leaves)])
+    outs = outs[len(x_leaves):]
+    recv_topk_idx = outs.pop(0)
+    recv_topk_weights = None if topk_weights is None else outs.pop(0)
+    common, extra = outs[:6], outs[6:]
+    return (recv_leaves, recv_topk_idx, recv_topk_weights, *common), tuple(extra)
+
+
+def combine_kernel_types(y, bias, out_dtype):
+    """(y, bias, the kernel's output dtype) as the combine kernels take them: they read f32/bf16/f16 rows and
+    write y's type or f32; other types widen to f32 first, exactly as the float32 sum would (the xla backend's
+    semantics), and the caller casts the kernel's output to out_dtype."""
+    if y.dtype not in _FLOAT_TYPES:
+        y = y.astype(jnp.float32)
+    if bias is not None and bias.dtype not in (y.dtype, jnp.float32):
+        bias = bias.astype(jnp.float32)
+    return y, bias, out_dtype if out_dtype in (y.dtype, jnp.float32) else jnp.float32

@@ -1,0 +1,108 @@
+"""What the cuda backend's modes share while a Buffer is created and destroyed: the EP groups of a mesh, the
+`jax.distributed` key-value store through which the processes of a group create a Buffer together and the name a
+Buffer has there, the hosts of the processes, and the NVSHMEM symmetric region of the low-latency ops."""
+from __future__ import annotations
+
+import functools
+import socket
+
+import jax
+import numpy as np
+from jax._src import distributed
+
+from jax_ep import _native, nvshmem
+
+# Bound on the waits for the other processes while creating a Buffer: they reach it at different times
+# (start-up, compilation), so longer than the kernels' bound on a stalled peer.
+CREATION_TIMEOUT_S = 120.0
+
+
+def timeout_ns(config) -> int:
+    """The kernels' bound on every spin-wait, from `Config.timeout_s`."""
+    return int(config.timeout_s * 1e9)
+
+
+def kv_client():
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError("jax_ep.Buffer: the EP axis spans processes but jax.distributed is not initialized")
+    return client
+
+
+def ep_groups(mesh, axis_name: str) -> np.ndarray:
+    """Devices as [groups, R]: one row per EP group (every combination of the other mesh axes), in rank order."""
+    devices = np.asarray(mesh.devices)
+    axis = list(mesh.axis_names).index(axis_name)
+    return np.moveaxis(devices, axis, -1).reshape(-1, devices.shape[axis])
+
+
+def spans_processes(mesh, axis_name: str) -> bool:
+    """Whether some EP group has ranks in several processes."""
+    return any(len({d.process_index for d in group}) > 1 for group in ep_groups(mesh, axis_name))
+
+
+def local_ordinals(mesh) -> tuple[int, ...]:
+    """CUDA ordinals of the mesh's devices in this process (XLA's DeviceOrdinal is the local hardware id)."""
+    return tuple(int(d.local_hardware_id) for d in mesh.devices.flat if d.process_index == jax.process_index())
+
+
+# Buffers created so far over each set of devices (by global device id): the key-value store names a Buffer by
+# its devices and this count, which every process of the set agrees on (creation is collective), whatever
+# other Buffers a process made on its own.
+_creations_per_devices: dict[tuple[int, ...], int] = {}
+
+
+def collective_name(mesh) -> str:
+    """The key-value store's name of the Buffer being created over `mesh` (call it once per such Buffer, on every
+    process of the mesh)."""
+    devices = tuple(sorted(int(d.id) for d in mesh.devices.flat))
+    count = _creations_per_devices[devices] = _creations_per_devices.get(devices, 0) + 1
+    return "jax_ep/buffer/{}/{}".format("-".join(map(str, devices)), count)
+
+
+@functools.cache
+def process_hosts() -> tuple[str, ...]:
+    """The host name of every jax process, by process index (collective the first time: every process publishes
+    its own in the jax.distributed key-value store)."""
+    if jax.process_count() == 1:
+        return (socket.gethostname(),)
+    client = kv_client()
+    client.key_value_set(f"jax_ep/host/{jax.process_index()}", socket.gethostname())
+    timeout_ms = int(CREATION_TIMEOUT_S * 1000)
+    return tuple(client.blocking_key_value_get(f"jax_ep/host/{p}", timeout_ms) for p in range(jax.process_count()))
+
+
+# ---- the NVSHMEM symmetric region of the low-latency ops ---------------------------------------------------------
+
+def create_symmetric_region(buffer_id: int, mesh, axis_name: str, timeout_s: float, nbytes: int) -> None:
+    """Symmetric memory on this process's GPU, allocated collectively by every process (the caller checked one
+    process per GPU over every process, so the PE of a rank is its process index, and that every process creates
+    this Buffer with the same sizes, so every PE enters the allocation with the same size)."""
+    nvshmem.initialize(timeout_s)  # collective once per process; a no-op afterwards
+    me = jax.process_index()
+    (group,) = [g for g in ep_groups(mesh, axis_name) if any(d.process_index == me for d in g)]
+    device = next(d for d in group if d.process_index == me)
+    _native._C.nvshmem_region_create(buffer_id, int(device.local_hardware_id), nbytes,
+                                     [int(d.process_index) for d in group])
+
+
+def destroy_symmetric_region(buffer_id: int, collective_name: str | None, processes, timeout_s: float,
+                             healthy: bool) -> list[str]:
+    """Every process publishes whether it can take part in the collective free, reads the others' answers
+    (bounded), and frees only when all can (a GPU whose kernel timed out cannot take part, and the others would
+    wait for it); else it forgets the region, leaking it until the process ends. Returns the problems met."""
+    answers = {jax.process_index(): "ok" if healthy else "unhealthy"}
+    if len(processes) > 1:
+        client, timeout_ms = kv_client(), int(timeout_s * 1000)
+        key = f"{collective_name}/nvshmem_free/{{}}".format
+        client.key_value_set(key(jax.process_index()), answers[jax.process_index()])
+        for process in processes:
+            try:
+                answers[process] = client.blocking_key_value_get(key(process), timeout_ms)
+            except Exception:  # the client raises a runtime error on its deadline
+                answers[process] = "absent"
+    release = all(answer == "ok" for answer in answers.values())
+    problems = [] if release else [f"the NVSHMEM region of Buffer #{buffer_id} was not freed (processes: "
+                                   f"{answers})"]
+    errors = _native._C.nvshmem_region_destroy(buffer_id, release)
+    return problems + ([errors] if errors else [])

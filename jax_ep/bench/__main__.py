@@ -1,0 +1,5 @@
+import sys
+
+from jax_ep.bench import main
+
+sys.exit(main())

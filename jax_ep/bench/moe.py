@@ -1,0 +1,276 @@
+"""moe: the jax_ep.flax.MoE block, forward + backward, bfloat16, per shape and dispatcher, beside the dense proxy of
+the same FLOPs measured in the same run, and where the block's time goes.
+
+Shapes (--shapes, whose help lists their D, F, E and K): "moe-a" (issue 20's), "v3" (DeepSeek-V3-like) and "tiny"
+(tests on CPU); --d-model, --d-ff, --experts and --topk replace those of every shape listed (then named "NAME,
+modified"). R ranks, the local devices or --ranks, each hold E/R of the experts (one GPU holds them all); --tokens
+is per rank. Dispatchers (--dispatchers): "normal" (jax_ep.dispatch / combine on a Buffer of the
+"auto" backend: the cuda kernels where they were built and the devices are GPUs, else the xla backend) and "xla".
+
+Per shape and dispatcher:
+- block: the gradients of sum(y * cotangent) with respect to the block's parameters and x (cotangent random),
+  one jitted step: the block's forward and backward.
+- dense proxy (once per shape): one dense bf16 SwiGLU, forward + backward, on T·K rows with D×F weights
+  (jax_ep.bench.swiglu): one rank's expert FLOPs at dense-matmul speed, without routing or communication; the
+  roofline printed beside the block. ratio = block / proxy; the target is at most TARGET_RATIO.
+- FLOPs per rank (swiglu_flops): T·K rows through the SwiGLU; forward 3 matmuls of 2·rows·D·F, backward twice
+  the forward, so 18·T·K·D·F; TFLOP/s = FLOPs / time, for the block and the proxy.
+- breakdown: router (jax_ep.flax.routing.route), dispatch (jax_ep.dispatch), expert FFN
+  (jax_ep.flax.experts.grouped_swiglu) and combine (jax_ep.combine), each forward + backward alone in a jitted
+  shard_map of its own, on the inputs the stages before it produce from the block's x and weights, with random
+  cotangents of its outputs' shapes. Their sum is printed beside the block; the difference is what the block does
+  besides (router statistics, casts) and what XLA overlaps or fuses across the stages.
+Timing (harness.median_ms): median over --runs of --calls back-to-back calls, after a warm-up.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+from jax_ep.bench import harness
+from jax_ep.bench.swiglu import DTYPE, dense_swiglu_ms, swiglu_flops
+from jax_ep.flax import MoE
+from jax_ep.flax.experts import grouped_swiglu
+from jax_ep.flax.routing import route
+
+
+class MoEShape(NamedTuple):  # field names are those of the overriding options (--d-model, ...)
+    d_model: int
+    d_ff: int
+    experts: int
+    topk: int
+
+
+SHAPES = {"moe-a": MoEShape(2048, 1408, 64, 6), "v3": MoEShape(7168, 2048, 256, 8), "tiny": MoEShape(128, 64, 8, 2)}
+DISPATCHERS = ("normal", "xla")
+STAGES = ("router", "dispatch", "expert FFN", "combine")
+TARGET_RATIO = 1.5  # issue 20's acceptance: the block's forward + backward at most 1.5x the dense proxy
+
+
+def add_arguments(parser) -> None:
+    harness.add_ranks_argument(parser)
+    parser.add_argument("--shapes", nargs="+", choices=SHAPES, default=["moe-a", "v3"],
+                        help="; ".join(f"{name}: D={shape.d_model} F={shape.d_ff} E={shape.experts} K={shape.topk}"
+                                       for name, shape in SHAPES.items()) + " (default: %(default)s)")
+    parser.add_argument("--dispatchers", nargs="+", choices=DISPATCHERS, default=list(DISPATCHERS))
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank (default %(default)s)")
+    for field in MoEShape._fields:
+        parser.add_argument(f"--{field.replace('_', '-')}", type=int, help="replaces the shapes' own")
+    parser.add_argument("--runs", type=int, default=10, help="timed runs per figure (the median is reported)")
+    parser.add_argument("--calls", type=int, default=3, help="back-to-back calls per timed run")
+    parser.add_argument("--remat", action="store_true",
+                        help="also print XLA's temporary memory of a few blocks in a row with and without jax.checkpoint")
+    harness.add_output_arguments(parser, plot_help="write a PNG bar chart of the breakdown per shape and dispatcher")
+
+
+def _shapes(args) -> list[tuple[str, MoEShape]]:
+    overrides = {field: getattr(args, field) for field in MoEShape._fields if getattr(args, field) is not None}
+    shapes = []
+    for name in args.shapes:
+        shape = SHAPES[name]._replace(**overrides)
+        shapes.append((name if shape == SHAPES[name] else f"{name}, modified", shape))
+    return shapes
+
+
+def _random(key, shape, dtype, sharding) -> jax.Array:
+    return jax.device_put(jax.random.normal(key, shape, jnp.float32).astype(dtype), sharding)
+
+
+REMAT_LAYERS = 4  # --remat's stack: remat keeps one layer's activations alive instead of every layer's
+
+
+def _block_step(moe: MoE, remat: bool, layers: int = 1):
+    """The whole block, forward + backward, as one jitted step(state, x, cotangent), applied `layers` times in
+    a row (same weights); with `remat`, each application under jax.checkpoint with nothing saveable (the
+    backward pass recomputes its forward: router, dispatch, experts, combine)."""
+    graphdef, _ = nnx.split(moe)
+
+    def block(state, x):
+        return nnx.merge(graphdef, state)(x)[0]
+
+    if remat:
+        block = jax.checkpoint(block, policy=jax.checkpoint_policies.nothing_saveable)
+
+    def stack(state, x):
+        for _ in range(layers):
+            x = block(state, x)
+        return x
+
+    @jax.jit
+    def step(state, x, cotangent):
+        return jax.grad(lambda state, x: jnp.sum((stack(state, x) * cotangent).astype(jnp.float32)),
+                        argnums=(0, 1))(state, x)
+
+    return step
+
+
+def _block_ms(moe: MoE, x, cotangent, args) -> float:
+    return harness.median_ms(_block_step(moe, remat=False), [(nnx.state(moe), x, cotangent)], args.runs, args.calls)
+
+
+def _temp_bytes(moe: MoE, x, cotangent) -> dict[str, int]:
+    """XLA's temporary memory (what the step keeps between its forward and backward passes, and workspace) of
+    REMAT_LAYERS blocks in a row, without and with jax.checkpoint: a smaller figure with it shows each block's
+    forward is recomputed in the backward pass rather than kept alive."""
+    state = nnx.state(moe)
+    return {("remat" if remat else "plain"): _block_step(moe, remat, REMAT_LAYERS).lower(state, x, cotangent)
+            .compile().memory_analysis().temp_size_in_bytes for remat in (False, True)}
+
+
+def _stage_ms(mesh, key, fn, diff, diff_specs, const, args):
+    """One stage alone: `fn(*diff, *const) -> (out, aux)` (per rank; aux holds its outputs without a gradient),
+    forward + backward with respect to `diff` (partitioned as `diff_specs`; `const` and the outputs per rank),
+    jitted in a shard_map of its own. Returns (ms, out, aux): out and aux of the forward, the next stages' inputs."""
+    ep = P("ep")
+    forward = jax.jit(jax.shard_map(lambda d, c: fn(*d, *c), mesh=mesh, in_specs=(diff_specs, ep), out_specs=ep))
+    out, aux = forward(diff, const)
+    leaves, tree = jax.tree.flatten(out)
+    cotangent = tree.unflatten([_random(k, leaf.shape, leaf.dtype, leaf.sharding)
+                                for k, leaf in zip(jax.random.split(key, len(leaves)), leaves)])
+
+    def forward_backward(d, c, ct):
+        # The forward's outputs are returned too: the block needs them, and XLA would otherwise drop the parts of
+        # the forward that the backward does not read.
+        out, pullback, aux = jax.vjp(lambda *d: fn(*d, *c), *d, has_aux=True)
+        return out, aux, pullback(ct)
+
+    step = jax.jit(jax.shard_map(forward_backward, mesh=mesh, in_specs=(diff_specs, ep, ep),
+                                 out_specs=(ep, ep, diff_specs)))
+    return harness.median_ms(step, [(diff, const, cotangent)], args.runs, args.calls), out, aux
+
+
+def _breakdown_ms(mesh, moe: MoE, x, args) -> dict[str, float]:
+    """ms of each of STAGES alone, forward + backward, chained as the block chains them (MoE._forward, the
+    normal and xla dispatchers, no capacity limit), on this block's weights and x."""
+    buffer, config, num_experts = moe.buffer, moe.router_config, moe.num_experts
+    keys = iter(jax.random.split(jax.random.key(3), len(STAGES)))
+    ep, replicated = P("ep"), P()
+
+    def router(x, kernel):
+        routing = route(x, kernel, None, config)
+        return routing.topk_weights, routing.topk_idx
+
+    def dispatch(x, topk_weights, topk_idx):
+        d = jax_ep.dispatch(buffer, x, topk_idx, topk_weights, num_experts=num_experts)
+        return (d.recv_x, d.recv_topk_weights), (d.recv_topk_idx, d.handle)
+
+    def expert_ffn(recv_x, recv_weights, w_gate, w_up, w_down, recv_idx):
+        # Gate weights applied here: combine sums the ranks' rows unweighted.
+        return grouped_swiglu(recv_x, recv_idx, recv_weights, w_gate, w_up, w_down).astype(DTYPE), ()
+
+    def combine(y, handle):
+        return jax_ep.combine(buffer, y, handle).x, ()
+
+    ms = {}
+    ms["router"], topk_weights, topk_idx = _stage_ms(
+        mesh, next(keys), router, (x, moe.router_kernel[...]), (ep, replicated), (), args)
+    ms["dispatch"], (recv_x, recv_weights), (recv_idx, handle) = _stage_ms(
+        mesh, next(keys), dispatch, (x, topk_weights), (ep, ep), (topk_idx,), args)
+    experts = (moe.w_gate[...], moe.w_up[...], moe.w_down[...])  # [E, ...], sharded over the EP axis
+    ms["expert FFN"], expert_out, _ = _stage_ms(
+        mesh, next(keys), expert_ffn, (recv_x, recv_weights, *experts), (ep,) * 5, (recv_idx,), args)
+    ms["combine"], _, _ = _stage_ms(mesh, next(keys), combine, (expert_out,), (ep,), (handle,), args)
+    return ms
+
+
+def _measure(mesh, shape: MoEShape, dispatcher: str, args) -> dict:
+    """The block and its breakdown at `shape` with `dispatcher`: the backend it ran on and the figures in ms."""
+    num_ranks = mesh.devices.size
+    moe = MoE(shape.d_model, shape.d_ff, shape.experts, shape.topk, mesh=mesh, dispatcher=dispatcher, dtype=DTYPE,
+              param_dtype=DTYPE, rngs=nnx.Rngs(0))
+    state = nnx.state(moe)  # experts sharded over the EP axis by their partition metadata, the rest replicated
+    nnx.update(moe, jax.device_put(state, nnx.get_named_sharding(state, mesh)))
+    x_key, cotangent_key = jax.random.split(jax.random.key(1))
+    tokens = ((num_ranks * args.tokens, shape.d_model), DTYPE, NamedSharding(mesh, P("ep")))  # every rank's
+    x, cotangent = _random(x_key, *tokens), _random(cotangent_key, *tokens)
+    with moe.buffer:  # a cuda Buffer's memory lies outside XLA's pool: freed before the next shape
+        figures = dict(backend=moe.buffer.backend, block_ms=_block_ms(moe, x, cotangent, args),
+                       breakdown_ms=_breakdown_ms(mesh, moe, x, args))
+        if args.remat:
+            figures["temp_bytes"] = _temp_bytes(moe, x, cotangent)
+        return figures
+
+
+def run(args) -> dict:
+    mesh = harness.ep_mesh(args)
+    num_ranks, device = mesh.devices.size, mesh.devices.flat[0]
+    setup = dict(device=device.device_kind, platform=device.platform, jax=jax.__version__, num_ranks=num_ranks,
+                 tokens=args.tokens, dtype=jnp.dtype(DTYPE).name, runs=args.runs, calls=args.calls,
+                 target_ratio=TARGET_RATIO)
+    print(f"[moe] {num_ranks} ranks ({device.device_kind}), one process, {args.tokens} tokens per rank, "
+          f"{setup['dtype']}, forward + backward; median of {args.runs} runs of {args.calls} calls", flush=True)
+    if not harness.on_gpu(mesh):
+        setup["not_a_performance_figure"] = harness.NOT_ON_A_GPU
+        print(f"[moe] {harness.NOT_ON_A_GPU}", flush=True)
+    results = []
+    for name, shape in _shapes(args):
+        if shape.experts % num_ranks:
+            raise SystemExit(f"[moe] {name}: {shape.experts} experts do not split over {num_ranks} ranks")
+        rows = args.tokens * shape.topk
+        flops = swiglu_flops(rows, shape.d_model, shape.d_ff)
+        proxy_ms = dense_swiglu_ms(rows, shape.d_model, shape.d_ff, runs=args.runs, calls=args.calls)
+        print(f"[moe] {name}: D={shape.d_model} F={shape.d_ff} E={shape.experts} K={shape.topk}, "
+              f"{shape.experts // num_ranks} experts per rank, {rows} rows per rank, {flops / 1e12:.4g} TFLOP per "
+              f"rank; dense proxy {proxy_ms:.3f} ms = {flops / proxy_ms / 1e9:.4g} TFLOP/s", flush=True)
+        for dispatcher in args.dispatchers:
+            figures = _measure(mesh, shape, dispatcher, args)
+            block_ms, breakdown = figures["block_ms"], figures["breakdown_ms"]
+            record = dict(shape=name, **shape._asdict(), experts_per_rank=shape.experts // num_ranks,
+                          rows_per_rank=rows, flops_per_rank=flops, dispatcher=dispatcher, backend=figures["backend"],
+                          block_ms=block_ms, block_tflops=flops / block_ms / 1e9, dense_proxy_ms=proxy_ms,
+                          dense_proxy_tflops=flops / proxy_ms / 1e9, ratio=block_ms / proxy_ms,
+                          meets_target=block_ms / proxy_ms <= TARGET_RATIO, breakdown_ms=breakdown,
+                          breakdown_sum_ms=sum(breakdown.values()))
+            if "temp_bytes" in figures:
+                record["temp_bytes"] = figures["temp_bytes"]
+                print(f"[moe]   temporary memory of {REMAT_LAYERS} blocks in a row, forward + backward: "
+                      f"{figures['temp_bytes']['plain'] / 2**20:.1f} MiB; each under jax.checkpoint (nothing "
+                      f"saveable): {figures['temp_bytes']['remat'] / 2**20:.1f} MiB", flush=True)
+            results.append(record)
+            print(f"[moe] {name} {dispatcher} ({record['backend']} backend): block {block_ms:.3f} ms = "
+                  f"{record['block_tflops']:.4g} TFLOP/s; {record['ratio']:.2f}x the dense proxy "
+                  f"(target <= {TARGET_RATIO}x: {'met' if record['meets_target'] else 'not met'})", flush=True)
+            print("[moe]   breakdown, each stage forward + backward alone: "
+                  + " + ".join(f"{stage} {breakdown[stage]:.3f}" for stage in STAGES)
+                  + f" = {record['breakdown_sum_ms']:.3f} ms (the block: {block_ms:.3f} ms)", flush=True)
+    return dict(mode="moe", setup=setup, results=results)
+
+
+def plot(plt, figures: dict, path: str) -> None:
+    """PNG: per shape, per dispatcher, the breakdown's stages stacked beside the whole block, with the dense proxy
+    and the target (TARGET_RATIO x the proxy) as lines."""
+    results = figures["results"]
+    shapes = list(dict.fromkeys(r["shape"] for r in results))
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 5), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        records = [r for r in results if r["shape"] == shape]
+        at = np.arange(len(records))
+        bottom = np.zeros(len(records))
+        for stage in STAGES:
+            ms = np.array([r["breakdown_ms"][stage] for r in records])
+            ax.bar(at - 0.2, ms, 0.4, bottom=bottom, label=stage)
+            bottom += ms
+        ax.bar(at + 0.2, [r["block_ms"] for r in records], 0.4, color="gray", label="whole block")
+        proxy = records[0]["dense_proxy_ms"]
+        ax.axhline(proxy, color="black", linestyle="--", linewidth=1, label="dense proxy")
+        ax.axhline(TARGET_RATIO * proxy, color="black", linestyle=":", linewidth=1,
+                   label=f"target ({TARGET_RATIO}x the proxy)")
+        ax.set_xticks(at, [f"{r['dispatcher']}\n{r['backend']} backend" for r in records], fontsize=8)
+        first = records[0]
+        ax.set(ylabel="ms, forward + backward",
+               title=f"{shape}: D={first['d_model']} F={first['d_ff']} E={first['experts']} K={first['topk']}")
+    setup = figures["setup"]
+    fig.suptitle(f"jax_ep.flax.MoE, {setup['num_ranks']} ranks ({setup['device']}), {setup['tokens']} tokens per rank"
+                 + (f"\n{setup['not_a_performance_figure']}" if "not_a_performance_figure" in setup else ""),
+                 fontsize=9)
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="lower center", ncol=4, fontsize=8)  # below the bars
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

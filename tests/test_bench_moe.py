@@ -1,0 +1,74 @@
+"""python -m jax_ep.bench moe on CPU, tiny: it runs end to end and says that its figures are not performance
+figures off a GPU (they mean nothing on CPU); its JSON holds every figure (the block, the dense proxy, their
+ratio, TFLOP/s from the explicit FLOP count, the four stages of the breakdown and their sum), and the plot is
+written."""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+pytest.importorskip("flax")
+
+from jax_ep import bench  # noqa: E402
+
+STAGES = {"router", "dispatch", "expert FFN", "combine"}
+
+
+def moe_record(tmp_path, *argv: str) -> dict:
+    path = tmp_path / "moe.json"
+    assert bench.main(["moe", "--tokens", "16", "--runs", "1", "--calls", "1", "--json", str(path), *argv]) == 0
+    return json.loads(path.read_text())
+
+
+def test_moe_bench_record(tmp_path, capsys):
+    plot = tmp_path / "moe.png"
+    record = moe_record(tmp_path, "--shapes", "tiny", "--ranks", "4", "--plot", str(plot))
+    assert record["mode"] == "moe"
+    setup = record["setup"]
+    assert (setup["num_ranks"], setup["tokens"], setup["dtype"], setup["target_ratio"]) == (4, 16, "bfloat16", 1.5)
+    assert setup["not_a_performance_figure"].startswith("not on a GPU")
+    results = record["results"]
+    assert [(r["shape"], r["dispatcher"]) for r in results] == [("tiny", "normal"), ("tiny", "xla")]
+    for r in results:
+        assert r["backend"] == "xla", r  # "normal" takes the xla backend where there is no CUDA device
+        assert (r["d_model"], r["d_ff"], r["experts"], r["topk"]) == (128, 64, 8, 2)
+        assert (r["experts_per_rank"], r["rows_per_rank"]) == (2, 16 * 2)
+        # SwiGLU forward: 3 matmuls of 2·rows·D·F; backward twice the forward.
+        assert r["flops_per_rank"] == 3 * (3 * 2 * 32 * 128 * 64)
+        assert set(r["breakdown_ms"]) == STAGES
+        for ms in (r["block_ms"], r["dense_proxy_ms"], *r["breakdown_ms"].values()):
+            assert math.isfinite(ms) and ms > 0, r
+        assert math.isclose(r["ratio"], r["block_ms"] / r["dense_proxy_ms"])
+        assert r["meets_target"] == (r["ratio"] <= 1.5)
+        assert math.isclose(r["block_tflops"], r["flops_per_rank"] / r["block_ms"] / 1e9)
+        assert math.isclose(r["dense_proxy_tflops"], r["flops_per_rank"] / r["dense_proxy_ms"] / 1e9)
+        assert math.isclose(r["breakdown_sum_ms"], sum(r["breakdown_ms"].values()))
+    out = capsys.readouterr().out
+    assert "[moe] not on a GPU" in out and "dense proxy" in out, out
+    assert out.count("[moe]   breakdown") == 2 and "(the block:" in out, out
+    assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+def test_moe_bench_shape_overrides(tmp_path):
+    """--d-model/--d-ff/--experts/--topk replace the listed shape's own; the run says it was modified."""
+    record = moe_record(tmp_path, "--shapes", "tiny", "--dispatchers", "xla", "--d-ff", "128", "--experts", "16",
+                        "--topk", "1")
+    (r,) = record["results"]
+    assert (r["shape"], r["dispatcher"]) == ("tiny, modified", "xla")
+    assert (r["d_model"], r["d_ff"], r["experts"], r["topk"]) == (128, 128, 16, 1)
+    assert r["experts_per_rank"] == 16 // record["setup"]["num_ranks"]
+    assert set(r["breakdown_ms"]) == STAGES
+
+
+def test_moe_bench_remat_memory(tmp_path):
+    """--remat records XLA's temporary memory of the block's step with and without jax.checkpoint; recomputing
+    the forward keeps less alive between the passes."""
+    record = moe_record(tmp_path, "--shapes", "tiny", "--dispatchers", "xla", "--ranks", "2", "--remat")
+    (r,) = record["results"]
+    assert set(r["temp_bytes"]) == {"plain", "remat"}
+    assert 0 < r["temp_bytes"]["remat"] < r["temp_bytes"]["plain"], r["temp_bytes"]
