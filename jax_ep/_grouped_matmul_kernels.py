@@ -75,7 +75,9 @@ def row_tile_schedule(group_sizes: jax.Array, num_rows: int) -> tuple[jax.Array,
     range_tile_ends = jnp.cumsum(tiles_per_range)
     tile = jnp.arange(max_tiles, dtype=jnp.int32)
     # The range of tile t is the first whose tiles end after t; num_groups + 1 marks an unused entry.
-    tile_range = jnp.searchsorted(range_tile_ends, tile, side="right")
+    # compare_all: one fused comparison of the few hundred tiles with the G + 1 range ends. The default binary
+    # search is an XLA while loop, whose condition the GPU hands back to the host at every step.
+    tile_range = jnp.searchsorted(range_tile_ends, tile, side="right", method="compare_all")
     r = jnp.minimum(tile_range, num_groups)
     tile_start = aligned_starts[r] + (tile - (range_tile_ends[r] - tiles_per_range[r])) * BLOCK_ROWS
     first_row = jnp.maximum(tile_start, range_starts[r])

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from jax.test_util import check_grads
 
 from jax_ep import grouped_matmul
-from jax_ep.grouped_matmul import pallas_unsupported_reason, resolve_implementation
+from jax_ep.grouped_matmul import config_unsupported_reason, pallas_unsupported_reason, resolve_implementation
 
 gm_module = importlib.import_module("jax_ep.grouped_matmul")  # the name jax_ep.grouped_matmul is the function
 # These tests also run on GPU machines (tests/conftest.py); a few are about what happens without one.
@@ -292,3 +292,46 @@ def test_forward_kernel_in_the_gpu_interpreter():
     expected = oracle(np.asarray(x, np.float64), np.asarray(w, np.float64), np.zeros((m, n)), sizes)[0]
     assert relative_error(y, expected) <= 1e-2
     np.testing.assert_array_equal(np.asarray(y[sum(sizes):], np.float32), 0)  # unwritten rows would be nan
+
+
+@pytest.mark.parametrize("varying", [("ep",), ()])
+def test_cotangents_are_typed_like_their_primals_inside_shard_map(varying):
+    """A value varying over no axis (as a pallas_call's result) becomes varying like its primal; a value
+    varying over an axis its primal does not is summed over it."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jax_ep.grouped_matmul import _typed_like, _varying_axes
+    mesh = jax.make_mesh((2,), ("ep",), devices=jax.devices()[:2])
+
+    def body(sharded, replicated):
+        like = sharded if varying else replicated
+        plain = jnp.ones((2,), jnp.float32)
+        typed_plain = _typed_like(plain, like)
+        typed_varying = _typed_like(sharded * 1.0, like)
+        assert _varying_axes(typed_plain) == _varying_axes(like) == frozenset(varying)
+        assert _varying_axes(typed_varying) == frozenset(varying)
+        return typed_plain, typed_varying
+
+    out_spec = P("ep") if varying else P()
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"), P()), out_specs=(out_spec, out_spec)))
+    sharded = jax.device_put(jnp.arange(4, dtype=jnp.float32), NamedSharding(mesh, P("ep")))
+    replicated = jax.device_put(jnp.zeros((2,), jnp.float32), NamedSharding(mesh, P()))
+    plain, summed = (np.asarray(a) for a in f(sharded, replicated))
+    np.testing.assert_array_equal(plain, np.ones(4 if varying else 2))
+    np.testing.assert_array_equal(summed, np.arange(4.0) if varying else np.array([0.0 + 2, 1 + 3]))
+
+
+def test_block_config_table_rules_fit_their_shapes():
+    """The tuned rules apply where measured, and a rule whose tiles do not fit a shape is passed over (a
+    config that does not fit must not turn "auto" into the slow fallback)."""
+    from jax_ep.grouped_matmul import BLOCK_CONFIG_TABLE, DEFAULT_BLOCK_CONFIG, block_config
+    down_dw = block_config("pallas", "dw", 24576, 1408, 2048, 64)
+    assert down_dw.block_n == 256 and config_unsupported_reason("pallas", "dw", down_dw, 24576, 1408, 2048) is None
+    gate_dw = block_config("pallas", "dw", 24576, 2048, 1408, 64)
+    assert gate_dw.block_n == 128 and config_unsupported_reason("pallas", "dw", gate_dw, 24576, 2048, 1408) is None
+    # N=1664 = 13 x 128 is in the first rule's range but not a multiple of its 256-column tiles.
+    assert block_config("pallas", "dw", 24576, 1408, 1664, 64).block_n == 128
+    assert block_config("pallas", "dw", 24576, 1408, 2048, 8) == DEFAULT_BLOCK_CONFIG  # few groups: not measured
+    assert block_config("jax_pallas", "dw", 24576, 1408, 2048, 64) == DEFAULT_BLOCK_CONFIG
+    assert all(rule.kernels == "pallas" for rule in BLOCK_CONFIG_TABLE)

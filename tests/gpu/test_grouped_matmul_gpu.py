@@ -115,3 +115,27 @@ def test_auto_picks_pallas_on_hopper():
     w = jax.ShapeDtypeStruct((64, 2048, 1408), jnp.bfloat16)
     assert pallas_unsupported_reason(x.shape, w.shape, x.dtype) is None
     assert resolve_implementation(x, w, "auto") == "pallas"
+
+
+@needs_hopper
+@pytest.mark.parametrize("implementation", ["pallas", "jax_pallas"])
+def test_gradients_inside_shard_map(implementation):
+    """Inside a shard_map the kernels' results vary over no axis; the VJP must still type each cotangent like
+    its primal (x and w sharded over "ep"), as a MoE block's experts need."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    mesh = jax.make_mesh((1,), ("ep",))
+    rng = np.random.default_rng(1)
+    m, k, n, groups = 1024, 256, 384, 16
+    x, w, dy = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for shape in ((m, k), (groups, k, n), (m, n)))
+    sizes = random_group_sizes(rng, m, groups)
+
+    def body(x, w, dy, group_sizes):
+        return forward_and_grads.__wrapped__(x, w, dy, group_sizes, implementation)
+
+    sharded = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"), P("ep"), P("ep"), P()),
+                                    out_specs=(P("ep"), P("ep"), P("ep"))))
+    operands = [jax.device_put(a, NamedSharding(mesh, spec)) for a, spec in
+                ((x, P("ep")), (w, P("ep")), (dy, P("ep")), (jnp.asarray(sizes), P()))]
+    for name, actual, expected in zip(("y", "dx", "dw"), sharded(*operands), oracle(x, w, dy, sizes)):
+        assert relative_error(actual, expected) <= BF16_TOLERANCE, name
