@@ -59,14 +59,21 @@ def _check_normal_handle(op: str, handle) -> None:
                         f"{type(handle).__name__}")
 
 
-def _raise_on_count(op: str, count, describe) -> None:
-    """Turns a positive device-side count (dropped tokens, invalid ids) into a run-time error (`strict`)."""
+def _raise_on_counts(op: str, axis_name: str, counts) -> None:
+    """`strict`: turns positive device-side counts (dropped tokens, invalid ids) on any rank into the same
+    run-time error on every rank. counts: [(describe, int32 scalar of this rank)], describe(n, rank) the text of
+    one count. The ranks first gather each other's counts: were only the ranks with a positive count to raise,
+    the others would wait for them in the next collective until XLA aborts the process."""
+    describers = [describe for describe, _ in counts]
+    per_rank = jax.lax.all_gather(jnp.stack([count for _, count in counts]), axis_name)  # [R, len(counts)]
 
-    def check(value):
-        if int(value) > 0:
-            raise RuntimeError(f"jax_ep.{op}(strict=True): {describe(int(value))}")
+    def check(values):
+        problems = [describe(int(n), rank) for describe, column in zip(describers, values.T)
+                    for rank, n in enumerate(column) if n > 0]
+        if problems:
+            raise RuntimeError(f"jax_ep.{op}(strict=True): " + "; ".join(problems))
 
-    jax.debug.callback(check, count)
+    jax.debug.callback(check, per_rank)
 
 
 # ---- layout ---------------------------------------------------------------------------------------------
@@ -243,10 +250,12 @@ def dispatch(
     spec = dataclasses.replace(spec, capacity=capacity)
     out = _dispatch(spec, _leaves(x) if _is_fp8_pair(x) else x, topk_idx, topk_weights)
     if strict:
-        _raise_on_count("dispatch", out.num_dropped, lambda n: f"{n} received tokens did not fit max_recv_tokens="
-                        f"{capacity}; this rank needs max_recv_tokens >= {capacity + n}")
-        _raise_on_count("dispatch", out.invalid_ids,
-                        lambda n: f"{n} top-k ids were outside [-1, {spec.num_experts}) (treated as -1)")
+        _raise_on_counts("dispatch", buffer.axis_name, [
+            (lambda n, rank: f"{n} received tokens did not fit max_recv_tokens={capacity} on rank {rank} (it needs "
+                             f"max_recv_tokens >= {capacity + n})", out.num_dropped),
+            (lambda n, rank: f"{n} top-k ids were outside [-1, {spec.num_experts}) (treated as -1) on rank {rank}",
+             out.invalid_ids),
+        ])
     return out
 
 

@@ -928,3 +928,20 @@ def test_dispatch_needs_tokens(mesh, buffer):
     idx = np.zeros((0, K), np.int32)
     with pytest.raises(ValueError, match=msg("jax_ep.dispatch: dispatch needs at least one token per rank, got 0")):
         lower_in_shard_map(mesh, lambda x, i: jax_ep.dispatch(buffer, x, i, num_experts=E).recv_x, x, idx)
+
+
+def test_strict_raises_on_every_rank_when_one_rank_fails(mesh, buffer, reset_effects):
+    """An invalid id on one rank only, then a collective (combine): every rank raises the same catchable error,
+    naming the rank; before the ranks agreed on the counts, the others waited in the collective until XLA
+    aborted the process."""
+    idx = routing()
+    idx[2 * T + 1, 0] = E + 3  # rank 2's token 1
+
+    def body(x, i):
+        out = jax_ep.dispatch(buffer, x, i, strict=True)
+        return jax_ep.combine(buffer, out.recv_x, out.handle).x
+
+    with pytest.raises(Exception) as info:
+        run_in_shard_map(mesh, body, x_global(), idx)
+    assert "jax_ep.dispatch(strict=True): 1 top-k ids were outside [-1, 8) (treated as -1) on rank 2" in str(
+        info.value)
