@@ -7,6 +7,7 @@ Modes, one module each beside the shared harness (jax_ep/bench/harness.py):
   grouped_matmul  jax_ep.grouped_matmul in an expert SwiGLU, forward + backward, beside a dense chain
   moe             the jax_ep.flax.MoE block, forward + backward, beside the dense proxy of its FLOPs, and its
                   breakdown (router, dispatch, expert FFN, combine)
+  soak            many jitted dispatch + combine steps: memory growth and bit-for-bit repeatability
 Every mode takes --json PATH (every figure); intranode and moe draw --plot PATH.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sys
 
 from jax_ep.bench import harness
 
-MODES = ("intranode", "internode", "low_latency", "grouped_matmul", "moe")
+MODES = ("intranode", "internode", "low_latency", "grouped_matmul", "moe", "soak")
 
 
 def main(argv=None) -> int:

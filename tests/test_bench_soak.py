@@ -1,0 +1,21 @@
+"""python -m jax_ep.bench soak on CPU, tiny: the steps run, every step's outputs equal the first's bit for bit,
+and the JSON holds the memory readings (the figures mean nothing on CPU; the GPU figures are in the issue note)."""
+from __future__ import annotations
+
+import json
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+from jax_ep import bench  # noqa: E402
+
+
+def test_soak_record(tmp_path):
+    path = tmp_path / "soak.json"
+    assert bench.main(["soak", "--ranks", "4", "--steps", "30", "--bitwise-steps", "10", "--tokens", "16",
+                       "--hidden", "128", "--experts", "8", "--topk", "2", "--json", str(path)]) == 0
+    record = json.loads(path.read_text())
+    assert (record["num_ranks"], record["steps"], record["bitwise_steps"]) == (4, 30, 10)
+    assert record["bitwise_identical"] is True
+    assert len(record["device_bytes"]) == 2 and len(record["host_rss_bytes"]) == 2
+    assert record["host_rss_bytes"][0] > 0
