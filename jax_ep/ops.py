@@ -396,7 +396,13 @@ def low_latency_combine_send(buffer: Buffer, y, topk_idx, topk_weights, handle: 
     _checks.exact(op, "y", y, jnp.bfloat16, (experts_per_rank, spec.num_ranks * spec.num_max_tokens, buffer.hidden))
     _checks.topk_idx(op, topk_idx, spec.num_experts)
     _checks.exact(op, "topk_weights", topk_weights, jnp.float32, topk_idx.shape)
+    if not (hasattr(handle, "src_token_index") and hasattr(handle, "num_tokens")):
+        raise TypeError(f"jax_ep.{op}: handle must be the handle of a jax_ep.low_latency_dispatch "
+                        f"(LowLatencyDispatchResult.handle), got {type(handle).__name__}")
     _checks.exact(op, "handle.src_token_index", handle.src_token_index, jnp.int32, y.shape[:2])
+    if topk_idx.shape[0] != handle.num_tokens:
+        raise ValueError(f"jax_ep.{op}: topk_idx has {topk_idx.shape[0]} tokens, the handle's low_latency_dispatch "
+                         f"sent {handle.num_tokens} (combine takes the dispatch's tokens)")
     state = buffer.backend_impl.low_latency_combine_send(y, handle, topk_idx, topk_weights,
                                                          num_experts=spec.num_experts,
                                                          num_max_tokens=spec.num_max_tokens)

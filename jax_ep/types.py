@@ -1,6 +1,7 @@
 """Result types of the public ops: named pytrees (NamedTuples) whose fields follow docs/design.md ("Semantics")."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -41,6 +42,10 @@ class LowLatencyDispatchResult(NamedTuple):
     invalid_ids: Array  # int32 scalar
 
 
-class LowLatencyHandle(NamedTuple):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LowLatencyHandle:
     src_token_index: Array  # int32 [L, R*M]: source token of each row, -1 for unused rows
     layout_range: Array  # int32 [L, R, 2]: (first row, row count) per (local expert, source rank)
+    # T of the dispatch (static): its combine must take that many tokens, rows past them were never sent.
+    num_tokens: int = dataclasses.field(metadata={"static": True})

@@ -945,3 +945,28 @@ def test_strict_raises_on_every_rank_when_one_rank_fails(mesh, buffer, reset_eff
         run_in_shard_map(mesh, body, x_global(), idx)
     assert "jax_ep.dispatch(strict=True): 1 top-k ids were outside [-1, 8) (treated as -1) on rank 2" in str(
         info.value)
+
+
+def test_low_latency_combine_takes_the_dispatch_tokens(mesh, ll_buffer):
+    """A combine given more (or fewer) tokens than its dispatch sent raises before anything runs: the rows of
+    tokens it never sent do not exist (the cuda receive would read slots this call's send did not write)."""
+
+    def body(x, idx, idx_more, w_more):
+        out = jax_ep.low_latency_dispatch(ll_buffer, x, idx, use_fp8=False)
+        return jax_ep.low_latency_combine(ll_buffer, out.recv_x, idx_more, w_more, out.handle)
+
+    fewer = T - 1
+    with pytest.raises(ValueError, match=msg(f"jax_ep.low_latency_combine: topk_idx has {T} tokens, the handle's "
+                                             f"low_latency_dispatch sent {fewer}")):
+        lower_in_shard_map(mesh, body, x_global(jnp.bfloat16, tokens=fewer), routing(fewer), routing(),
+                           weights_global())
+
+
+def test_low_latency_combine_needs_a_low_latency_handle(mesh, buffer, ll_buffer):
+    def body(x, idx, w):
+        out = jax_ep.low_latency_dispatch(ll_buffer, x, idx, use_fp8=False)
+        return jax_ep.low_latency_combine(ll_buffer, out.recv_x, idx, w, {"src_token_index": out.handle})
+
+    with pytest.raises(TypeError, match=msg("jax_ep.low_latency_combine: handle must be the handle of a "
+                                            "jax_ep.low_latency_dispatch (LowLatencyDispatchResult.handle), got dict")):
+        lower_in_shard_map(mesh, body, x_global(jnp.bfloat16), routing(), weights_global())

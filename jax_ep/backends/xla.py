@@ -148,6 +148,7 @@ def low_latency_dispatch_recv(pending, *, axis_name, num_ranks, num_experts, num
     handle = LowLatencyHandle(
         src_token_index=jnp.where(src < total, src % num_tokens, -1),
         layout_range=jnp.stack([begin, per_source], axis=-1),
+        num_tokens=num_tokens,
     )
     return recv, jnp.sum(selected, axis=1, dtype=int32), handle, invalid
 

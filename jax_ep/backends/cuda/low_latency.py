@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -50,10 +49,13 @@ TRANSPORTS = {"peer_stores": 0, "nvshmem": 1}  # Buffer.low_latency_transport ->
 int32 = jnp.int32
 
 
-class CudaLowLatencyHandle(NamedTuple):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CudaLowLatencyHandle:
     src_token_index: jax.Array  # int32 [L, R*M]: source token of each row, -1 for unused rows
     layout_range: jax.Array  # int32 [L, R, 2]: (first row, row count) per (local expert, source rank)
     src_topk_index: jax.Array  # int32 [L, R*M]: first top-k entry of the row's expert in its source token; -1
+    num_tokens: int = dataclasses.field(metadata={"static": True})  # T of the dispatch (see LowLatencyHandle)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +148,7 @@ def _dispatch_recv(params: LowLatencyParams, cast: LowLatencyCast, token, x, top
         **params.attributes())
     recv = tuple(outs[:len(payload)])
     recv_count, src_token_index, src_topk_index, layout_range = outs[len(payload):]
-    return recv, recv_count, CudaLowLatencyHandle(src_token_index, layout_range, src_topk_index)
+    return recv, recv_count, CudaLowLatencyHandle(src_token_index, layout_range, src_topk_index, x.shape[0])
 
 
 def _dispatch_recv_fwd(params, cast, token, x, topk_idx):
