@@ -16,6 +16,7 @@ import pytest  # noqa: E402
 from conftest import mesh_of  # noqa: E402
 from flax import nnx  # noqa: E402
 from flax.linen import meta  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ep  # noqa: E402
@@ -292,3 +293,25 @@ def test_bad_arguments(build, message):
 
 def dense_shaped_experts():
     return jnp.zeros((EXPERTS, D_MODEL, D_FF)), jnp.zeros((EXPERTS, D_MODEL, D_FF)), jnp.zeros((EXPERTS, D_FF, D_MODEL))
+
+
+def test_global_view_on_a_mesh_with_explicit_axes():
+    """jax.make_mesh's meshes have explicit axes, on which shard_map takes only inputs laid out as its in_specs
+    say: the block lays out its tokens and weights itself, and gives the results of an auto-axis mesh (under
+    jax.set_mesh, as JAX asks of explicit meshes for differentiation)."""
+    devices = jax.devices()[:4]
+    if len(devices) < 4:
+        pytest.skip("needs 4 devices")
+    x = jax.random.normal(jax.random.key(0), (32, 128))
+    results = {}
+    for name, mesh in [("auto", Mesh(np.array(devices), ("ep",))),
+                       ("explicit", jax.make_mesh((4,), ("ep",), devices=devices,
+                                                  axis_types=(jax.sharding.AxisType.Explicit,)))]:
+        moe = MoE(128, 64, 8, 2, mesh=mesh, dispatcher="xla", rngs=nnx.Rngs(0))
+        with jax.set_mesh(mesh):
+            y, _ = moe(x)
+            y_jit, _ = nnx.jit(lambda m, x: m(x))(moe, x)
+            grads = nnx.grad(lambda m, x: jnp.sum(m(x)[0]))(moe, x)
+        results[name] = [np.asarray(a) for a in (y, y_jit, grads.w_gate[...], grads.router_kernel[...])]
+    for auto, explicit in zip(results["auto"], results["explicit"]):
+        np.testing.assert_allclose(explicit, auto, rtol=1e-6, atol=1e-6)

@@ -7,7 +7,7 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
@@ -39,6 +39,15 @@ def _axis_bound(axis_name: str) -> bool:
     except NameError:
         return False
     return True
+
+
+def _laid_out(mesh: Mesh, values, specs):
+    """`values` in the layout of `specs` on a mesh with explicit axes (jax.make_mesh's default): shard_map takes
+    such inputs only as its in_specs lay them out, while on auto axes it moves them itself."""
+    if jax.sharding.AxisType.Explicit not in mesh.axis_types:
+        return values
+    return jax.tree.map(lambda value, spec: jax.sharding.reshard(value, NamedSharding(mesh, spec)), values, specs,
+                        is_leaf=lambda x: x is None)
 
 
 def _expert_init():
@@ -149,6 +158,7 @@ class MoE(nnx.Module):
             y, aux = self._forward(weights, tokens, axis_name=self.axis_name)
         else:
             specs = {name: P(self.axis_name) if name in EXPERT_WEIGHTS else P() for name in weights}
+            weights, tokens = _laid_out(self.mesh, (weights, tokens), (specs, P(self.axis_name)))
             y, aux = jax.shard_map(
                 lambda w, t: self._forward(w, t, axis_name=self.axis_name), mesh=self.mesh,
                 in_specs=(specs, P(self.axis_name)), out_specs=(P(self.axis_name), MoEAux(P(), P(), P(), P())),
