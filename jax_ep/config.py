@@ -24,6 +24,12 @@ DEFAULT_PUSH_WARPS = 8
 LOW_LATENCY_TRANSPORTS = ("auto", "nvshmem")
 
 
+def is_push_warps(value) -> bool:
+    """Whether `value` is a valid push_warps: an integer from 1 to MAX_PUSH_WARPS (any positive one when the
+    extension did not load: only the xla backend runs then, which reads none)."""
+    return isinstance(value, int) and 1 <= value and (MAX_PUSH_WARPS is None or value <= MAX_PUSH_WARPS)
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Kernel tuning for normal-mode dispatch/combine (ignored by the `xla` backend). Each field changes the
@@ -51,8 +57,7 @@ class Config:
             raise ValueError(f"Config.timeout_s must be positive, got {self.timeout_s}")
         if self.combine not in (None,) + COMBINE_METHODS:
             raise ValueError(f"Config.combine must be one of {COMBINE_METHODS} or None, got {self.combine!r}")
-        if self.push_warps is not None and not (isinstance(self.push_warps, int) and 1 <= self.push_warps
-                                                and (MAX_PUSH_WARPS is None or self.push_warps <= MAX_PUSH_WARPS)):
+        if self.push_warps is not None and not is_push_warps(self.push_warps):
             raise ValueError(f"Config.push_warps must be an integer from 1 to {MAX_PUSH_WARPS} or None, "
                              f"got {self.push_warps!r}")
 

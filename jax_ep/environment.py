@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
-from jax_ep.config import COMBINE_METHODS, LOW_LATENCY_TRANSPORTS, MAX_PUSH_WARPS
+from jax_ep.config import COMBINE_METHODS, LOW_LATENCY_TRANSPORTS, MAX_PUSH_WARPS, is_push_warps
 
 COMBINE = "JAX_EP_COMBINE"
 PUSH_WARPS = "JAX_EP_COMBINE_PUSH_WARPS"
@@ -36,9 +36,8 @@ def overrides(environ=None) -> Overrides:
     if combine not in ("",) + COMBINE_METHODS:
         raise ValueError(f"jax_ep: ${COMBINE} must be one of {COMBINE_METHODS} or unset, got {combine!r}")
     warps = environ.get(PUSH_WARPS, "")
-    if warps and (not warps.isdigit() or not 1 <= int(warps) <= (MAX_PUSH_WARPS or int(warps))):
-        limit = f"from 1 to {MAX_PUSH_WARPS}" if MAX_PUSH_WARPS else "of at least 1"
-        raise ValueError(f"jax_ep: ${PUSH_WARPS} must be an integer {limit} or unset, got {warps!r}")
+    if warps and not (warps.isdigit() and is_push_warps(int(warps))):
+        raise ValueError(f"jax_ep: ${PUSH_WARPS} must be an integer from 1 to {MAX_PUSH_WARPS} or unset, got {warps!r}")
     transport = environ.get(LOW_LATENCY_TRANSPORT, "")
     if transport not in ("",) + LOW_LATENCY_TRANSPORTS:
         raise ValueError(f"jax_ep.Buffer: ${LOW_LATENCY_TRANSPORT} must be one of {LOW_LATENCY_TRANSPORTS} or unset, "

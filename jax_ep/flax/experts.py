@@ -29,7 +29,9 @@ def grouped_swiglu(rows, local_ids, weights, w_gate, w_up, w_down):
     num_local = w_gate.shape[0]
     expert = jnp.where(local_ids >= 0, local_ids, num_local).reshape(-1)
     order = jnp.argsort(expert, stable=True)  # sorted position -> pair (row * K + k)
-    position = jnp.argsort(order)  # pair -> sorted position
+    pairs = jnp.arange(order.size, dtype=order.dtype)
+    # pair -> sorted position: the inverse permutation, one scatter of distinct indices (no second sort)
+    position = jnp.zeros_like(order).at[order].set(pairs, unique_indices=True)
     group_sizes = jnp.bincount(expert, length=num_local + 1)[:num_local].astype(jnp.int32)
     sorted_rows = _gather_rows(rows, order // num_topk, position, num_topk)
     matmul = functools.partial(grouped_matmul, group_sizes=group_sizes)
