@@ -38,6 +38,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_ep.backends import typed_like
+
 IMPLEMENTATIONS = ("auto", "pallas", "jax_pallas", "ragged_dot")
 PALLAS_KERNELS = ("pallas", "jax_pallas")
 OPS = ("fwd", "dx", "dw")
@@ -261,31 +263,10 @@ def _grouped_op(op: str, implementation: str, lhs, rhs, group_sizes, problem_sha
                              block_config(implementation, op, *problem_shape))
 
 
-def _varying_axes(value) -> frozenset:
-    """The shard_map axes `value` varies over (jax >= 0.10: manual_axis_type.varying; older: vma)."""
-    aval = jax.typeof(value)
-    manual = getattr(aval, "manual_axis_type", None)
-    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
-
-
-def _typed_like(value, *like):
-    """`value` varying over exactly the shard_map axes that `like` vary over. A pallas_call's result varies
-    over none, and a custom_vjp must return each cotangent typed like its primal: axes missing are added
-    (pcast), and a cotangent varying over an axis its primal does not is summed over it (what JAX's
-    transpose of the implicit pcast does)."""
-    wanted = frozenset().union(*(_varying_axes(v) for v in like))
-    have = _varying_axes(value)
-    if have - wanted:
-        value = lax.psum(value, tuple(sorted(have - wanted)))
-    if wanted - have:
-        value = lax.pcast(value, tuple(sorted(wanted - have)), to="varying")
-    return value
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _grouped_matmul(x, w, group_sizes, implementation):
     y = _grouped_op("fwd", implementation, x, w, group_sizes, _problem_shape(x, w))
-    return _typed_like(y, x, w, group_sizes)
+    return typed_like(y, x, w, group_sizes)
 
 
 def _grouped_matmul_fwd(x, w, group_sizes, implementation):
@@ -295,8 +276,8 @@ def _grouped_matmul_fwd(x, w, group_sizes, implementation):
 def _grouped_matmul_bwd(implementation, residuals, dy):
     x, w, group_sizes = residuals
     shape = _problem_shape(x, w)
-    dx = _typed_like(_grouped_op("dx", implementation, dy, w, group_sizes, shape), x)
-    dw = _typed_like(_grouped_op("dw", implementation, x, dy, group_sizes, shape), w)
+    dx = typed_like(_grouped_op("dx", implementation, dy, w, group_sizes, shape), x)
+    dw = typed_like(_grouped_op("dw", implementation, x, dy, group_sizes, shape), w)
     return dx, dw, None  # group_sizes is integer-valued: no cotangent
 
 

@@ -301,16 +301,16 @@ def test_cotangents_are_typed_like_their_primals_inside_shard_map(varying):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jax_ep.grouped_matmul import _typed_like, _varying_axes
+    from jax_ep.backends import typed_like, varying_axes
     mesh = jax.make_mesh((2,), ("ep",), devices=jax.devices()[:2])
 
     def body(sharded, replicated):
         like = sharded if varying else replicated
         plain = jnp.ones((2,), jnp.float32)
-        typed_plain = _typed_like(plain, like)
-        typed_varying = _typed_like(sharded * 1.0, like)
-        assert _varying_axes(typed_plain) == _varying_axes(like) == frozenset(varying)
-        assert _varying_axes(typed_varying) == frozenset(varying)
+        typed_plain = typed_like(plain, like)
+        typed_varying = typed_like(sharded * 1.0, like)
+        assert varying_axes(typed_plain) == varying_axes(like) == frozenset(varying)
+        assert varying_axes(typed_varying) == frozenset(varying)
         return typed_plain, typed_varying
 
     out_spec = P("ep") if varying else P()
