@@ -26,6 +26,7 @@ from jax_ep.types import (
     CombineResult,
     DispatchLayout,
     DispatchResult,
+    ExpertMajorDispatchResult,
     LowLatencyDispatchResult,
     LowLatencyHandle,
 )
@@ -39,6 +40,6 @@ __all__ = [
     "low_latency_dispatch", "low_latency_combine",
     "low_latency_dispatch_send", "low_latency_dispatch_recv",
     "low_latency_combine_send", "low_latency_combine_recv", "LowLatencyPending",
-    "DispatchLayout", "DispatchResult", "CombineResult", "LowLatencyDispatchResult", "LowLatencyHandle",
+    "DispatchLayout", "DispatchResult", "ExpertMajorDispatchResult", "CombineResult", "LowLatencyDispatchResult", "LowLatencyHandle",
 ]
 

@@ -15,13 +15,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import _checks, _native
+from jax_ep import _checks, _native, expert_major
 from jax_ep.backends import Backend, LowLatencyCast, xla, zero_cotangent
 from jax_ep.buffer import Buffer
 from jax_ep.types import (
     CombineResult,
     DispatchLayout,
     DispatchResult,
+    ExpertMajorDispatchResult,
     LowLatencyDispatchResult,
     LowLatencyHandle,
 )
@@ -54,6 +55,8 @@ def _check_buffer(op: str, buffer) -> None:
 
 
 def _check_normal_handle(op: str, handle) -> None:
+    if isinstance(handle, expert_major.ExpertMajorHandle):
+        return
     if not (hasattr(handle, "recv_src_index") and hasattr(handle, "is_token_in_rank")):
         raise TypeError(f"jax_ep.{op}: handle must be the handle of a jax_ep.dispatch (DispatchResult.handle), got "
                         f"{type(handle).__name__}")
@@ -187,6 +190,8 @@ def _combine_bwd(spec, residual, cotangent):
 
 _combine.defvjp(_combine_fwd, _combine_bwd)
 
+LAYOUTS = ("rank_major", "expert_major")
+
 
 def _normal_spec(op: str, buffer: Buffer, num_experts, capacity=None, expert_alignment=1) -> _NormalSpec:
     buffer.check_alive()
@@ -210,7 +215,8 @@ def dispatch(
     expert_alignment: int = 1,
     strict: bool = False,
     handle: Any = None,
-) -> DispatchResult:
+    layout: str = "rank_major",
+) -> DispatchResult | ExpertMajorDispatchResult:
     """Sends token `t` to every rank that holds one of its top-k experts (once per rank).
 
     x: [T, H] floating, or the FP8 pair (x_e4m3 [T, H], scales float32 [T, H/128]), passed through.
@@ -219,8 +225,13 @@ def dispatch(
     strict: raise at run time when tokens were dropped or ids were outside [-1, E).
     handle: the handle of an earlier dispatch: a cached dispatch of new data along the same routing
     (returns recv_x and the handle; other fields None).
+    layout: "rank_major" (rows are received tokens, as above) or "expert_major" (rows are received (token, local
+    expert) pairs grouped by expert, docs/design.md "Expert-major layout"; returns ExpertMajorDispatchResult;
+    max_recv_tokens then counts pairs, default R*T*min(K, L) + L*(expert_alignment - 1), which never drops).
     """
     _check_buffer("dispatch", buffer)
+    if layout not in LAYOUTS:
+        raise ValueError(f"jax_ep.dispatch: layout must be one of {LAYOUTS}, got {layout!r}")
     if handle is not None:
         given = [name for name, value in (("topk_idx", topk_idx), ("topk_weights", topk_weights),
                                           ("num_experts", num_experts), ("max_recv_tokens", max_recv_tokens))
@@ -234,6 +245,9 @@ def dispatch(
         num_tokens, _ = _checks.payload("dispatch", x)
         if num_tokens != handle_num_tokens(handle):
             raise ValueError(f"jax_ep.dispatch: x has {num_tokens} tokens, the handle routes {handle_num_tokens(handle)}")
+        if isinstance(handle, expert_major.ExpertMajorHandle):
+            recv_x = _like(x, expert_major.cached_dispatch(spec.backend, _leaves(x), handle))
+            return ExpertMajorDispatchResult(recv_x, None, None, None, None, None, None, handle)
         recv_x = _like(x, _cached_dispatch(spec, _leaves(x), handle))
         return DispatchResult(recv_x, None, None, None, None, None, None, handle)
     if topk_idx is None:
@@ -246,12 +260,26 @@ def dispatch(
     spec = _normal_spec("dispatch", buffer, num_experts, None, expert_alignment)
     _checks.topk_idx("dispatch", topk_idx, spec.num_experts, num_tokens)
     _checks.topk_weights("dispatch", topk_weights, topk_idx)
-    capacity = spec.num_ranks * num_tokens if max_recv_tokens is None else _checks.positive("dispatch", "max_recv_tokens", max_recv_tokens)
+    if max_recv_tokens is not None:
+        capacity = _checks.positive("dispatch", "max_recv_tokens", max_recv_tokens)
+    elif layout == "expert_major":
+        capacity = expert_major.default_capacity(spec.num_ranks, num_tokens, topk_idx.shape[1],
+                                                 spec.num_experts // spec.num_ranks, spec.expert_alignment)
+    else:
+        capacity = spec.num_ranks * num_tokens
     spec = dataclasses.replace(spec, capacity=capacity)
-    out = _dispatch(spec, _leaves(x) if _is_fp8_pair(x) else x, topk_idx, topk_weights)
+    if layout == "expert_major":
+        recv, weights, sizes, offsets, kept, dropped, invalid, em_handle = expert_major.dispatch(
+            expert_major.Spec(spec.backend, spec.num_ranks, spec.num_experts, capacity, spec.expert_alignment),
+            _leaves(x), topk_idx, topk_weights)
+        out = ExpertMajorDispatchResult(_like(x, recv), weights, kept, sizes, offsets, dropped, invalid, em_handle)
+        what = "received (token, expert) pairs"
+    else:
+        out = _dispatch(spec, _leaves(x) if _is_fp8_pair(x) else x, topk_idx, topk_weights)
+        what = "received tokens"
     if strict:
         _raise_on_counts("dispatch", buffer.axis_name, [
-            (lambda n, rank: f"{n} received tokens did not fit max_recv_tokens={capacity} on rank {rank} (it needs "
+            (lambda n, rank: f"{n} {what} did not fit max_recv_tokens={capacity} on rank {rank} (it needs "
                              f"max_recv_tokens >= {capacity + n})", out.num_dropped),
             (lambda n, rank: f"{n} top-k ids were outside [-1, {spec.num_experts}) (treated as -1) on rank {rank}",
              out.invalid_ids),
@@ -261,21 +289,38 @@ def dispatch(
 
 def handle_num_tokens(handle) -> int:
     """The number of tokens per rank a normal-mode handle routes."""
+    if isinstance(handle, expert_major.ExpertMajorHandle):
+        return handle.num_tokens
     return handle.is_token_in_rank.shape[0]
 
 
 def handle_capacity(handle) -> int:
+    if isinstance(handle, expert_major.ExpertMajorHandle):
+        return handle.capacity
     return handle.recv_src_index.shape[0]
 
 
-def combine(buffer: Buffer, y, handle, topk_weights=None, bias=None) -> CombineResult:
+def combine(buffer: Buffer, y, handle, topk_weights=None, bias=None, *, weights=None) -> CombineResult:
     """Brings rows back to their home rank and sums them: out[t] = sum over the ranks r that received t of
     y_r[row of t], unweighted, in float32 in rank order, cast to y's dtype. Padding rows are ignored.
-    topk_weights [C, K] float32 are summed the same way; bias [T, H] is added in float32."""
+    topk_weights [C, K] float32 are summed the same way; bias [T, H] is added in float32.
+
+    With the handle of an expert-major dispatch, rows are (token, local expert) pairs: each rank first sums a
+    token's pairs, weighted by `weights` float32 [C] (e.g. the dispatch's recv_weights; 1 when None), in float32 in
+    ascending local expert, and these partials are summed as above (docs/design.md, "Expert-major layout")."""
     _check_buffer("combine", buffer)
     _check_normal_handle("combine", handle)
     spec = _normal_spec("combine", buffer, None)
     capacity, num_tokens = handle_capacity(handle), handle_num_tokens(handle)
+    expert_major_handle = isinstance(handle, expert_major.ExpertMajorHandle)
+    if expert_major_handle and topk_weights is not None:
+        raise ValueError("jax_ep.combine: an expert-major handle takes weights= (float32 [C], the rows' weights), "
+                         "not topk_weights")
+    if weights is not None and not expert_major_handle:
+        raise ValueError("jax_ep.combine: weights= is for the handle of an expert-major dispatch; a rank-major "
+                         "combine is unweighted (apply the weights to y first)")
+    if weights is not None:
+        _checks.exact("combine", "weights", weights, jnp.float32, (capacity,))
     if y.ndim != 2 or y.shape[0] != capacity or not jnp.issubdtype(y.dtype, jnp.floating):
         raise TypeError(f"jax_ep.combine: y must be floating [{capacity}, hidden] (the dispatch capacity), got "
                         f"{jnp.dtype(y.dtype).name}{list(y.shape)}")
@@ -287,6 +332,8 @@ def combine(buffer: Buffer, y, handle, topk_weights=None, bias=None) -> CombineR
     if bias is not None and (tuple(bias.shape) != (num_tokens, y.shape[1]) or not jnp.issubdtype(bias.dtype, jnp.floating)):
         raise TypeError(f"jax_ep.combine: bias must be floating [{num_tokens}, {y.shape[1]}], got "
                         f"{jnp.dtype(bias.dtype).name}{list(bias.shape)}")
+    if expert_major_handle:
+        return CombineResult(expert_major.combine(spec.backend, y, handle, weights, bias), None)
     return _combine(spec, y, handle, topk_weights, bias)
 
 

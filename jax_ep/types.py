@@ -29,6 +29,19 @@ class DispatchResult(NamedTuple):
     handle: Any  # opaque, backend-specific pytree for combine and cached dispatch
 
 
+class ExpertMajorDispatchResult(NamedTuple):
+    """`dispatch(..., layout="expert_major")` (docs/design.md, "Expert-major layout")."""
+
+    recv_x: Payload  # [C, H] (or the FP8 pair): received (token, local expert) pairs grouped by expert, zero padding
+    recv_weights: Array | None  # float32 [C]: each pair's weight (its entries' weights summed), 0 elsewhere
+    num_recv_tokens: Array | None  # int32 scalar: kept pairs
+    num_recv_tokens_per_expert: Array | None  # int32 [L]: group sizes (pairs rounded up to expert_alignment)
+    expert_offsets: Array | None  # int32 [L]: first row of each group
+    num_dropped: Array | None  # int32 scalar: pairs past C
+    invalid_ids: Array | None  # int32 scalar: this rank's top-k entries outside [-1, E)
+    handle: Any  # ExpertMajorHandle, for combine and cached dispatch
+
+
 class CombineResult(NamedTuple):
     x: Array  # [T, H], dtype of y
     topk_weights: Array | None  # float32 [T, K] when weights were combined

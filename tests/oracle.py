@@ -7,6 +7,8 @@ Written from that text and its "Choices where the contract is silent", never fro
 - combine accumulates in float32 as `acc = 0; for r in 0..R-1: acc = acc + y_r[row]`, then `+ bias`, then casts;
   internode combine sums per node first (float32, rank order), then the nodes' partials (float32, node order);
 - low-latency rows of a local expert are the distinct (source rank, source token) pairs in that order;
+- expert-major rows are (source rank, source token, local expert) pairs, grouped by expert, each group in (source
+  rank, source token) order; a rank's partial of a token adds its pairs in ascending local expert (float32, from 0);
 - FP8: per row and 128 channels, scale = max(amax, 1e-4) / 448 (optionally rounded up to a power of two),
   value = x / scale as float8_e4m3fn; UE8M0 packs the biased exponents of four scales per int32, little-endian.
 
@@ -260,6 +262,258 @@ def combine_vjp(
     (dy,) = cached_dispatch(np.asarray(g_out), route)
     dw = None if g_topk_weights is None else cached_dispatch(np.asarray(g_topk_weights, dtype=F32), route)[0]
     db = None if bias_dtype is None else np.asarray(g_out).astype(bias_dtype)
+    return dy.astype(y_dtype), dw, db
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Expert-major layout of the normal dispatch (docs/design.md, "Expert-major layout")
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class ExpertMajorRouting:
+    """Which (source rank, source token, local expert) pair each kept row of each receiving rank holds."""
+
+    num_ranks: int
+    num_tokens: int
+    capacity: int
+    pairs: list[np.ndarray]  # pairs[r]: int64 [n_r, 3] (source rank, source token, local expert) of each kept pair
+    rows: list[np.ndarray]  # rows[r]: int64 [n_r], its row
+
+
+@dataclass
+class ExpertMajorDispatch:
+    recv_x: list[np.ndarray]  # one array [R, C, ...] per payload component (one, or two for the FP8 pair)
+    recv_weights: np.ndarray | None  # f32 [R, C]: pair weight on kept rows, 0 elsewhere
+    num_recv_tokens: np.ndarray  # int32 [R]: kept pairs
+    num_recv_tokens_per_expert: np.ndarray  # int32 [R, L]: group sizes (aligned, not clipped to C)
+    expert_offsets: np.ndarray  # int32 [R, L]: first row of each group (not clipped to C)
+    num_dropped: np.ndarray  # int32 [R]: pairs not kept
+    invalid_ids: np.ndarray  # int32 [R]
+    routing: ExpertMajorRouting
+
+
+def expert_major_capacity(num_ranks: int, num_tokens: int, num_topk: int, num_local_experts: int,
+                          expert_alignment: int = 1) -> int:
+    """The default C: every received token with min(K, L) pairs, every group padded by alignment - 1."""
+    return num_ranks * num_tokens * min(num_topk, num_local_experts) + num_local_experts * (expert_alignment - 1)
+
+
+def expert_major_dispatch(
+    x,
+    topk_idx: np.ndarray,
+    topk_weights: np.ndarray | None,
+    num_experts: int,
+    max_recv_tokens: int | None = None,
+    expert_alignment: int = 1,
+) -> ExpertMajorDispatch:
+    """x: [R, T, H] or a tuple of per-rank components (the FP8 pair), each passed through row-wise.
+
+    Per receiving rank r and local expert j, the pairs of expert j are the tokens (s, t) in (s, t) order that
+    have a valid entry naming global expert r*L + j (once however many entries name it); count[j] of them,
+    size[j] = count rounded up to the alignment, offset[j] = size[0] + ... + size[j-1]; the i-th pair of expert j
+    has row offset[j] + i and is kept when that row is below C. The pair weight is 0 + w[k] + ... over the
+    entries k naming the expert, in top-k order, in float32."""
+    idx, invalid = sanitize_ids(topk_idx, num_experts)
+    R, T, K = idx.shape
+    L = _local_experts(num_experts, R)
+    a = int(expert_alignment)
+    assert a >= 1, a
+    C = expert_major_capacity(R, T, K, L, a) if max_recv_tokens is None else int(max_recv_tokens)
+    w = None if topk_weights is None else np.asarray(topk_weights, dtype=F32)
+
+    sizes = np.zeros((R, L), dtype=np.int64)
+    offsets = np.zeros((R, L), dtype=np.int64)
+    kept = np.zeros(R, dtype=np.int64)
+    dropped = np.zeros(R, dtype=np.int64)
+    recv_w = None if w is None else np.zeros((R, C), dtype=F32)
+    pairs, rows = [], []
+    for r in range(R):
+        groups: list[list[tuple[int, int]]] = [[] for _ in range(L)]
+        for s in range(R):
+            for t in range(T):
+                for e in token_experts(idx[s, t]):
+                    if e // L == r:
+                        groups[e % L].append((s, t))
+        start = 0
+        rank_pairs, rank_rows = [], []
+        for j in range(L):
+            count = len(groups[j])
+            sizes[r, j] = (count + a - 1) // a * a
+            offsets[r, j] = start
+            for i, (s, t) in enumerate(groups[j]):
+                row = start + i
+                if row >= C:
+                    dropped[r] += 1
+                    continue
+                rank_pairs.append((s, t, j))
+                rank_rows.append(row)
+                if recv_w is not None:
+                    pw = np.float32(0.0)
+                    for k in range(K):  # top-k order
+                        if idx[s, t, k] == r * L + j:
+                            pw = np.float32(pw + w[s, t, k])
+                    recv_w[r, row] = pw
+            start += int(sizes[r, j])
+        kept[r] = len(rank_rows)
+        pairs.append(np.array(rank_pairs, dtype=np.int64).reshape(-1, 3))
+        rows.append(np.array(rank_rows, dtype=np.int64).reshape(-1))
+    route = ExpertMajorRouting(R, T, C, pairs, rows)
+    return ExpertMajorDispatch(expert_major_cached_dispatch(x, route), recv_w, kept.astype(np.int32),
+                               sizes.astype(np.int32), offsets.astype(np.int32), dropped.astype(np.int32), invalid,
+                               route)
+
+
+def expert_major_cached_dispatch(x, route: ExpertMajorRouting) -> list[np.ndarray]:
+    """Each kept pair's row holds its source token's row (every payload component); other rows zero."""
+    out = []
+    for comp in _as_components(x):
+        R, T = comp.shape[:2]
+        assert (R, T) == (route.num_ranks, route.num_tokens), (comp.shape, route.num_ranks, route.num_tokens)
+        recv = np.zeros((R, route.capacity) + comp.shape[2:], dtype=comp.dtype)
+        for r in range(R):
+            pr, rw = route.pairs[r], route.rows[r]
+            if len(rw):
+                recv[r, rw] = comp[pr[:, 0], pr[:, 1]]
+        out.append(recv)
+    return out
+
+
+def _expert_major_partials(y: np.ndarray, route: ExpertMajorRouting, weights: np.ndarray | None):
+    """(partials f32 [R (receiving rank), R, T, ...], present bool [R, R, T]): per rank p = 0; for the token's
+    kept pairs on that rank in ascending local expert: p = p + f32(w * y[row]) (w = 1 when None)."""
+    y = np.asarray(y)
+    R, T = route.num_ranks, route.num_tokens
+    part = np.zeros((R, R, T) + y.shape[2:], dtype=F32)
+    present = np.zeros((R, R, T), dtype=bool)
+    w = None if weights is None else np.asarray(weights, dtype=F32)
+    for r in range(R):
+        pr, rw = route.pairs[r], route.rows[r]
+        if not len(rw):
+            continue
+        for j in sorted({int(v) for v in pr[:, 2]}):  # ascending local expert; a token has one pair per expert
+            sel = pr[:, 2] == j
+            s, t, rows = pr[sel, 0], pr[sel, 1], rw[sel]
+            term = y[r, rows].astype(F32)
+            if w is not None:
+                term = (w[r, rows].reshape((-1,) + (1,) * (term.ndim - 1)) * term).astype(F32)
+            part[r, s, t] = part[r, s, t] + term
+            present[r, s, t] = True
+    return part, present
+
+
+def _expert_major_sum_f32(y, route: ExpertMajorRouting, weights=None, ranks_per_node=None) -> np.ndarray:
+    """f32 [R, T, ...]: the ranks' partials summed in rank order from 0 (or per node, then the nodes in order).
+    A rank whose pairs of a token were all dropped holds a +0.0 partial, which changes no such sum: it is left
+    out here."""
+    part, present = _expert_major_partials(y, route, weights)
+    R = route.num_ranks
+    P = R if ranks_per_node is None else int(ranks_per_node)
+    assert R % P == 0, (R, P)
+    expand = lambda m: m.reshape(m.shape + (1,) * (part.ndim - 3))  # noqa: E731
+    acc = np.zeros(part.shape[1:], dtype=F32)
+    for node in range(R // P):
+        node_sum = np.zeros(part.shape[1:], dtype=F32)
+        node_has = np.zeros(present.shape[1:], dtype=bool)
+        for r in range(node * P, (node + 1) * P):  # local rank order
+            node_sum = np.where(expand(present[r]), node_sum + part[r], node_sum).astype(F32)
+            node_has |= present[r]
+        acc = np.where(expand(node_has), acc + node_sum, acc).astype(F32)  # node order
+    return acc
+
+
+def expert_major_combine(
+    y: np.ndarray,
+    route: ExpertMajorRouting,
+    weights: np.ndarray | None = None,
+    bias: np.ndarray | None = None,
+    ranks_per_node: int | None = None,
+) -> np.ndarray:
+    """[R, T, H] in y's dtype: per-rank float32 partials of the token's kept pairs in ascending local expert
+    (each term f32(w * y), w = 1 when None), summed over ranks in float32 in rank order from 0 (with ranks_per_node:
+    per node in local rank order, then the nodes in order, as combine_internode), + bias in float32, then cast."""
+    y = np.asarray(y)
+    acc = _expert_major_sum_f32(y, route, weights, ranks_per_node)
+    if bias is not None:
+        acc = acc + np.asarray(bias).astype(F32)
+    return acc.astype(y.dtype)
+
+
+def _expert_major_row_of_entry(route: ExpertMajorRouting, topk_idx: np.ndarray, num_experts: int) -> np.ndarray:
+    """int64 [R, T, K]: the row (on the rank of the entry's expert) of the kept pair entry k maps to, else -1."""
+    idx, _ = sanitize_ids(topk_idx, num_experts)
+    R, T, K = idx.shape
+    L = _local_experts(num_experts, R)
+    where = {}
+    for r in range(R):
+        for (s, t, j), row in zip(route.pairs[r].tolist(), route.rows[r].tolist()):
+            where[(r, s, t, j)] = row
+    out = np.full((R, T, K), -1, dtype=np.int64)
+    for s in range(R):
+        for t in range(T):
+            for k in range(K):
+                e = int(idx[s, t, k])
+                if e >= 0:
+                    out[s, t, k] = where.get((e // L, s, t, e % L), -1)
+    return out
+
+
+def expert_major_dispatch_vjp(
+    route: ExpertMajorRouting,
+    topk_idx: np.ndarray,
+    num_experts: int,
+    g_recv_x: np.ndarray,
+    g_recv_weights: np.ndarray | None,
+    x_dtype,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """(dx [R, T, H] in x's dtype, d topk_weights f32 [R, T, K] or None).
+
+    Each kept row is a copy of its token: dx is the unweighted expert-major combine of the cotangent rows. The pair
+    weight is a sum of its entries' weights: entry k gets the cotangent of its kept pair's weight, 0 for -1,
+    invalid ids and dropped pairs."""
+    dx = _expert_major_sum_f32(np.asarray(g_recv_x), route).astype(x_dtype)
+    dw = None
+    if g_recv_weights is not None:
+        g = np.asarray(g_recv_weights, dtype=F32)
+        idx, _ = sanitize_ids(topk_idx, num_experts)
+        L = _local_experts(num_experts, route.num_ranks)
+        row = _expert_major_row_of_entry(route, topk_idx, num_experts)
+        dw = np.zeros(row.shape, dtype=F32)
+        for s, t, k in zip(*np.nonzero(row >= 0)):
+            dw[s, t, k] = g[idx[s, t, k] // L, row[s, t, k]]
+    return dx, dw
+
+
+def expert_major_combine_vjp(
+    route: ExpertMajorRouting,
+    g_out: np.ndarray,
+    y: np.ndarray,
+    weights: np.ndarray | None,
+    y_dtype,
+    bias_dtype=None,
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """(dy [R, C, H] in y's dtype, d weights f32 [R, C] or None, d bias [R, T, H] in bias's dtype or None).
+
+    Each kept row enters its home token's sum once as w * y[row]: dy[row] = f32(w[row] * g_out[token]) (g_out
+    itself without weights), then cast; d weights[row] = the dot of g_out[token] and y[row], here summed in float64
+    and rounded once to float32 (a float32 dot in another order differs by at most ~H ulps of the sum of |terms|);
+    padding rows get 0."""
+    g = np.asarray(g_out)
+    y = np.asarray(y)
+    R, C = route.num_ranks, route.capacity
+    dy = np.zeros((R, C) + g.shape[2:], dtype=F32)
+    dw = None if weights is None else np.zeros((R, C), dtype=F32)
+    w = None if weights is None else np.asarray(weights, dtype=F32)
+    for r in range(R):
+        pr, rw = route.pairs[r], route.rows[r]
+        if not len(rw):
+            continue
+        gr = g[pr[:, 0], pr[:, 1]].astype(F32)
+        if w is None:
+            dy[r, rw] = gr
+        else:
+            dy[r, rw] = (w[r, rw].reshape((-1,) + (1,) * (gr.ndim - 1)) * gr).astype(F32)
+            prod = gr.astype(np.float64) * y[r, rw].astype(F32).astype(np.float64)
+            dw[r, rw] = prod.reshape(len(rw), -1).sum(axis=1).astype(F32)
+    db = None if bias_dtype is None else g.astype(bias_dtype)
     return dy.astype(y_dtype), dw, db
 
 

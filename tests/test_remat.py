@@ -1,4 +1,5 @@
-"""Rematerialisation: dispatch / combine and the low-latency ops under `jax.checkpoint`.
+"""Rematerialisation: dispatch / combine (rank-major and expert-major layouts) and the low-latency ops under
+`jax.checkpoint`.
 
 With the `xla` backend (CPU): the gradients of a small MoE layer are the same bits with no checkpoint, with
 `nothing_saveable` and with `dots_saveable`. With the cuda backend (lowered on CPU, as in the other lowering
@@ -36,6 +37,13 @@ def normal_layer(buf, x, idx, weights, w):
     return jax_ep.combine(buf, hidden.astype(x.dtype), d.handle).x
 
 
+def expert_major_layer(buf, x, idx, weights, w):
+    """The expert-major layout: rows are (token, expert) pairs, combined with their pair weights."""
+    d = jax_ep.dispatch(buf, x, idx, weights, num_experts=E, layout="expert_major")
+    hidden = jnp.tanh(d.recv_x @ w)
+    return jax_ep.combine(buf, hidden.astype(x.dtype), d.handle, weights=d.recv_weights).x
+
+
 def low_latency_layer(buf, x, idx, weights, w):
     d = jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=False)
     valid = jnp.arange(d.recv_x.shape[1])[None, :] < d.recv_count[:, None]
@@ -43,7 +51,7 @@ def low_latency_layer(buf, x, idx, weights, w):
     return jax_ep.low_latency_combine(buf, hidden, idx, weights, d.handle)
 
 
-LAYERS = {"normal": normal_layer, "low_latency": low_latency_layer}
+LAYERS = {"normal": normal_layer, "expert_major": expert_major_layer, "low_latency": low_latency_layer}
 
 
 def grad_program(buf, layer, policy):
@@ -75,7 +83,7 @@ def inputs(num_ranks: int, seed: int = 0):
 
 
 def xla_buffer(kind: str, num_ranks: int):
-    if kind == "normal":
+    if kind != "low_latency":
         return jax_ep.Buffer(mesh_of(num_ranks), "ep", backend="xla")
     return jax_ep.Buffer(mesh_of(num_ranks), "ep", backend="xla", num_max_dispatch_tokens_per_rank=M, hidden=H,
                          num_experts=E)
@@ -101,12 +109,14 @@ def cuda_standin(kind: str, num_ranks: int = 4):
     if not (_native.has_target(intranode.COMBINE_TARGET, "cuda") and low_latency.available()):
         pytest.skip("this build has no CUDA kernels")
     buf = xla_buffer(kind, num_ranks)
-    extra = {} if kind == "normal" else dict(low_latency_transport="peer_stores", low_latency_offset=0)
+    extra = {} if kind != "low_latency" else dict(low_latency_transport="peer_stores", low_latency_offset=0)
     buf.backend_impl = intranode.IntranodeBackend(buf.buffer_id, buf.mesh, buf.axis_name, buf.config, **extra)
     return buf
 
 
-FORWARD_TARGETS = {"normal": intranode.DISPATCH_TARGET, "low_latency": low_latency.DISPATCH_SEND_TARGET}
+# The expert-major dispatch's forward custom call is its routing dispatch (a rank-major dispatch of the top-k).
+FORWARD_TARGETS = {"normal": intranode.DISPATCH_TARGET, "expert_major": intranode.DISPATCH_TARGET,
+                   "low_latency": low_latency.DISPATCH_SEND_TARGET}
 
 
 def custom_calls(text: str, target: str) -> int:

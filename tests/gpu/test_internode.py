@@ -1,8 +1,8 @@
 """The internode normal mode (Buffer(backend="cuda", ranks_per_node=P): NVSHMEM between nodes, NVLink inside
 them) against the NumPy oracle: dispatch bit for bit (every output, the FP8 pair, the handle, its relay part),
 cached dispatch, combine in the internode order (per node in float32, then over nodes in float32) bit for bit,
-capacity drops, strict mode, gradients, determinism over repeated runs, a jitted loop, two node layouts and
-DeepEP's hidden sizes.
+capacity drops, strict mode, gradients, determinism over repeated runs, a jitted loop, two node layouts,
+DeepEP's hidden sizes, and the expert-major layout (test_intranode.py's checks, combine in the internode order).
 
 Internode mode needs one process per GPU: test_multiprocess_gpu.py starts R processes on one host that each
 run this file (ranks = the process count; R=4 runs as 2 nodes x 2 GPUs, and as 4 nodes x 1 GPU, with NVSHMEM
@@ -24,8 +24,11 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from gpu.conftest import gather_to_every_process, needs_nccl
-from gpu.test_intranode import (assert_bits, assert_dispatch_matches_oracle, combine_body, dispatch_body,
-                                dispatch_results, flat, make_case, ranks)
+from gpu.test_intranode import (EM_E, EM_H, EM_T, assert_bits, assert_dispatch_matches_oracle,
+                                assert_em_dispatch_equal, check_em_combine, check_em_grads, combine_body,
+                                dispatch_body, dispatch_results, em_case, em_combine_body, em_combine_inputs,
+                                em_dispatch_body, em_dispatch_results, em_grad_body, flat, make_case, ranks,
+                                repeats_an_expert)
 from jax_ep.backends.cuda import internode
 
 R = jax.process_count()
@@ -259,6 +262,85 @@ def test_handles_swap_with_the_xla_backend():
     ref = O.dispatch(x, idx, None, E)
     assert_bits(out, O.combine(y, ref.routing)[0], "xla combine along the internode handle")
     assert_bits(cached, ref.recv_x[0], "internode cached dispatch along the xla handle")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Expert-major layout (test_intranode.py's cases and checks, with the internode order of the sums)
+# ----------------------------------------------------------------------------------------------------------------
+@functools.cache
+def em_dispatch_fn(per_node, E: int, C, alignment: int):
+    return spmd(em_dispatch_body(buffer(per_node), E, C, alignment))
+
+
+def check_em_dispatch(per_node, x, idx, w, E, C=None, alignment=1):
+    """Internode expert-major dispatch == oracle, every output bit for bit; returns (result, oracle)."""
+    got = em_dispatch_results(em_dispatch_fn(per_node, E, C, alignment)(flat(x), flat(idx), flat(w)), R)
+    ref = O.expert_major_dispatch(x, idx, w, E, C, alignment)
+    assert_em_dispatch_equal(got, ref, "oracle")
+    no_timeouts(per_node)
+    return got, ref
+
+
+@pytest.mark.parametrize("dtype,alignment", [(O.BF16, 1), (O.BF16, 8), ("fp8", 1), ("fp8", 8)],
+                         ids=["bf16-align1", "bf16-align8", "fp8-align1", "fp8-align8"])
+def test_expert_major_dispatch_matches_oracle(dtype, alignment):
+    """Rows grouped by local expert, a pair per (token, expert) however often the token names it (its weights
+    summed), padding rows between the groups with alignment 8, both arrays of the FP8 pair; never drops."""
+    x, idx, w = em_case(R, dtype, seed=alignment)
+    assert repeats_an_expert(idx, EM_E) and (idx == -1).any(), "the case should repeat experts and have -1 entries"
+    got, _ = check_em_dispatch(MAIN, x, idx, w, EM_E, alignment=alignment)
+    assert not got["num_dropped"].any(), "the default capacity never drops"
+
+
+def test_expert_major_dispatch_drops():
+    """max_recv_tokens=100 below the pairs (about 300 per rank): rows past C are dropped, a group straddles C and
+    the later ones are dropped whole; group sizes and offsets are not clipped to C."""
+    C = 100
+    x, idx, w = em_case(R, O.BF16, seed=13)
+    got, _ = check_em_dispatch(MAIN, x, idx, w, EM_E, C=C, alignment=8)
+    assert got["num_dropped"].sum() > 0, "the case should drop pairs"
+    assert (got["expert_offsets"][:, -1] + got["num_recv_tokens_per_expert"][:, -1] > C).any()
+
+
+@functools.cache
+def em_combine_fn(per_node, E: int, C, alignment: int):
+    return spmd(em_combine_body(buffer(per_node), E, C, alignment))
+
+
+@pytest.mark.parametrize("dtype,C,alignment", [(O.BF16, None, 1), (np.float32, 100, 8)],
+                         ids=["bf16", "f32-drops-align8"])
+def test_expert_major_cached_dispatch_and_combine(dtype, C, alignment):
+    """Cached dispatch along an expert-major handle; combine, unweighted (with a bias, bit for bit in the internode
+    order: each rank's partials, summed per node, then over nodes) and weighted by recv_weights; with drops,
+    dropped pairs add nothing (a token may have no kept pair at all)."""
+    inputs = em_combine_inputs(R, dtype, seed=R + alignment, C=C, alignment=alignment)
+    got = em_combine_fn(MAIN, EM_E, C, alignment)(*(flat(a) for a in inputs))
+    check_em_combine([ranks(a, R) for a in jax.device_get(got)], inputs, EM_E, C, alignment, ranks_per_node=MAIN)
+    no_timeouts(MAIN)
+
+
+def test_expert_major_gradients_match_oracle():
+    """d x: the internode combine of the rows' cotangents; d topk_weights: each pair's cotangent on its entries."""
+    x, idx, w = em_case(R, np.float32, seed=3)
+    g_out = O.make_x(np.random.default_rng(4), (R, EM_T, EM_H), np.float32)
+    got = spmd(em_grad_body(buffer(MAIN), EM_E))(flat(x), flat(w), flat(idx), flat(g_out))
+    d_x, d_w = (ranks(a, R) for a in jax.device_get(got))
+    check_em_grads(d_x, d_w, x, w, idx, g_out, EM_E, ranks_per_node=MAIN)
+    no_timeouts(MAIN)
+
+
+def test_expert_major_repeated_runs_identical():
+    """The same jitted expert-major dispatch, cached dispatch and combines, run again: the same bits."""
+    T, H, K, E, alignment = 64, 512, 8, 32, 8
+    inputs = em_combine_inputs(R, O.BF16, seed=9, alignment=alignment, T=T, H=H, K=K, E=E)
+    fn = em_combine_fn(MAIN, E, None, alignment)
+    args = tuple(flat(a) for a in inputs)
+    first = jax.device_get(fn(*args))
+    for i in range(3):
+        names = ("recv_x", "recv_weights", "cached dispatch", "combine", "weighted combine")
+        for name, a, b in zip(names, jax.device_get(fn(*args)), first):
+            assert_bits(a, b, f"run {i}: {name}")
+    no_timeouts(MAIN)
 
 
 # ----------------------------------------------------------------------------------------------------------------

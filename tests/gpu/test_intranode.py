@@ -1,7 +1,9 @@
 """The CUDA intranode normal mode (Buffer(backend="cuda")) against the NumPy oracle and the `xla` backend: bit
 for bit for dispatch (every output, the FP8 pair, the handle), cached dispatch and combine (float32 rank-order
-sums), gradients, determinism, capacity drops, T=0, DeepEP hidden sizes, and a jitted loop with command buffers
-(default flags, and forced in a subprocess), and the bounded wait of a rank whose peers never join. Combine runs
+sums), gradients, determinism, capacity drops, T=0, DeepEP hidden sizes, the expert-major layout (dispatch,
+cached dispatch and unweighted combine bit for bit, the weighted combine and gradients within a bound of the
+fused multiply-adds), a jitted loop with command buffers (default flags, and forced in a subprocess), and the
+bounded wait of a rank whose peers never join. Combine runs
 the process model's default method (pull in one process, push across processes, or $JAX_EP_COMBINE), and both
 methods explicitly (Config.combine) in the tests that name one.
 
@@ -323,6 +325,274 @@ def test_handles_swap_between_backends(R):
     ref = O.dispatch(x, idx, None, E)
     assert_bits(out, O.combine(y, ref.routing)[0], "xla combine along the cuda handle")
     assert_bits(cached, ref.recv_x[0], "cuda cached dispatch along the xla handle")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Expert-major layout (dispatch(..., layout="expert_major"): rows are received (token, local expert) pairs)
+# ----------------------------------------------------------------------------------------------------------------
+# The routing of these tests: uniform ids, so that many tokens name an expert twice or more (one pair, whose weight
+# is the sum of those entries'), with -1 entries and a few invalid ids. E = 32: 16 local experts on 2 ranks, 8 on 4.
+EM_T, EM_H, EM_K, EM_E = 48, 256, 8, 32
+
+
+def sum_tolerance(magnitude, roundings: int):
+    """How far apart two float32 evaluations of one sum of terms may be, whatever their order of additions and
+    whether a product is rounded on its own or fused into the addition that takes it (a fused multiply-add, which
+    XLA on GPUs may emit; docs/design.md "Expert-major layout"): each is within gamma_n * magnitude of the exact
+    sum, gamma_n = n u / (1 - n u), u = 2**-24, where magnitude is the sum of the terms' |values| and n the most
+    roundings on any term's way into the result (Higham, "Accuracy and Stability of Numerical Algorithms", 3.1 and
+    4.2). The tests use it where the oracle rounds each product first and the GPU may fuse it: a last-bit
+    difference in a partial sum that the later additions carry, often 2 ulps of the result. Simulated in NumPy
+    (the weighted combine of these tests' cases, products fused, 1.5 million elements), the largest difference
+    was 0.96 of 2**-22 * magnitude (two ulps of a result near the magnitude: too tight a bound) and 0.15 of this
+    one (K=8, R=2 and 4). A wrong row, weight or pair would be off by about the magnitude itself."""
+    u, n = 2.0**-24, roundings
+    return 2 * n * u / (1 - n * u) * np.asarray(magnitude, np.float64)
+
+
+def weighted_roundings(R: int, K: int) -> int:
+    """n of sum_tolerance for an expert-major weighted sum: the product, one addition per pair of the token on its
+    rank (at most K), then at most R + 1 additions over the ranks (intranode: R; internode: P per node and then N
+    nodes)."""
+    return 1 + K + R + 1
+
+
+def em_case(R, dtype, seed, T=EM_T, H=EM_H, K=EM_K, E=EM_E):
+    """x, topk_idx, topk_weights of the expert-major tests (the routing above)."""
+    return make_case(R, T, H, K, E, seed=seed, mode="uniform", dtype=dtype, p_neg=0.15, p_invalid=0.02)
+
+
+def repeats_an_expert(idx, E) -> bool:
+    """Whether some token names a valid expert twice."""
+    ids = np.sort(np.where((idx >= 0) & (idx < E), idx, -1), axis=-1)
+    return bool(((ids[..., 1:] == ids[..., :-1]) & (ids[..., 1:] >= 0)).any())
+
+
+def assert_within(actual, expected, bound, what: str):
+    """Same shape and dtype, |actual - expected| <= bound per element (NaN fails; a bound of 0 asks for equality)."""
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    err = np.abs(actual.astype(np.float64) - expected.astype(np.float64))
+    bad = ~(err <= np.broadcast_to(np.asarray(bound, np.float64), err.shape))
+    if bad.any():
+        first = np.argwhere(bad)[:5].tolist()
+        pytest.fail(f"{what}: {np.count_nonzero(bad)} elements beyond the bound, first {first}: "
+                    f"{[(float(actual[tuple(i)]), float(expected[tuple(i)])) for i in first]}")
+
+
+def em_dispatch_body(buf, E: int, C, alignment: int):
+    """The per-rank body of the expert-major dispatch tests (here and in test_internode.py): every result but the
+    handle, the scalars as [1] arrays so that they gather over ranks. em_dispatch_results reads what it returns."""
+
+    def body(x, idx, w):
+        d = jax_ep.dispatch(buf, x, idx, w, num_experts=E, max_recv_tokens=C, expert_alignment=alignment,
+                            layout="expert_major")
+        assert isinstance(d, jax_ep.ExpertMajorDispatchResult), type(d)
+        scalars = (d.num_recv_tokens[None], d.num_dropped[None], d.invalid_ids[None])
+        return d.recv_x, d.recv_weights, d.num_recv_tokens_per_expert, d.expert_offsets, scalars
+
+    return body
+
+
+def em_dispatch_results(out, R: int) -> dict:
+    """em_dispatch_body's gathered results as NumPy, split per rank, in the oracle's field names."""
+    recv_x, recv_w, sizes, offsets, scalars = jax.device_get(out)
+    recv_x = [ranks(c, R) for c in (recv_x if isinstance(recv_x, tuple) else (recv_x,))]
+    num_recv, dropped, invalid = (np.asarray(s) for s in scalars)
+    return dict(recv_x=recv_x, recv_weights=None if recv_w is None else ranks(recv_w, R), num_recv_tokens=num_recv,
+                num_recv_tokens_per_expert=ranks(sizes, R), expert_offsets=ranks(offsets, R), num_dropped=dropped,
+                invalid_ids=invalid)
+
+
+EM_DISPATCH_FIELDS = ("recv_weights", "num_recv_tokens", "num_recv_tokens_per_expert", "expert_offsets",
+                      "num_dropped", "invalid_ids")
+
+
+def assert_em_dispatch_equal(got: dict, ref, what: str):
+    """Every expert-major dispatch output (ref: the oracle's ExpertMajorDispatch, or another backend's dict), bit
+    for bit."""
+    field = (lambda name: ref[name]) if isinstance(ref, dict) else (lambda name: getattr(ref, name))
+    assert len(got["recv_x"]) == len(field("recv_x")), what
+    for i, (comp, exp) in enumerate(zip(got["recv_x"], field("recv_x"))):
+        assert_bits(comp, exp, f"expert-major recv_x[{i}] vs {what}")
+    for name in EM_DISPATCH_FIELDS:
+        if field(name) is None:
+            assert got[name] is None, f"expert-major {name}: expected None"
+        else:
+            assert_bits(got[name], field(name), f"expert-major {name} vs {what}")
+
+
+@functools.cache
+def em_dispatch_fn(R: int, backend: str, E: int, C, alignment: int):
+    return spmd(R, em_dispatch_body(buffer(R, backend), E, C, alignment))
+
+
+def check_em_dispatch(R, x, idx, w, E, C=None, alignment=1):
+    """Expert-major dispatch of the cuda backend == oracle == xla backend (where it can run), every output bit for
+    bit; returns (the cuda result, the oracle's)."""
+    got = em_dispatch_results(em_dispatch_fn(R, "cuda", E, C, alignment)(flat(x), flat(idx), flat(w)), R)
+    ref = O.expert_major_dispatch(x, idx, w, E, C, alignment)
+    assert_em_dispatch_equal(got, ref, "oracle")
+    if not RANKS_SHARE_GPUS:
+        xla = em_dispatch_results(em_dispatch_fn(R, "xla", E, C, alignment)(flat(x), flat(idx), flat(w)), R)
+        assert_em_dispatch_equal(got, xla, "xla")
+    assert buffer(R, "cuda").errors() == []
+    return got, ref
+
+
+@pytest.mark.parametrize("R", RANKS)
+@pytest.mark.parametrize("dtype,alignment", [(O.BF16, 1), (O.BF16, 8), ("fp8", 1), ("fp8", 8)],
+                         ids=["bf16-align1", "bf16-align8", "fp8-align1", "fp8-align8"])
+def test_expert_major_dispatch_matches_oracle(R, dtype, alignment):
+    """Rows grouped by local expert, a pair per (token, expert) however often the token names it (its weights
+    summed), padding rows between the groups with alignment 8, both arrays of the FP8 pair; never drops."""
+    x, idx, w = em_case(R, dtype, seed=alignment)
+    assert repeats_an_expert(idx, EM_E) and (idx == -1).any(), "the case should repeat experts and have -1 entries"
+    got, _ = check_em_dispatch(R, x, idx, w, EM_E, alignment=alignment)
+    assert not got["num_dropped"].any(), "the default capacity never drops"
+
+
+@pytest.mark.parametrize("R", RANKS)
+def test_expert_major_dispatch_drops(R):
+    """max_recv_tokens=100 below the pairs (about 300 per rank): rows past C are dropped, a group straddles C and
+    the later ones are dropped whole; group sizes and offsets are not clipped to C."""
+    C = 100
+    x, idx, w = em_case(R, O.BF16, seed=13)
+    got, _ = check_em_dispatch(R, x, idx, w, EM_E, C=C, alignment=8)
+    assert got["num_dropped"].sum() > 0, "the case should drop pairs"
+    assert (got["expert_offsets"][:, -1] + got["num_recv_tokens_per_expert"][:, -1] > C).any()
+
+
+def em_combine_body(buf, E: int, C, alignment: int):
+    """The per-rank body of the expert-major combine tests (here and in test_internode.py): dispatch, a cached
+    dispatch of x2 along its handle, the unweighted combine of y with a bias, the combine of y32 weighted by
+    recv_weights."""
+
+    def body(x, idx, w, x2, y, bias, y32):
+        d = jax_ep.dispatch(buf, x, idx, w, num_experts=E, max_recv_tokens=C, expert_alignment=alignment,
+                            layout="expert_major")
+        cached = jax_ep.dispatch(buf, x2, handle=d.handle).recv_x
+        plain = jax_ep.combine(buf, y, d.handle, bias=bias)
+        weighted = jax_ep.combine(buf, y32, d.handle, weights=d.recv_weights)
+        assert plain.topk_weights is None and weighted.topk_weights is None
+        return d.recv_x, d.recv_weights, cached, plain.x, weighted.x
+
+    return body
+
+
+def em_combine_inputs(R, dtype, seed, C=None, alignment=1, T=EM_T, H=EM_H, K=EM_K, E=EM_E):
+    """x, idx, w (BF16 rows, the routing above), x2 (float32 [T, 2H]: a cached dispatch of another width and
+    dtype), y ([C, H] in `dtype`), bias (float32 [T, H]), y32 (float32 [C, H]), per rank."""
+    x, idx, w = em_case(R, O.BF16, seed, T, H, K, E)
+    rng = np.random.default_rng(seed + 1)
+    capacity = O.expert_major_capacity(R, T, K, E // R, alignment) if C is None else C
+    x2 = O.make_x(rng, (R, T, 2 * H), np.float32)
+    y = O.make_x(rng, (R, capacity, H), dtype)
+    bias = O.make_x(rng, (R, T, H), np.float32)
+    y32 = O.make_x(rng, (R, capacity, H), np.float32)
+    return x, idx, w, x2, y, bias, y32
+
+
+def check_em_combine(got, inputs, E, C, alignment, ranks_per_node=None):
+    """em_combine_body's results (per rank) against the oracle: dispatch, cached dispatch and the unweighted
+    combine bit for bit, the weighted combine within sum_tolerance (in the internode order with ranks_per_node)."""
+    recv_x, recv_w, cached, plain, weighted = got
+    x, idx, w, x2, y, bias, y32 = inputs
+    ref = O.expert_major_dispatch(x, idx, w, E, C, alignment)
+    assert_bits(recv_x, ref.recv_x[0], "expert-major recv_x vs oracle")
+    assert_bits(recv_w, ref.recv_weights, "expert-major recv_weights vs oracle")
+    assert_bits(cached, O.expert_major_cached_dispatch(x2, ref.routing)[0], "expert-major cached dispatch vs oracle")
+    assert_bits(plain, O.expert_major_combine(y, ref.routing, bias=bias, ranks_per_node=ranks_per_node),
+                "unweighted expert-major combine (+ bias) vs oracle")
+    expected = O.expert_major_combine(y32, ref.routing, weights=ref.recv_weights, ranks_per_node=ranks_per_node)
+    magnitude = O.expert_major_combine(np.abs(y32), ref.routing, weights=np.abs(ref.recv_weights),
+                                       ranks_per_node=ranks_per_node)  # sum of |w * y| per element
+    R, _, K = idx.shape
+    assert_within(weighted, expected, sum_tolerance(magnitude, weighted_roundings(R, K)),
+                  "weighted expert-major combine vs oracle")
+
+
+@functools.cache
+def em_combine_fn(R: int, E: int, C, alignment: int):
+    return spmd(R, em_combine_body(buffer(R, "cuda"), E, C, alignment))
+
+
+@pytest.mark.parametrize("R", RANKS)
+@pytest.mark.parametrize("dtype,C,alignment", [(O.BF16, None, 1), (np.float32, 100, 8)],
+                         ids=["bf16", "f32-drops-align8"])
+def test_expert_major_cached_dispatch_and_combine(R, dtype, C, alignment):
+    """Cached dispatch along an expert-major handle; combine, unweighted (with a bias) and weighted by
+    recv_weights; with drops, dropped pairs add nothing (a token may have no kept pair at all)."""
+    inputs = em_combine_inputs(R, dtype, seed=R + alignment, C=C, alignment=alignment)
+    got = em_combine_fn(R, EM_E, C, alignment)(*(flat(a) for a in inputs))
+    check_em_combine([ranks(a, R) for a in jax.device_get(got)], inputs, EM_E, C, alignment)
+    assert buffer(R, "cuda").errors() == []
+
+
+def em_grad_body(buf, E: int):
+    """The per-rank body of the expert-major gradient tests (here and in test_internode.py): d x, d topk_weights of
+    sum(combine(recv_x, weights=recv_weights).x * g_out)."""
+
+    def loss(x, w, idx, g_out):
+        d = jax_ep.dispatch(buf, x, idx, w, num_experts=E, layout="expert_major")
+        return jnp.sum(jax_ep.combine(buf, d.recv_x, d.handle, weights=d.recv_weights).x * g_out)
+
+    def body(x, w, idx, g_out):
+        return jax.grad(loss, argnums=(0, 1))(x, w, idx, g_out)
+
+    return body
+
+
+def check_em_grads(d_x, d_w, x, w, idx, g_out, E, ranks_per_node=None):
+    """em_grad_body's gradients (float32, per rank) against the oracle's VJPs.
+
+    d x[t] = the unweighted combine of the rows' cotangents recv_weights[row] * g_out[t], products that XLA may
+    fuse into the sum as in the weighted combine: within sum_tolerance of sum |w * g_out|; in the internode order
+    with ranks_per_node (the oracle's unweighted combine of those rows). d topk_weights[t, k] = the float32 dot
+    of g_out[t] with the pair's row (x[t]) over H, added in an order XLA chooses (the oracle rounds the exact
+    dot once): within sum_tolerance of sum_h |g_out * x| with n = H; entries of no pair (-1, invalid ids) are
+    exactly 0."""
+    ref = O.expert_major_dispatch(x, idx, w, E)
+    g_y, g_weights = O.expert_major_combine_vjp(ref.routing, g_out, ref.recv_x[0], ref.recv_weights, np.float32)[:2]
+    exp_dx, exp_dw = O.expert_major_dispatch_vjp(ref.routing, idx, E, g_y, g_weights, np.float32)
+    if ranks_per_node is not None:
+        exp_dx = O.expert_major_combine(g_y, ref.routing, ranks_per_node=ranks_per_node)
+    R, _, K = idx.shape
+    magnitude = O.expert_major_combine(np.abs(g_y), ref.routing)  # sum of |w * g_out| per element
+    assert_within(d_x, exp_dx, sum_tolerance(magnitude, weighted_roundings(R, K)), "d x vs oracle")
+    dot_magnitude = np.sum(np.abs(g_out.astype(np.float64)) * np.abs(x.astype(np.float64)), axis=-1)  # [R, T]
+    valid = (idx >= 0) & (idx < E)
+    bound = np.where(valid, sum_tolerance(dot_magnitude, x.shape[-1])[..., None], 0.0)
+    assert_within(d_w, exp_dw, bound, "d topk_weights vs oracle")
+
+
+@pytest.mark.parametrize("R", RANKS)
+def test_expert_major_gradients_match_oracle(R):
+    """d x: the combine of the rows' cotangents (weight * g_out); d topk_weights: each pair's cotangent on every
+    entry naming its expert (duplicates included), 0 on -1 and invalid entries."""
+    x, idx, w = em_case(R, np.float32, seed=3)
+    g_out = O.make_x(np.random.default_rng(4), (R, EM_T, EM_H), np.float32)
+    got = spmd(R, em_grad_body(buffer(R, "cuda"), EM_E))(flat(x), flat(w), flat(idx), flat(g_out))
+    d_x, d_w = (ranks(a, R) for a in jax.device_get(got))
+    check_em_grads(d_x, d_w, x, w, idx, g_out, EM_E)
+    assert buffer(R, "cuda").errors() == []
+
+
+@pytest.mark.parametrize("R", RANKS)
+def test_expert_major_repeated_runs_identical(R):
+    """The same jitted expert-major dispatch, cached dispatch and combines, run again: the same bits (the
+    weighted combine too: one compiled program always fuses the same way)."""
+    T, H, K, E, alignment = 64, 512, 8, 32, 8
+    inputs = em_combine_inputs(R, O.BF16, seed=9, alignment=alignment, T=T, H=H, K=K, E=E)
+    fn = em_combine_fn(R, E, None, alignment)
+    args = tuple(flat(a) for a in inputs)
+    first = jax.device_get(fn(*args))
+    for i in range(3):
+        names = ("recv_x", "recv_weights", "cached dispatch", "combine", "weighted combine")
+        for name, a, b in zip(names, jax.device_get(fn(*args)), first):
+            assert_bits(a, b, f"run {i}: {name}")
+    assert buffer(R, "cuda").errors() == []
 
 
 # ----------------------------------------------------------------------------------------------------------------

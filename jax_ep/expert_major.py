@@ -1,0 +1,220 @@
+"""The expert-major layout of the normal dispatch (docs/design.md, "Expert-major layout"), on any backend.
+
+Built from what every backend has: a rank-major dispatch of the top-k alone (a 16-byte dummy row per token,
+capacity R*T: nothing dropped) tells each rank which tokens it receives and their local expert ids; `plan`
+derives the pair rows from those with a few integer passes; the backend's cached dispatch, along a handle whose
+`recv_src_index` names each row's source token, copies every pair's row from its source straight into its row.
+Combine sums each received token's pairs into one float32 partial row (one gather pass) and brings the partials
+home with the backend's rank-major combine along the routing dispatch's handle.
+
+Every function runs per rank inside `shard_map` over the Buffer's EP axis; `ops.dispatch` / `ops.combine` check
+the arguments and call the custom_vjp functions here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jax_ep.backends import Backend, typed_like, zero_cotangent
+from jax_ep.backends.xla import XlaHandle
+
+int32 = jnp.int32
+# Elements of the dummy row the routing dispatch carries per token (it needs a payload; 16 bytes of float32).
+_ROUTING_ROW = 4
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ExpertMajorHandle:
+    """Routing of an expert-major dispatch (C rows, Cr = R*T rows of the routing dispatch, P = min(K, L))."""
+
+    routing: Any  # the rank-major handle of the routing dispatch: combine brings partials home along it
+    rows: XlaHandle  # recv_src_index [C]: source rank * T + source token of each row, R*T for padding rows
+    pair_row: jax.Array  # int32 [Cr, P]: rows of each received token's pairs, ascending local expert; C for none
+    topk_row: jax.Array  # int32 [Cr, K]: row of the pair of each received top-k entry; C for none
+
+    @property
+    def num_tokens(self) -> int:
+        return self.rows.is_token_in_rank.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.rows.recv_src_index.shape[0]
+
+
+class Plan(NamedTuple):
+    rows: jax.Array  # int32 [C]: source index of each row (R*T for padding)
+    pair_weight: jax.Array | None  # float32 [C]
+    group_sizes: jax.Array  # int32 [L]
+    group_offsets: jax.Array  # int32 [L]
+    num_kept: jax.Array  # int32 scalar
+    num_dropped: jax.Array  # int32 scalar
+    pair_row: jax.Array  # int32 [Cr, P]
+    topk_row: jax.Array  # int32 [Cr, K]
+
+
+def default_capacity(num_ranks: int, num_tokens: int, num_topk: int, num_local_experts: int, alignment: int) -> int:
+    """The rows that never drop: every received token with min(K, L) pairs, every group padded by alignment - 1."""
+    return num_ranks * num_tokens * min(num_topk, num_local_experts) + num_local_experts * (alignment - 1)
+
+
+def plan(recv_topk_idx, recv_topk_weights, recv_src_index, *, num_local_experts: int, capacity: int,
+         alignment: int, num_sources: int) -> Plan:
+    """The pair rows from the routing dispatch's received tokens (rows in (source rank, source token) order; local
+    ids, -1 where the expert is elsewhere or the row is padding). num_sources = R*T, the padding source index."""
+    num_received, num_topk = recv_topk_idx.shape
+    experts = jnp.arange(num_local_experts, dtype=int32)
+    names = recv_topk_idx[:, :, None] == experts  # [Cr, K, L]: entry k names local expert j
+    present = jnp.any(names, axis=1)  # [Cr, L]: the received token has a pair with expert j
+    counts = jnp.sum(present, axis=0, dtype=int32)
+    sizes = (counts + alignment - 1) // alignment * alignment
+    offsets = jnp.cumsum(sizes, dtype=int32) - sizes
+    index_in_group = jnp.cumsum(present, axis=0, dtype=int32) - present  # rows in (source, token) order
+    row = offsets + index_in_group
+    kept = present & (row < capacity)
+    row = jnp.where(kept, row, capacity)  # [Cr, L]; `capacity` = no row (dropped, or no pair)
+    row_or_none = jnp.concatenate([row, jnp.full((num_received, 1), capacity, int32)], axis=1)  # column L: none
+
+    local = jnp.where(recv_topk_idx >= 0, recv_topk_idx, num_local_experts)
+    topk_row = jnp.take_along_axis(row_or_none, local, axis=1)
+    # Each token's distinct local experts ascending, then L (none): sort, blank the repeats, sort again.
+    ascending = jnp.sort(local, axis=1)
+    repeat = jnp.concatenate([jnp.zeros((num_received, 1), bool), ascending[:, 1:] == ascending[:, :-1]], axis=1)
+    distinct = jnp.sort(jnp.where(repeat, num_local_experts, ascending), axis=1)[:, :min(num_topk, num_local_experts)]
+    pair_row = jnp.take_along_axis(row_or_none, distinct, axis=1)
+
+    flat_row = row.reshape(-1)  # unique where kept; `capacity` drops the rest from the scatters
+    rows = jnp.full((capacity,), num_sources, int32).at[flat_row].set(
+        jnp.broadcast_to(recv_src_index[:, None], row.shape).reshape(-1), mode="drop", unique_indices=True)
+    pair_weight = None
+    if recv_topk_weights is not None:
+        weight = jnp.zeros(present.shape, jnp.float32)
+        for k in range(num_topk):  # top-k order: the sum of a duplicated expert's weights is fixed
+            weight = weight + jnp.where(names[:, k], recv_topk_weights[:, k:k + 1], 0.0)
+        pair_weight = jnp.zeros((capacity,), jnp.float32).at[flat_row].set(
+            weight.reshape(-1), mode="drop", unique_indices=True)
+    num_kept = jnp.sum(kept, dtype=int32)
+    return Plan(rows, pair_weight, sizes, offsets, num_kept, jnp.sum(present, dtype=int32) - num_kept, pair_row,
+                topk_row)
+
+
+def _pad_row(table):
+    """table with a zero row appended: index C (no row) reads zeros."""
+    return jnp.concatenate([table, jnp.zeros((1, *table.shape[1:]), table.dtype)])
+
+
+def partial_sums(y, weights, pair_row):
+    """float32 [Cr, H]: each received token's pairs, weights[row] * y[row] summed in ascending local expert."""
+    y_rows = _pad_row(y)
+    w_rows = None if weights is None else _pad_row(weights)
+    total = jnp.zeros((pair_row.shape[0], *y.shape[1:]), jnp.float32)
+    for q in range(pair_row.shape[1]):
+        term = y_rows[pair_row[:, q]].astype(jnp.float32)
+        if w_rows is not None:
+            term = w_rows[pair_row[:, q]][:, None] * term
+        total = total + term
+    return total
+
+
+# ---- the ops ------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """Static parameters of one expert-major dispatch (hashable: a nondiff argument of the custom_vjp)."""
+
+    backend: Backend
+    num_ranks: int
+    num_experts: int
+    capacity: int
+    expert_alignment: int
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def dispatch(spec: Spec, x_leaves, topk_idx, topk_weights):
+    """Returns (recv leaves, pair weights or None, group sizes, offsets, kept pairs, dropped pairs, invalid ids,
+    ExpertMajorHandle)."""
+    num_tokens = topk_idx.shape[0]
+    # zeros_like: the dummy varies over the shard_map axes as topk_idx does, and so do the routing's results.
+    dummy = jnp.zeros_like(topk_idx, jnp.float32, shape=(num_tokens, _ROUTING_ROW))
+    _, recv_idx, recv_w, _, _, _, invalid, routing = spec.backend.dispatch(
+        (dummy,), topk_idx, topk_weights, num_experts=spec.num_experts, capacity=spec.num_ranks * num_tokens,
+        expert_alignment=1)
+    p = plan(recv_idx, recv_w, routing.recv_src_index, num_local_experts=spec.num_experts // spec.num_ranks,
+             capacity=spec.capacity, alignment=spec.expert_alignment, num_sources=spec.num_ranks * num_tokens)
+    handle = ExpertMajorHandle(routing, XlaHandle(p.rows, routing.is_token_in_rank), p.pair_row, p.topk_row)
+    recv = tuple(spec.backend.cached_dispatch(leaf, handle.rows) for leaf in x_leaves)
+    return recv, p.pair_weight, p.group_sizes, p.group_offsets, p.num_kept, p.num_dropped, invalid, handle
+
+
+def _dispatch_fwd(spec, x_leaves, topk_idx, topk_weights):
+    out = dispatch(spec, x_leaves, topk_idx, topk_weights)
+    return out, (out[-1], x_leaves, topk_idx, topk_weights)
+
+
+def _dispatch_bwd(spec, residual, cotangent):
+    # Each cotangent typed like its primal (typed_like): the kernels' results vary over no shard_map axis.
+    handle, x_leaves, topk_idx, topk_weights = residual
+    d_recv, d_weight = cotangent[0], cotangent[1]
+    d_x = tuple(typed_like(combine_rows(spec.backend, g, None, handle).astype(g.dtype), leaf)
+                for g, leaf in zip(d_recv, x_leaves))
+    d_topk_weights = None
+    if d_weight is not None:
+        # Entry k of a received token gets its pair's cotangent; the routing combine adds the one rank holding it.
+        per_entry = _pad_row(d_weight.astype(jnp.float32))[handle.topk_row]
+        d_topk_weights = typed_like(spec.backend.combine(per_entry, handle.routing), topk_weights)
+    return d_x, zero_cotangent(topk_idx), d_topk_weights
+
+
+dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+def combine_rows(backend: Backend, y, weights, handle: ExpertMajorHandle, bias=None, out_dtype=None):
+    """The expert-major combine without its VJP: float32 partials per rank, the rank-major combine of them."""
+    partial = partial_sums(y, weights, handle.pair_row)
+    return backend.combine(partial, handle.routing, bias=bias, out_dtype=out_dtype or jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def combine(backend: Backend, y, handle: ExpertMajorHandle, weights, bias):
+    return combine_rows(backend, y, weights, handle, bias, y.dtype)
+
+
+def _combine_fwd(backend, y, handle, weights, bias):
+    return combine(backend, y, handle, weights, bias), (y, handle, weights, bias)
+
+
+def _combine_bwd(backend, residual, d_out):
+    y, handle, weights, bias = residual
+    d_rows = backend.cached_dispatch(d_out, handle.rows).astype(jnp.float32)  # dout[t] on each of t's rows
+    d_y = d_rows if weights is None else weights[:, None] * d_rows
+    d_weights = None if weights is None else jnp.sum(d_rows * y.astype(jnp.float32), axis=1)
+    d_bias = None if bias is None else typed_like(d_out.astype(bias.dtype), bias)
+    if d_weights is not None:
+        d_weights = typed_like(d_weights, weights)
+    return typed_like(d_y.astype(y.dtype), y), zero_cotangent(handle), d_weights, d_bias
+
+
+combine.defvjp(_combine_fwd, _combine_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def cached_dispatch(backend: Backend, x_leaves, handle: ExpertMajorHandle):
+    return tuple(backend.cached_dispatch(leaf, handle.rows) for leaf in x_leaves)
+
+
+def _cached_dispatch_fwd(backend, x_leaves, handle):
+    return cached_dispatch(backend, x_leaves, handle), (handle, x_leaves)
+
+
+def _cached_dispatch_bwd(backend, residual, cotangent):
+    handle, x_leaves = residual
+    d_x = tuple(typed_like(combine_rows(backend, g, None, handle).astype(g.dtype), leaf)
+                for g, leaf in zip(cotangent, x_leaves))
+    return d_x, zero_cotangent(handle)
+
+
+cached_dispatch.defvjp(_cached_dispatch_fwd, _cached_dispatch_bwd)
