@@ -245,19 +245,28 @@ def test_capacity_drops_are_counted():
 
 
 def check_capacity_drops(dispatcher: str, **options):
-    """capacity_factor below the need: num_dropped counts the tokens that did not fit (the first rows in
-    (source rank, token) order are kept), and tokens kept everywhere still get the reference output."""
-    capacity_factor = 0.25
+    """capacity_factor below the need: num_dropped counts the (token, expert) pairs that did not fit (each rank's
+    rows hold its experts' pairs expert by expert, each expert's in (source rank, token) order, the first C kept),
+    and tokens whose pairs were all kept still get the reference output."""
+    capacity_factor = 0.75  # drops on some rank, and tokens left whole, on 1 to 4 ranks
     moe = make_moe(dispatcher, capacity_factor=capacity_factor, **options)
     x, _ = inputs()
     with jax.default_matmul_precision("highest"):
         y, aux = nnx.jit(lambda m, x: m(x))(moe, x)
     topk_idx = np.asarray(route(x, moe.router_kernel[...], None, moe.router_config).topk_idx)
-    capacity = int(np.ceil(capacity_factor * TOKENS * min(TOPK, RANKS)))
-    goes_to = np.stack([(topk_idx // (EXPERTS // RANKS) == r).any(axis=1) for r in range(RANKS)], axis=1)  # [RT, R]
-    kept = goes_to & (np.cumsum(goes_to, axis=0) <= capacity)
-    assert int(aux.num_dropped) == int((goes_to & ~kept).sum()) > 0
-    whole = (kept == goes_to).all(axis=1)
+    capacity = int(np.ceil(capacity_factor * TOKENS * TOPK))
+    pairs = np.zeros((len(topk_idx), EXPERTS), bool)  # [RT, E]: token t chose expert e (once however often)
+    pairs[np.arange(len(topk_idx))[:, None], topk_idx] = True
+    kept = np.zeros_like(pairs)
+    local = EXPERTS // RANKS
+    for r in range(RANKS):
+        used = 0
+        for e in range(r * local, (r + 1) * local):
+            tokens = np.flatnonzero(pairs[:, e])
+            kept[tokens[:max(0, capacity - used)], e] = True
+            used += len(tokens)
+    assert int(aux.num_dropped) == int((pairs & ~kept).sum()) > 0
+    whole = (kept == pairs).all(axis=1)
     assert whole.any()
     assert_close(np.asarray(y)[whole], reference("softmax")[0][whole], 1e-5, "tokens that were not dropped")
 

@@ -15,8 +15,8 @@ Per shape and dispatcher:
   roofline printed beside the block. ratio = block / proxy; the target is at most TARGET_RATIO.
 - FLOPs per rank (swiglu_flops): T·K rows through the SwiGLU; forward 3 matmuls of 2·rows·D·F, backward twice
   the forward, so 18·T·K·D·F; TFLOP/s = FLOPs / time, for the block and the proxy.
-- breakdown: router (jax_ep.flax.routing.route), dispatch (jax_ep.dispatch), expert FFN
-  (jax_ep.flax.experts.grouped_swiglu) and combine (jax_ep.combine), each forward + backward alone in a jitted
+- breakdown: router (jax_ep.flax.routing.route), dispatch (jax_ep.dispatch, expert-major), expert FFN
+  (jax_ep.flax.experts.grouped_swiglu) and combine (jax_ep.combine, weighted), each forward + backward alone in a jitted
   shard_map of its own, on the inputs the stages before it produce from the block's x and weights, with random
   cotangents of its outputs' shapes. Their sum is printed beside the block; the difference is what the block does
   besides (router statistics, casts) and what XLA overlaps or fuses across the stages.
@@ -158,25 +158,24 @@ def _breakdown_ms(mesh, moe: MoE, x, args) -> dict[str, float]:
         return routing.topk_weights, routing.topk_idx
 
     def dispatch(x, topk_weights, topk_idx):
-        d = jax_ep.dispatch(buffer, x, topk_idx, topk_weights, num_experts=num_experts)
-        return (d.recv_x, d.recv_topk_weights), (d.recv_topk_idx, d.handle)
+        d = jax_ep.dispatch(buffer, x, topk_idx, topk_weights, num_experts=num_experts, layout="expert_major")
+        return (d.recv_x, d.recv_weights), (d.num_recv_tokens_per_expert, d.handle)
 
-    def expert_ffn(recv_x, recv_weights, w_gate, w_up, w_down, recv_idx):
-        # Gate weights applied here: combine sums the ranks' rows unweighted.
-        return grouped_swiglu(recv_x, recv_idx, recv_weights, w_gate, w_up, w_down).astype(DTYPE), ()
+    def expert_ffn(recv_x, w_gate, w_up, w_down, group_sizes):
+        return grouped_swiglu(recv_x, group_sizes, w_gate, w_up, w_down).astype(DTYPE), ()
 
-    def combine(y, handle):
-        return jax_ep.combine(buffer, y, handle).x, ()
+    def combine(y, recv_weights, handle):
+        return jax_ep.combine(buffer, y, handle, weights=recv_weights).x, ()
 
     ms = {}
     ms["router"], topk_weights, topk_idx = _stage_ms(
         mesh, next(keys), router, (x, moe.router_kernel[...]), (ep, replicated), (), args)
-    ms["dispatch"], (recv_x, recv_weights), (recv_idx, handle) = _stage_ms(
+    ms["dispatch"], (recv_x, recv_weights), (group_sizes, handle) = _stage_ms(
         mesh, next(keys), dispatch, (x, topk_weights), (ep, ep), (topk_idx,), args)
     experts = (moe.w_gate[...], moe.w_up[...], moe.w_down[...])  # [E, ...], sharded over the EP axis
     ms["expert FFN"], expert_out, _ = _stage_ms(
-        mesh, next(keys), expert_ffn, (recv_x, recv_weights, *experts), (ep,) * 5, (recv_idx,), args)
-    ms["combine"], _, _ = _stage_ms(mesh, next(keys), combine, (expert_out,), (ep,), (handle,), args)
+        mesh, next(keys), expert_ffn, (recv_x, *experts), (ep,) * 4, (group_sizes,), args)
+    ms["combine"], _, _ = _stage_ms(mesh, next(keys), combine, (expert_out, recv_weights), (ep, ep), (handle,), args)
     return ms
 
 

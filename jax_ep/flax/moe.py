@@ -29,7 +29,7 @@ class MoEAux(NamedTuple):
     load_balancing_loss: jax.Array  # float32: E/(K T) sum_e count_e P_e over all tokens; 1 when balanced
     router_z_loss: jax.Array  # float32: mean logsumexp(logits)^2
     tokens_per_expert: jax.Array  # int32 [E]: (token, expert) assignments over all tokens
-    num_dropped: jax.Array  # int32: received tokens that did not fit the capacity, summed over the ranks
+    num_dropped: jax.Array  # int32: received (token, expert) pairs that did not fit the capacity, over the ranks
 
 
 def _axis_bound(axis_name: str) -> bool:
@@ -83,9 +83,9 @@ class MoE(nnx.Module):
 
     Router options (see RouterConfig): score_function "softmax" | "sigmoid", expert_bias (selection-only
     bias, DeepSeek-V3), n_groups / topk_groups (grouped top-k), norm_topk_prob, routed_scaling_factor.
-    capacity_factor c (normal / xla): each rank receives at most ceil(c * T * min(K, R)) tokens (the mean
-    number a rank receives under uniform routing is at most T * min(K, R)); tokens beyond it are dropped and
-    counted in MoEAux.num_dropped. None: R * T, which never drops.
+    capacity_factor c (normal / xla): each rank receives at most ceil(c * T * K) (token, expert) pairs (the mean
+    number a rank receives under uniform routing is T * K); pairs beyond it are dropped and counted in
+    MoEAux.num_dropped. None: R * T * min(K, E/R), which never drops.
     buffer: an existing jax_ep.Buffer to use (share one among layers; pass one to the Linen wrapper, which
     builds the module again at every apply); by default the block makes its own from mesh and axis_name.
     dtype: computation dtype of the experts and of the tokens on the wire (None: that of x); the router runs
@@ -193,11 +193,12 @@ class MoE(nnx.Module):
             y = jax_ep.low_latency_combine(self.buffer, expert_out.astype(jnp.bfloat16), routing.topk_idx,
                                            routing.topk_weights, ll.handle)
         else:
+            # Rows are (token, local expert) pairs grouped by expert: the grouped matmuls take them as they come,
+            # and combine applies the gate weights while it sums each token's pairs.
             d = jax_ep.dispatch(self.buffer, x, routing.topk_idx, routing.topk_weights, num_experts=self.num_experts,
-                                max_recv_tokens=self._capacity(x.shape[0], num_ranks))
-            # Gate weights are applied before combine, which sums the ranks' rows unweighted.
-            expert_out = grouped_swiglu(d.recv_x, d.recv_topk_idx, d.recv_topk_weights, *experts)
-            y = jax_ep.combine(self.buffer, expert_out.astype(dtype), d.handle).x
+                                max_recv_tokens=self._capacity(x.shape[0], num_ranks), layout="expert_major")
+            expert_out = grouped_swiglu(d.recv_x, d.num_recv_tokens_per_expert, *experts)
+            y = jax_ep.combine(self.buffer, expert_out.astype(dtype), d.handle, weights=d.recv_weights).x
             num_dropped = jax.lax.psum(d.num_dropped, axis_name)
         if self.shared_d_ff:
             y = y + swiglu(x, *(weights[name].astype(dtype) for name in SHARED_WEIGHTS))
@@ -205,10 +206,13 @@ class MoE(nnx.Module):
         return y.astype(dtype), MoEAux(*statistics, num_dropped)
 
     def _capacity(self, num_tokens: int, num_ranks: int) -> int | None:
+        """Pairs per rank (expert-major dispatch's max_recv_tokens): None, the default that never drops, or
+        capacity_factor times the mean, at most that default."""
         if self.capacity_factor is None:
             return None
-        mean_need = num_tokens * min(self.router_config.num_experts_per_tok, num_ranks)
-        return max(1, min(num_ranks * num_tokens, math.ceil(self.capacity_factor * mean_need)))
+        num_topk = self.router_config.num_experts_per_tok
+        never_drops = num_ranks * num_tokens * min(num_topk, self.num_experts // num_ranks)
+        return max(1, min(never_drops, math.ceil(self.capacity_factor * num_tokens * num_topk)))
 
     def update_expert_bias(self, tokens_per_expert, rate: float) -> None:
         """DeepSeek-V3's auxiliary-loss-free balancing step: raise the bias of experts that got fewer than

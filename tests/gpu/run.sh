@@ -13,6 +13,8 @@
 #     short enough for one 10-minute call); mpq: the intranode tests as 4 processes and the benchmark as 4 processes
 #     (PUSH_SWEEP="4 12": also the combine with those pushing warps per block, 24 SMs); accept: every GPU test
 #     and the demo;
+#     moe: the MoE block's and grouped matmul's GPU tests, then `bench moe` (MOE_SHAPES, default moe-a; MOE_EXTRA: a
+#     script to run between them);
 #     benches: every benchmark (both process models, internode 2 x 2), then the sm_80 path's tests;
 #     nvshmem: an unstripped build, then the NVSHMEM bootstrap probes (tests/gpu/nvshmem_probe);
 #     internode: the internode tests as 4 processes (2 nodes x 2 GPUs, and 4 x 1) and 2 (2 x 1), the bounded wait,
@@ -149,6 +151,16 @@ if [ "$mode" = validate ]; then
   step bench_mp 60 python3 -m jax_ep.bench intranode --processes 4 --allow-shared-gpu --sms 24 --no-baselines --json "$OUT/bench_mp.json"
   grep -hE "^(FAILED|ERROR)" "$OUT"/*.log | head -20
   grep -hE "^(\[shared GPU: not a performance figure\] )?\[(intranode|low_latency)\]" "$OUT"/bench*.log | grep -E "combine|dispatch|ceiling|on the GPU|send:|recv:" | tail -40
+  printf '\n== summary\n'; printf '%s\n' "${summary[@]}"
+  exit 0
+fi
+if [ "$mode" = moe ]; then  # the MoE block: its GPU tests, the grouped matmul's, the block's benchmark
+  step moe_tests 200 python3 -m pytest -q -rs tests/gpu/test_flax_moe_gpu.py tests/gpu/test_grouped_matmul_gpu.py
+  [ -n "${MOE_EXTRA:-}" ] && step moe_extra 200 python3 $MOE_EXTRA
+  step moe_block 300 python3 -m jax_ep.bench moe --shapes ${MOE_SHAPES:-moe-a} --json "$OUT/moe.json" --plot "$OUT/moe.png"
+  grep -hE "^(FAILED|ERROR)" "$OUT"/*.log | head -20
+  [ -f "$OUT/moe_extra.log" ] && tail -20 "$OUT/moe_extra.log"
+  grep -h "^\[moe\]" "$OUT/moe_block.log" | tail -12
   printf '\n== summary\n'; printf '%s\n' "${summary[@]}"
   exit 0
 fi
