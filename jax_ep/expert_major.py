@@ -7,6 +7,9 @@ derives the pair rows from those with a few integer passes; the backend's cached
 Combine sums each received token's pairs into one float32 partial row (one gather pass) and brings the partials
 home with the backend's rank-major combine along the routing dispatch's handle.
 
+With one rank nothing moves between ranks: the routing is the rank's own top-k, rows move by XLA gathers and the
+partials are the result; no kernel runs.
+
 Every function runs per rank inside `shard_map` over the Buffer's EP axis; `ops.dispatch` / `ops.combine` check
 the arguments and call the custom_vjp functions here.
 """
@@ -20,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_ep.backends import Backend, typed_like, zero_cotangent
-from jax_ep.backends.xla import XlaHandle
+from jax_ep.backends.xla import XlaHandle, sanitize_ids
 
 int32 = jnp.int32
 # Elements of the dummy row the routing dispatch carries per token (it needs a payload; 16 bytes of float32).
@@ -32,7 +35,7 @@ _ROUTING_ROW = 4
 class ExpertMajorHandle:
     """Routing of an expert-major dispatch (C rows, Cr = R*T rows of the routing dispatch, P = min(K, L))."""
 
-    routing: Any  # the rank-major handle of the routing dispatch: combine brings partials home along it
+    routing: Any  # the rank-major handle of the routing dispatch: combine brings partials home along it (one rank: None)
     rows: XlaHandle  # recv_src_index [C]: source rank * T + source token of each row, R*T for padding rows
     pair_row: jax.Array  # int32 [Cr, P]: rows of each received token's pairs, ascending local expert; C for none
     topk_row: jax.Array  # int32 [Cr, K]: row of the pair of each received top-k entry; C for none
@@ -138,16 +141,37 @@ def dispatch(spec: Spec, x_leaves, topk_idx, topk_weights):
     """Returns (recv leaves, pair weights or None, group sizes, offsets, kept pairs, dropped pairs, invalid ids,
     ExpertMajorHandle)."""
     num_tokens = topk_idx.shape[0]
-    # zeros_like: the dummy varies over the shard_map axes as topk_idx does, and so do the routing's results.
-    dummy = jnp.zeros_like(topk_idx, jnp.float32, shape=(num_tokens, _ROUTING_ROW))
-    _, recv_idx, recv_w, _, _, _, invalid, routing = spec.backend.dispatch(
-        (dummy,), topk_idx, topk_weights, num_experts=spec.num_experts, capacity=spec.num_ranks * num_tokens,
-        expert_alignment=1)
-    p = plan(recv_idx, recv_w, routing.recv_src_index, num_local_experts=spec.num_experts // spec.num_ranks,
+    if spec.num_ranks == 1:  # every token stays: the routing is this rank's own top-k
+        recv_idx, invalid = sanitize_ids(topk_idx, spec.num_experts)
+        recv_w = None if topk_weights is None else jnp.where(recv_idx >= 0, topk_weights, 0.0)
+        recv_src_index = jnp.arange(num_tokens, dtype=int32)
+        routing, is_token_in_rank = None, jnp.any(recv_idx >= 0, axis=1, keepdims=True)
+    else:
+        # zeros_like: the dummy varies over the shard_map axes as topk_idx does, and so do the routing's results.
+        dummy = jnp.zeros_like(topk_idx, jnp.float32, shape=(num_tokens, _ROUTING_ROW))
+        _, recv_idx, recv_w, _, _, _, invalid, routing = spec.backend.dispatch(
+            (dummy,), topk_idx, topk_weights, num_experts=spec.num_experts, capacity=spec.num_ranks * num_tokens,
+            expert_alignment=1)
+        recv_src_index, is_token_in_rank = routing.recv_src_index, routing.is_token_in_rank
+    p = plan(recv_idx, recv_w, recv_src_index, num_local_experts=spec.num_experts // spec.num_ranks,
              capacity=spec.capacity, alignment=spec.expert_alignment, num_sources=spec.num_ranks * num_tokens)
-    handle = ExpertMajorHandle(routing, XlaHandle(p.rows, routing.is_token_in_rank), p.pair_row, p.topk_row)
-    recv = tuple(spec.backend.cached_dispatch(leaf, handle.rows) for leaf in x_leaves)
+    handle = ExpertMajorHandle(routing, XlaHandle(p.rows, is_token_in_rank), p.pair_row, p.topk_row)
+    recv = tuple(_rows(spec.backend, leaf, handle) for leaf in x_leaves)
     return recv, p.pair_weight, p.group_sizes, p.group_offsets, p.num_kept, p.num_dropped, invalid, handle
+
+
+def _rows(backend: Backend, leaf, handle: ExpertMajorHandle):
+    """leaf [T, ...] placed on the handle's rows: the cached dispatch, or with one rank a gather."""
+    if handle.routing is None:
+        return _pad_row(leaf)[handle.rows.recv_src_index]
+    return backend.cached_dispatch(leaf, handle.rows)
+
+
+def _bring_home(backend: Backend, rows, handle: ExpertMajorHandle, bias=None, out_dtype=jnp.float32):
+    """The rank-major combine of rows [Cr, ...] (one per received token) along the routing dispatch."""
+    if handle.routing is None:
+        return (rows if bias is None else rows + bias.astype(jnp.float32)).astype(out_dtype)
+    return backend.combine(rows, handle.routing, bias=bias, out_dtype=out_dtype)
 
 
 def _dispatch_fwd(spec, x_leaves, topk_idx, topk_weights):
@@ -165,7 +189,7 @@ def _dispatch_bwd(spec, residual, cotangent):
     if d_weight is not None:
         # Entry k of a received token gets its pair's cotangent; the routing combine adds the one rank holding it.
         per_entry = _pad_row(d_weight.astype(jnp.float32))[handle.topk_row]
-        d_topk_weights = typed_like(spec.backend.combine(per_entry, handle.routing), topk_weights)
+        d_topk_weights = typed_like(_bring_home(spec.backend, per_entry, handle), topk_weights)
     return d_x, zero_cotangent(topk_idx), d_topk_weights
 
 
@@ -175,7 +199,7 @@ dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 def combine_rows(backend: Backend, y, weights, handle: ExpertMajorHandle, bias=None, out_dtype=None):
     """The expert-major combine without its VJP: float32 partials per rank, the rank-major combine of them."""
     partial = partial_sums(y, weights, handle.pair_row)
-    return backend.combine(partial, handle.routing, bias=bias, out_dtype=out_dtype or jnp.float32)
+    return _bring_home(backend, partial, handle, bias, out_dtype or jnp.float32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -189,7 +213,7 @@ def _combine_fwd(backend, y, handle, weights, bias):
 
 def _combine_bwd(backend, residual, d_out):
     y, handle, weights, bias = residual
-    d_rows = backend.cached_dispatch(d_out, handle.rows).astype(jnp.float32)  # dout[t] on each of t's rows
+    d_rows = _rows(backend, d_out, handle).astype(jnp.float32)  # dout[t] on each of t's rows
     d_y = d_rows if weights is None else weights[:, None] * d_rows
     d_weights = None if weights is None else jnp.sum(d_rows * y.astype(jnp.float32), axis=1)
     d_bias = None if bias is None else typed_like(d_out.astype(bias.dtype), bias)
@@ -203,7 +227,7 @@ combine.defvjp(_combine_fwd, _combine_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def cached_dispatch(backend: Backend, x_leaves, handle: ExpertMajorHandle):
-    return tuple(backend.cached_dispatch(leaf, handle.rows) for leaf in x_leaves)
+    return tuple(_rows(backend, leaf, handle) for leaf in x_leaves)
 
 
 def _cached_dispatch_fwd(backend, x_leaves, handle):
