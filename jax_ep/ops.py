@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from typing import Any
 
 import jax
@@ -359,6 +360,48 @@ class LowLatencyPending:
     cast: LowLatencyCast = dataclasses.field(default=LowLatencyCast(), metadata=dict(static=True))
 
 
+# Sends of one low-latency op of a Buffer that may await their receive at once (the contract's double buffering;
+# the cuda kernels alternate two buffer sets, and a third send would wait for a receive that cannot come first).
+MAX_LOW_LATENCY_IN_FLIGHT = 2
+
+
+class _Eager:
+    """The scope of sends made outside any trace (a weakly referenceable key)."""
+
+
+_EAGER = _Eager()
+# trace (or _EAGER) -> {(buffer id, op): the pending sends not yet received, by id, oldest first}. Weak both ways:
+# a trace that ended, or a pending dropped unreceived, stops counting.
+_in_flight: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _waiting(op: str, pending: LowLatencyPending) -> weakref.WeakValueDictionary:
+    leaf = jax.tree.leaves(pending.state)[0]
+    scope = getattr(leaf, "_trace", None) or _EAGER  # the trace being built, for a traced send
+    return _in_flight.setdefault(scope, {}).setdefault((pending.spec.buffer_id, op), weakref.WeakValueDictionary())
+
+
+def _start_send(op: str, pending: LowLatencyPending) -> LowLatencyPending:
+    """Counts `pending` among its Buffer's sends of `op` awaiting their receive; raises past the limit, on every
+    backend, while tracing (a program that runs on one backend must not fail on another)."""
+    waiting = _waiting(op, pending)
+    if len(waiting) >= MAX_LOW_LATENCY_IN_FLIGHT:
+        raise ValueError(f"jax_ep.{op}_send: {len(waiting)} sends of this Buffer already await their "
+                         f"{op}_recv; at most {MAX_LOW_LATENCY_IN_FLIGHT} may (call a receive first)")
+    waiting[id(pending)] = pending
+    return pending
+
+
+def _finish_send(op: str, pending: LowLatencyPending) -> None:
+    """A receive frees its send's place; a pending that JAX rebuilt (e.g. passed through an optimization barrier)
+    is another object, so then the oldest waiting send's."""
+    waiting = _waiting(op, pending)
+    if id(pending) in waiting:
+        del waiting[id(pending)]
+    elif len(waiting):
+        del waiting[next(iter(waiting.keys()))]
+
+
 def _low_latency_spec(op: str, buffer: Buffer, num_tokens: int, hidden: int) -> _LowLatencySpec:
     buffer.check_alive()
     num_ranks = _checks.num_ranks(op, buffer.axis_name, buffer.num_ranks)
@@ -381,8 +424,7 @@ def low_latency_dispatch_send(buffer: Buffer, x, topk_idx, *, use_fp8: bool = Tr
     """Send half of `low_latency_dispatch`; computation can be scheduled before `low_latency_dispatch_recv`.
 
     At most two sends of one op (dispatch, or combine) of a Buffer may await their receive at once (two
-    buffer sets); with the cuda backend a third send waits for the first receive and fails after
-    `Config.timeout_s` (`buffer.errors()` names the wait). Receives may come in any order."""
+    buffer sets): a third raises a ValueError while tracing, on every backend. Receives may come in any order."""
     op = "low_latency_dispatch"
     _check_buffer(op, buffer)
     if x.ndim != 2:
@@ -400,7 +442,7 @@ def low_latency_dispatch_send(buffer: Buffer, x, topk_idx, *, use_fp8: bool = Tr
     cast = LowLatencyCast(bool(use_fp8), bool(use_fp8 and round_scale), bool(use_fp8 and use_ue8m0))
     state = buffer.backend_impl.low_latency_dispatch_send(x, topk_idx, num_experts=spec.num_experts,
                                                           num_max_tokens=spec.num_max_tokens, cast=cast)
-    return LowLatencyPending((state, cumulative_local_expert_recv_stats), spec, cast)
+    return _start_send(op, LowLatencyPending((state, cumulative_local_expert_recv_stats), spec, cast))
 
 
 def _check_pending(op: str, buffer: Buffer, pending: LowLatencyPending) -> None:
@@ -413,6 +455,7 @@ def _check_pending(op: str, buffer: Buffer, pending: LowLatencyPending) -> None:
 def low_latency_dispatch_recv(buffer: Buffer, pending: LowLatencyPending) -> LowLatencyDispatchResult:
     """Receive half of `low_latency_dispatch`."""
     _check_pending("low_latency_dispatch_recv", buffer, pending)
+    _finish_send("low_latency_dispatch", pending)
     state, stats = pending.state
     recv, recv_count, handle, invalid = buffer.backend_impl.low_latency_dispatch_recv(
         state, num_experts=pending.spec.num_experts, num_max_tokens=pending.spec.num_max_tokens, cast=pending.cast)
@@ -453,12 +496,13 @@ def low_latency_combine_send(buffer: Buffer, y, topk_idx, topk_weights, handle: 
     state = buffer.backend_impl.low_latency_combine_send(y, handle, topk_idx, topk_weights,
                                                          num_experts=spec.num_experts,
                                                          num_max_tokens=spec.num_max_tokens)
-    return LowLatencyPending(state, spec)
+    return _start_send(op, LowLatencyPending(state, spec))
 
 
 def low_latency_combine_recv(buffer: Buffer, pending: LowLatencyPending):
     """Receive half of `low_latency_combine`: bfloat16 [T, H]."""
     _check_pending("low_latency_combine_recv", buffer, pending)
+    _finish_send("low_latency_combine", pending)
     return buffer.backend_impl.low_latency_combine_recv(pending.state, num_experts=pending.spec.num_experts,
                                                         num_max_tokens=pending.spec.num_max_tokens)
 

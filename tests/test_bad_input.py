@@ -970,3 +970,43 @@ def test_low_latency_combine_needs_a_low_latency_handle(mesh, buffer, ll_buffer)
     with pytest.raises(TypeError, match=msg("jax_ep.low_latency_combine: handle must be the handle of a "
                                             "jax_ep.low_latency_dispatch (LowLatencyDispatchResult.handle), got dict")):
         lower_in_shard_map(mesh, body, x_global(jnp.bfloat16), routing(), weights_global())
+
+
+# ---- low-latency sends in flight ---------------------------------------------------------------------------
+
+def test_third_low_latency_send_in_flight_raises(mesh):
+    """Two sends of one op may await their receive; a third raises while tracing (the cuda kernels would wait for
+    a receive that cannot run first). The other op's sends count apart."""
+    buf = jax_ep.Buffer(mesh, "ep", backend="xla", **LL_SIZES)
+
+    def three_sends(x, i):
+        sends = [jax_ep.low_latency_dispatch_send(buf, x, i) for _ in range(3)]
+        return sum(jax_ep.low_latency_dispatch_recv(buf, p).recv_count for p in sends)
+
+    text = ("jax_ep.low_latency_dispatch_send: 2 sends of this Buffer already await their low_latency_dispatch_recv;"
+            " at most 2 may (call a receive first)")
+    with pytest.raises(ValueError, match=msg(text)):
+        lower_in_shard_map(mesh, three_sends, x_global(jnp.bfloat16), routing())
+
+
+def test_low_latency_sends_within_the_limit_run(mesh):
+    """Send, send, receive, send, receive, receive: never more than two waiting, also when a pending passed through
+    an optimization barrier (JAX rebuilds it) or the other op's sends are waiting too."""
+    buf = jax_ep.Buffer(mesh, "ep", backend="xla", **LL_SIZES)
+
+    def interleaved(x, i):
+        first = jax_ep.low_latency_dispatch_send(buf, x, i, use_fp8=False)
+        second = jax_ep.low_latency_dispatch_send(buf, x, i, use_fp8=False)
+        first, second = jax.lax.optimization_barrier((first, second))
+        counts = jax_ep.low_latency_dispatch_recv(buf, first).recv_count
+        third = jax_ep.low_latency_dispatch_send(buf, x, i, use_fp8=False)
+        counts += jax_ep.low_latency_dispatch_recv(buf, second).recv_count
+        received = jax_ep.low_latency_dispatch_recv(buf, third)
+        y = jnp.zeros_like(received.recv_x)
+        weights = jnp.ones(i.shape, jnp.float32)
+        combines = [jax_ep.low_latency_combine_send(buf, y, i, weights, received.handle) for _ in range(2)]
+        out = sum(jax_ep.low_latency_combine_recv(buf, p).astype(jnp.float32) for p in combines)
+        return counts + received.recv_count, out
+
+    for _ in range(2):  # traced twice: nothing left counted from the first trace
+        lower_in_shard_map(mesh, interleaved, x_global(jnp.bfloat16), routing())

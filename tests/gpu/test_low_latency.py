@@ -382,6 +382,8 @@ def test_third_send_in_flight_times_out(R):
 
 
 def third_send_worker(R: int):
+    # The ops refuse a third send while tracing; this worker tests what the kernels do if one comes anyway.
+    jax_ep.ops.MAX_LOW_LATENCY_IN_FLIGHT = 3
     T, H, K, E, M = 8, 128, 2, 2 * R, 8
     buf = ll_buffer(R, M, H, E, timeout_s=bounded_wait_timeout_s())
     x, idx, _, _, _ = make_inputs(R, T, H, K, E, M)
