@@ -20,68 +20,15 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import oracle as O  # noqa: E402
 import pytest  # noqa: E402
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ep  # noqa: E402
 
-SETTINGS = dict(deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-RANKS = [1, 2, 4, 8]
+from test_ops_xla import RANKS, SETTINGS, as_f32, assert_same, buffer, flat, mesh, ranks, spmd  # noqa: E402
+
 F32 = np.dtype(np.float32)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Harness (as tests/test_ops_xla.py)
-# ----------------------------------------------------------------------------------------------------------------
-@functools.cache
-def mesh(R: int) -> Mesh:
-    devices = jax.devices()
-    if len(devices) < R:
-        pytest.skip(f"needs {R} devices, {len(devices)} present")
-    return Mesh(np.array(devices[:R]), ("ep",))
-
-
-@functools.cache
-def buffer(R: int) -> jax_ep.Buffer:
-    return jax_ep.Buffer(mesh(R), "ep", backend="xla")
-
-
-def spmd(R: int, body):
-    """jit(shard_map(body)): every argument and result split along its leading axis over the R ranks."""
-    return jax.jit(jax.shard_map(body, mesh=mesh(R), in_specs=P("ep"), out_specs=P("ep")))
-
-
-def flat(a):
-    """Global [R*N, ...] input from a per-rank [R, N, ...] array (None and tuples pass through)."""
-    if a is None:
-        return None
-    if isinstance(a, tuple):
-        return tuple(flat(c) for c in a)
-    a = np.asarray(a)
-    return a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:])
-
-
-def ranks(a, R: int):
-    """Per-rank [R, N, ...] numpy view of a global [R*N, ...] output."""
-    a = np.asarray(a)
-    return a.reshape((R, a.shape[0] // R) + a.shape[1:])
-
-
-def as_f32(a):
-    a = np.asarray(a)
-    return a.astype(np.float32) if a.dtype.kind == "f" or a.dtype in (O.BF16, O.E4M3) else a
-
-
-def assert_same(actual, expected, what: str):
-    actual, expected = np.asarray(actual), np.asarray(expected)
-    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
-    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
-    if actual.dtype == O.E4M3:  # every bit, NaN patterns and signed zeros included
-        np.testing.assert_array_equal(actual.view(np.uint8), expected.view(np.uint8), err_msg=what)
-    else:
-        np.testing.assert_array_equal(as_f32(actual), as_f32(expected), err_msg=what)
 
 
 def assert_within(actual, expected, bound, what: str):
