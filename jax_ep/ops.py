@@ -63,13 +63,13 @@ def _check_normal_handle(op: str, handle) -> None:
                         f"{type(handle).__name__}")
 
 
-def _raise_on_counts(op: str, axis_name: str, counts) -> None:
+def _raise_on_counts(op: str, backend: Backend, counts) -> None:
     """`strict`: turns positive device-side counts (dropped tokens, invalid ids) on any rank into the same
     run-time error on every rank. counts: [(describe, int32 scalar of this rank)], describe(n, rank) the text of
     one count. The ranks first gather each other's counts: were only the ranks with a positive count to raise,
     the others would wait for them in the next collective until XLA aborts the process."""
     describers = [describe for describe, _ in counts]
-    per_rank = jax.lax.all_gather(jnp.stack([count for _, count in counts]), axis_name)  # [R, len(counts)]
+    per_rank = backend.all_gather(jnp.stack([count for _, count in counts])[None])  # [R, len(counts)]
 
     def check(values):
         problems = [describe(int(n), rank) for describe, column in zip(describers, values.T)
@@ -279,7 +279,7 @@ def dispatch(
         out = _dispatch(spec, _leaves(x) if _is_fp8_pair(x) else x, topk_idx, topk_weights)
         what = "received tokens"
     if strict:
-        _raise_on_counts("dispatch", buffer.axis_name, [
+        _raise_on_counts("dispatch", spec.backend, [
             (lambda n, rank: f"{n} {what} did not fit max_recv_tokens={capacity} on rank {rank} (it needs "
                              f"max_recv_tokens >= {capacity + n})", out.num_dropped),
             (lambda n, rank: f"{n} top-k ids were outside [-1, {spec.num_experts}) (treated as -1) on rank {rank}",

@@ -158,3 +158,21 @@ def test_normal_buffer_bytes_per_method(monkeypatch):
     assert jax_ep.normal_buffer_bytes(Tb, Hb, Rb, Kb) == pulled
     with pytest.raises(ValueError, match="combine must be one of"):
         jax_ep.normal_buffer_bytes(Tb, Hb, Rb, Kb, combine="staged")
+
+
+@pytest.mark.parametrize("layout", ["rank_major", "expert_major"])
+def test_no_xla_collective_in_cuda_programs(layout):
+    """strict's agreement on the counts and the expert-major routing go through the cuda backend's own kernels:
+    the lowered program has no XLA collective, which on GPUs would be NCCL's (it refuses two ranks on one GPU)."""
+    buf = cuda_standin(spans_processes=True)
+
+    def body(x, idx, w):
+        d = jax_ep.dispatch(buf, x, idx, w, num_experts=E, strict=True, layout=layout)
+        weights = {"weights": d.recv_weights} if layout == "expert_major" else {}
+        return jax_ep.combine(buf, d.recv_x, d.handle, **weights).x
+
+    args = (jnp.zeros((R * T, H), jnp.bfloat16), jnp.zeros((R * T, K), jnp.int32), jnp.zeros((R * T, K), jnp.float32))
+    text = jax.jit(jax.shard_map(body, mesh=buf.mesh, in_specs=P("ep"), out_specs=P("ep"))).lower(*args).as_text()
+    collectives = re.findall(r"stablehlo\.(all_gather|all_to_all|all_reduce|collective_permute|reduce_scatter)", text)
+    assert not collectives, collectives
+    assert "custom_call @jax_ep_cached_dispatch(" in text  # strict's gather of the counts (and the rows)

@@ -84,6 +84,12 @@ class Backend(abc.ABC):
         is_token_in_rank, so that any backend's cached dispatch can follow it."""
 
     @abc.abstractmethod
+    def all_gather(self, x) -> jax.Array:
+        """x [n, ...] of every rank -> [R*n, ...] in rank order, on every rank (strict's agreement on the counts).
+        The cuda backends use their own kernels: XLA's collectives on GPUs are NCCL's, which refuses two ranks on
+        one GPU."""
+
+    @abc.abstractmethod
     def cached_dispatch(self, leaf, handle) -> jax.Array:
         """New data [T, ...] placed along the routing of `handle` (a normal-mode handle of any backend) -> [C, ...]."""
 

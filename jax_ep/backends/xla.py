@@ -197,6 +197,9 @@ class XlaBackend(Backend):
         return dispatch(x_leaves, topk_idx, topk_weights, axis_name=self.axis_name, num_ranks=self.num_ranks,
                         num_experts=num_experts, capacity=capacity, expert_alignment=expert_alignment)
 
+    def all_gather(self, x):
+        return _gather_from_all_ranks(x, self.axis_name)
+
     def cached_dispatch(self, leaf, handle):
         return cached_dispatch(leaf, handle, axis_name=self.axis_name)
 

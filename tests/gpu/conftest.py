@@ -28,12 +28,11 @@ TIMEOUT_S = 2.0
 TIMEOUT_STAGGER_S = 1.0
 EXIT_BARRIER_MS = 60_000  # how long a finished process waits for the others before it leaves
 EXIT_GRACE_S = 2.0        # how long process 0 outlives the barrier, so that the others are gone first
-# XLA's collectives on GPUs are NCCL's, which refuses two ranks on one GPU: with shared GPUs neither the xla
-# backend nor strict's agreement on the counts (an all_gather) can run across the processes, and the tests compare
-# the cuda backend with the NumPy oracle alone.
-needs_nccl = pytest.mark.skipif(RANKS_SHARE_GPUS, reason="XLA's collectives (the xla backend's, strict's) are "
-                                                         "NCCL's, which refuses two ranks on one GPU (this run's "
-                                                         "ranks share GPUs)")
+# XLA's collectives on GPUs are NCCL's, which refuses two ranks on one GPU: with shared GPUs the xla backend cannot
+# run across the processes, and the tests compare the cuda backend with the NumPy oracle alone. (strict's agreement
+# on the counts goes through the cuda backend's own kernels.)
+needs_nccl = pytest.mark.skipif(RANKS_SHARE_GPUS, reason="XLA's collectives (the xla backend's) are NCCL's, which "
+                                                         "refuses two ranks on one GPU (this run's ranks share GPUs)")
 _gather_calls = itertools.count()
 
 

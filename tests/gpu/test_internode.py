@@ -177,7 +177,6 @@ def test_capacity_below_need_drops(C):
     assert_bits(got["num_dropped"], np.maximum(need - C, 0).astype(np.int32), "num_dropped = need - C")
 
 
-@needs_nccl
 def test_strict_raises_on_drops():
     T, H, K, E = 32, 128, 4, 16
     x, idx, _ = make_case(R, T, H, K, E, seed=1, p_neg=0.0)

@@ -209,7 +209,6 @@ def test_capacity_below_need_drops(R, C):
     assert_bits(got["num_dropped"], np.maximum(need - C, 0).astype(np.int32), "num_dropped = need - C")
 
 
-@needs_nccl
 @pytest.mark.parametrize("R", RANKS)
 def test_strict_raises_on_drops(R):
     T, H, K, E = 32, 128, 4, 16

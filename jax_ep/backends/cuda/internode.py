@@ -250,6 +250,9 @@ class InternodeBackend(Backend):
         *results, recv_src_index, is_token_in_rank = outs
         return (*results, InternodeHandle(recv_src_index, is_token_in_rank, relay_row, relay_token))
 
+    def all_gather(self, x):
+        return normal.all_gather(self, x)
+
     def cached_dispatch(self, leaf, handle):
         num_tokens, capacity = handle.is_token_in_rank.shape[0], handle.recv_src_index.shape[0]
         _check_region("cached dispatch", self.num_rdma_bytes,

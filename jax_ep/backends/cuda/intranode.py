@@ -245,6 +245,9 @@ class IntranodeBackend(Backend):
         *results, recv_src_index, is_token_in_rank = outs
         return (*results, IntranodeHandle(recv_src_index, is_token_in_rank, send_row))
 
+    def all_gather(self, x):
+        return normal.all_gather(self, x)
+
     def cached_dispatch(self, leaf, handle):
         capacity = handle.recv_src_index.shape[0]
         _check_staging("cached dispatch", self.staging_bytes,

@@ -9,6 +9,7 @@ import numpy as np
 
 from jax_ep import _native
 from jax_ep.backends.cuda import runtime
+from jax_ep.backends.xla import XlaHandle
 
 # Top-k entries per token of a normal-mode dispatch (csrc/kernel_limits.h): one warp lane each.
 MAX_TOPK = _native.limit("normal_max_topk")
@@ -69,6 +70,16 @@ def call_dispatch(target: str, x_leaves, topk_idx, topk_weights, handle_types, *
     recv_topk_weights = None if topk_weights is None else outs.pop(0)
     common, extra = outs[:6], outs[6:]
     return (recv_leaves, recv_topk_idx, recv_topk_weights, *common), tuple(extra)
+
+
+def all_gather(backend, x):
+    """x [n, ...] of every rank -> [R*n, ...] in rank order, by the backend's cached dispatch along a handle that
+    sends every row to every rank (row i of the result: rank i // n's row i % n)."""
+    rows = backend.num_ranks * x.shape[0]
+    # zeros_like: the handle varies over the shard_map axes as x does.
+    source = jnp.zeros_like(x, int32, shape=(rows,)) + jnp.arange(rows, dtype=int32)
+    everywhere = jnp.ones_like(x, jnp.bool_, shape=(x.shape[0], backend.num_ranks))
+    return backend.cached_dispatch(x, XlaHandle(source, everywhere))
 
 
 def combine_kernel_types(y, bias, out_dtype):
