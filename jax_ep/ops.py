@@ -63,19 +63,36 @@ def _check_normal_handle(op: str, handle) -> None:
                         f"{type(handle).__name__}")
 
 
-def _raise_on_counts(op: str, backend: Backend, counts) -> None:
+STRICT_MODES = (False, True, "checkify")
+
+
+def _raise_on_counts(op: str, backend: Backend, mode, counts) -> None:
     """`strict`: turns positive device-side counts (dropped tokens, invalid ids) on any rank into the same
-    run-time error on every rank. counts: [(describe, int32 scalar of this rank)], describe(n, rank) the text of
-    one count. The ranks first gather each other's counts: were only the ranks with a positive count to raise,
-    the others would wait for them in the next collective until XLA aborts the process."""
-    describers = [describe for describe, _ in counts]
-    per_rank = backend.all_gather(jnp.stack([count for _, count in counts])[None])  # [R, len(counts)]
+    run-time error on every rank. counts: [(template, int32 scalar of this rank, extra)], the template naming a
+    count `{n}` and its `{rank}`, extra(n) any further fields it names. The ranks first gather each other's counts
+    (with the backend's own all-gather): were only the ranks with a positive count to raise, the others would
+    wait for them in the next collective until XLA aborts the process.
+
+    mode True: a jax.debug.callback raises RuntimeError (JAX reports it after XLA's callback-error prefix).
+    mode "checkify": a jax.experimental.checkify check per count and rank; the caller wraps the jitted function in
+    checkify.checkify, and err.throw() raises with jax_ep's message first."""
+    per_rank = backend.all_gather(jnp.stack([count for _, count, _ in counts])[None])  # [R, len(counts)]
+    prefix = f"jax_ep.{op}(strict={mode!r}): "
+    if mode == "checkify":
+        from jax.experimental import checkify
+
+        for column, (template, _, extra) in enumerate(counts):
+            for rank in range(per_rank.shape[0]):
+                n = per_rank[rank, column]
+                fields = {name: "{" + name + "}" for name in ("n", *extra(0))}
+                checkify.check(n <= 0, prefix + template.format(rank=rank, **fields), n=n, **extra(n))
+        return
 
     def check(values):
-        problems = [describe(int(n), rank) for describe, column in zip(describers, values.T)
-                    for rank, n in enumerate(column) if n > 0]
+        problems = [template.format(n=int(n), rank=rank, **extra(int(n)))
+                    for (template, _, extra), column in zip(counts, values.T) for rank, n in enumerate(column) if n > 0]
         if problems:
-            raise RuntimeError(f"jax_ep.{op}(strict=True): " + "; ".join(problems))
+            raise RuntimeError(prefix + "; ".join(problems))
 
     jax.debug.callback(check, per_rank)
 
@@ -214,7 +231,7 @@ def dispatch(
     num_experts: int | None = None,
     max_recv_tokens: int | None = None,
     expert_alignment: int = 1,
-    strict: bool = False,
+    strict: bool | str = False,
     handle: Any = None,
     layout: str = "rank_major",
 ) -> DispatchResult | ExpertMajorDispatchResult:
@@ -223,7 +240,10 @@ def dispatch(
     x: [T, H] floating, or the FP8 pair (x_e4m3 [T, H], scales float32 [T, H/128]), passed through.
     topk_idx: int32 [T, K] global expert ids, -1 for none. topk_weights: optional float32 [T, K].
     max_recv_tokens: the capacity C of the outputs (default R*T, which never drops).
-    strict: raise at run time when tokens were dropped or ids were outside [-1, E).
+    strict: raise at run time when tokens were dropped or ids were outside [-1, E), the same error on every rank:
+    True (a RuntimeError raised from a jax.debug.callback, which JAX reports after XLA's callback-error text) or
+    "checkify" (jax.experimental.checkify checks: wrap the jitted function in checkify.checkify and call
+    err.throw(), which raises with jax_ep's message first).
     handle: the handle of an earlier dispatch: a cached dispatch of new data along the same routing
     (returns recv_x and the handle; other fields None).
     layout: "rank_major" (rows are received tokens, as above) or "expert_major" (rows are received (token, local
@@ -233,6 +253,8 @@ def dispatch(
     _check_buffer("dispatch", buffer)
     if layout not in LAYOUTS:
         raise ValueError(f"jax_ep.dispatch: layout must be one of {LAYOUTS}, got {layout!r}")
+    if not any(strict is mode or (isinstance(strict, str) and strict == mode) for mode in STRICT_MODES):
+        raise ValueError(f"jax_ep.dispatch: strict must be one of {STRICT_MODES}, got {strict!r}")
     if handle is not None:
         given = [name for name, value in (("topk_idx", topk_idx), ("topk_weights", topk_weights),
                                           ("num_experts", num_experts), ("max_recv_tokens", max_recv_tokens))
@@ -279,11 +301,11 @@ def dispatch(
         out = _dispatch(spec, _leaves(x) if _is_fp8_pair(x) else x, topk_idx, topk_weights)
         what = "received tokens"
     if strict:
-        _raise_on_counts("dispatch", spec.backend, [
-            (lambda n, rank: f"{n} {what} did not fit max_recv_tokens={capacity} on rank {rank} (it needs "
-                             f"max_recv_tokens >= {capacity + n})", out.num_dropped),
-            (lambda n, rank: f"{n} top-k ids were outside [-1, {spec.num_experts}) (treated as -1) on rank {rank}",
-             out.invalid_ids),
+        _raise_on_counts("dispatch", spec.backend, strict, [
+            (f"{{n}} {what} did not fit max_recv_tokens={capacity} on rank {{rank}} (it needs max_recv_tokens >= "
+             "{need})", out.num_dropped, lambda n: dict(need=capacity + n)),
+            (f"{{n}} top-k ids were outside [-1, {spec.num_experts}) (treated as -1) on rank {{rank}}",
+             out.invalid_ids, lambda n: {}),
         ])
     return out
 

@@ -947,6 +947,40 @@ def test_strict_raises_on_every_rank_when_one_rank_fails(mesh, buffer, reset_eff
         info.value)
 
 
+def test_strict_checkify_raises_with_the_message_first(mesh, buffer):
+    """strict="checkify": under jax.experimental.checkify, err.throw() raises jax_ep's message first (no XLA
+    callback text before it), the same on every rank, and nothing when nothing is wrong."""
+    from jax.experimental import checkify
+
+    idx = routing()
+    idx[2 * T + 1, 0] = E + 3  # rank 2's token 1
+
+    def body(x, i):
+        out = jax_ep.dispatch(buffer, x, i, strict="checkify")
+        return jax_ep.combine(buffer, out.recv_x, out.handle).x
+
+    step = jax.jit(checkify.checkify(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))))
+    err, _ = step(x_global(), idx)
+    with pytest.raises(Exception) as info:
+        err.throw()
+    assert str(info.value).startswith(
+        "jax_ep.dispatch(strict='checkify'): 1 top-k ids were outside [-1, 8) (treated as -1) on rank 2"), info.value
+    err, _ = step(x_global(), routing())
+    err.throw()  # nothing dropped, no invalid id
+
+
+def test_strict_checkify_needs_checkify(mesh, buffer):
+    """Without checkify.checkify around it, JAX refuses the checks while tracing (its message says what to do)."""
+    with pytest.raises(ValueError, match="checkify"):
+        lower_in_shard_map(mesh, strict_body(buffer, None, strict="checkify"), x_global(), routing())
+
+
+def test_strict_must_be_a_mode(mesh, buffer):
+    with pytest.raises(ValueError, match=msg("jax_ep.dispatch: strict must be one of (False, True, 'checkify'), got "
+                                             "'yes'")):
+        lower_in_shard_map(mesh, strict_body(buffer, None, strict="yes"), x_global(), routing())
+
+
 def test_low_latency_combine_takes_the_dispatch_tokens(mesh, ll_buffer):
     """A combine given more (or fewer) tokens than its dispatch sent raises before anything runs: the rows of
     tokens it never sent do not exist (the cuda receive would read slots this call's send did not write)."""
