@@ -56,6 +56,7 @@ class Plan(NamedTuple):
     group_offsets: jax.Array  # int32 [L]
     num_kept: jax.Array  # int32 scalar
     num_dropped: jax.Array  # int32 scalar
+    rows_needed: jax.Array  # int32 scalar: the capacity that would keep every pair (the last pair's row + 1)
     pair_row: jax.Array  # int32 [Cr, P]
     topk_row: jax.Array  # int32 [Cr, K]
 
@@ -90,7 +91,8 @@ def plan(recv_topk_idx, recv_topk_weights, recv_src_index, *, num_local_experts:
     distinct = jnp.sort(jnp.where(repeat, num_local_experts, ascending), axis=1)[:, :min(num_topk, num_local_experts)]
     pair_row = jnp.take_along_axis(row_or_none, distinct, axis=1)
 
-    flat_row = row.reshape(-1)  # unique where kept; `capacity` drops the rest from the scatters
+    # Scatter indices: the kept rows, and for every other entry an index of its own past the end (dropped).
+    flat_row = jnp.where(kept, row, capacity + jnp.arange(row.size, dtype=int32).reshape(row.shape)).reshape(-1)
     rows = jnp.full((capacity,), num_sources, int32).at[flat_row].set(
         jnp.broadcast_to(recv_src_index[:, None], row.shape).reshape(-1), mode="drop", unique_indices=True)
     pair_weight = None
@@ -101,8 +103,9 @@ def plan(recv_topk_idx, recv_topk_weights, recv_src_index, *, num_local_experts:
         pair_weight = jnp.zeros((capacity,), jnp.float32).at[flat_row].set(
             weight.reshape(-1), mode="drop", unique_indices=True)
     num_kept = jnp.sum(kept, dtype=int32)
-    return Plan(rows, pair_weight, sizes, offsets, num_kept, jnp.sum(present, dtype=int32) - num_kept, pair_row,
-                topk_row)
+    rows_needed = jnp.max(jnp.where(counts > 0, offsets + counts, 0))
+    return Plan(rows, pair_weight, sizes, offsets, num_kept, jnp.sum(present, dtype=int32) - num_kept, rows_needed,
+                pair_row, topk_row)
 
 
 def _pad_row(table):
@@ -139,7 +142,7 @@ class Spec:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def dispatch(spec: Spec, x_leaves, topk_idx, topk_weights):
     """Returns (recv leaves, pair weights or None, group sizes, offsets, kept pairs, dropped pairs, invalid ids,
-    ExpertMajorHandle)."""
+    ExpertMajorHandle, the capacity that would keep every pair)."""
     num_tokens = topk_idx.shape[0]
     if spec.num_ranks == 1:  # every token stays: the routing is this rank's own top-k
         recv_idx, invalid = sanitize_ids(topk_idx, spec.num_experts)
@@ -157,7 +160,8 @@ def dispatch(spec: Spec, x_leaves, topk_idx, topk_weights):
              capacity=spec.capacity, alignment=spec.expert_alignment, num_sources=spec.num_ranks * num_tokens)
     handle = ExpertMajorHandle(routing, XlaHandle(p.rows, is_token_in_rank), p.pair_row, p.topk_row)
     recv = tuple(_rows(spec.backend, leaf, handle) for leaf in x_leaves)
-    return recv, p.pair_weight, p.group_sizes, p.group_offsets, p.num_kept, p.num_dropped, invalid, handle
+    return (recv, p.pair_weight, p.group_sizes, p.group_offsets, p.num_kept, p.num_dropped, invalid, handle,
+            p.rows_needed)
 
 
 def _rows(backend: Backend, leaf, handle: ExpertMajorHandle):
@@ -176,15 +180,27 @@ def _bring_home(backend: Backend, rows, handle: ExpertMajorHandle, bias=None, ou
 
 def _dispatch_fwd(spec, x_leaves, topk_idx, topk_weights):
     out = dispatch(spec, x_leaves, topk_idx, topk_weights)
-    return out, (out[-1], x_leaves, topk_idx, topk_weights)
+    return out, (out[7], _types_of(x_leaves), topk_idx, _types_of(topk_weights))
+
+
+def _types_of(tree):
+    """Zero-row slices of the arrays of `tree`: all a backward pass needs of a primal to type its cotangent (the
+    shard_map axes it varies over), without keeping the array alive until then."""
+    return jax.tree.map(lambda a: a[:0], tree)
+
+
+def _combine_cotangent_rows(backend, cotangent, handle, x_types):
+    """d x of rows placed along `handle`: each token's rows summed (the unweighted combine), typed like x."""
+    return tuple(typed_like(combine_rows(backend, g, None, handle).astype(g.dtype), x)
+                 for g, x in zip(cotangent, x_types))
 
 
 def _dispatch_bwd(spec, residual, cotangent):
-    # Each cotangent typed like its primal (typed_like): the kernels' results vary over no shard_map axis.
+    # Each cotangent is typed like its primal (typed_like): x, topk_weights and what the backends compute from them
+    # may vary over different shard_map axes.
     handle, x_leaves, topk_idx, topk_weights = residual
     d_recv, d_weight = cotangent[0], cotangent[1]
-    d_x = tuple(typed_like(combine_rows(spec.backend, g, None, handle).astype(g.dtype), leaf)
-                for g, leaf in zip(d_recv, x_leaves))
+    d_x = _combine_cotangent_rows(spec.backend, d_recv, handle, x_leaves)
     d_topk_weights = None
     if d_weight is not None:
         # Entry k of a received token gets its pair's cotangent; the routing combine adds the one rank holding it.
@@ -231,14 +247,12 @@ def cached_dispatch(backend: Backend, x_leaves, handle: ExpertMajorHandle):
 
 
 def _cached_dispatch_fwd(backend, x_leaves, handle):
-    return cached_dispatch(backend, x_leaves, handle), (handle, x_leaves)
+    return cached_dispatch(backend, x_leaves, handle), (handle, _types_of(x_leaves))
 
 
 def _cached_dispatch_bwd(backend, residual, cotangent):
-    handle, x_leaves = residual
-    d_x = tuple(typed_like(combine_rows(backend, g, None, handle).astype(g.dtype), leaf)
-                for g, leaf in zip(cotangent, x_leaves))
-    return d_x, zero_cotangent(handle)
+    handle, x_types = residual
+    return _combine_cotangent_rows(backend, cotangent, handle, x_types), zero_cotangent(handle)
 
 
 cached_dispatch.defvjp(_cached_dispatch_fwd, _cached_dispatch_bwd)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import weakref
 from typing import Any
 
@@ -68,33 +69,41 @@ STRICT_MODES = (False, True, "checkify")
 
 def _raise_on_counts(op: str, backend: Backend, mode, counts) -> None:
     """`strict`: turns positive device-side counts (dropped tokens, invalid ids) on any rank into the same
-    run-time error on every rank. counts: [(template, int32 scalar of this rank, extra)], the template naming a
-    count `{n}` and its `{rank}`, extra(n) any further fields it names. The ranks first gather each other's counts
-    (with the backend's own all-gather): were only the ranks with a positive count to raise, the others would
-    wait for them in the next collective until XLA aborts the process.
+    run-time error on every rank. counts: [(template, count, fields)]: the template names the count `{n}`, its
+    `{rank}` and the fields, a dict of further int32 scalars of this rank. The ranks first gather each other's
+    values (with the backend's own all-gather): were only the ranks with a positive count to raise, the others
+    would wait for them in the next collective until XLA aborts the process.
 
     mode True: a jax.debug.callback raises RuntimeError (JAX reports it after XLA's callback-error prefix).
     mode "checkify": a jax.experimental.checkify check per count and rank; the caller wraps the jitted function in
     checkify.checkify, and err.throw() raises with jax_ep's message first."""
-    per_rank = backend.all_gather(jnp.stack([count for _, count, _ in counts])[None])  # [R, len(counts)]
+    columns = [dict(n=count, **fields) for _, count, fields in counts]
+    flat = [value for column in columns for value in column.values()]
+    gathered = backend.all_gather(jnp.stack(flat)[None])  # [R, len(flat)]
+    starts = np.cumsum([0] + [len(column) for column in columns])
     prefix = f"jax_ep.{op}(strict={mode!r}): "
+
+    def values_of(per_rank, i, rank):  # count i's values on `rank`, by name
+        return dict(zip(columns[i], per_rank[rank, starts[i]:starts[i + 1]]))
+
     if mode == "checkify":
         from jax.experimental import checkify
 
-        for column, (template, _, extra) in enumerate(counts):
-            for rank in range(per_rank.shape[0]):
-                n = per_rank[rank, column]
-                fields = {name: "{" + name + "}" for name in ("n", *extra(0))}
-                checkify.check(n <= 0, prefix + template.format(rank=rank, **fields), n=n, **extra(n))
+        for i, (template, _, _) in enumerate(counts):
+            for rank in range(gathered.shape[0]):
+                values = values_of(gathered, i, rank)
+                placeholders = {name: "{" + name + "}" for name in values}
+                checkify.check(values["n"] <= 0, prefix + template.format(rank=rank, **placeholders), **values)
         return
 
-    def check(values):
-        problems = [template.format(n=int(n), rank=rank, **extra(int(n)))
-                    for (template, _, extra), column in zip(counts, values.T) for rank, n in enumerate(column) if n > 0]
+    def check(per_rank):
+        problems = [template.format(rank=rank, **{k: int(v) for k, v in values_of(per_rank, i, rank).items()})
+                    for i, (template, _, _) in enumerate(counts) for rank in range(per_rank.shape[0])
+                    if per_rank[rank, starts[i]] > 0]
         if problems:
             raise RuntimeError(prefix + "; ".join(problems))
 
-    jax.debug.callback(check, per_rank)
+    jax.debug.callback(check, gathered)
 
 
 # ---- layout ---------------------------------------------------------------------------------------------
@@ -259,7 +268,7 @@ def dispatch(
         given = [name for name, value in (("topk_idx", topk_idx), ("topk_weights", topk_weights),
                                           ("num_experts", num_experts), ("max_recv_tokens", max_recv_tokens))
                  if value is not None] + (["expert_alignment"] if expert_alignment != 1 else []) + \
-            (["strict"] if strict else [])
+            (["strict"] if strict else []) + (["layout"] if layout != "rank_major" else [])
         if given:
             raise ValueError(f"jax_ep.dispatch: a cached dispatch (handle=) takes x alone, the routing comes from the "
                              f"handle; got {', '.join(given)} too")
@@ -292,20 +301,20 @@ def dispatch(
         capacity = spec.num_ranks * num_tokens
     spec = dataclasses.replace(spec, capacity=capacity)
     if layout == "expert_major":
-        recv, weights, sizes, offsets, kept, dropped, invalid, em_handle = expert_major.dispatch(
+        recv, weights, sizes, offsets, kept, dropped, invalid, em_handle, rows_needed = expert_major.dispatch(
             expert_major.Spec(spec.backend, spec.num_ranks, spec.num_experts, capacity, spec.expert_alignment),
             _leaves(x), topk_idx, topk_weights)
         out = ExpertMajorDispatchResult(_like(x, recv), weights, kept, sizes, offsets, dropped, invalid, em_handle)
         what = "received (token, expert) pairs"
     else:
         out = _dispatch(spec, _leaves(x) if _is_fp8_pair(x) else x, topk_idx, topk_weights)
-        what = "received tokens"
+        what, rows_needed = "received tokens", capacity + out.num_dropped
     if strict:
         _raise_on_counts("dispatch", spec.backend, strict, [
             (f"{{n}} {what} did not fit max_recv_tokens={capacity} on rank {{rank}} (it needs max_recv_tokens >= "
-             "{need})", out.num_dropped, lambda n: dict(need=capacity + n)),
+             "{need})", out.num_dropped, dict(need=rows_needed)),
             (f"{{n}} top-k ids were outside [-1, {spec.num_experts}) (treated as -1) on rank {{rank}}",
-             out.invalid_ids, lambda n: {}),
+             out.invalid_ids, {}),
         ])
     return out
 
@@ -392,9 +401,11 @@ class _Eager:
 
 
 _EAGER = _Eager()
-# trace (or _EAGER) -> {(buffer id, op): the pending sends not yet received, by id, oldest first}. Weak both ways:
-# a trace that ended, or a pending dropped unreceived, stops counting.
+# trace (or _EAGER) -> {(buffer id, op): the pending sends not yet received, by id}. Weak both ways: a trace that
+# ended, or a pending dropped unreceived, stops counting.
 _in_flight: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_send_order = itertools.count()  # sends numbered in the order they were traced (pending id -> number below)
+_send_number: dict[int, int] = {}
 
 
 def _waiting(op: str, pending: LowLatencyPending) -> weakref.WeakValueDictionary:
@@ -404,24 +415,33 @@ def _waiting(op: str, pending: LowLatencyPending) -> weakref.WeakValueDictionary
 
 
 def _start_send(op: str, pending: LowLatencyPending) -> LowLatencyPending:
-    """Counts `pending` among its Buffer's sends of `op` awaiting their receive; raises past the limit, on every
-    backend, while tracing (a program that runs on one backend must not fail on another)."""
+    """Counts `pending` among its Buffer's sends of `op` awaiting their receive in this trace; raises past the
+    limit, on every backend, while tracing (a program that runs on one backend must not fail on another). A
+    best-effort check: sends it cannot see together (e.g. each made inside its own jax.checkpoint) it does not
+    count, and the cuda kernels' bounded wait still catches them."""
     waiting = _waiting(op, pending)
     if len(waiting) >= MAX_LOW_LATENCY_IN_FLIGHT:
         raise ValueError(f"jax_ep.{op}_send: {len(waiting)} sends of this Buffer already await their "
                          f"{op}_recv; at most {MAX_LOW_LATENCY_IN_FLIGHT} may (call a receive first)")
     waiting[id(pending)] = pending
+    _send_number[id(pending)] = next(_send_order)
     return pending
 
 
 def _finish_send(op: str, pending: LowLatencyPending) -> None:
-    """A receive frees its send's place; a pending that JAX rebuilt (e.g. passed through an optimization barrier)
-    is another object, so then the oldest waiting send's."""
+    """A receive frees its send's place. A pending that JAX rebuilt (passed through an optimization barrier, or
+    into a nested trace such as jax.checkpoint) is another object: then the oldest waiting send of this Buffer and
+    op frees its place, in whichever live trace it waits."""
     waiting = _waiting(op, pending)
     if id(pending) in waiting:
         del waiting[id(pending)]
-    elif len(waiting):
-        del waiting[next(iter(waiting.keys()))]
+        return
+    key = (pending.spec.buffer_id, op)
+    tables = [table[key] for table in list(_in_flight.values()) if key in table and len(table[key])]
+    entries = [(_send_number.get(send_id, -1), send_id, table) for table in tables for send_id in list(table.keys())]
+    if entries:
+        _, send_id, table = min(entries, key=lambda entry: entry[0])
+        table.pop(send_id, None)
 
 
 def _low_latency_spec(op: str, buffer: Buffer, num_tokens: int, hidden: int) -> _LowLatencySpec:

@@ -947,6 +947,23 @@ def test_strict_raises_on_every_rank_when_one_rank_fails(mesh, buffer, reset_eff
         info.value)
 
 
+def test_strict_expert_major_names_the_rows_alignment_needs(mesh, buffer, reset_effects):
+    """Expert-major rows: rank 0 receives one pair for each of its 2 experts, groups aligned to 4 rows (rows 0 and
+    4); with 1 row the second pair drops, and keeping it needs 5 rows, not 1 + the 1 dropped."""
+    idx = np.full((R * T, K), -1, np.int32)
+    idx[0, 0], idx[1, 0] = 0, 1  # rank 0's tokens 0 and 1 to experts 0 and 1 (rank 0's)
+
+    def body(x, i):
+        out = jax_ep.dispatch(buffer, x, i, max_recv_tokens=1, expert_alignment=4, strict=True,
+                              layout="expert_major")
+        return out.num_dropped[None]
+
+    with pytest.raises(Exception) as info:
+        run_in_shard_map(mesh, body, x_global(), idx)
+    assert ("jax_ep.dispatch(strict=True): 1 received (token, expert) pairs did not fit max_recv_tokens=1 on rank 0 "
+            "(it needs max_recv_tokens >= 5)") in str(info.value), info.value
+
+
 def test_strict_checkify_raises_with_the_message_first(mesh, buffer):
     """strict="checkify": under jax.experimental.checkify, err.throw() raises jax_ep's message first (no XLA
     callback text before it), the same on every rank, and nothing when nothing is wrong."""

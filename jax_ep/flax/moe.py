@@ -11,6 +11,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
+from jax_ep.expert_major import default_capacity
 from jax_ep.flax.experts import dense_gates, grouped_swiglu, swiglu
 from jax_ep.flax.routing import RouterConfig, route, router_statistics
 
@@ -211,7 +212,7 @@ class MoE(nnx.Module):
         if self.capacity_factor is None:
             return None
         num_topk = self.router_config.num_experts_per_tok
-        never_drops = num_ranks * num_tokens * min(num_topk, self.num_experts // num_ranks)
+        never_drops = default_capacity(num_ranks, num_tokens, num_topk, self.num_experts // num_ranks, alignment=1)
         return max(1, min(never_drops, math.ceil(self.capacity_factor * num_tokens * num_topk)))
 
     def update_expert_bias(self, tokens_per_expert, rate: float) -> None:

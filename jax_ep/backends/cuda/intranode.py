@@ -107,7 +107,9 @@ def normal_buffer_bytes(num_tokens: int, hidden: int, num_ranks: int, num_topk: 
     bfloat16 [T, hidden] (or the FP8 pair with fp8=True) for dispatch and float32 for the combined weights;
     combine rows are taken at up to 4 bytes an element: the push combine receives (R-1)*T of them, the pull
     combine stages y [capacity, hidden] (capacity defaults to R*T). `combine` ("push" or "pull") defaults to
-    the method such a group runs with `Config.combine` None (push, or $JAX_EP_COMBINE)."""
+    the method such a group runs with `Config.combine` None (push, or $JAX_EP_COMBINE). The expert-major layout
+    combines float32 partials at the routing dispatch's R*T rows whatever its max_recv_tokens: leave capacity
+    at its default for it."""
     if combine not in (None,) + COMBINE_METHODS:
         raise ValueError(f"jax_ep.normal_buffer_bytes: combine must be one of {COMBINE_METHODS} or None, "
                          f"got {combine!r}")

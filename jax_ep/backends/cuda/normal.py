@@ -74,7 +74,9 @@ def call_dispatch(target: str, x_leaves, topk_idx, topk_weights, handle_types, *
 
 def all_gather(backend, x):
     """x [n, ...] of every rank -> [R*n, ...] in rank order, by the backend's cached dispatch along a handle that
-    sends every row to every rank (row i of the result: rank i // n's row i % n)."""
+    sends every row to every rank (row i of the result: rank i // n's row i % n). One rank: x itself."""
+    if backend.num_ranks == 1:
+        return x
     rows = backend.num_ranks * x.shape[0]
     # zeros_like: the handle varies over the shard_map axes as x does.
     source = jnp.zeros_like(x, int32, shape=(rows,)) + jnp.arange(rows, dtype=int32)
