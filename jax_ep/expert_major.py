@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_ep.backends import Backend, typed_like, zero_cotangent
-from jax_ep.backends.xla import XlaHandle, sanitize_ids
+from jax_ep.backends.xla import XlaHandle, gather_rows, sanitize_ids
 
 int32 = jnp.int32
 # Elements of the dummy row the routing dispatch carries per token (it needs a payload; 16 bytes of float32).
@@ -108,20 +108,13 @@ def plan(recv_topk_idx, recv_topk_weights, recv_src_index, *, num_local_experts:
                 pair_row, topk_row)
 
 
-def _pad_row(table):
-    """table with a zero row appended: index C (no row) reads zeros."""
-    return jnp.concatenate([table, jnp.zeros((1, *table.shape[1:]), table.dtype)])
-
-
 def partial_sums(y, weights, pair_row):
     """float32 [Cr, H]: each received token's pairs, weights[row] * y[row] summed in ascending local expert."""
-    y_rows = _pad_row(y)
-    w_rows = None if weights is None else _pad_row(weights)
     total = jnp.zeros((pair_row.shape[0], *y.shape[1:]), jnp.float32)
-    for q in range(pair_row.shape[1]):
-        term = y_rows[pair_row[:, q]].astype(jnp.float32)
-        if w_rows is not None:
-            term = w_rows[pair_row[:, q]][:, None] * term
+    for q in range(pair_row.shape[1]):  # row C (no pair) reads zeros
+        term = gather_rows(y, pair_row[:, q]).astype(jnp.float32)
+        if weights is not None:
+            term = gather_rows(weights, pair_row[:, q])[:, None] * term
         total = total + term
     return total
 
@@ -167,7 +160,7 @@ def dispatch(spec: Spec, x_leaves, topk_idx, topk_weights):
 def _rows(backend: Backend, leaf, handle: ExpertMajorHandle):
     """leaf [T, ...] placed on the handle's rows: the cached dispatch, or with one rank a gather."""
     if handle.routing is None:
-        return _pad_row(leaf)[handle.rows.recv_src_index]
+        return gather_rows(leaf, handle.rows.recv_src_index)
     return backend.cached_dispatch(leaf, handle.rows)
 
 
@@ -204,7 +197,7 @@ def _dispatch_bwd(spec, residual, cotangent):
     d_topk_weights = None
     if d_weight is not None:
         # Entry k of a received token gets its pair's cotangent; the routing combine adds the one rank holding it.
-        per_entry = _pad_row(d_weight.astype(jnp.float32))[handle.topk_row]
+        per_entry = gather_rows(d_weight.astype(jnp.float32), handle.topk_row)
         d_topk_weights = typed_like(_bring_home(spec.backend, per_entry, handle), topk_weights)
     return d_x, zero_cotangent(topk_idx), d_topk_weights
 

@@ -13,7 +13,6 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import functools  # noqa: E402
 import re  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -26,7 +25,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ep  # noqa: E402
 
-from test_ops_xla import RANKS, SETTINGS, as_f32, assert_same, buffer, flat, mesh, ranks, spmd  # noqa: E402
+from test_ops_xla import SETTINGS, Case, as_f32, assert_same, buffer, flat, mesh, ranks, spmd  # noqa: E402
+from test_ops_xla import cases as ops_cases  # noqa: E402
 
 F32 = np.dtype(np.float32)
 
@@ -58,46 +58,9 @@ def bf16_ulp(v) -> np.ndarray:
     return np.spacing(np.abs(np.asarray(v, np.float32))).astype(np.float64) * 2.0**16
 
 
-@dataclass(frozen=True)
-class Case:
-    R: int
-    T: int
-    H: int
-    K: int
-    E: int
-    mode: str
-    p_neg: float
-    p_invalid: float
-    seed: int
-
-    @property
-    def L(self) -> int:
-        return self.E // self.R
-
-    def rng(self, salt: int = 0) -> np.random.Generator:
-        return np.random.default_rng([self.seed, salt])
-
-    def topk_idx(self) -> np.ndarray:
-        return O.make_topk_idx(self.rng(1), self.R, self.T, self.K, self.E, self.mode, self.p_neg, self.p_invalid)
-
-    def topk_weights(self) -> np.ndarray:
-        return self.rng(2).standard_normal((self.R, self.T, self.K), dtype=np.float32)
-
-
-@st.composite
-def cases(draw, max_T: int = 40, Hs=(128, 256), Ks=(1, 6), max_L: int = 4, p_invalid=(0.0, 0.0, 0.05)):
-    R = draw(st.sampled_from(RANKS))
-    return Case(
-        R=R,
-        T=draw(st.one_of(st.just(1), st.integers(1, 16), st.integers(17, max_T))),
-        H=draw(st.sampled_from(Hs)),
-        K=draw(st.integers(*Ks)),
-        E=R * draw(st.integers(1, max_L)),
-        mode=draw(st.sampled_from(O.ROUTING_MODES)),
-        p_neg=draw(st.sampled_from([0.0, 0.2, 0.6])),
-        p_invalid=draw(st.sampled_from(p_invalid)),
-        seed=draw(st.integers(0, 2**32 - 1)),
-    )
+def cases(max_T: int = 40, Ks=(1, 6), **options):
+    """test_ops_xla's routings, smaller by default: every case here runs the dispatch, combine and their VJPs."""
+    return ops_cases(max_T=max_T, Ks=Ks, **options)
 
 
 def default_capacity(c: Case, alignment: int) -> int:

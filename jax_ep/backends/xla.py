@@ -39,7 +39,7 @@ def _any_equal(ids: jax.Array, n: int, offset=0) -> jax.Array:
     return jnp.any(ids[..., :, None] == offset + jnp.arange(n, dtype=ids.dtype), axis=-2)
 
 
-def _gather_rows(table: jax.Array, index: jax.Array, fill=0) -> jax.Array:
+def gather_rows(table: jax.Array, index: jax.Array, fill=0) -> jax.Array:
     """table[index] where index == len(table) selects a row of `fill`."""
     pad = jnp.full((1, *table.shape[1:]), fill, table.dtype)
     return jnp.concatenate([table, pad])[index]
@@ -83,13 +83,13 @@ def dispatch(x_leaves, topk_idx, topk_weights, *, axis_name, num_ranks, num_expe
         jnp.arange(total, dtype=int32), mode="drop"
     )
 
-    recv_leaves = tuple(_gather_rows(_gather_from_all_ranks(leaf, axis_name), recv_src_index) for leaf in x_leaves)
+    recv_leaves = tuple(gather_rows(_gather_from_all_ranks(leaf, axis_name), recv_src_index) for leaf in x_leaves)
     local_ids = jnp.where(kept, ids_all - rank * experts_per_rank, -1)
-    recv_topk_idx = _gather_rows(local_ids, recv_src_index, fill=-1)
+    recv_topk_idx = gather_rows(local_ids, recv_src_index, fill=-1)
     recv_topk_weights = None
     if topk_weights is not None:
         weights_all = _gather_from_all_ranks(topk_weights, axis_name)
-        recv_topk_weights = _gather_rows(jnp.where(kept, weights_all, 0.0), recv_src_index)
+        recv_topk_weights = gather_rows(jnp.where(kept, weights_all, 0.0), recv_src_index)
 
     per_expert = jnp.sum(_any_equal(recv_topk_idx, experts_per_rank), axis=0, dtype=int32)
     per_expert = (per_expert + expert_alignment - 1) // expert_alignment * expert_alignment
@@ -101,7 +101,7 @@ def dispatch(x_leaves, topk_idx, topk_weights, *, axis_name, num_ranks, num_expe
 
 def cached_dispatch(leaf: jax.Array, handle: XlaHandle, *, axis_name) -> jax.Array:
     """Dispatch new data [T, ...] along the routing of `handle` -> [C, ...]."""
-    return _gather_rows(_gather_from_all_ranks(leaf, axis_name), handle.recv_src_index)
+    return gather_rows(_gather_from_all_ranks(leaf, axis_name), handle.recv_src_index)
 
 
 def combine(y: jax.Array, handle: XlaHandle, *, axis_name, num_ranks) -> jax.Array:
@@ -142,7 +142,7 @@ def low_latency_dispatch_recv(pending, *, axis_name, num_ranks, num_experts, num
     src = jnp.full((experts_per_rank, rows), total, int32).at[expert, target].set(
         jnp.broadcast_to(jnp.arange(total, dtype=int32), selected.shape), mode="drop"
     )
-    recv = tuple(_gather_rows(g.reshape(total, *g.shape[2:]), src) for g in gathered)
+    recv = tuple(gather_rows(g.reshape(total, *g.shape[2:]), src) for g in gathered)
     per_source = jnp.sum(has, axis=1, dtype=int32).T  # [L, R]
     begin = jnp.cumsum(per_source, axis=1, dtype=int32) - per_source
     handle = LowLatencyHandle(

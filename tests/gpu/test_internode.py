@@ -25,8 +25,8 @@ from jax.sharding import PartitionSpec as P
 import jax_ep
 from gpu.conftest import gather_to_every_process, needs_nccl
 from gpu.test_intranode import (EM_E, EM_H, EM_T, assert_bits, assert_dispatch_matches_oracle,
-                                assert_em_dispatch_equal, check_em_combine, check_em_grads, combine_body,
-                                dispatch_body, dispatch_results, em_case, em_combine_body, em_combine_inputs,
+                                assert_em_dispatch_equal, check_em_combine, check_em_grads, check_em_repeated_runs,
+                                combine_body, dispatch_body, dispatch_results, em_case, em_combine_body, em_combine_inputs,
                                 em_dispatch_body, em_dispatch_results, em_grad_body, flat, make_case, ranks,
                                 repeats_an_expert)
 from jax_ep.backends.cuda import internode
@@ -330,15 +330,7 @@ def test_expert_major_gradients_match_oracle():
 
 def test_expert_major_repeated_runs_identical():
     """The same jitted expert-major dispatch, cached dispatch and combines, run again: the same bits."""
-    T, H, K, E, alignment = 64, 512, 8, 32, 8
-    inputs = em_combine_inputs(R, O.BF16, seed=9, alignment=alignment, T=T, H=H, K=K, E=E)
-    fn = em_combine_fn(MAIN, E, None, alignment)
-    args = tuple(flat(a) for a in inputs)
-    first = jax.device_get(fn(*args))
-    for i in range(3):
-        names = ("recv_x", "recv_weights", "cached dispatch", "combine", "weighted combine")
-        for name, a, b in zip(names, jax.device_get(fn(*args)), first):
-            assert_bits(a, b, f"run {i}: {name}")
+    check_em_repeated_runs(R, lambda E, alignment: em_combine_fn(MAIN, E, None, alignment))
     no_timeouts(MAIN)
 
 

@@ -582,16 +582,22 @@ def test_expert_major_gradients_match_oracle(R):
 def test_expert_major_repeated_runs_identical(R):
     """The same jitted expert-major dispatch, cached dispatch and combines, run again: the same bits (the
     weighted combine too: one compiled program always fuses the same way)."""
+    check_em_repeated_runs(R, lambda E, alignment: em_combine_fn(R, E, None, alignment))
+    assert buffer(R, "cuda").errors() == []
+
+
+def check_em_repeated_runs(R, make_fn):
+    """make_fn(E, alignment): the jitted expert-major dispatch, cached dispatch and combines (em_combine_body), run
+    four times on the same inputs: the same bits each time."""
     T, H, K, E, alignment = 64, 512, 8, 32, 8
     inputs = em_combine_inputs(R, O.BF16, seed=9, alignment=alignment, T=T, H=H, K=K, E=E)
-    fn = em_combine_fn(R, E, None, alignment)
+    fn = make_fn(E, alignment)
     args = tuple(flat(a) for a in inputs)
     first = jax.device_get(fn(*args))
     for i in range(3):
         names = ("recv_x", "recv_weights", "cached dispatch", "combine", "weighted combine")
         for name, a, b in zip(names, jax.device_get(fn(*args)), first):
             assert_bits(a, b, f"run {i}: {name}")
-    assert buffer(R, "cuda").errors() == []
 
 
 # ----------------------------------------------------------------------------------------------------------------
