@@ -12,7 +12,7 @@ loads), one per kind of grouped product:
   and the tile count follows the group sizes: rows past sum(group_sizes) cost no matmul work. The tile
   schedule is a small int32 table computed on the device from group_sizes (`row_tile_schedule`).
 * `ragged_contraction_matmul`: out[g] = lhs[rows of g]^T @ rhs[rows of g] (dw). Output tiles are
-  (group, 128 rows of K, `block_n` columns); each sums over its group's rows in steps of `block_k` rows,
+  (group, 128 or 256 rows of K, `block_n` columns); each sums over its group's rows in steps of `block_k` rows,
   from the group's first row (rounded down to a multiple of 8), so only a group's first and last steps hold
   rows of other groups: those rows of the lhs block are zeroed in shared memory before the matmul.
 
@@ -269,27 +269,35 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
 
 
 def ragged_contraction_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, block_n: int,
-                              block_k: int, num_stages: int, grid_tile_width: int, num_sms: int) -> jax.Array:
+                              block_k: int, num_stages: int, grid_tile_width: int, num_sms: int,
+                              block_rows: int = BLOCK_ROWS) -> jax.Array:
     """out[g] = lhs[rows of g]^T @ rhs[rows of g], the rows of group g being the group_sizes[g] rows after
     those of groups 0..g-1 (group_sizes non-negative, summing to at most M).
 
     lhs [M, K]; rhs [M, N]; returns [G, K, N] in lhs's dtype, zeros for empty groups. A group's steps start
     at its first row rounded down to a multiple of 8 and end up to block_k - 1 rows past its last row; the
     rows outside the group are zeroed in lhs's block before use. rhs's are not, so rows of rhs past
-    sum(group_sizes) must be finite (0 * inf is nan)."""
+    sum(group_sizes) must be finite (0 * inf is nan).
+
+    Output tiles are block_rows (128 or 256) rows of K by block_n columns, each compute warpgroup owning
+    half of the rows. A group's tiles are only its rows / block_k steps long, so filling the pipeline and
+    storing the tile cost about as much as the matmuls; 256-row tiles halve that per FLOP."""
     _check_operands(lhs, rhs, block_n, block_k, num_stages)
     num_rows, out_rows = lhs.shape
     rhs_rows, out_cols = rhs.shape
-    if rhs_rows != num_rows or out_rows % BLOCK_ROWS or out_cols % block_n:
+    if block_rows not in (BLOCK_ROWS, 2 * BLOCK_ROWS):
+        raise ValueError(f"block_rows must be {BLOCK_ROWS} or {2 * BLOCK_ROWS}, got {block_rows}")
+    if rhs_rows != num_rows or out_rows % block_rows or out_cols % block_n:
         raise ValueError(f"lhs {lhs.shape} and rhs {rhs.shape} need the same rows, lhs columns divisible by "
-                         f"{BLOCK_ROWS} and rhs columns divisible by block_n={block_n}")
+                         f"block_rows={block_rows} and rhs columns divisible by block_n={block_n}")
+    rows_per_warpgroup = block_rows // NUM_COMPUTE_WARPGROUPS
     dtype = lhs.dtype
     num_groups = group_sizes.shape[0]
-    row_blocks = out_rows // BLOCK_ROWS
+    row_blocks = out_rows // block_rows
     col_blocks = out_cols // block_n
     group_ends = jnp.cumsum(group_sizes)
-    lhs_spec = plgpu.BlockSpec((block_k, BLOCK_ROWS), lambda k: (k, 0),
-                               transforms=_operand_transforms(BLOCK_ROWS, dtype), memory_space=plgpu.SMEM)
+    lhs_spec = plgpu.BlockSpec((block_k, block_rows), lambda k: (k, 0),
+                               transforms=_operand_transforms(block_rows, dtype), memory_space=plgpu.SMEM)
     rhs_spec = plgpu.BlockSpec((block_k, block_n), lambda k: (k, 0),
                                transforms=_operand_transforms(block_n, dtype), memory_space=plgpu.SMEM)
     out_transforms = _operand_transforms(block_n, dtype)
@@ -314,7 +322,7 @@ def ragged_contraction_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.A
         @functools.partial(
             pl.run_scoped,
             pipeline_buffers=buffers,
-            out_smem=plgpu.SMEM((NUM_COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, block_n), dtype,
+            out_smem=plgpu.SMEM((NUM_COMPUTE_WARPGROUPS, rows_per_warpgroup, block_n), dtype,
                                 transforms=out_transforms),
             collective_axes=_WARPGROUP_AXIS,
         )
@@ -332,7 +340,7 @@ def ragged_contraction_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.A
                 start = end - size
                 aligned_start = pl.multiple_of(start - start % ROW_ALIGNMENT, ROW_ALIGNMENT)
                 num_steps = (end - aligned_start + block_k - 1) // block_k
-                my_out_rows = pl.ds(row_block * BLOCK_ROWS + wg * ROWS_PER_WARPGROUP, ROWS_PER_WARPGROUP)
+                my_out_rows = pl.ds(row_block * block_rows + wg * rows_per_warpgroup, rows_per_warpgroup)
                 cols = pl.ds(col_block * block_n, block_n)
 
                 def store_my_tile(values):
@@ -346,7 +354,7 @@ def ragged_contraction_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.A
                 def _matmul_tile():
                     def mma_step(step, lhs_smem, rhs_smem, acc_ref):
                         # This warpgroup's K columns of the lhs block: its slab of output rows.
-                        my_lhs = lhs_smem.at[:, pl.ds(wg * ROWS_PER_WARPGROUP, ROWS_PER_WARPGROUP)]
+                        my_lhs = lhs_smem.at[:, pl.ds(wg * rows_per_warpgroup, rows_per_warpgroup)]
                         # The block's rows [begin, end) are the group's; only the first and last steps
                         # have others.
                         step_start = aligned_start + step[0] * block_k
@@ -355,7 +363,7 @@ def ragged_contraction_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.A
 
                         @pl.when((begin > 0) | (stop < block_k))
                         def _zero_rows_of_other_groups():
-                            row = lax.broadcasted_iota(jnp.int32, (block_k, ROWS_PER_WARPGROUP), 0)
+                            row = lax.broadcasted_iota(jnp.int32, (block_k, rows_per_warpgroup), 0)
                             keep = (row >= begin) & (row < stop)
                             my_lhs[...] = jnp.where(keep, my_lhs[...], jnp.zeros((), dtype))
                             plgpu.commit_smem()
@@ -366,19 +374,19 @@ def ragged_contraction_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.A
 
                     def compute_context(run_pipeline):
                         @functools.partial(pl.run_scoped,
-                                           acc_ref=plgpu.ACC((ROWS_PER_WARPGROUP, block_n), jnp.float32))
+                                           acc_ref=plgpu.ACC((rows_per_warpgroup, block_n), jnp.float32))
                         def _(acc_ref):
                             run_pipeline(acc_ref)
                             store_my_tile(acc_ref[...].astype(dtype))
 
                     group_rows = pl.ds(aligned_start, num_rows)  # only its first num_steps blocks are read
                     make_pipeline(mma_step, compute_context, num_steps)(
-                        lhs_gmem.at[group_rows, pl.ds(row_block * BLOCK_ROWS, BLOCK_ROWS)],
+                        lhs_gmem.at[group_rows, pl.ds(row_block * block_rows, block_rows)],
                         rhs_gmem.at[group_rows, cols], allocations=pipeline_buffers)
 
                 @pl.when((size == 0) & (wg < NUM_COMPUTE_WARPGROUPS))
                 def _empty_group():
-                    store_my_tile(jnp.zeros((ROWS_PER_WARPGROUP, block_n), dtype))
+                    store_my_tile(jnp.zeros((rows_per_warpgroup, block_n), dtype))
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

@@ -50,8 +50,8 @@ PALLAS_DTYPES = (jnp.bfloat16, jnp.float16)
 class BlockConfig:
     """The tiling of one Pallas grouped-matmul launch.
 
-    block_m: output rows per tile (JAX's kernels; jax_ep's are fixed at 128: two warpgroups of 64 rows).
-      For dw, the rows of dw[g] (K) per tile.
+    block_m: output rows per tile (JAX's kernels; jax_ep's take 128: two warpgroups of 64 rows). For dw, the
+      rows of dw[g] (K) per tile (jax_ep's: 128 or 256).
     block_n: output columns per tile.
     block_k: contracted elements per pipeline step (for dw: rows of x and dy).
     num_stages: pipeline depth, i.e. steps in flight (JAX's max_concurrent_steps).
@@ -90,13 +90,17 @@ DEFAULT_BLOCK_CONFIG = BlockConfig(block_m=128, block_n=128, block_k=64, num_sta
 
 # The tuned block configurations: the first rule that matches and fits the shape wins. Measured on one H200
 # (jax 0.11.2) at the MoE block's expert projections, M=24576 rows in 64 groups of random sizes, x @ [2048,
-# 1408] and [1408, 2048] weights: dw's short per-group pipelines gain from deeper prefetch, and from 256
-# columns per tile where they divide N (down projection's dw 424 -> 344 us); fwd and dx from wider stripes
+# 1408] and [1408, 2048] weights: dw's short per-group pipelines (a group's rows / block_k steps per tile) gain
+# from larger tiles, which fill the pipeline and store once per more FLOPs: 256 columns where they divide N
+# (down projection's dw 424 -> 344 us), else 256 rows of dw[g] where they divide K (gate and up projections'
+# dw 350 -> 312 us of kernel time), and from deeper prefetch where neither fits; fwd and dx from wider stripes
 # (the down projection's fwd 335 -> 320 us). Other shapes keep the default until measured.
 _MANY_GROUPS = dict(m=(16384, 32768), groups=(32, 128))
 BLOCK_CONFIG_TABLE: tuple[BlockConfigRule, ...] = (
     BlockConfigRule("pallas", "dw", k=(1024, 1536), n=(1536, 4096), **_MANY_GROUPS,
                     config=BlockConfig(block_n=256, num_stages=3, grid_tile_width=8)),
+    BlockConfigRule("pallas", "dw", k=(1024, 4096), n=(1024, 4096), **_MANY_GROUPS,
+                    config=BlockConfig(block_m=256, block_n=128, num_stages=3, grid_tile_width=8)),
     BlockConfigRule("pallas", "dw", k=(1024, 4096), n=(1024, 4096), **_MANY_GROUPS,
                     config=BlockConfig(block_n=128, num_stages=6, grid_tile_width=1)),
     BlockConfigRule("pallas", "fwd", k=(1024, 4096), n=(1024, 4096), **_MANY_GROUPS,
@@ -179,12 +183,13 @@ def config_unsupported_reason(kernels: str, op: str, config: BlockConfig, m: int
     for what, size, block in divisors:
         if size % block:
             return f"{op}: {what} {size} is not a multiple of the block size {block} ({config})"
-    if m < config.block_m:
+    if m < (128 if op == "dw" else config.block_m):
         return f"{op}: M={m} is below one tile of {config.block_m} rows"
-    if kernels == "pallas" and (config.block_m != 128 or config.block_n % 64 or config.block_k % 64
-                                or config.block_n > 256):
-        return (f"{op}: jax_ep's kernels take block_m=128, block_n a multiple of 64 up to 256 and block_k a "
-                f"multiple of 64, not {config}")
+    block_m_choices = (128, 256) if op == "dw" else (128,)
+    if kernels == "pallas" and (config.block_m not in block_m_choices or config.block_n % 64
+                                or config.block_k % 64 or config.block_n > 256):
+        return (f"{op}: jax_ep's kernels take block_m in {block_m_choices}, block_n a multiple of 64 up to 256 "
+                f"and block_k a multiple of 64, not {config}")
     return None
 
 
@@ -224,7 +229,8 @@ def pallas_grouped_op(op: str, kernels: str, lhs: jax.Array, rhs: jax.Array, gro
         kernel_args = dict(block_n=config.block_n, block_k=config.block_k, num_stages=config.num_stages,
                            grid_tile_width=config.grid_tile_width, num_sms=_num_sms())
         if op == "dw":
-            return modules.ours.ragged_contraction_matmul(lhs, rhs, group_sizes, **kernel_args)
+            return modules.ours.ragged_contraction_matmul(lhs, rhs, group_sizes, block_rows=config.block_m,
+                                                          **kernel_args)
         schedule = modules.ours.row_tile_schedule(group_sizes, lhs.shape[0])
         return modules.ours.ragged_rows_matmul(lhs, rhs, *schedule, transpose_rhs=op == "dx", **kernel_args)
     kernel_args = dict(group_sizes=group_sizes, block_m=config.block_m, block_n=config.block_n,

@@ -251,16 +251,17 @@ KERNEL_CONFIG = dict(block_n=128, block_k=64, num_stages=4, grid_tile_width=4, n
 
 
 @needs_pallas
-@pytest.mark.parametrize("op", ["fwd", "dx", "dw"])
+@pytest.mark.parametrize("op", ["fwd", "dx", "dw", "dw with 256-row tiles"])
 def test_kernels_lower_to_mosaic_gpu(op):
     """Lowering runs Mosaic GPU's layout inference and shared-memory sizing: what a compile on the device
     would reject first. (The final PTX compile needs the device.)"""
     m, k, n, groups = 1024, 256, 384, 5
     bf16 = jnp.bfloat16
     sizes = jax.ShapeDtypeStruct((groups,), jnp.int32)
-    if op == "dw":
+    if op.startswith("dw"):
         args = (jax.ShapeDtypeStruct((m, k), bf16), jax.ShapeDtypeStruct((m, n), bf16), sizes)
-        fn = functools.partial(kernels.ragged_contraction_matmul, **KERNEL_CONFIG)
+        config = dict(KERNEL_CONFIG, num_stages=3, block_rows=256) if "256" in op else KERNEL_CONFIG
+        fn = functools.partial(kernels.ragged_contraction_matmul, **config)
     else:
         rows_k, out_n = (k, n) if op == "fwd" else (n, k)
         args = (jax.ShapeDtypeStruct((m, rows_k), bf16), jax.ShapeDtypeStruct((groups, k, n), bf16), sizes)
@@ -329,9 +330,14 @@ def test_block_config_table_rules_fit_their_shapes():
     down_dw = block_config("pallas", "dw", 24576, 1408, 2048, 64)
     assert down_dw.block_n == 256 and config_unsupported_reason("pallas", "dw", down_dw, 24576, 1408, 2048) is None
     gate_dw = block_config("pallas", "dw", 24576, 2048, 1408, 64)
-    assert gate_dw.block_n == 128 and config_unsupported_reason("pallas", "dw", gate_dw, 24576, 2048, 1408) is None
-    # N=1664 = 13 x 128 is in the first rule's range but not a multiple of its 256-column tiles.
-    assert block_config("pallas", "dw", 24576, 1408, 1664, 64).block_n == 128
+    assert (gate_dw.block_m, gate_dw.block_n) == (256, 128)
+    assert config_unsupported_reason("pallas", "dw", gate_dw, 24576, 2048, 1408) is None
+    # N=1664 = 13 x 128 is in the first rule's range but not a multiple of its 256-column tiles, and K=1408 is
+    # not a multiple of the second rule's 256 rows: the third rule's 128 x 128 tiles.
+    assert (block_config("pallas", "dw", 24576, 1408, 1664, 64).block_m,
+            block_config("pallas", "dw", 24576, 1408, 1664, 64).block_n) == (128, 128)
+    # 256-row tiles are dw's alone: the rows kernels take 128.
+    assert config_unsupported_reason("pallas", "fwd", gate_dw, 24576, 2048, 1408) is not None
     assert block_config("pallas", "dw", 24576, 1408, 2048, 8) == DEFAULT_BLOCK_CONFIG  # few groups: not measured
     assert block_config("jax_pallas", "dw", 24576, 1408, 2048, 64) == DEFAULT_BLOCK_CONFIG
     assert all(rule.kernels == "pallas" for rule in BLOCK_CONFIG_TABLE)

@@ -15,7 +15,12 @@ import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
 from jax_ep import grouped_matmul  # noqa: E402
-from jax_ep.grouped_matmul import pallas_unsupported_reason, resolve_implementation  # noqa: E402
+from jax_ep.grouped_matmul import (  # noqa: E402
+    BlockConfig,
+    pallas_grouped_op,
+    pallas_unsupported_reason,
+    resolve_implementation,
+)
 
 CAPABILITY = str(getattr(jax.devices()[0], "compute_capability", "unknown"))
 needs_hopper = pytest.mark.skipif(not CAPABILITY.startswith("9."),
@@ -95,6 +100,21 @@ def test_pallas_matches_oracle_and_lax(implementation, m, k, n, groups, capsys):
     with capsys.disabled():
         print(f"\n{implementation} M={m} K={k} N={n} G={groups}: bit-identical to lax.ragged_dot: "
               f"{' '.join(identical)}")
+
+
+@needs_hopper
+@pytest.mark.parametrize("config", [BlockConfig(), BlockConfig(block_m=256, block_n=128, num_stages=3),
+                                    BlockConfig(block_n=256, num_stages=3, grid_tile_width=8)], ids=str)
+def test_dw_tile_shapes_match_oracle(config):
+    """dw on jax_ep's kernel with each tile shape the block-configuration table uses (128 or 256 rows of
+    dw[g], 128 or 256 columns), with unaligned group starts, empty groups and rows past the last group."""
+    rng = np.random.default_rng(3)
+    m, k, n, groups = 2048, 512, 512, 16
+    x, w, dy = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for shape in ((m, k), (groups, k, n), (m, n)))
+    sizes = random_group_sizes(rng, m, groups)
+    dw = jax.jit(functools.partial(pallas_grouped_op, "dw", "pallas", config=config))(x, dy, jnp.asarray(sizes))
+    assert relative_error(dw, oracle(x, w, dy, sizes)[2]) <= BF16_TOLERANCE
+    assert not np.any(np.asarray(dw[sizes == 0], np.float32)), "dw of an empty group must be zero"
 
 
 @needs_hopper
