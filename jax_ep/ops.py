@@ -389,6 +389,7 @@ class LowLatencyPending:
     state: Any
     spec: _LowLatencySpec = dataclasses.field(metadata=dict(static=True))
     cast: LowLatencyCast = dataclasses.field(default=LowLatencyCast(), metadata=dict(static=True))
+    compression: str | None = dataclasses.field(default=None, metadata=dict(static=True))  # a combine's row format
 
 
 # Sends of one low-latency op of a Buffer that may await their receive at once (the contract's double buffering;
@@ -519,11 +520,21 @@ def low_latency_dispatch(buffer: Buffer, x, topk_idx, *, use_fp8: bool = True, r
     return low_latency_dispatch_recv(buffer, pending)
 
 
-def low_latency_combine_send(buffer: Buffer, y, topk_idx, topk_weights, handle: LowLatencyHandle) -> LowLatencyPending:
+COMBINE_COMPRESSIONS = (None, "logfmt")
+
+
+def low_latency_combine_send(buffer: Buffer, y, topk_idx, topk_weights, handle: LowLatencyHandle, *,
+                             compression: str | None = None) -> LowLatencyPending:
     """Send half of `low_latency_combine`."""
     op = "low_latency_combine"
     _check_buffer(op, buffer)
     spec = _low_latency_spec(op, buffer, topk_idx.shape[0], y.shape[-1])
+    if compression not in COMBINE_COMPRESSIONS:
+        raise ValueError(f"jax_ep.{op}: compression must be one of {COMBINE_COMPRESSIONS}, got {compression!r}")
+    if compression is not None and compression not in buffer.backend_impl.combine_compressions:
+        raise ValueError(f"jax_ep.{op}: compression={compression!r} is not implemented by this Buffer's "
+                         f"{buffer.backend} backend (its kernels send bfloat16 rows); a Buffer with backend='xla' "
+                         f"compresses")
     experts_per_rank = spec.num_experts // spec.num_ranks
     _checks.exact(op, "y", y, jnp.bfloat16, (experts_per_rank, spec.num_ranks * spec.num_max_tokens, buffer.hidden))
     _checks.topk_idx(op, topk_idx, spec.num_experts)
@@ -537,8 +548,8 @@ def low_latency_combine_send(buffer: Buffer, y, topk_idx, topk_weights, handle: 
                          f"sent {handle.num_tokens} (combine takes the dispatch's tokens)")
     state = buffer.backend_impl.low_latency_combine_send(y, handle, topk_idx, topk_weights,
                                                          num_experts=spec.num_experts,
-                                                         num_max_tokens=spec.num_max_tokens)
-    return _start_send(op, LowLatencyPending(state, spec))
+                                                         num_max_tokens=spec.num_max_tokens, compression=compression)
+    return _start_send(op, LowLatencyPending(state, spec, compression=compression))
 
 
 def low_latency_combine_recv(buffer: Buffer, pending: LowLatencyPending):
@@ -546,9 +557,16 @@ def low_latency_combine_recv(buffer: Buffer, pending: LowLatencyPending):
     _check_pending("low_latency_combine_recv", buffer, pending)
     _finish_send("low_latency_combine", pending)
     return buffer.backend_impl.low_latency_combine_recv(pending.state, num_experts=pending.spec.num_experts,
-                                                        num_max_tokens=pending.spec.num_max_tokens)
+                                                        num_max_tokens=pending.spec.num_max_tokens,
+                                                        compression=pending.compression)
 
 
-def low_latency_combine(buffer: Buffer, y, topk_idx, topk_weights, handle: LowLatencyHandle):
-    """out[t] = sum_k topk_weights[t, k] * (expert k's output row for t), float32 in k order, bfloat16 [T, H]."""
-    return low_latency_combine_recv(buffer, low_latency_combine_send(buffer, y, topk_idx, topk_weights, handle))
+def low_latency_combine(buffer: Buffer, y, topk_idx, topk_weights, handle: LowLatencyHandle, *,
+                        compression: str | None = None):
+    """out[t] = sum_k topk_weights[t, k] * (expert k's output row for t), float32 in k order, bfloat16 [T, H].
+
+    compression="logfmt": the expert rows travel LogFMT-encoded (jax_ep.logfmt: 10 bits per value, 64 % of the
+    bfloat16 bytes; each row value within a relative 2^(s/2) - 1 of its own, s its block's step, at most 2.2 %)
+    and are decoded to float32 before the sum. The xla backend only, so far."""
+    return low_latency_combine_recv(buffer, low_latency_combine_send(buffer, y, topk_idx, topk_weights, handle,
+                                                                     compression=compression))

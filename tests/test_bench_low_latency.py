@@ -28,10 +28,14 @@ def test_low_latency_bench_record(tmp_path, capsys):
     assert setup["measured"] == "jax_ep xla" and setup["custom_calls"] == []  # no CUDA on CPU
     figures = {(r["backend"], r["op"], r["payload"]) for r in record["results"]}
     assert figures == {(backend, op, payload) for backend in ("jax_ep xla", "jax all_to_all")
-                       for op, payload in (("dispatch", "FP8"), ("dispatch", "BF16"), ("combine", "BF16"))}
+                       for op, payload in (("dispatch", "FP8"), ("dispatch", "BF16"), ("combine", "BF16"))} | {
+                           ("jax_ep xla", "combine", "LogFMT")}  # the xla backend's compressed combine
     # DeepEP's count (docs/design.md, "Byte counts"): per valid (token, expert) pair H + H/128*4 + 16 bytes for FP8
-    # dispatch, 2H for BF16 dispatch and combine; GB/s * µs * 1e3 = bytes moved per rank.
-    pair_bytes = {"FP8": 256 + 256 // 128 * 4 + 16, "BF16": 2 * 256}
+    # dispatch, 2H for BF16 dispatch and combine, and 164 bytes per 128 values LogFMT-compressed; GB/s * µs * 1e3 =
+    # bytes moved per rank.
+    pair_bytes = {"FP8": 256 + 256 // 128 * 4 + 16, "BF16": 2 * 256, "LogFMT": 256 // 128 * 164}
+    assert setup["combine_bytes_per_rank"] == {payload: setup["valid_pairs_per_rank"] * pair_bytes[payload]
+                                               for payload in ("BF16", "LogFMT")}
     for r in record["results"]:
         assert math.isfinite(r["t_us"]) and r["t_us"] != 0, r
         assert math.isclose(r["gbps"] * r["t_us"] * 1e3, setup["valid_pairs_per_rank"] * pair_bytes[r["payload"]],
@@ -40,7 +44,7 @@ def test_low_latency_bench_record(tmp_path, capsys):
     for s in record["splits"]:
         assert math.isfinite(s["t_split_us"]) and math.isfinite(s["compute_us"]), s
     assert {(s["op"], s["payload"]) for s in record["speedups"]} == {
-        ("dispatch", "FP8"), ("dispatch", "BF16"), ("combine", "BF16")}
+        ("dispatch", "FP8"), ("dispatch", "BF16"), ("combine", "BF16"), ("combine", "LogFMT")}
     assert all(math.isfinite(s["speedup"]) and s["baseline"].startswith("jax all_to_all") for s in record["speedups"])
     out = capsys.readouterr().out
     assert "[low_latency] jax_ep xla [dispatch FP8]" in out and "GB/s (NVL)" in out
@@ -55,7 +59,8 @@ def test_low_latency_bench_one_op(tmp_path):
                        "--json", str(path)]) == 0
     record = json.loads(path.read_text())
     assert record["setup"]["ops"] == ["combine"] and record["setup"]["baselines"] is False
-    assert [(r["backend"], r["op"], r["payload"]) for r in record["results"]] == [("jax_ep xla", "combine", "BF16")]
+    assert [(r["backend"], r["op"], r["payload"]) for r in record["results"]] == [
+        ("jax_ep xla", "combine", "BF16"), ("jax_ep xla", "combine", "LogFMT")]
     assert [(s["op"], s["payload"]) for s in record["splits"]] == [("combine", "BF16")]
     assert record["speedups"] == []
 

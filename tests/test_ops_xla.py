@@ -23,6 +23,7 @@ from jax.sharding import Mesh  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ep  # noqa: E402
+from jax_ep import logfmt  # noqa: E402
 
 SETTINGS = dict(deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 RANKS = [1, 2, 4, 8]
@@ -377,7 +378,8 @@ def test_combine_of_dispatch_roundtrip(R):
 # Low-latency dispatch and combine
 # ----------------------------------------------------------------------------------------------------------------
 @functools.cache
-def ll_fn(R: int, M: int, H: int, E: int, use_fp8: bool, round_scale: bool, ue8m0: bool, with_stats: bool, split: bool):
+def ll_fn(R: int, M: int, H: int, E: int, use_fp8: bool, round_scale: bool, ue8m0: bool, with_stats: bool, split: bool,
+          compression: str | None = None):
     buf = ll_buffer(R, M, H, E)
     kw = dict(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=ue8m0)
 
@@ -386,18 +388,20 @@ def ll_fn(R: int, M: int, H: int, E: int, use_fp8: bool, round_scale: bool, ue8m
         if split:
             res = jax_ep.low_latency_dispatch_recv(
                 buf, jax_ep.low_latency_dispatch_send(buf, x, idx, cumulative_local_expert_recv_stats=stats, **kw))
-            out = jax_ep.low_latency_combine_recv(buf, jax_ep.low_latency_combine_send(buf, y, idx, w, res.handle))
+            out = jax_ep.low_latency_combine_recv(buf, jax_ep.low_latency_combine_send(
+                buf, y, idx, w, res.handle, compression=compression))
         else:
             res = jax_ep.low_latency_dispatch(buf, x, idx, cumulative_local_expert_recv_stats=stats, **kw)
-            out = jax_ep.low_latency_combine(buf, y, idx, w, res.handle)
+            out = jax_ep.low_latency_combine(buf, y, idx, w, res.handle, compression=compression)
         return (res.recv_x, res.recv_count, res.handle.src_token_index, res.handle.layout_range,
                 res.cumulative_local_expert_recv_stats, res.invalid_ids[None], out)
 
     return spmd(R, body)
 
 
-def run_ll(c: Case, M: int, x, idx, stats, y, w, use_fp8=False, round_scale=False, ue8m0=False, split=False):
-    fn = ll_fn(c.R, M, c.H, c.E, use_fp8, round_scale, ue8m0, stats is not None, split)
+def run_ll(c: Case, M: int, x, idx, stats, y, w, use_fp8=False, round_scale=False, ue8m0=False, split=False,
+           compression=None):
+    fn = ll_fn(c.R, M, c.H, c.E, use_fp8, round_scale, ue8m0, stats is not None, split, compression)
     recv_x, count, src, rng_, st_out, invalid, out = fn(flat(x), flat(idx), flat(stats), flat(y), flat(w))
     split_ranks = lambda a: np.asarray(a).reshape((c.R, c.L) + np.asarray(a).shape[1:])
     recv_x = tuple(split_ranks(a) for a in recv_x) if use_fp8 else split_ranks(recv_x)
@@ -544,6 +548,59 @@ def test_low_latency_split_equals_fused(use_fp8):
         assert_same(a[v], b[v], "recv_x (valid rows)")
     check_ll_common(split, exp)
     check_ll_combine(split["out"], y, idx, w, c, exp)
+
+
+@settings(max_examples=15, **SETTINGS)
+@given(cm=ll_cases(Hs=(128, 384)), split=st.booleans(), scale=st.sampled_from([1.0, 1e-30, 1e30]))
+def test_low_latency_combine_logfmt(cm, split, scale):
+    """compression="logfmt": every summed row within LogFMT's bound of its own (tests/oracle.py), so the output
+    within sum_k |w_k| * bound(y_k) of the float32 sum, plus its bfloat16 rounding."""
+    c, M = cm
+    idx, w, x, y, stats = ll_inputs(c, M, False)
+    y = (y.astype(np.float32) * scale).astype(O.BF16)
+    exp = O.low_latency_dispatch(x, idx, c.E, M)
+    got = run_ll(c, M, x, idx, None, y, w, split=split, compression="logfmt")
+    check_ll_common(got, exp)
+    acc, mag = O.low_latency_combine(y, idx, w, c.E, exp)
+    _, step, amin = O.logfmt_roundtrip(y)
+    row_error, _ = O.low_latency_combine(O.logfmt_error_bound(y, step, amin), idx, np.abs(w), c.E, exp)
+    out = got["out"].astype(np.float64)
+    bound = row_error + 2.0 ** -8 * (np.abs(acc) + row_error) * 1.01 + 1e-5 * mag + 1e-38
+    bad = np.abs(out - acc) > bound
+    assert not bad.any(), f"{bad.sum()} of {bad.size} outputs off, e.g. got {out[bad][0]} want {acc[bad][0]}"
+
+
+def test_low_latency_combine_logfmt_sends_encoded_rows():
+    R, T, H, K, E = 2, 8, 256, 2, 4
+    buf = ll_buffer(R, T, H, E)
+    c = Case(R, T, H, K, E, "uniform", 0.0, 0.0, seed=1)
+    idx, w, x, y, _ = ll_inputs(c, T, False)
+
+    def sent(compression):
+        def body(x, idx, y, w):
+            handle = jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=False).handle
+            return jax_ep.low_latency_combine_send(buf, y, idx, w, handle, compression=compression).state[0]
+        return jax.eval_shape(spmd(R, body), flat(x), flat(idx), flat(y), flat(w))
+
+    plain, encoded = sent(None), sent("logfmt")
+    assert plain.dtype == O.BF16 and plain.shape[-1] == H
+    assert encoded.dtype == np.uint32 and encoded.shape[:-1] == plain.shape[:-1]
+    assert encoded.shape[-1] * 4 == logfmt.bytes_per_row(H, compressed=True) < 2 * H
+    with pytest.raises(ValueError, match="compression must be one of"):
+        sent("zstd")
+
+
+def test_low_latency_combine_compression_refused_where_the_backend_lacks_it(monkeypatch):
+    from jax_ep.backends.xla import XlaBackend
+    monkeypatch.setattr(XlaBackend, "combine_compressions", ())  # as the cuda kernels' backends declare
+    R, T, H, K, E = 2, 8, 128, 2, 4
+    buf = ll_buffer(R, T, H, E)
+    c = Case(R, T, H, K, E, "uniform", 0.0, 0.0, seed=2)
+    idx, w, x, y, _ = ll_inputs(c, T, False)
+    with pytest.raises(ValueError, match="compression='logfmt' is not implemented by this Buffer's xla backend"):
+        jax.eval_shape(spmd(R, lambda x, idx, y, w: jax_ep.low_latency_combine(
+            buf, y, idx, w, jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=False).handle,
+            compression="logfmt")), flat(x), flat(idx), flat(y), flat(w))
 
 
 @pytest.mark.parametrize("R", [1, 8])

@@ -72,6 +72,8 @@ class Backend(abc.ABC):
     # How its low-latency kernels reach their peers, "peer_stores" or "nvshmem"; None where no low-latency kernels
     # run (Buffer.low_latency_transport).
     low_latency_transport: str | None = None
+    # The compressed row formats its low-latency combine can send (jax_ep.logfmt: "logfmt").
+    combine_compressions: ClassVar[tuple[str, ...]] = ()
 
     # ---- normal mode ------------------------------------------------------------------------------------------
 
@@ -116,11 +118,13 @@ class Backend(abc.ABC):
         raise NotImplementedError(self.name)
 
     def low_latency_combine_send(self, y, handle, topk_idx, topk_weights, *, num_experts: int,
-                                 num_max_tokens: int) -> Any:
-        """Send half of the low-latency combine of y bfloat16 [L, R*M, H]: the state its receive half takes."""
+                                 num_max_tokens: int, compression: str | None = None) -> Any:
+        """Send half of the low-latency combine of y bfloat16 [L, R*M, H]: the state its receive half takes.
+        `compression`: None, or one of COMBINE_COMPRESSIONS (the rows travel in that format)."""
         raise NotImplementedError(self.name)
 
-    def low_latency_combine_recv(self, state, *, num_experts: int, num_max_tokens: int) -> jax.Array:
+    def low_latency_combine_recv(self, state, *, num_experts: int, num_max_tokens: int,
+                                 compression: str | None = None) -> jax.Array:
         """Receive half: bfloat16 [T, H], the top-k weighted sum of each token's expert rows."""
         raise NotImplementedError(self.name)
 

@@ -13,7 +13,7 @@ from typing import ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_ep import fp8
+from jax_ep import fp8, logfmt
 from jax_ep.backends import Backend, LowLatencyCast
 from jax_ep.types import DispatchLayout, LowLatencyHandle
 
@@ -153,8 +153,9 @@ def low_latency_dispatch_recv(pending, *, axis_name, num_ranks, num_experts, num
     return recv, jnp.sum(selected, axis=1, dtype=int32), handle, invalid
 
 
-def low_latency_combine_send(y, handle: LowLatencyHandle, num_tokens, *, axis_name, num_ranks):
-    """Send half: return each expert output row to its source rank -> [R, T, L, H] per home rank."""
+def low_latency_combine_send(y, handle: LowLatencyHandle, num_tokens, *, axis_name, num_ranks, compression=None):
+    """Send half: return each expert output row to its source rank -> [R, T, L, H] per home rank (with
+    compression="logfmt": each row LogFMT-encoded, [R, T, L, logfmt.words_per_row(H)] uint32)."""
     experts_per_rank, rows, hidden = y.shape
     begin, count = handle.layout_range[..., 0], handle.layout_range[..., 1]
     row = jnp.arange(rows)
@@ -166,11 +167,15 @@ def low_latency_combine_send(y, handle: LowLatencyHandle, num_tokens, *, axis_na
                      + jnp.arange(experts_per_rank)[:, None], slots)
     send = jnp.zeros((slots + 1, hidden), y.dtype).at[slot.reshape(-1)].set(y.reshape(experts_per_rank * rows, hidden))
     send = send[:slots].reshape(num_ranks, num_tokens, experts_per_rank, hidden)
+    if compression == "logfmt":
+        send = logfmt.encode(send)
     return jax.lax.all_to_all(send, axis_name, 0, 0)
 
 
-def low_latency_combine_recv(returned, topk_idx, topk_weights, *, num_experts):
+def low_latency_combine_recv(returned, topk_idx, topk_weights, *, num_experts, compression=None):
     """Receive half: out[t] = sum_k w[t,k] * y_{expert k}[row of t], float32 in k order, BF16 out."""
+    if compression == "logfmt":
+        returned = logfmt.decode(returned, returned.shape[-1] // logfmt.WORDS_PER_BLOCK * logfmt.BLOCK)
     _, num_tokens, experts_per_rank, hidden = returned.shape
     ids, _ = sanitize_ids(topk_idx, num_experts)
     tokens = jnp.arange(num_tokens)
@@ -190,6 +195,7 @@ class XlaBackend(Backend):
     """The functions above for a Buffer's EP axis."""
 
     name: ClassVar[str] = "xla"
+    combine_compressions: ClassVar[tuple[str, ...]] = ("logfmt",)
     axis_name: str
     num_ranks: int
 
@@ -218,14 +224,16 @@ class XlaBackend(Backend):
         return low_latency_dispatch_recv(state, axis_name=self.axis_name, num_ranks=self.num_ranks,
                                          num_experts=num_experts, num_max_tokens=num_max_tokens)
 
-    def low_latency_combine_send(self, y, handle, topk_idx, topk_weights, *, num_experts, num_max_tokens):
+    def low_latency_combine_send(self, y, handle, topk_idx, topk_weights, *, num_experts, num_max_tokens,
+                                 compression=None):
         returned = low_latency_combine_send(y, handle, topk_idx.shape[0], axis_name=self.axis_name,
-                                            num_ranks=self.num_ranks)
+                                            num_ranks=self.num_ranks, compression=compression)
         return returned, topk_idx, topk_weights
 
-    def low_latency_combine_recv(self, state, *, num_experts, num_max_tokens):
+    def low_latency_combine_recv(self, state, *, num_experts, num_max_tokens, compression=None):
         returned, topk_idx, topk_weights = state
-        return low_latency_combine_recv(returned, topk_idx, topk_weights, num_experts=num_experts)
+        return low_latency_combine_recv(returned, topk_idx, topk_weights, num_experts=num_experts,
+                                        compression=compression)
 
     def destroy(self):
         return ""  # no memory of its own

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_ep
-from jax_ep import _native
+from jax_ep import _native, logfmt
 from jax_ep.bench import harness
 from jax_ep.bench.baselines import baseline_times
 from jax_ep.config import FP8_GROUP
@@ -164,7 +164,8 @@ def run(args) -> dict:
     remote = valid & (topk_idx_host // L != np.repeat(np.arange(num_ranks), T)[:, None])
     pairs, remote_pairs = valid.sum() / num_ranks, remote.sum() / num_ranks
     pair_bytes = {("dispatch", "FP8"): H + H // FP8_GROUP * 4 + 16, ("dispatch", "BF16"): 2 * H,
-                  ("combine", "BF16"): 2 * H}
+                  ("combine", "BF16"): logfmt.bytes_per_row(H, compressed=False),
+                  ("combine", "LogFMT"): logfmt.bytes_per_row(H, compressed=True)}
     setup = dict(num_ranks=num_ranks, device=devices[0].device_kind, tokens=T, hidden=H, topk=K, experts=E,
                  num_max_dispatch_tokens_per_rank=M, masked_per_rank=args.masked, valid_pairs_per_rank=float(pairs),
                  remote_pairs_per_rank=float(remote_pairs), iters=args.iters, repeats=args.repeats,
@@ -177,6 +178,13 @@ def run(args) -> dict:
           f"times per op: (wall(program of {2 * args.iters} ops) - wall(program of {args.iters} ops)) / "
           f"{args.iters}, median of {args.repeats} (host clock: the difference also carries how far apart the "
           "host started the GPUs of each program; the cuda lines' \"on the GPU\" figures do not)", flush=True)
+
+    if "combine" in args.ops:
+        plain, encoded = (pairs * pair_bytes["combine", p] for p in ("BF16", "LogFMT"))
+        setup["combine_bytes_per_rank"] = dict(BF16=float(plain), LogFMT=float(encoded))
+        print(f"[low_latency] combine payload per rank (valid pairs x row bytes): BF16 {plain / 1e6:.3f} MB, "
+              f"LogFMT-compressed {encoded / 1e6:.3f} MB ({encoded / plain:.1%}; compression='logfmt', on the xla "
+              "backend so far)", flush=True)
 
     # With one process per GPU, each process reads its own GPU's clocks and process 0 prints.
     kernel_device = "process 0's GPU" if args.processes else f"mean of the medians of {num_ranks} GPUs"
@@ -216,9 +224,11 @@ def run(args) -> dict:
         def dispatch(use_fp8):
             return lambda idx, data: jax_ep.low_latency_dispatch(buf, data, idx, use_fp8=use_fp8)
 
-        def combine(routing, y):
-            idx, weights, handle = routing
-            return jax_ep.low_latency_combine(buf, y, idx, weights, handle)
+        def combine(compression=None):
+            def op(routing, y):
+                idx, weights, handle = routing
+                return jax_ep.low_latency_combine(buf, y, idx, weights, handle, compression=compression)
+            return op
 
         recv_bf16 = harness.spmd(mesh, lambda i, d: (lambda r: (r.recv_x, r.handle))(dispatch(False)(i, d)))(
             topk_idx, x)
@@ -230,7 +240,9 @@ def run(args) -> dict:
             report(backend, "dispatch", payload,
                    *time_op_and_kernels(dispatch(use_fp8), (topk_idx, x), buf, "dispatch"))
         if "combine" in args.ops:
-            report(backend, "combine", "BF16", *time_op_and_kernels(combine, (combine_routing, y), buf, "combine"))
+            report(backend, "combine", "BF16", *time_op_and_kernels(combine(), (combine_routing, y), buf, "combine"))
+            if "logfmt" in buf.backend_impl.combine_compressions:
+                report(backend, "combine", "LogFMT", time_op(combine("logfmt"), (combine_routing, y)))
         return combine_routing, y
 
     with jax_ep.Buffer(mesh, "ep", backend=args.backend, num_max_dispatch_tokens_per_rank=M, hidden=H,

@@ -295,11 +295,13 @@ class IntranodeBackend(Backend):
         return low_latency.dispatch_recv(state, params=self._low_latency_params(num_experts, num_max_tokens),
                                          cast=cast)
 
-    def low_latency_combine_send(self, y, handle, topk_idx, topk_weights, *, num_experts, num_max_tokens):
+    def low_latency_combine_send(self, y, handle, topk_idx, topk_weights, *, num_experts, num_max_tokens,
+                                 compression=None):
+        assert compression is None, "the ops check combine_compressions (none here)"
         return low_latency.combine_send(y, handle, topk_idx, topk_weights,
                                         params=self._low_latency_params(num_experts, num_max_tokens))
 
-    def low_latency_combine_recv(self, state, *, num_experts, num_max_tokens):
+    def low_latency_combine_recv(self, state, *, num_experts, num_max_tokens, compression=None):
         return low_latency.combine_recv(state, params=self._low_latency_params(num_experts, num_max_tokens))
 
     # ---- lifetime -------------------------------------------------------------------------------------------
