@@ -392,6 +392,7 @@ struct LowLatencyCombineSendArgs {
   const int32_t* src_topk_index = nullptr;   // [L, R*M]
   const int32_t* layout_range = nullptr;     // [L, R, 2]
   uint32_t* token = nullptr;
+  bool compressed = false;  // send the rows LogFMT-encoded (kernel_limits.h, kLogFmt*): the peer-store transport only
 };
 cudaError_t low_latency_combine_send(const LowLatencyCall& call, const LowLatencyCombineSendArgs& args);
 
@@ -402,6 +403,7 @@ struct LowLatencyCombineRecvArgs {
   const float* topk_weights = nullptr;    // [num_tokens, num_topk]
   int64_t num_tokens = 0, num_topk = 0;
   void* out = nullptr;                    // bf16 [num_tokens, H]
+  bool compressed = false;                // the send was compressed
 };
 cudaError_t low_latency_combine_recv(const LowLatencyCall& call, const LowLatencyCombineRecvArgs& args);
 

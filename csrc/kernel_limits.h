@@ -137,6 +137,17 @@ inline constexpr int64_t kLowLatencyTraceBytes =
 // payload after it stays 16-byte aligned.
 inline constexpr int64_t kLowLatencyRowHeaderBytes = 48;
 
+// LogFMT-10, the compressed combine's row format (jax_ep/logfmt.py defines it; csrc/logfmt.cuh codes it): blocks of
+// kLogFmtBlock values, kLogFmtCodeBits per value, a block spanning at most kLogFmtMaxOctaves octaves. A row of H
+// values is H / kLogFmtBlock blocks of kLogFmtCodeBytes code bytes, then one 4-byte (amax, amin) word per block: it
+// fits the combine's BF16 slot.
+inline constexpr int kLogFmtBlock = 128;
+inline constexpr int kLogFmtCodeBits = 10;
+inline constexpr int kLogFmtMaxOctaves = 32;
+inline constexpr int64_t kLogFmtCodeBytes = kLogFmtBlock * kLogFmtCodeBits / 8;  // 160: 16-byte aligned blocks
+inline constexpr int64_t kLogFmtBlockBytes = kLogFmtCodeBytes + 4;
+static_assert(kLogFmtCodeBytes % 16 == 0 && kLogFmtBlockBytes < 2 * kLogFmtBlock, "LogFMT rows fit BF16 slots");
+
 JAX_EP_HOST_DEVICE inline int64_t ll_align(int64_t bytes) {
   return (bytes + kLowLatencyAlign - 1) / kLowLatencyAlign * kLowLatencyAlign;
 }

@@ -29,12 +29,14 @@
 
 #include <algorithm>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "api.h"
 #include "cuda_check.h"
 #include "device_common.cuh"
 #include "intranode_state.h"
+#include "logfmt.cuh"
 #include "low_latency_state.h"
 #include "low_latency_transport.cuh"
 #include "registry.h"
@@ -761,10 +763,13 @@ __device__ __forceinline__ void combine_piece_sent(const LowLatencyCall& c, cons
   raise_combine_flag<Transport>(c, layout, call, p);
 }
 
-template <typename Transport>
+// kCompressed: each piece is a run of whole 128-value blocks, LogFMT-encoded by the warp straight into the source's
+// slot (plain stores: the peer-store transport only).
+template <typename Transport, bool kCompressed>
 __global__ void __launch_bounds__(kCombineSendThreads) combine_send_kernel(
     const __grid_constant__ LowLatencyCall c, const __grid_constant__ LowLatencyCombineSendArgs a) {
   extern __shared__ int64_t first_row[];  // [pairs + 1]: rows of the pairs before p, in pair order
+  __shared__ uint32_t logfmt_words[kCombineSendWarps][kLogFmtCodeWords];  // kCompressed: a block's codes, per warp
   enum { kCredits, kPuts, kFlags };  // phases, as kLowLatencyPhaseNames names them
   clock_begin();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_ranks = c.group.num_ranks;
@@ -795,10 +800,13 @@ __global__ void __launch_bounds__(kCombineSendThreads) combine_send_kernel(
   const int64_t rows = first_row[pairs];
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kCombineSendWarps;
   const int64_t piece_bytes = (layout.combine_slot_bytes / kCombinePieces + 15) / 16 * 16;
+  const int64_t blocks = hidden / kLogFmtBlock, piece_blocks = (blocks + kCombinePieces - 1) / kCombinePieces;
+  const int64_t piece_size = kCompressed ? piece_blocks : piece_bytes;  // blocks, or bytes
+  const int64_t row_size = kCompressed ? blocks : static_cast<int64_t>(layout.combine_slot_bytes);
   for (int64_t unit = static_cast<int64_t>(blockIdx.x) * kCombineSendWarps + warp; unit < rows * kCombinePieces;
        unit += warps) {
-    const int64_t row = unit / kCombinePieces, begin = unit % kCombinePieces * piece_bytes;
-    const int64_t end = min(begin + piece_bytes, static_cast<int64_t>(layout.combine_slot_bytes));
+    const int64_t row = unit / kCombinePieces, begin = unit % kCombinePieces * piece_size;
+    const int64_t end = min(begin + piece_size, row_size);
     // The pair p holding row: first_row[p] <= row < first_row[p + 1] (the last such p: pairs without rows
     // share their first_row with the next pair).
     const int64_t p = thrust::upper_bound(thrust::seq, first_row + 1, first_row + pairs + 1, row) - (first_row + 1);
@@ -808,8 +816,16 @@ __global__ void __launch_bounds__(kCombineSendThreads) combine_send_kernel(
     if (t >= 0 && t < max_tokens && k >= 0 && k < kLowLatencyMaxTopk && begin < end) {  // else not from a dispatch
       const int64_t slot = layout.set_offset(set) + layout.combine_rows +  // handle (or an empty last piece)
                            (static_cast<int64_t>(t) * kLowLatencyMaxTopk + k) * layout.combine_slot_bytes;
-      Transport::put_warp(c, static_cast<int>(p % num_ranks), slot + begin,
-                          y + item * layout.combine_slot_bytes + begin, end - begin, lane);
+      if constexpr (kCompressed) {
+        char* dst = Transport::address(c, static_cast<int>(p % num_ranks), slot);
+        const __nv_bfloat16* src = reinterpret_cast<const __nv_bfloat16*>(y) + item * hidden;
+        for (int64_t b = begin; b < end; ++b)
+          logfmt_encode_block(logfmt_lane_values(src + b * kLogFmtBlock, lane), dst + b * kLogFmtCodeBytes,
+                              dst + blocks * kLogFmtCodeBytes + b * 4, logfmt_words[warp], lane);
+      } else {
+        Transport::put_warp(c, static_cast<int>(p % num_ranks), slot + begin,
+                            y + item * layout.combine_slot_bytes + begin, end - begin, lane);
+      }
       Transport::finish_puts(lane);
     }
     clock_mark(kPuts);
@@ -848,7 +864,8 @@ constexpr int kCombineRecvBlocksPerSm = 2;  // blocks resident per SM (launch bo
 // not yet correct for a half last chunk (docs/perf-log.md).
 constexpr int kRowLoadsInFlight = kLowLatencyMaxTopk;
 
-template <typename Transport, int kEntries>
+// kCompressed: the rows arrive LogFMT-encoded (combine_send_kernel) and are decoded as they are loaded.
+template <typename Transport, int kEntries, bool kCompressed>
 __global__ void __launch_bounds__(kThreads, kCombineRecvBlocksPerSm)
     combine_recv_kernel(const __grid_constant__ LowLatencyCall c, const __grid_constant__ LowLatencyCombineRecvArgs a,
                         TokenParts split) {
@@ -911,9 +928,13 @@ __global__ void __launch_bounds__(kThreads, kCombineRecvBlocksPerSm)
         for (int k = 0; k < kEntries; ++k) {
           const int32_t e = __shfl_sync(kFullMask, expert, k);
           const int32_t s = __shfl_sync(kFullMask, slot, k);
-          if (k < num_topk && e >= 0 && ch < chunk_end)
-            rows[u][k] = __ldcg(reinterpret_cast<const uint4*>(
-                base + layout.combine_rows + (t * kLowLatencyMaxTopk + s) * layout.combine_slot_bytes + ch * 2));
+          if (k < num_topk && e >= 0 && ch < chunk_end) {
+            const char* row = base + layout.combine_rows + (t * kLowLatencyMaxTopk + s) * layout.combine_slot_bytes;
+            if constexpr (kCompressed)
+              rows[u][k] = logfmt_load8(row, hidden / kLogFmtBlock, ch);
+            else
+              rows[u][k] = __ldcg(reinterpret_cast<const uint4*>(row + ch * 2));
+          }
         }
       }
 #pragma unroll
@@ -928,7 +949,10 @@ __global__ void __launch_bounds__(kThreads, kCombineRecvBlocksPerSm)
           const float w = __shfl_sync(kFullMask, weight, k);
           if (k >= num_topk || e < 0 || ch >= chunk_end) continue;
           float v[kLaneChannels];
-          bf16x8_to_float(rows[u][k], v);
+          if constexpr (kCompressed)
+            logfmt_decode8(rows[u][k], ch, v);
+          else
+            bf16x8_to_float(rows[u][k], v);
 #pragma unroll
           for (int i = 0; i < kLaneChannels; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(w, v[i]));
         }
@@ -1013,7 +1037,14 @@ cudaError_t low_latency_combine_send(const LowLatencyCall& call, const LowLatenc
   const int blocks = static_cast<int>(std::max<int64_t>(call.num_experts, 2 * call.group.device_sms)) * kCombinePieces;
   const size_t shared = sizeof(int64_t) * static_cast<size_t>(call.num_experts + 1);
   return with_transport(call, [&](auto transport) {
-    combine_send_kernel<decltype(transport)><<<blocks, kCombineSendThreads, shared, call.stream>>>(call, args);
+    using Transport = decltype(transport);
+    if (!args.compressed) {
+      combine_send_kernel<Transport, false><<<blocks, kCombineSendThreads, shared, call.stream>>>(call, args);
+    } else if constexpr (Transport::kDirectStores) {
+      combine_send_kernel<Transport, true><<<blocks, kCombineSendThreads, shared, call.stream>>>(call, args);
+    } else {
+      return cudaErrorInvalidValue;  // the handler refuses compression on a transport without plain stores first
+    }
     return cudaGetLastError();
   });
 }
@@ -1022,12 +1053,20 @@ cudaError_t low_latency_combine_recv(const LowLatencyCall& call, const LowLatenc
   if (args.num_topk > kLowLatencyMaxTopk || args.num_tokens > call.num_max_tokens) return cudaErrorInvalidValue;
   const TokenParts split = token_parts(call, args.num_tokens);
   return with_transport(call, [&](auto transport) {
+    using Transport = decltype(transport);
     const int blocks = blocks_for_warps(call, args.num_tokens * split.parts);
-    if (args.num_topk <= 8)  // two chunks per round of loads
-      combine_recv_kernel<decltype(transport), 8><<<blocks, kThreads, 0, call.stream>>>(call, args, split);
+    auto launch = [&](auto compressed) {
+      if (args.num_topk <= 8)  // two chunks per round of loads
+        combine_recv_kernel<Transport, 8, decltype(compressed)::value><<<blocks, kThreads, 0, call.stream>>>(call, args,
+                                                                                                       split);
+      else
+        combine_recv_kernel<Transport, kLowLatencyMaxTopk, decltype(compressed)::value><<<blocks, kThreads, 0, call.stream>>>(
+            call, args, split);
+    };
+    if (args.compressed)
+      launch(std::true_type{});
     else
-      combine_recv_kernel<decltype(transport), kLowLatencyMaxTopk><<<blocks, kThreads, 0, call.stream>>>(call, args,
-                                                                                                    split);
+      launch(std::false_type{});
     return cudaGetLastError();
   });
 }

@@ -1,4 +1,5 @@
-"""LogFMT-10: a 10-bit logarithmic format for bfloat16 rows, the compressed payload of the low-latency combine.
+"""LogFMT-10: a 10-bit logarithmic format for bfloat16 rows, the compressed payload of the low-latency combine
+(this module for the xla backend and the tests; csrc/logfmt.cuh codes the same format in the cuda kernels).
 
 A row of H bfloat16 values (H a multiple of BLOCK) is cut into blocks of BLOCK consecutive values. Per block:
 
@@ -12,9 +13,11 @@ A row of H bfloat16 values (H a multiple of BLOCK) is cut into blocks of BLOCK c
 * decoding gives sign * 2^(lm + (q - 1) * step) for q > 0 (exactly amin for q = 1 and amax for q = MAX_CODE), 0
   for q == 0 (float32).
 
-Storage: the 128 codes of a block as a little-endian bit stream of 40 uint32 words (code i in bits [10i, 10i + 10)),
-then one word holding amax (low 16 bits) and amin (high 16 bits) as bfloat16 bit patterns: WORDS_PER_BLOCK = 41
-words, 164 bytes for 128 values (256 as bfloat16: 64 %). An all-zero block is all-zero words.
+Storage of a row of B = H / BLOCK blocks, uint32 words: first each block's 128 codes as a little-endian bit stream of
+40 words (code i in bits [10i, 10i + 10)), block after block (B * 40 words: each block's codes start 16-byte
+aligned, as the cuda kernels load them), then per block one word holding amax (low 16 bits) and amin (high 16
+bits) as bfloat16 bit patterns (B words): WORDS_PER_BLOCK = 41 words, 164 bytes per 128 values (256 as bfloat16:
+64 %). An all-zero block is all-zero words.
 
 Error, for a value x of a block whose step is s: a non-zero |x| >= amin * 2^(-s/2) decodes within a factor
 2^(s/2) of x (relative error at most 2^(s/2) - 1, plus float32 rounding of log2 and exp2, about 1e-6); the
@@ -124,7 +127,7 @@ def encode(x: jax.Array) -> jax.Array:
     amax = jnp.where(finite, amax, jnp.bfloat16(jnp.nan))
     scale = (lax.bitcast_convert_type(amax, jnp.uint16).astype(jnp.uint32)
              | (lax.bitcast_convert_type(amin, jnp.uint16).astype(jnp.uint32) << 16))
-    return jnp.concatenate([_pack(codes), scale[..., None]], axis=-1).reshape(*lead, -1)
+    return jnp.concatenate([_pack(codes).reshape(*lead, -1), scale], axis=-1)
 
 
 def decode(words: jax.Array, hidden: int) -> jax.Array:
@@ -132,10 +135,9 @@ def decode(words: jax.Array, hidden: int) -> jax.Array:
     if words.dtype != jnp.uint32 or words.shape[-1] != words_per_row(hidden):
         raise ValueError(f"LogFMT rows of {hidden} values are uint32 [..., {words_per_row(hidden)}], got "
                          f"{words.dtype} {words.shape}")
-    lead = words.shape[:-1]
-    blocks = words.reshape(*lead, hidden // BLOCK, WORDS_PER_BLOCK)
-    codes = _unpack(blocks[..., :CODE_WORDS])
-    scale = blocks[..., CODE_WORDS]
+    lead, num_blocks = words.shape[:-1], hidden // BLOCK
+    codes = _unpack(words[..., :num_blocks * CODE_WORDS].reshape(*lead, num_blocks, CODE_WORDS))
+    scale = words[..., num_blocks * CODE_WORDS:]
     amax = lax.bitcast_convert_type((scale & 0xFFFF).astype(jnp.uint16), jnp.bfloat16)
     amin = lax.bitcast_convert_type((scale >> 16).astype(jnp.uint16), jnp.bfloat16)
     lm, step = _log_range(amax, amin)

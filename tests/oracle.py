@@ -725,9 +725,9 @@ def logfmt_roundtrip(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]
 
 def logfmt_error_bound(x: np.ndarray, step: np.ndarray, amin: np.ndarray) -> np.ndarray:
     """A bound on |decoded - x| per value, kept or flushed: (2^(step/2) - 1)|x| for a value kept (plus float32
-    slack, 1e-6 relative), amin * 2^(-step/2) for a value flushed to zero."""
+    slack, 1e-6 relative), max(amin * 2^(-step/2), 2^-126) for a value flushed to zero."""
     mag = np.abs(np.asarray(x).astype(np.float64))
-    return (np.exp2(step / 2) - 1 + 1e-6) * mag + amin * np.exp2(-step / 2)
+    return (np.exp2(step / 2) - 1 + 1e-6) * mag + np.maximum(amin * np.exp2(-step / 2), LOGFMT_SMALLEST_NORMAL)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -115,6 +115,21 @@ def test_bit_packing_round_trips_and_places_codes_in_order():
         assert np.array_equal(bits[:, 10 * i:10 * i + 10] @ (1 << np.arange(10)), codes[:, i])
 
 
+def test_row_layout_codes_then_scales():
+    """A row: every block's 40 code words, block after block, then one (amax, amin) word per block."""
+    x = np.zeros((1, 256), BF16)
+    x[0, 3], x[0, 200] = 1.5, -0.25  # one value per block: codes 1 (amin = amax), signs 0 and 1
+    words = np.asarray(logfmt.encode(jnp.asarray(x)))[0]
+    assert words.shape == (2 * 41,)
+    code = lambda block, i: (int.from_bytes(words[40 * block:40 * block + 40].astype("<u4").tobytes(), "little")  # noqa: E731
+                             >> (10 * i)) & 0x3FF
+    assert code(0, 3) == 1 and code(1, 200 - 128) == (1 << 9) | 1
+    assert sum(code(0, i) != 0 for i in range(128)) == 1
+    scale = [(int(w) & 0xFFFF, int(w) >> 16) for w in words[80:]]
+    as_bits = lambda v: int(np.asarray(v, BF16).view(np.uint16))  # noqa: E731
+    assert scale == [(as_bits(1.5), as_bits(1.5)), (as_bits(0.25), as_bits(0.25))]
+
+
 def test_sizes():
     from jax_ep.config import HIDDEN_ALIGNMENT
     assert HIDDEN_ALIGNMENT % logfmt.BLOCK == 0  # every Buffer's rows split into whole blocks

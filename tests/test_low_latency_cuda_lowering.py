@@ -110,3 +110,35 @@ def test_region_size():
     assert (M * dispatch_row) % align == 0 and index % align == 0 and trace % align == 0 and header % align == 0
     set_bytes = flags + index + R * M * dispatch_row + LOW_LATENCY_MAX_TOPK * M * combine_row
     assert jax_ep.low_latency_buffer_bytes(M, H, R, E) == header + trace + counters + M * dispatch_row + 2 * set_bytes
+
+
+def test_compressed_combine_lowers_with_the_attribute():
+    """compression="logfmt" reaches both combine kernels as compression = 1 (0 without); a Buffer whose region is
+    reached through NVSHMEM puts refuses it before lowering (its warps encode into the peers' slots with plain
+    stores)."""
+    buf = cuda_standin()
+
+    def body(compression):
+        def fn(x, idx, w):
+            d = jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=False)
+            return jax_ep.low_latency_combine(buf, d.recv_x, idx, w, d.handle, compression=compression)
+        return fn
+
+    for compression, attribute in ((None, 0), ("logfmt", 1)):
+        text = lower(buf, body(compression), X, IDX, W)
+        calls = re.findall(r"custom_call @(jax_ep_low_latency_combine_\w+)\([^\n]*compression = (\d)", text)
+        assert sorted(calls) == [("jax_ep_low_latency_combine_recv", str(attribute)),
+                                 ("jax_ep_low_latency_combine_send", str(attribute))], calls
+    buf.backend_impl = intranode.IntranodeBackend(buf.buffer_id, buf.mesh, buf.axis_name, buf.config,
+                                                  low_latency_transport="nvshmem", low_latency_offset=0)
+    with pytest.raises(ValueError, match="compression='logfmt' is not implemented by this Buffer's cuda backend"):
+        lower(buf, body("logfmt"), X, IDX, W)
+
+
+def test_logfmt_sizes_agree_with_the_kernels():
+    if not _native.available():
+        pytest.skip("the native extension did not load")
+    from jax_ep import logfmt
+    assert (_native.limit("logfmt_block"), _native.limit("logfmt_code_bits"), _native.limit("logfmt_max_octaves"),
+            _native.limit("logfmt_block_bytes")) == (logfmt.BLOCK, logfmt.CODE_BITS, logfmt.MAX_OCTAVES,
+                                                     4 * logfmt.WORDS_PER_BLOCK)

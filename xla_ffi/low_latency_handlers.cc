@@ -150,7 +150,8 @@ ffi::Error DispatchRecv(const char* op, const LowLatencyAttrs& attrs, ffi::AnyBu
 }
 
 ffi::Error CombineSend(const char* op, const LowLatencyAttrs& attrs, ffi::AnyBuffer y, ffi::AnyBuffer src_token_index,
-                       ffi::AnyBuffer src_topk_index, ffi::AnyBuffer layout_range, ffi::Result<ffi::AnyBuffer> token) {
+                       ffi::AnyBuffer src_topk_index, ffi::AnyBuffer layout_range, ffi::Result<ffi::AnyBuffer> token,
+                       int64_t compression) {
   const auto y_dims = y.dimensions();
   if (y_dims.size() != 3) return Invalid(op, "y must be bf16 [L, R*M, H]");
   LowLatencyCall call;
@@ -169,11 +170,15 @@ ffi::Error CombineSend(const char* op, const LowLatencyAttrs& attrs, ffi::AnyBuf
   a.src_topk_index = DataOf<int32_t>(src_topk_index);
   a.layout_range = DataOf<int32_t>(layout_range);
   a.token = MutableDataOf<uint32_t>(*token);
+  if (compression != 0 && compression != 1) return Invalid(op, "compression must be 0 (none) or 1 (LogFMT)");
+  if (compression == 1 && call.transport != LowLatencyTransport::kPeerStores)
+    return Invalid(op, "a compressed combine needs the peer-store transport (its warps encode into the peers' slots)");
+  a.compressed = compression == 1;
   return Launched(op, low_latency_combine_send(call, a), NeverTooSmall);
 }
 
 ffi::Error CombineRecv(const char* op, const LowLatencyAttrs& attrs, ffi::AnyBuffer token, ffi::AnyBuffer topk_idx,
-                       ffi::AnyBuffer topk_weights, ffi::Result<ffi::AnyBuffer> out) {
+                       ffi::AnyBuffer topk_weights, ffi::Result<ffi::AnyBuffer> out, int64_t compression) {
   const auto out_dims = out->dimensions();
   if (out->element_type() != ffi::DataType::BF16 || out_dims.size() != 2) return Invalid(op, "out must be bf16 [T, H]");
   LowLatencyCall call;
@@ -191,6 +196,8 @@ ffi::Error CombineRecv(const char* op, const LowLatencyAttrs& attrs, ffi::AnyBuf
   a.num_tokens = out_dims[0];
   a.num_topk = idx_dims[1];
   a.out = out->untyped_data();
+  if (compression != 0 && compression != 1) return Invalid(op, "compression must be 0 (none) or 1 (LogFMT)");
+  a.compressed = compression == 1;
   return Launched(op, low_latency_combine_recv(call, a), NeverTooSmall);
 }
 
@@ -210,12 +217,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchRecv,
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineSend, LowLatencyHandler("low_latency_combine (send)", CombineSend),
-                              AnyBufferArgs<4>(LowLatencyBinding()).Ret<ffi::AnyBuffer>(),
+                              Int64Attrs(AnyBufferArgs<4>(LowLatencyBinding()).Ret<ffi::AnyBuffer>(), "compression"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineRecv,
                               LowLatencyHandler("low_latency_combine (receive)", CombineRecv),
-                              AnyBufferArgs<3>(LowLatencyBinding()).Ret<ffi::AnyBuffer>(),
+                              Int64Attrs(AnyBufferArgs<3>(LowLatencyBinding()).Ret<ffi::AnyBuffer>(), "compression"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_ep::ffi_handlers

@@ -82,6 +82,10 @@ nb::dict Limits() {
   limits["low_latency_trace_calls"] = jax_ep::kLowLatencyTraceCalls;
   limits["low_latency_trace_bytes"] = jax_ep::kLowLatencyTraceBytes;
   limits["low_latency_row_header_bytes"] = jax_ep::kLowLatencyRowHeaderBytes;
+  limits["logfmt_block"] = jax_ep::kLogFmtBlock;
+  limits["logfmt_code_bits"] = jax_ep::kLogFmtCodeBits;
+  limits["logfmt_max_octaves"] = jax_ep::kLogFmtMaxOctaves;
+  limits["logfmt_block_bytes"] = jax_ep::kLogFmtBlockBytes;
   limits["max_internode_ranks"] = jax_ep::kMaxInternodeRanks;
   limits["max_ranks_per_node"] = jax_ep::kMaxRanksPerNode;
   limits["internode_align"] = jax_ep::kInternodeAlign;

@@ -180,6 +180,38 @@ def test_max_tokens_512_and_topk_11(R):
         check_oracle(run_ll(R, M, "cuda", mode, x, idx, w, y, stats), exp, out, mode, f"{mode}: ")
 
 
+@pytest.mark.parametrize("R", RANKS)
+@pytest.mark.parametrize("H, scale", [(512, 1.0), (7168, 1.0), (512, 1e-30), (512, 1e30)])
+def test_logfmt_combine_within_the_bound(R, H, scale):
+    """compression="logfmt": the send's warps encode each row into its slot, the receive decodes as it sums; every
+    output within sum_k |w_k| * (LogFMT's bound on row k, tests/oracle.py) of the float32 k-order sum, plus its
+    bfloat16 rounding. On the NVSHMEM transport the op is refused (its puts cannot encode)."""
+    T, K, E, M = 40, 8, 4 * R, 48
+    x, idx, w, y, _ = make_inputs(R, T, H, K, E, M, seed=R + H, p_invalid=0.03)
+    y = (y.astype(np.float32) * scale).astype(O.BF16)
+    buf = ll_buffer(R, M, H, E)
+
+    def body(x, idx, w, y):
+        d = jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=False)
+        return jax_ep.low_latency_combine(buf, y, idx, w, d.handle, compression="logfmt")
+
+    fn = spmd(R, body)
+    if buf.low_latency_transport != "peer_stores":
+        with pytest.raises(ValueError, match="compression='logfmt' is not implemented"):
+            fn(*map(flat, (x, idx, w, y)))
+        return
+    out = ranks(fn(*map(flat, (x, idx, w, y))), R).astype(np.float64)
+    exp = O.low_latency_dispatch(x, idx, E, M)
+    acc, mag = O.low_latency_combine(y, idx, w, E, exp)
+    _, step, amin = O.logfmt_roundtrip(y)
+    row_error, _ = O.low_latency_combine(O.logfmt_error_bound(y, step, amin), idx, np.abs(w), E, exp)
+    bound = row_error + 2.0 ** -8 * (np.abs(acc) + row_error) * 1.01 + 1e-5 * mag + 1e-38
+    bad = np.abs(out - acc) > bound
+    assert not bad.any(), f"{bad.sum()} of {bad.size} outputs off, e.g. got {out[bad][0]} want {acc[bad][0]}"
+    # The rows did travel compressed: the sums are not the uncompressed ones' bits.
+    assert np.mean(out == acc.astype(O.BF16).astype(np.float64)) < 0.9
+
+
 def test_buffer_transport_follows_the_setting():
     """The Buffers of this suite use the transport the environment asks for (test_multiprocess_gpu.py runs the
     suite with JAX_EP_LL_TRANSPORT=nvshmem): the suite cannot pass on peer stores when NVSHMEM was asked for."""

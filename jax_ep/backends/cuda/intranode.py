@@ -295,14 +295,19 @@ class IntranodeBackend(Backend):
         return low_latency.dispatch_recv(state, params=self._low_latency_params(num_experts, num_max_tokens),
                                          cast=cast)
 
+    @property
+    def combine_compressions(self) -> tuple[str, ...]:
+        # The send's warps encode straight into the peers' slots: plain stores, not NVSHMEM puts.
+        return ("logfmt",) if self.low_latency_transport == "peer_stores" else ()
+
     def low_latency_combine_send(self, y, handle, topk_idx, topk_weights, *, num_experts, num_max_tokens,
                                  compression=None):
-        assert compression is None, "the ops check combine_compressions (none here)"
-        return low_latency.combine_send(y, handle, topk_idx, topk_weights,
+        return low_latency.combine_send(y, handle, topk_idx, topk_weights, compression=compression,
                                         params=self._low_latency_params(num_experts, num_max_tokens))
 
     def low_latency_combine_recv(self, state, *, num_experts, num_max_tokens, compression=None):
-        return low_latency.combine_recv(state, params=self._low_latency_params(num_experts, num_max_tokens))
+        return low_latency.combine_recv(state, compression=compression,
+                                        params=self._low_latency_params(num_experts, num_max_tokens))
 
     # ---- lifetime -------------------------------------------------------------------------------------------
 

@@ -175,8 +175,13 @@ _dispatch_recv.defvjp(_dispatch_recv_fwd, _dispatch_recv_bwd)
 
 # ---- combine --------------------------------------------------------------------------------------------------
 
-def combine_send(y, handle, topk_idx, topk_weights, *, params: LowLatencyParams):
-    """Returns every valid row of y [L, R*M, H] to its source rank. Returns the state `combine_recv` takes."""
+# compression= of the combine -> the kernels' "compression" attribute (csrc LowLatencyCombineSendArgs.compressed)
+COMPRESSIONS = {None: 0, "logfmt": 1}
+
+
+def combine_send(y, handle, topk_idx, topk_weights, *, params: LowLatencyParams, compression=None):
+    """Returns every valid row of y [L, R*M, H] to its source rank (LogFMT-encoded with compression="logfmt",
+    the peer-store transport only). Returns the state `combine_recv` takes."""
     check_topk("low_latency_combine", topk_idx.shape[1])
     if not isinstance(handle, CudaLowLatencyHandle):
         raise TypeError("jax_ep.low_latency_combine (cuda): the handle must come from a low_latency_dispatch of the "
@@ -185,28 +190,30 @@ def combine_send(y, handle, topk_idx, topk_weights, *, params: LowLatencyParams)
     result_type = jax.typeof(y).update(shape=(), dtype=jnp.uint32)
     token = jax.ffi.ffi_call(COMBINE_SEND_TARGET, result_type)(
         sent_y, sent_handle.src_token_index, sent_handle.src_topk_index, sent_handle.layout_range,
-        **params.attributes())
+        **params.attributes(), compression=np.int64(COMPRESSIONS[compression]))
     return token, y, handle, topk_idx, topk_weights
 
 
-def combine_recv(state, *, params: LowLatencyParams):
-    """out[t] = sum_k topk_weights[t, k] * (row of expert topk_idx[t, k] for t), float32 in k order, bf16 [T, H]."""
-    return _combine_recv(params, *state)
+def combine_recv(state, *, params: LowLatencyParams, compression=None):
+    """out[t] = sum_k topk_weights[t, k] * (row of expert topk_idx[t, k] for t), float32 in k order, bf16 [T, H].
+    The gradients are those of the uncompressed combine (the rows' encoding counts as the identity)."""
+    return _combine_recv(params, compression, *state)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _combine_recv(params: LowLatencyParams, token, y, handle, topk_idx, topk_weights):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _combine_recv(params: LowLatencyParams, compression, token, y, handle, topk_idx, topk_weights):
     check_topk("low_latency_combine", topk_idx.shape[1])
     result_type = jax.typeof(topk_weights).update(shape=(topk_idx.shape[0], y.shape[-1]), dtype=jnp.bfloat16)
-    return jax.ffi.ffi_call(COMBINE_RECV_TARGET, result_type)(token, topk_idx, topk_weights, **params.attributes())
+    return jax.ffi.ffi_call(COMBINE_RECV_TARGET, result_type)(token, topk_idx, topk_weights, **params.attributes(),
+                                                              compression=np.int64(COMPRESSIONS[compression]))
 
 
-def _combine_recv_fwd(params, token, y, handle, topk_idx, topk_weights):
-    out = _combine_recv(params, token, y, handle, topk_idx, topk_weights)
+def _combine_recv_fwd(params, compression, token, y, handle, topk_idx, topk_weights):
+    out = _combine_recv(params, compression, token, y, handle, topk_idx, topk_weights)
     return out, (token, y, handle, topk_idx, topk_weights)
 
 
-def _combine_recv_bwd(params, residual, cotangent):
+def _combine_recv_bwd(params, compression, residual, cotangent):
     token, y, handle, topk_idx, topk_weights = residual
 
     def xla_combine(y, topk_weights):
