@@ -23,24 +23,18 @@ __device__ __forceinline__ float bf16_bits_to_float(uint32_t bits) {
   return __bfloat162float(__ushort_as_bfloat16(static_cast<uint16_t>(bits)));
 }
 
-// log2 of amin and the step between codes, from the block's (amax, amin) as both encoder and decoder see them.
-struct LogFmtRange {
-  float lm, step;
-  __device__ __forceinline__ LogFmtRange(float amax, float amin)
-      : lm(log2f(amin)), step((log2f(amax) - log2f(amin)) / static_cast<float>(kLogFmtMaxCode - 1)) {}
-};
-
-// A lane's share of the 128 bfloat16 values of a block at `src` (16-byte aligned), as logfmt_encode_block takes it:
-// loaded apart so that a warp can have several blocks' loads in flight.
-__device__ __forceinline__ uint2 logfmt_lane_values(const __nv_bfloat16* src, int lane) {
-  return *reinterpret_cast<const uint2*>(src + lane * kLogFmtLaneValues);
+// Octaves between codes, from the block's (amax, amin) as both encoder and decoder see them. Logarithms of ratios to
+// amin (at most kLogFmtMaxOctaves) keep float32's rounding small, as in jax_ep/logfmt.py.
+__device__ __forceinline__ float logfmt_step(float amax, float amin) {
+  return log2f(amax / amin) / static_cast<float>(kLogFmtMaxCode - 1);
 }
 
-// Warp-collective: encodes a block (each lane's logfmt_lane_values) into `codes` (kLogFmtCodeBytes, 16-byte
-// aligned) and `scale` (4 bytes): plain stores, so `codes` and `scale` may be a peer's memory. `words` is this
-// warp's kLogFmtCodeWords of shared memory.
-__device__ __forceinline__ void logfmt_encode_block(const uint2& raw, char* codes, char* scale, uint32_t* words,
+// Warp-collective: encodes the 128 bfloat16 values at `src` (16-byte aligned; 4 per lane) into `codes`
+// (kLogFmtCodeBytes, 16-byte aligned) and `scale` (4 bytes): plain stores, so `codes` and `scale` may be a peer's
+// memory. `words` is this warp's kLogFmtCodeWords of shared memory, 16-byte aligned.
+__device__ __forceinline__ void logfmt_encode_block(const __nv_bfloat16* src, char* codes, char* scale, uint32_t* words,
                                                     int lane) {
+  const uint2 raw = *reinterpret_cast<const uint2*>(src + lane * kLogFmtLaneValues);
   const __nv_bfloat16* pair = reinterpret_cast<const __nv_bfloat16*>(&raw);
   float value[kLogFmtLaneValues], magnitude[kLogFmtLaneValues];
   float amax = 0.f, amin = __int_as_float(0x7f800000);  // +inf: no non-zero magnitude yet
@@ -60,16 +54,17 @@ __device__ __forceinline__ void logfmt_encode_block(const uint2& raw, char* code
     amin = fminf(amin, __shfl_xor_sync(0xffffffffu, amin, offset));
   }
   finite = __all_sync(0xffffffffu, finite);
-  const float floor = fmaxf(__bfloat162float(__float2bfloat16_rn(amax * 0x1p-32f)), kLogFmtSmallestNormal);
+  const float floor = fmaxf(__bfloat162float(__float2bfloat16_rn(ldexpf(amax, -kLogFmtMaxOctaves))),
+                            kLogFmtSmallestNormal);
   amin = amax > 0.f ? fmaxf(amin, floor) : 0.f;  // both exact bfloat16 values
-  const LogFmtRange range(amax, amin);
-  const float flush_below = amin * exp2f(-range.step / 2);
+  const float step = logfmt_step(amax, amin);
+  const float flush_below = amin * exp2f(-step / 2);
   uint64_t bits = 0;
 #pragma unroll
   for (int i = 0; i < kLogFmtLaneValues; ++i) {
     uint32_t code = 0;
     if (magnitude[i] > 0.f && !(magnitude[i] < flush_below)) {
-      const float position = range.step > 0.f ? (log2f(fmaxf(magnitude[i], amin)) - range.lm) / range.step : 0.f;
+      const float position = step > 0.f ? log2f(fmaxf(magnitude[i], amin) / amin) / step : 0.f;
       code = static_cast<uint32_t>(fminf(fmaxf(rintf(position), 0.f), kLogFmtMaxCode - 1)) + 1;
       code |= static_cast<uint32_t>(signbit(value[i]) ? 1 : 0) << (kLogFmtCodeBits - 1);
     }
@@ -103,7 +98,7 @@ __device__ __forceinline__ uint4 logfmt_load8(const char* row, int64_t blocks, i
 // The 8 values logfmt_load8 loaded for value `first`, as float32 (NaN for a block that held a non-finite value).
 __device__ __forceinline__ void logfmt_decode8(const uint4& words, int64_t first, float (&v)[8]) {
   const float amax = bf16_bits_to_float(words.w & 0xFFFF), amin = bf16_bits_to_float(words.w >> 16);
-  const LogFmtRange range(amax, amin);
+  const float step = logfmt_step(amax, amin);
   const uint64_t low = words.x | static_cast<uint64_t>(words.y) << 32;
   const int first_bit = (first % kLogFmtBlock / 8) % 2 * 16;  // 80 bits per 8 values: half-word starts
 #pragma unroll
@@ -115,7 +110,7 @@ __device__ __forceinline__ void logfmt_decode8(const uint4& words, int64_t first
     else code = words.z >> (bit - 64);
     code &= (1u << kLogFmtCodeBits) - 1;
     const uint32_t q = code & kLogFmtMaxCode;
-    float magnitude = q == 1 ? amin : q == kLogFmtMaxCode ? amax : exp2f(range.lm + (q - 1.f) * range.step);
+    float magnitude = q == 1 ? amin : q == kLogFmtMaxCode ? amax : amin * exp2f((q - 1.f) * step);
     if (q == 0) magnitude = 0.f;
     v[i] = isnan(amax) ? amax : (code >> (kLogFmtCodeBits - 1) ? -magnitude : magnitude);
   }

@@ -769,7 +769,7 @@ template <typename Transport, bool kCompressed>
 __global__ void __launch_bounds__(kCombineSendThreads) combine_send_kernel(
     const __grid_constant__ LowLatencyCall c, const __grid_constant__ LowLatencyCombineSendArgs a) {
   extern __shared__ int64_t first_row[];  // [pairs + 1]: rows of the pairs before p, in pair order
-  __shared__ uint32_t logfmt_words[kCombineSendWarps][kLogFmtCodeWords];  // kCompressed: a block's codes, per warp
+  __shared__ alignas(16) uint32_t logfmt_words[kCombineSendWarps][kLogFmtCodeWords];  // kCompressed: a block's codes
   enum { kCredits, kPuts, kFlags };  // phases, as kLowLatencyPhaseNames names them
   clock_begin();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_ranks = c.group.num_ranks;
@@ -820,7 +820,7 @@ __global__ void __launch_bounds__(kCombineSendThreads) combine_send_kernel(
         char* dst = Transport::address(c, static_cast<int>(p % num_ranks), slot);
         const __nv_bfloat16* src = reinterpret_cast<const __nv_bfloat16*>(y) + item * hidden;
         for (int64_t b = begin; b < end; ++b)
-          logfmt_encode_block(logfmt_lane_values(src + b * kLogFmtBlock, lane), dst + b * kLogFmtCodeBytes,
+          logfmt_encode_block(src + b * kLogFmtBlock, dst + b * kLogFmtCodeBytes,
                               dst + blocks * kLogFmtCodeBytes + b * 4, logfmt_words[warp], lane);
       } else {
         Transport::put_warp(c, static_cast<int>(p % num_ranks), slot + begin,
@@ -1056,11 +1056,11 @@ cudaError_t low_latency_combine_recv(const LowLatencyCall& call, const LowLatenc
     using Transport = decltype(transport);
     const int blocks = blocks_for_warps(call, args.num_tokens * split.parts);
     auto launch = [&](auto compressed) {
+      constexpr bool kCompressed = decltype(compressed)::value;
       if (args.num_topk <= 8)  // two chunks per round of loads
-        combine_recv_kernel<Transport, 8, decltype(compressed)::value><<<blocks, kThreads, 0, call.stream>>>(call, args,
-                                                                                                       split);
+        combine_recv_kernel<Transport, 8, kCompressed><<<blocks, kThreads, 0, call.stream>>>(call, args, split);
       else
-        combine_recv_kernel<Transport, kLowLatencyMaxTopk, decltype(compressed)::value><<<blocks, kThreads, 0, call.stream>>>(
+        combine_recv_kernel<Transport, kLowLatencyMaxTopk, kCompressed><<<blocks, kThreads, 0, call.stream>>>(
             call, args, split);
     };
     if (args.compressed)

@@ -183,8 +183,10 @@ def config_unsupported_reason(kernels: str, op: str, config: BlockConfig, m: int
     for what, size, block in divisors:
         if size % block:
             return f"{op}: {what} {size} is not a multiple of the block size {block} ({config})"
-    if m < (128 if op == "dw" else config.block_m):
-        return f"{op}: M={m} is below one tile of {config.block_m} rows"
+    # jax_ep's kernels load at least 128 rows of lhs (dw: its rows are contracted, any block_m takes 128).
+    min_rows = 128 if op == "dw" else config.block_m
+    if m < min_rows:
+        return f"{op}: M={m} is below the {min_rows} rows the kernels load at least"
     block_m_choices = (128, 256) if op == "dw" else (128,)
     if kernels == "pallas" and (config.block_m not in block_m_choices or config.block_n % 64
                                 or config.block_k % 64 or config.block_n > 256):

@@ -6,11 +6,12 @@ A row of H bfloat16 values (H a multiple of BLOCK) is cut into blocks of BLOCK c
 * magnitudes below 2^-126 (subnormal numbers, which GPU arithmetic flushes to zero) count as zero;
 * amax = the largest magnitude, amin = the smallest non-zero magnitude, raised to amax * 2^-MAX_OCTAVES (at least
   2^-126) when it is smaller (both bfloat16, so exact copies of input magnitudes or power-of-two multiples of them);
-  la = log2(amax), lm = log2(amin), step = (la - lm) / (MAX_CODE - 1), all in float32;
+  step = log2(amax / amin) / (MAX_CODE - 1), in float32 (logarithms of ratios to amin, at most MAX_OCTAVES, keep
+  float32's rounding of them small);
 * each value x gets a 10-bit code: bit 9 its sign, bits 0-8 a magnitude code q:
   q = 0 for x == 0 and for |x| below amin * 2^(-step / 2) (flushed to zero), else
-  q = 1 + round((log2|x| - lm) / step), clipped to [1, MAX_CODE];
-* decoding gives sign * 2^(lm + (q - 1) * step) for q > 0 (exactly amin for q = 1 and amax for q = MAX_CODE), 0
+  q = 1 + round(log2(|x| / amin) / step), clipped to [1, MAX_CODE];
+* decoding gives sign * amin * 2^((q - 1) * step) for q > 0 (exactly amin for q = 1 and amax for q = MAX_CODE), 0
   for q == 0 (float32).
 
 Storage of a row of B = H / BLOCK blocks, uint32 words: first each block's 128 codes as a little-endian bit stream of
@@ -20,10 +21,11 @@ bits) as bfloat16 bit patterns (B words): WORDS_PER_BLOCK = 41 words, 164 bytes 
 64 %). An all-zero block is all-zero words.
 
 Error, for a value x of a block whose step is s: a non-zero |x| >= amin * 2^(-s/2) decodes within a factor
-2^(s/2) of x (relative error at most 2^(s/2) - 1, plus float32 rounding of log2 and exp2, about 1e-6); the
+2^(s/2) of x (relative error at most 2^(s/2) - 1, plus float32 rounding: at most FLOAT32_SLACK); the
 block's step is at most MAX_OCTAVES / (MAX_CODE - 1) = 32/510 octaves, so the relative error is at most 2.2 %, and
 far less when a block spans few octaves (normally distributed values: about 12 octaves, 0.8 %). A value flushed to
-zero is below amin * 2^(-s/2) (at most max(amax * 2^-32, 2^-126)) in magnitude. Signs are kept; zeros decode as +0.
+zero is below max(amin * 2^(-s/2), 2^-126) <= max(amax * 2^-32, 2^-126) in magnitude: values more than 32 octaves
+below their block's largest are lost. Signs are kept; zeros decode as +0.
 A block holding an infinity or a NaN decodes to NaN everywhere (nothing is dropped silently).
 """
 from __future__ import annotations
@@ -39,6 +41,9 @@ MAX_CODE = (1 << MAGNITUDE_BITS) - 1  # magnitude codes 1 .. MAX_CODE; 0 is zero
 MAX_OCTAVES = 32          # a block spans at most this many octaves below its largest magnitude
 # Magnitudes below float32's (and bfloat16's) smallest normal number count as zero: GPU arithmetic flushes them.
 SMALLEST_NORMAL = 2.0 ** -126
+# What float32 arithmetic adds to the format's relative error: exponents (q - 1) * step up to MAX_OCTAVES = 2^5 are
+# rounded to 2^-19 (half a unit), a relative 2^-19 * ln 2 in the value, plus exp2's and the product's roundings.
+FLOAT32_SLACK = 4e-6
 CODE_WORDS = BLOCK * CODE_BITS // 32  # 40 uint32 words of codes per block
 WORDS_PER_BLOCK = CODE_WORDS + 1      # and one word of (amax, amin)
 _CODES_PER_GROUP = 16     # 16 codes = 160 bits = 5 words: the packing's repeating unit
@@ -70,11 +75,9 @@ def _block_scale(magnitude: jax.Array) -> tuple[jax.Array, jax.Array]:
     return amax.astype(jnp.bfloat16), amin.astype(jnp.bfloat16)
 
 
-def _log_range(amax: jax.Array, amin: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(lm, step) of blocks from their bfloat16 amax and amin, computed alike by encoder and decoder."""
-    la = jnp.log2(amax.astype(jnp.float32))
-    lm = jnp.log2(amin.astype(jnp.float32))
-    return lm, (la - lm) / (MAX_CODE - 1)
+def _step(amax: jax.Array, amin: jax.Array) -> jax.Array:
+    """Octaves between codes, of blocks from their bfloat16 amax and amin, computed alike by encoder and decoder."""
+    return jnp.log2(amax.astype(jnp.float32) / amin.astype(jnp.float32)) / (MAX_CODE - 1)
 
 
 def _pack(codes: jax.Array) -> jax.Array:
@@ -113,10 +116,10 @@ def encode(x: jax.Array) -> jax.Array:
     magnitude = jnp.abs(blocks)
     magnitude = jnp.where(magnitude < SMALLEST_NORMAL, 0.0, magnitude)
     amax, amin = _block_scale(magnitude)
-    lm, step = _log_range(amax, amin)
-    lm, step, amin32 = lm[..., None], step[..., None], amin.astype(jnp.float32)[..., None]
+    step, amin32 = _step(amax, amin)[..., None], amin.astype(jnp.float32)[..., None]
     # A block of equal magnitudes has step 0: every non-zero value is amin exactly (code 1).
-    position = jnp.where(step > 0, (jnp.log2(jnp.maximum(magnitude, amin32)) - lm) / jnp.where(step > 0, step, 1.0), 0.0)
+    position = jnp.where(step > 0, jnp.log2(jnp.maximum(magnitude, amin32) / amin32) / jnp.where(step > 0, step, 1.0),
+                         0.0)
     magnitude_code = jnp.clip(jnp.round(position), 0, MAX_CODE - 1).astype(jnp.uint32) + 1
     flushed = (magnitude == 0) | (magnitude < amin32 * jnp.exp2(-step / 2))
     magnitude_code = jnp.where(flushed, jnp.uint32(0), magnitude_code)
@@ -140,11 +143,12 @@ def decode(words: jax.Array, hidden: int) -> jax.Array:
     scale = words[..., num_blocks * CODE_WORDS:]
     amax = lax.bitcast_convert_type((scale & 0xFFFF).astype(jnp.uint16), jnp.bfloat16)
     amin = lax.bitcast_convert_type((scale >> 16).astype(jnp.uint16), jnp.bfloat16)
-    lm, step = _log_range(amax, amin)
+    step = _step(amax, amin)[..., None]
+    amin32 = amin.astype(jnp.float32)[..., None]
     magnitude_code = codes & MAX_CODE
-    value = jnp.exp2(lm[..., None] + (magnitude_code.astype(jnp.float32) - 1) * step[..., None])
+    value = amin32 * jnp.exp2((magnitude_code.astype(jnp.float32) - 1) * step)
     # The ends of the range are amin and amax exactly (float32's exp2(log2(a)) can be off by one unit).
-    value = jnp.where(magnitude_code == 1, amin.astype(jnp.float32)[..., None], value)
+    value = jnp.where(magnitude_code == 1, amin32, value)
     value = jnp.where(magnitude_code == MAX_CODE, amax.astype(jnp.float32)[..., None], value)
     value = jnp.where(magnitude_code > 0, value, 0.0)
     value = jnp.where((codes >> MAGNITUDE_BITS) != 0, -value, value)

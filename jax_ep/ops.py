@@ -532,9 +532,10 @@ def low_latency_combine_send(buffer: Buffer, y, topk_idx, topk_weights, handle: 
     if compression not in COMBINE_COMPRESSIONS:
         raise ValueError(f"jax_ep.{op}: compression must be one of {COMBINE_COMPRESSIONS}, got {compression!r}")
     if compression is not None and compression not in buffer.backend_impl.combine_compressions:
+        transport = buffer.low_latency_transport
         raise ValueError(f"jax_ep.{op}: compression={compression!r} is not implemented by this Buffer's "
-                         f"{buffer.backend} backend (its kernels send bfloat16 rows); a Buffer with backend='xla' "
-                         f"compresses")
+                         f"{buffer.backend} backend{f' on the {transport} transport' if transport else ''}; the xla "
+                         f"backend compresses, and so do the cuda kernels on the peer_stores transport")
     experts_per_rank = spec.num_experts // spec.num_ranks
     _checks.exact(op, "y", y, jnp.bfloat16, (experts_per_rank, spec.num_ranks * spec.num_max_tokens, buffer.hidden))
     _checks.topk_idx(op, topk_idx, spec.num_experts)

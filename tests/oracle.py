@@ -691,13 +691,15 @@ def low_latency_combine(
 # ----------------------------------------------------------------------------------------------------------------
 # LogFMT-10 (the compressed low-latency combine's payload), from its definition in jax_ep/logfmt.py's docstring:
 # blocks of 128 values; amax, amin (the smallest non-zero magnitude, at least amax * 2^-32, as bfloat16); codes
-# q = 1 + round((log2|x| - log2 amin) / step), step = (log2 amax - log2 amin) / 510; |x| below amin * 2^(-step/2)
-# or below 2^-126 is 0. Computed here in float64.
+# q = 1 + round(log2(|x| / amin) / step), step = log2(amax / amin) / 510; |x| below amin * 2^(-step/2) or below
+# 2^-126 is 0; decoded amin * 2^((q - 1) * step). Computed here in float64; the coders' float32 adds at most
+# LOGFMT_FLOAT32_SLACK relative.
 # ----------------------------------------------------------------------------------------------------------------
 LOGFMT_BLOCK = 128
 LOGFMT_MAX_CODE = 511
 LOGFMT_MAX_OCTAVES = 32
 LOGFMT_SMALLEST_NORMAL = 2.0 ** -126
+LOGFMT_FLOAT32_SLACK = 4e-6
 
 
 def logfmt_roundtrip(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -712,22 +714,24 @@ def logfmt_roundtrip(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]
                        LOGFMT_SMALLEST_NORMAL)
     amin = np.where(amax > 0, np.maximum(smallest, floor), 0.0)
     with np.errstate(divide="ignore", invalid="ignore"):
-        lm, la = np.log2(amin), np.log2(amax)
-        step = np.where(amax > 0, (la - lm) / (LOGFMT_MAX_CODE - 1), 0.0)
-        q = np.where(step > 0, np.round((np.log2(np.maximum(mag, amin)) - lm) / np.where(step > 0, step, 1)), 0)
+        step = np.where(amax > 0, np.log2(amax / amin) / (LOGFMT_MAX_CODE - 1), 0.0)
+        q = np.where(step > 0, np.round(np.log2(np.maximum(mag, amin) / amin) / np.where(step > 0, step, 1)), 0)
         q = np.clip(q, 0, LOGFMT_MAX_CODE - 1) + 1
         q = np.where((mag == 0) | (mag < amin * np.exp2(-step / 2)), 0, q)
-        out = np.where(q > 0, np.exp2(lm + (q - 1) * step), 0.0) * np.sign(blocks)
+        out = np.where(q > 0, amin * np.exp2((q - 1) * step), 0.0) * np.sign(blocks)
     out = np.where(np.all(np.isfinite(blocks), axis=-1, keepdims=True), out, np.nan)
     spread = lambda a: np.broadcast_to(a, blocks.shape).reshape(v.shape)  # noqa: E731
     return out.reshape(v.shape), spread(step), spread(amin)
 
 
 def logfmt_error_bound(x: np.ndarray, step: np.ndarray, amin: np.ndarray) -> np.ndarray:
-    """A bound on |decoded - x| per value, kept or flushed: (2^(step/2) - 1)|x| for a value kept (plus float32
-    slack, 1e-6 relative), max(amin * 2^(-step/2), 2^-126) for a value flushed to zero."""
+    """A bound on |decoded - x| per value: (2^(step/2) - 1 + LOGFMT_FLOAT32_SLACK)|x| for a value the format keeps;
+    for one at or below the flush threshold max(amin * 2^(-step/2), 2^-126) (within float32 rounding of it, where
+    a coder may decide either way), the threshold too."""
     mag = np.abs(np.asarray(x).astype(np.float64))
-    return (np.exp2(step / 2) - 1 + 1e-6) * mag + np.maximum(amin * np.exp2(-step / 2), LOGFMT_SMALLEST_NORMAL)
+    kept = (np.exp2(step / 2) - 1 + LOGFMT_FLOAT32_SLACK) * mag
+    threshold = np.maximum(amin * np.exp2(-step / 2), LOGFMT_SMALLEST_NORMAL)
+    return np.where(mag <= threshold * (1 + 1e-5), np.maximum(kept, threshold), kept)
 
 
 # ----------------------------------------------------------------------------------------------------------------

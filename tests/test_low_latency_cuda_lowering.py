@@ -131,7 +131,8 @@ def test_compressed_combine_lowers_with_the_attribute():
                                  ("jax_ep_low_latency_combine_send", str(attribute))], calls
     buf.backend_impl = intranode.IntranodeBackend(buf.buffer_id, buf.mesh, buf.axis_name, buf.config,
                                                   low_latency_transport="nvshmem", low_latency_offset=0)
-    with pytest.raises(ValueError, match="compression='logfmt' is not implemented by this Buffer's cuda backend"):
+    with pytest.raises(ValueError, match="compression='logfmt' is not implemented by this Buffer's cuda backend on the "
+                                         "nvshmem transport"):
         lower(buf, body("logfmt"), X, IDX, W)
 
 

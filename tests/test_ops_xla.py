@@ -14,6 +14,7 @@ import functools  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import oracle as O  # noqa: E402
 import pytest  # noqa: E402
@@ -570,11 +571,14 @@ def test_low_latency_combine_logfmt(cm, split, scale):
     assert not bad.any(), f"{bad.sum()} of {bad.size} outputs off, e.g. got {out[bad][0]} want {acc[bad][0]}"
 
 
+def small_ll_case(seed: int, R: int = 2, T: int = 8, H: int = 256, K: int = 2, E: int = 4):
+    """(R, H, an xla Buffer, then idx, w, x, y per rank) of a small uniform low-latency case."""
+    idx, w, x, y, _ = ll_inputs(Case(R, T, H, K, E, "uniform", 0.0, 0.0, seed=seed), T, False)
+    return R, H, ll_buffer(R, T, H, E), idx, w, x, y
+
+
 def test_low_latency_combine_logfmt_sends_encoded_rows():
-    R, T, H, K, E = 2, 8, 256, 2, 4
-    buf = ll_buffer(R, T, H, E)
-    c = Case(R, T, H, K, E, "uniform", 0.0, 0.0, seed=1)
-    idx, w, x, y, _ = ll_inputs(c, T, False)
+    R, H, buf, idx, w, x, y = small_ll_case(seed=1)
 
     def sent(compression):
         def body(x, idx, y, w):
@@ -590,13 +594,30 @@ def test_low_latency_combine_logfmt_sends_encoded_rows():
         sent("zstd")
 
 
+def test_low_latency_combine_logfmt_gradients_are_the_uncompressed_ones():
+    """The encoding counts as the identity in the VJP: d y and d topk_weights as without compression."""
+    R, H, buf, idx, w, x, y = small_ll_case(seed=3)
+
+    def grads(compression):
+        def body(x, idx, y, w):
+            handle = jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=False).handle
+
+            def loss(y, w):
+                out = jax_ep.low_latency_combine(buf, y, idx, w, handle, compression=compression)
+                return jnp.sum(out.astype(jnp.float32) * jnp.arange(H, dtype=jnp.float32))
+            return jax.grad(loss, argnums=(0, 1))(y, w)
+        return spmd(R, body)(flat(x), flat(idx), flat(y), flat(w))
+
+    plain, compressed = grads(None), grads("logfmt")
+    assert np.abs(np.asarray(plain[0], np.float32)).sum() > 0
+    for a, b in zip(plain, compressed):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 def test_low_latency_combine_compression_refused_where_the_backend_lacks_it(monkeypatch):
     from jax_ep.backends.xla import XlaBackend
-    monkeypatch.setattr(XlaBackend, "combine_compressions", ())  # as the cuda kernels' backends declare
-    R, T, H, K, E = 2, 8, 128, 2, 4
-    buf = ll_buffer(R, T, H, E)
-    c = Case(R, T, H, K, E, "uniform", 0.0, 0.0, seed=2)
-    idx, w, x, y, _ = ll_inputs(c, T, False)
+    monkeypatch.setattr(XlaBackend, "combine_compressions", ())  # as a Buffer on the NVSHMEM transport declares
+    R, _, buf, idx, w, x, y = small_ll_case(seed=2, H=128)
     with pytest.raises(ValueError, match="compression='logfmt' is not implemented by this Buffer's xla backend"):
         jax.eval_shape(spmd(R, lambda x, idx, y, w: jax_ep.low_latency_combine(
             buf, y, idx, w, jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=False).handle,

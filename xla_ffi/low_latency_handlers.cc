@@ -197,6 +197,8 @@ ffi::Error CombineRecv(const char* op, const LowLatencyAttrs& attrs, ffi::AnyBuf
   a.num_topk = idx_dims[1];
   a.out = out->untyped_data();
   if (compression != 0 && compression != 1) return Invalid(op, "compression must be 0 (none) or 1 (LogFMT)");
+  if (compression == 1 && call.transport != LowLatencyTransport::kPeerStores)
+    return Invalid(op, "a compressed combine needs the peer-store transport (its send encodes into the peers' slots)");
   a.compressed = compression == 1;
   return Launched(op, low_latency_combine_recv(call, a), NeverTooSmall);
 }

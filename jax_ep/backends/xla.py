@@ -8,13 +8,14 @@ tested against and the fallback elsewhere.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jax_ep import fp8, logfmt
-from jax_ep.backends import Backend, LowLatencyCast
+from jax_ep.backends import Backend, LowLatencyCast, zero_cotangent
 from jax_ep.types import DispatchLayout, LowLatencyHandle
 
 int32 = jnp.int32
@@ -172,10 +173,8 @@ def low_latency_combine_send(y, handle: LowLatencyHandle, num_tokens, *, axis_na
     return jax.lax.all_to_all(send, axis_name, 0, 0)
 
 
-def low_latency_combine_recv(returned, topk_idx, topk_weights, *, num_experts, compression=None):
+def low_latency_combine_recv(returned, topk_idx, topk_weights, *, num_experts):
     """Receive half: out[t] = sum_k w[t,k] * y_{expert k}[row of t], float32 in k order, BF16 out."""
-    if compression == "logfmt":
-        returned = logfmt.decode(returned, returned.shape[-1] // logfmt.WORDS_PER_BLOCK * logfmt.BLOCK)
     _, num_tokens, experts_per_rank, hidden = returned.shape
     ids, _ = sanitize_ids(topk_idx, num_experts)
     tokens = jnp.arange(num_tokens)
@@ -186,6 +185,35 @@ def low_latency_combine_recv(returned, topk_idx, topk_weights, *, num_experts, c
         rows = returned[e // experts_per_rank, tokens, e % experts_per_rank].astype(jnp.float32)
         out = out + jnp.where(valid, topk_weights[:, k], 0.0)[:, None] * rows
     return out.astype(jnp.bfloat16)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _logfmt_combine_recv(axis_name, num_ranks, num_experts, returned, y, handle, topk_idx, topk_weights):
+    """The receive half of a LogFMT-compressed combine: decodes `returned` (encoded rows of y) and sums. y and the
+    handle are there for the gradients, those of the uncompressed combine (the encoding counts as the identity;
+    its bit casts would otherwise cut the gradient of y)."""
+    decoded = logfmt.decode(returned, y.shape[-1])
+    return low_latency_combine_recv(decoded, topk_idx, topk_weights, num_experts=num_experts)
+
+
+def _logfmt_combine_recv_fwd(axis_name, num_ranks, num_experts, returned, y, handle, topk_idx, topk_weights):
+    out = _logfmt_combine_recv(axis_name, num_ranks, num_experts, returned, y, handle, topk_idx, topk_weights)
+    return out, (returned, y, handle, topk_idx, topk_weights)
+
+
+def _logfmt_combine_recv_bwd(axis_name, num_ranks, num_experts, residuals, cotangent):
+    returned, y, handle, topk_idx, topk_weights = residuals
+
+    def uncompressed(y, topk_weights):
+        sent = low_latency_combine_send(y, handle, topk_idx.shape[0], axis_name=axis_name, num_ranks=num_ranks)
+        return low_latency_combine_recv(sent, topk_idx, topk_weights, num_experts=num_experts)
+
+    _, vjp = jax.vjp(uncompressed, y, topk_weights)
+    d_y, d_weights = vjp(cotangent)
+    return zero_cotangent(returned), d_y, zero_cotangent(handle), zero_cotangent(topk_idx), d_weights
+
+
+_logfmt_combine_recv.defvjp(_logfmt_combine_recv_fwd, _logfmt_combine_recv_bwd)
 
 
 # ---- the backend ---------------------------------------------------------------------------------------
@@ -228,12 +256,15 @@ class XlaBackend(Backend):
                                  compression=None):
         returned = low_latency_combine_send(y, handle, topk_idx.shape[0], axis_name=self.axis_name,
                                             num_ranks=self.num_ranks, compression=compression)
-        return returned, topk_idx, topk_weights
+        return (returned, topk_idx, topk_weights) + ((y, handle) if compression else ())
 
     def low_latency_combine_recv(self, state, *, num_experts, num_max_tokens, compression=None):
+        if compression == "logfmt":
+            returned, topk_idx, topk_weights, y, handle = state
+            return _logfmt_combine_recv(self.axis_name, self.num_ranks, num_experts, returned, y, handle, topk_idx,
+                                        topk_weights)
         returned, topk_idx, topk_weights = state
-        return low_latency_combine_recv(returned, topk_idx, topk_weights, num_experts=num_experts,
-                                        compression=compression)
+        return low_latency_combine_recv(returned, topk_idx, topk_weights, num_experts=num_experts)
 
     def destroy(self):
         return ""  # no memory of its own

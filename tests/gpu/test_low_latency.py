@@ -181,7 +181,8 @@ def test_max_tokens_512_and_topk_11(R):
 
 
 @pytest.mark.parametrize("R", RANKS)
-@pytest.mark.parametrize("H, scale", [(512, 1.0), (7168, 1.0), (512, 1e-30), (512, 1e30)])
+# H=128: one block a row (the send's second piece is empty); H=384: pieces of 2 and 1 blocks.
+@pytest.mark.parametrize("H, scale", [(128, 1.0), (384, 1.0), (512, 1.0), (7168, 1.0), (512, 1e-30), (512, 1e30)])
 def test_logfmt_combine_within_the_bound(R, H, scale):
     """compression="logfmt": the send's warps encode each row into its slot, the receive decodes as it sums; every
     output within sum_k |w_k| * (LogFMT's bound on row k, tests/oracle.py) of the float32 k-order sum, plus its
