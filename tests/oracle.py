@@ -734,6 +734,16 @@ def logfmt_error_bound(x: np.ndarray, step: np.ndarray, amin: np.ndarray) -> np.
     return np.where(mag <= threshold * (1 + 1e-5), np.maximum(kept, threshold), kept)
 
 
+def low_latency_combine_logfmt(y, topk_idx, topk_weights, num_experts: int, ll) -> tuple[np.ndarray, np.ndarray]:
+    """(the float32 k-order sum of the uncompressed rows, a bound on |compressed combine - it|): each row within
+    logfmt_error_bound of its own, so sum_k |w_k| * bound(row k), plus the output's bfloat16 rounding."""
+    acc, mag = low_latency_combine(y, topk_idx, topk_weights, num_experts, ll)
+    _, step, amin = logfmt_roundtrip(y)
+    row_error, _ = low_latency_combine(logfmt_error_bound(y, step, amin), topk_idx, np.abs(topk_weights), num_experts,
+                                       ll)
+    return acc, row_error + 2.0 ** -8 * (np.abs(acc) + row_error) * 1.01 + 1e-5 * mag + 1e-38
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Test-input generators (NumPy only)
 # ----------------------------------------------------------------------------------------------------------------

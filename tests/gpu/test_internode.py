@@ -25,8 +25,9 @@ from jax.sharding import PartitionSpec as P
 import jax_ep
 from gpu.conftest import gather_to_every_process, needs_nccl
 from gpu.test_intranode import (EM_E, EM_H, EM_T, assert_bits, assert_dispatch_matches_oracle,
-                                assert_em_dispatch_equal, check_em_combine, check_em_grads, check_em_repeated_runs,
-                                combine_body, dispatch_body, dispatch_results, em_case, em_combine_body, em_combine_inputs,
+                                assert_em_dispatch_equal, check_em_combine, check_em_drops, check_em_grads,
+                                check_em_repeated_runs, combine_body, dispatch_body, dispatch_results, em_case,
+                                em_combine_body, em_combine_inputs,
                                 em_dispatch_body, em_dispatch_results, em_grad_body, flat, make_case, ranks,
                                 repeats_an_expert)
 from jax_ep.backends.cuda import internode
@@ -292,13 +293,7 @@ def test_expert_major_dispatch_matches_oracle(dtype, alignment):
 
 
 def test_expert_major_dispatch_drops():
-    """max_recv_tokens=100 below the pairs (about 300 per rank): rows past C are dropped, a group straddles C and
-    the later ones are dropped whole; group sizes and offsets are not clipped to C."""
-    C = 100
-    x, idx, w = em_case(R, O.BF16, seed=13)
-    got, _ = check_em_dispatch(MAIN, x, idx, w, EM_E, C=C, alignment=8)
-    assert got["num_dropped"].sum() > 0, "the case should drop pairs"
-    assert (got["expert_offsets"][:, -1] + got["num_recv_tokens_per_expert"][:, -1] > C).any()
+    check_em_drops(R, functools.partial(check_em_dispatch, MAIN))
 
 
 @functools.cache
