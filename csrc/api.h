@@ -217,18 +217,24 @@ void nvshmem_release(void* pointer);
 // wrote: the device-side transport check of the test suite. Returns the value read.
 int nvshmem_ring_check();
 
-// A Buffer's symmetric region on one device (the low-latency region under the NVSHMEM transport), with the
-// NVSHMEM PE of each EP rank of the device's group.
+// A Buffer's symmetric region on one device (the low-latency region under the NVSHMEM transport): the rank of this
+// device in its EP group, the NVSHMEM PE of each rank, and where plain stores reach the regions of this rank's node.
 struct SymmetricRegion {
   char* base = nullptr;  // symmetric address: the same offset names the same word on every PE
   int64_t bytes = 0;
-  int32_t num_ranks = 0;
-  int32_t pes[kMaxIntranodeRanks] = {};
+  int32_t rank = 0, num_ranks = 0;
+  int32_t device_sms = 0;
+  int32_t pes[kMaxLowLatencyRanks] = {};
+  // Rank r's region mapped here (nvshmem_ptr) when r is on this rank's node, else null (reached by puts).
+  char* node_regions[kMaxLowLatencyRanks] = {};
+  IntranodeError* error = nullptr;  // the Buffer's timeout record on this device (registry.h)
 };
 // Collective over every PE (each calls it once per Buffer, in the same order, with the same size):
 // allocates and zeroes `bytes` of symmetric memory for (buffer_id, device_ordinal); pes[r] is the PE of EP
-// rank r of this device's group.
-void nvshmem_region_create(int64_t buffer_id, int device_ordinal, int64_t bytes, const std::vector<int>& pes);
+// rank r of this device's group, which holds this process's PE. The ranks of this rank's node (r / ranks_per_node
+// equal; 1: itself alone) must reach each other's memory by loads and stores (checked).
+void nvshmem_region_create(int64_t buffer_id, int device_ordinal, int64_t bytes, const std::vector<int>& pes,
+                           int ranks_per_node);
 bool nvshmem_region_lookup(int64_t buffer_id, int device_ordinal, SymmetricRegion* out);
 // Forgets every region of buffer_id in this process (lookups fail from here on) and, with `release`, frees
 // them: collective like create, so release only once every PE agreed to (a PE whose CUDA context a timed-out
@@ -341,13 +347,23 @@ enum class LowLatencyPayload : int32_t { kBF16 = 0, kFP8 = 1, kFP8UE8M0 = 2 };
 // symmetric memory and rows travel as NVSHMEM puts, flags and credits as signals (one process per GPU).
 enum class LowLatencyTransport : int32_t { kPeerStores = 0, kNvshmem = 1 };
 
+// The rank a low-latency launch runs as.
+struct LowLatencyRank {
+  int32_t rank = 0, num_ranks = 0;
+  int32_t device_sms = 0;             // multiprocessors of this rank's device
+  IntranodeError* error = nullptr;    // this rank's timeout record (pinned host memory, mapped)
+};
+
 // Per launch. The LL region sizes follow (num_max_tokens, hidden, num_experts).
 struct LowLatencyCall {
-  IntranodeRank group;         // rank, ranks, SMs and the error record (the LL kernels use no workspace pointer)
+  LowLatencyRank group;
   LowLatencyTransport transport = LowLatencyTransport::kPeerStores;
-  char* region = nullptr;                        // this rank's LL region, here
-  char* peer_regions[kMaxIntranodeRanks] = {};   // kPeerStores: every rank's LL region, mapped here
-  int32_t pes[kMaxIntranodeRanks] = {};          // kNvshmem: the NVSHMEM PE of every rank
+  char* region = nullptr;                         // this rank's LL region, here
+  // Rank r's LL region mapped here where plain stores reach it: every rank under kPeerStores; under kNvshmem the
+  // ranks of this rank's node (an internode Buffer's NVLink domain; an intranode Buffer: this rank alone). Null:
+  // reached by NVSHMEM puts to PE pes[r].
+  char* peer_regions[kMaxLowLatencyRanks] = {};
+  int32_t pes[kMaxLowLatencyRanks] = {};          // kNvshmem: the NVSHMEM PE of every rank
   int64_t num_max_tokens = 0;  // M
   int64_t hidden = 0;          // H, a multiple of 128
   int64_t num_experts = 0;     // E, a multiple of the ranks
@@ -356,8 +372,9 @@ struct LowLatencyCall {
 };
 
 // Fills the rank and region fields of `call` for (buffer_id, device_ordinal): the LL region at `ll_offset` of
-// the intranode workspace (kPeerStores) or of the Buffer's symmetric region (kNvshmem). Returns "" or why
-// there is none; *available_bytes: the bytes from the region's start to the end of its allocation.
+// the intranode workspace (kPeerStores) or of the Buffer's symmetric region (kNvshmem; intranode or internode
+// Buffers). Returns "" or why there is none; *available_bytes: the bytes from the region's start to the end of its
+// allocation.
 std::string low_latency_lookup(int64_t buffer_id, int device_ordinal, LowLatencyTransport transport,
                                int64_t ll_offset, LowLatencyCall* call, int64_t* available_bytes);
 

@@ -109,6 +109,10 @@ struct CombineStaging {
 
 // ---- low-latency mode (region layout described in low_latency_state.h) --------------------------------------
 
+// Ranks of a low-latency group: the header's credits and the launches' per-rank tables have this many entries.
+// Groups above kMaxIntranodeRanks are internode Buffers (NVSHMEM between nodes, stores inside them).
+inline constexpr int kMaxLowLatencyRanks = 64;
+static_assert(kMaxLowLatencyRanks >= kMaxIntranodeRanks, "an intranode group's LL ops fit");
 // Top-k entries a token may have: the combine region keeps one row per (token, top-k entry).
 inline constexpr int kLowLatencyMaxTopk = 16;
 // Experts of a low-latency Buffer: expert ids travel as int16 in the row headers and the send's shared routing.
@@ -118,8 +122,8 @@ inline constexpr int kLowLatencyMaxExperts = 4096;
 inline constexpr int64_t kLowLatencyMaxEntries = 8192;
 // Alignment of the region's start (its offset in the workspace or symmetric allocation) and of its arrays.
 inline constexpr int64_t kLowLatencyAlign = 256;
-// The region's first bytes: LowLatencyHeader, call counters and credits.
-inline constexpr int64_t kLowLatencyHeaderBytes = 512;
+// The region's first bytes: LowLatencyHeader, call counters and credits (2 KB of them at kMaxLowLatencyRanks).
+inline constexpr int64_t kLowLatencyHeaderBytes = 4096;
 
 // The LL kernels, as indexed in the header's per-kernel fields and in the trace.
 enum LowLatencyKernel : int { kDispatchSendKernel = 0, kDispatchRecvKernel, kCombineSendKernel, kCombineRecvKernel,
@@ -154,15 +158,19 @@ JAX_EP_HOST_DEVICE inline int64_t ll_align(int64_t bytes) {
 
 // Byte offsets inside the LL region for M tokens per rank, hidden H, R ranks and E experts (what each array holds:
 // low_latency_state.h). The handlers check that a Buffer's region has `total` bytes; jax_ep sizes it with the same.
+// `staged_combine`: the region ends with the combine send's staging rows (the NVSHMEM transport, whose puts read
+// registered memory only); it changes `total`, no offset.
 struct LowLatencyLayout {
   int64_t dispatch_slot_bytes = 0;  // row header + 2H (a BF16 row; FP8 values and scales are smaller)
   int64_t combine_slot_bytes = 0;   // 2H: a BF16 row
   int64_t trace = 0, dispatch_counters = 0, combine_counters = 0, dispatch_staging = 0;  // region offsets
   int64_t sets = 0, set_bytes = 0;
   int64_t dispatch_flags = 0, combine_flags = 0, dispatch_index = 0, dispatch_rows = 0, combine_rows = 0;  // in a set
+  int64_t combine_staging = 0;  // region offset, after the sets: E * M combine slots
   int64_t total = 0;
 
-  JAX_EP_HOST_DEVICE LowLatencyLayout(int64_t max_tokens, int64_t hidden, int64_t num_ranks, int64_t num_experts) {
+  JAX_EP_HOST_DEVICE LowLatencyLayout(int64_t max_tokens, int64_t hidden, int64_t num_ranks, int64_t num_experts,
+                                      bool staged_combine = false) {
     dispatch_slot_bytes = kLowLatencyRowHeaderBytes + 2 * hidden;
     combine_slot_bytes = 2 * hidden;
     trace = kLowLatencyTraceOffset;
@@ -176,16 +184,22 @@ struct LowLatencyLayout {
     dispatch_rows = dispatch_index + ll_align(num_experts * max_tokens * 4);
     combine_rows = dispatch_rows + ll_align(num_ranks * max_tokens * dispatch_slot_bytes);
     set_bytes = combine_rows + max_tokens * kLowLatencyMaxTopk * combine_slot_bytes;
-    total = sets + 2 * set_bytes;
+    combine_staging = sets + 2 * ll_align(set_bytes);
+    total = staged_combine ? combine_staging + num_experts * max_tokens * combine_slot_bytes : sets + 2 * set_bytes;
   }
 
   // Region offset of buffer set `set` (0 or 1).
   JAX_EP_HOST_DEVICE int64_t set_offset(uint32_t set) const { return sets + static_cast<int64_t>(set) * set_bytes; }
+  // Region offset of the combine send's staging row for row `item` of y [L, R*M, H] (staged_combine only).
+  JAX_EP_HOST_DEVICE int64_t staged_combine_row(int64_t item) const {
+    return combine_staging + item * combine_slot_bytes;
+  }
 };
 
 // ---- internode normal mode (region layouts described in internode_state.h) ---------------------------------
 
 inline constexpr int kMaxInternodeRanks = 64;  // node masks and routing tables are sized for this
+static_assert(kMaxInternodeRanks <= kMaxLowLatencyRanks, "an internode Buffer's LL ops fit");
 inline constexpr int kMaxRanksPerNode = 8;     // one NVLink domain, as the intranode groups
 inline constexpr int64_t kInternodeAlign = 256;
 // The region's first bytes: InternodeHeader. The symmetric allocation holds it, then the Buffer's num_rdma_bytes.

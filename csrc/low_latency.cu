@@ -104,11 +104,11 @@ __device__ __forceinline__ void wait_for_credit(const LowLatencyCall& c, LowLate
 }
 
 // Receive halves, in the last block once every block finished reading set call % 2: tells every sender
-// (threads < num_ranks, one each) that it may write into that set again.
+// (a thread each) that it may write into that set again.
 template <typename Transport>
 __device__ __forceinline__ void give_credits(const LowLatencyCall& c, uint32_t call, bool dispatch) {
-  if (threadIdx.x < c.group.num_ranks)
-    Transport::signal(c, threadIdx.x, credit_offset(dispatch, c.group.rank, call & 1), call);
+  for (int peer = threadIdx.x; peer < c.group.num_ranks; peer += blockDim.x)
+    Transport::signal(c, peer, credit_offset(dispatch, c.group.rank, call & 1), call);
 }
 
 // The call number of a send half: one more than the calls this rank completed. Every thread reads it at its
@@ -343,8 +343,8 @@ struct DispatchRowFormat {
 };
 
 // Where the send's cast writes a token's row: with a transport of direct stores, straight into the token's slot
-// on every rank that takes it (the cast's stores are the puts), else into this rank's staging row, which the
-// puts then copy from.
+// on every rank that takes it (the cast's stores are the puts; such transports have at most kMaxIntranodeRanks
+// ranks), else into this rank's staging row, which the puts then copy from.
 struct CastRows {
   char* rows[kMaxIntranodeRanks];
   int count;
@@ -387,7 +387,7 @@ struct SendTargets {
   int32_t expert[kLowLatencyMaxTopk];
   int32_t position[kLowLatencyMaxTopk];
   int32_t count;
-  int32_t rank[kMaxIntranodeRanks];
+  int32_t rank[kLowLatencyMaxTopk];  // at most one per top-k entry
   int32_t num_ranks;
 };
 
@@ -498,7 +498,9 @@ __global__ void __launch_bounds__(kSendThreads)
   int64_t t = blockIdx.x;
   if (warp == 0) prepare_targets(a.topk_idx, num_topk, num_experts, experts_per_rank, t, targets,
                                  reinterpret_cast<DispatchRowHeader*>(staged_row(t)), lane);
-  if (warp == 1 && lane < num_ranks) wait_for_credit(c, LowLatencyOp::kDispatchSend, call, /*dispatch=*/true, lane);
+  if (warp == 1)
+    for (int peer = lane; peer < num_ranks; peer += 32)
+      wait_for_credit(c, LowLatencyOp::kDispatchSend, call, /*dispatch=*/true, peer);
   uint4 raw[kPrefetch];
   load_chunks(raw, x + t * hidden, warp, hidden, lane);
   for (int64_t i = threadIdx.x; i < num_tokens * num_topk; i += blockDim.x) {
@@ -634,6 +636,7 @@ struct RowSource {
 };
 
 constexpr int kDispatchRecvBlocksPerSm = 2;  // blocks resident per SM (launch bounds and grid)
+static_assert(kThreads >= kMaxLowLatencyRanks, "the dispatch receive waits for an expert's flags with a thread each");
 
 // The receive: a block takes (local expert j, split) units (one each: the launch has a block per unit). Its
 // first R threads wait for j's R flags (one per source rank) and the block derives j's packing (rows grouped by
@@ -645,7 +648,7 @@ template <typename Transport>
 __global__ void __launch_bounds__(kThreads, kDispatchRecvBlocksPerSm)
     dispatch_recv_kernel(const __grid_constant__ LowLatencyCall c, const __grid_constant__ LowLatencyDispatchRecvArgs a,
                          int32_t splits) {
-  __shared__ int32_t counts[kMaxIntranodeRanks], begins[kMaxIntranodeRanks + 1];
+  __shared__ int32_t counts[kMaxLowLatencyRanks], begins[kMaxLowLatencyRanks + 1];
   enum { kWaiting, kCopying };  // phases, as kLowLatencyPhaseNames names them
   clock_begin();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, me = c.group.rank, num_ranks = c.group.num_ranks;
@@ -764,7 +767,7 @@ __device__ __forceinline__ void combine_piece_sent(const LowLatencyCall& c, cons
 }
 
 // kCompressed: each piece is a run of whole 128-value blocks, LogFMT-encoded by the warp straight into the source's
-// slot (plain stores: the peer-store transport only).
+// slot where stores reach it, else into the row's staging row, whose codes and scale words are then put.
 template <typename Transport, bool kCompressed>
 __global__ void __launch_bounds__(kCombineSendThreads) combine_send_kernel(
     const __grid_constant__ LowLatencyCall c, const __grid_constant__ LowLatencyCombineSendArgs a) {
@@ -788,7 +791,8 @@ __global__ void __launch_bounds__(kCombineSendThreads) combine_send_kernel(
     run_rows += first_row[p + 1];
   }
   if (threadIdx.x == 0) first_row[0] = 0;
-  if (threadIdx.x < num_ranks) wait_for_credit(c, LowLatencyOp::kCombineSend, call, /*dispatch=*/false, threadIdx.x);
+  for (int peer = threadIdx.x; peer < num_ranks; peer += kCombineSendThreads)
+    wait_for_credit(c, LowLatencyOp::kCombineSend, call, /*dispatch=*/false, peer);
   __shared__ typename cub::BlockScan<int64_t, kCombineSendThreads>::TempStorage scan;
   int64_t before;
   cub::BlockScan<int64_t, kCombineSendThreads>(scan).ExclusiveSum(run_rows, before);
@@ -814,17 +818,33 @@ __global__ void __launch_bounds__(kCombineSendThreads) combine_send_kernel(
     const int64_t item = (p / num_ranks) * rows_per_expert + pair.begin + (row - first_row[p]);
     const int32_t t = a.src_token_index[item], k = a.src_topk_index[item];
     if (t >= 0 && t < max_tokens && k >= 0 && k < kLowLatencyMaxTopk && begin < end) {  // else not from a dispatch
-      const int64_t slot = layout.set_offset(set) + layout.combine_rows +  // handle (or an empty last piece)
+      const int source = static_cast<int>(p % num_ranks);   // handle (or an empty last piece)
+      const int64_t slot = layout.set_offset(set) + layout.combine_rows +
                            (static_cast<int64_t>(t) * kLowLatencyMaxTopk + k) * layout.combine_slot_bytes;
+      // A source that stores do not reach gets the piece from its staging row (puts read symmetric memory only).
+      const bool stores = Transport::stores_reach(c, source);
+      char* staged = c.region + layout.staged_combine_row(item);
       if constexpr (kCompressed) {
-        char* dst = Transport::address(c, static_cast<int>(p % num_ranks), slot);
+        char* dst = stores ? Transport::address(c, source, slot) : staged;
         const __nv_bfloat16* src = reinterpret_cast<const __nv_bfloat16*>(y) + item * hidden;
         for (int64_t b = begin; b < end; ++b)
           logfmt_encode_block(src + b * kLogFmtBlock, dst + b * kLogFmtCodeBytes,
                               dst + blocks * kLogFmtCodeBytes + b * 4, logfmt_words[warp], lane);
+        if (!stores) {  // the piece's codes, then its scale words
+          __syncwarp();
+          Transport::put_warp(c, source, slot + begin * kLogFmtCodeBytes, staged + begin * kLogFmtCodeBytes,
+                              (end - begin) * kLogFmtCodeBytes, lane);
+          Transport::put_warp(c, source, slot + blocks * kLogFmtCodeBytes + begin * 4,
+                              staged + blocks * kLogFmtCodeBytes + begin * 4, (end - begin) * 4, lane);
+        }
       } else {
-        Transport::put_warp(c, static_cast<int>(p % num_ranks), slot + begin,
-                            y + item * layout.combine_slot_bytes + begin, end - begin, lane);
+        const char* src = y + item * layout.combine_slot_bytes + begin;
+        if (!stores) {
+          warp_copy_row<kCopyUnroll>(staged + begin, src, end - begin, lane, LoadL2{});
+          __syncwarp();
+          src = staged + begin;
+        }
+        Transport::put_warp(c, source, slot + begin, src, end - begin, lane);
       }
       Transport::finish_puts(lane);
     }
@@ -1038,13 +1058,10 @@ cudaError_t low_latency_combine_send(const LowLatencyCall& call, const LowLatenc
   const size_t shared = sizeof(int64_t) * static_cast<size_t>(call.num_experts + 1);
   return with_transport(call, [&](auto transport) {
     using Transport = decltype(transport);
-    if (!args.compressed) {
-      combine_send_kernel<Transport, false><<<blocks, kCombineSendThreads, shared, call.stream>>>(call, args);
-    } else if constexpr (Transport::kDirectStores) {
+    if (args.compressed)
       combine_send_kernel<Transport, true><<<blocks, kCombineSendThreads, shared, call.stream>>>(call, args);
-    } else {
-      return cudaErrorInvalidValue;  // the handler refuses compression on a transport without plain stores first
-    }
+    else
+      combine_send_kernel<Transport, false><<<blocks, kCombineSendThreads, shared, call.stream>>>(call, args);
     return cudaGetLastError();
   });
 }
@@ -1073,28 +1090,31 @@ cudaError_t low_latency_combine_recv(const LowLatencyCall& call, const LowLatenc
 
 std::string low_latency_lookup(int64_t buffer_id, int device_ordinal, LowLatencyTransport transport,
                                int64_t ll_offset, LowLatencyCall* call, int64_t* available_bytes) {
-  if (!intranode_lookup(buffer_id, device_ordinal, &call->group))
-    return "no intranode state of buffer " + std::to_string(buffer_id) + " on CUDA device " +
-           std::to_string(device_ordinal);
   call->transport = transport;
   switch (transport) {
-    case LowLatencyTransport::kPeerStores:
-      for (int p = 0; p < call->group.num_ranks; ++p) call->peer_regions[p] = call->group.workspaces[p] + ll_offset;
-      call->region = call->peer_regions[call->group.rank];
-      *available_bytes = call->group.workspace_bytes - ll_offset;
+    case LowLatencyTransport::kPeerStores: {
+      IntranodeRank group;
+      if (!intranode_lookup(buffer_id, device_ordinal, &group))
+        return "no intranode state of buffer " + std::to_string(buffer_id) + " on CUDA device " +
+               std::to_string(device_ordinal);
+      call->group = LowLatencyRank{group.rank, group.num_ranks, group.device_sms, group.error};
+      for (int p = 0; p < group.num_ranks; ++p) call->peer_regions[p] = group.workspaces[p] + ll_offset;
+      call->region = call->peer_regions[group.rank];
+      *available_bytes = group.workspace_bytes - ll_offset;
       return "";
+    }
     case LowLatencyTransport::kNvshmem: {
 #if defined(JAX_EP_WITH_NVSHMEM)
       SymmetricRegion symmetric;
       if (!nvshmem_region_lookup(buffer_id, device_ordinal, &symmetric))
         return "no NVSHMEM region of buffer " + std::to_string(buffer_id) + " on CUDA device " +
                std::to_string(device_ordinal);
-      if (symmetric.num_ranks != call->group.num_ranks)
-        return "the NVSHMEM region of buffer " + std::to_string(buffer_id) + " has " +
-               std::to_string(symmetric.num_ranks) + " ranks, its intranode group " +
-               std::to_string(call->group.num_ranks);
+      call->group = LowLatencyRank{symmetric.rank, symmetric.num_ranks, symmetric.device_sms, symmetric.error};
       call->region = symmetric.base + ll_offset;
-      for (int p = 0; p < symmetric.num_ranks; ++p) call->pes[p] = symmetric.pes[p];
+      for (int p = 0; p < symmetric.num_ranks; ++p) {
+        call->pes[p] = symmetric.pes[p];
+        call->peer_regions[p] = symmetric.node_regions[p] ? symmetric.node_regions[p] + ll_offset : nullptr;
+      }
       *available_bytes = symmetric.bytes - ll_offset;
       return "";
 #else

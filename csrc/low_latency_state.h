@@ -18,6 +18,9 @@
 //                                            the NVSHMEM puts into the receivers' slots (with peer stores only
 //                                            the header is staged: the cast writes the slots directly)
 //   set 0, set 1                              two buffer sets; call c of an op uses set c % 2
+//   combine_staging [L][R*M] x 2H bytes      (NVSHMEM transport only) the combine send's copy of each row of y
+//                                            it puts to a rank outside its node: puts read registered (symmetric)
+//                                            memory, and XLA's y is not; rows to node peers are stored directly
 // One set:
 //   dispatch_flags  [L][R] uint64             at the receiver: (call tag << 32 | row count) per (local expert,
 //                                             source rank), written by the source after its rows
@@ -52,8 +55,8 @@ struct LowLatencyHeader {
   // Credits, written by the peers (each receive pushes its progress to every sender, so that no rank ever
   // reads another's memory): [p][set] = the latest call whose rows in buffer set `set` rank p finished
   // reading. 64-bit words: NVSHMEM signals are 64-bit. Only the low 32 bits (the call number) count.
-  uint64_t dispatch_credit[kMaxIntranodeRanks][2];
-  uint64_t combine_credit[kMaxIntranodeRanks][2];
+  uint64_t dispatch_credit[kMaxLowLatencyRanks][2];
+  uint64_t combine_credit[kMaxLowLatencyRanks][2];
 };
 static_assert(sizeof(LowLatencyHeader) <= kLowLatencyHeaderBytes, "the header fits its reserved bytes");
 

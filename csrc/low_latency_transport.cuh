@@ -4,11 +4,14 @@
 // offset in the LL region); the layout (low_latency_state.h) is the same on every rank.
 //
 // The operations and the ordering they promise:
-//   kDirectStores   whether `address` names a peer's word that plain stores reach: the dispatch send then casts a
-//                   row straight into its slot on every target rank instead of staging it for put_warp.
-//   address         (direct stores only) the local address of (rank, offset); stores to it are ordered like
+//   kDirectStores   whether plain stores reach every rank (`address` then names any rank's word): the dispatch
+//                   send then casts a row straight into its slot on every target rank instead of staging it for
+//                   put_warp. Such transports reach at most kMaxIntranodeRanks ranks (one NVLink domain).
+//   stores_reach    whether plain stores reach rank `rank` (always, with kDirectStores).
+//   address         (where stores reach) the local address of (rank, offset); stores to it are ordered like
 //                   put_warp's bytes.
 //   put_warp        warp-collective: copies bytes from local memory to (rank, offset). Not yet visible there.
+//                   Where stores do not reach the rank, the source must be symmetric memory (the LL region).
 //   finish_puts     warp-collective, after a warp's puts: from here on they are ordered like plain stores of
 //                   the warp, so that a release after a barrier (a signal, or a fence and an atomic that the
 //                   signalling thread acquires) publishes them. The kernels always publish puts that way.
@@ -39,6 +42,7 @@ constexpr int kCopyUnroll = 8;
 // Inside one NVLink domain: plain stores through the peers' mapped regions (peer access or CUDA IPC).
 struct PeerStores {
   static constexpr bool kDirectStores = true;
+  __device__ static constexpr bool stores_reach(const LowLatencyCall& /*c*/, int /*rank*/) { return true; }
   __device__ static char* address(const LowLatencyCall& c, int rank, int64_t offset) {
     return c.peer_regions[rank] + offset;
   }
@@ -60,18 +64,28 @@ struct PeerStores {
 };
 
 #if defined(JAX_EP_WITH_NVSHMEM)
-// NVSHMEM symmetric memory: the local address of a word is its symmetric address on every PE. Today every
-// PE of a group is on one host (NVSHMEM moves the bytes over NVLink); the same calls reach PEs on other nodes.
-// Multi-node note: put sources are the staged rows (symmetric) for dispatch, but XLA's expert outputs for
-// combine, which network transports can only read once registered (nvshmemx_buffer_register) or staged.
+// NVSHMEM symmetric memory: the local address of a word is its symmetric address on every PE. Ranks of this
+// rank's node (c.peer_regions non-null: NVLink, mapped through nvshmem_ptr) get plain stores as PeerStores does;
+// the others NVSHMEM puts and signals, whose sources are the LL region's staged rows (network transports read
+// registered memory only: the dispatch's staged rows, the combine's staging rows).
 struct NvshmemPuts {
   static constexpr bool kDirectStores = false;  // puts copy from symmetric memory (the staged rows)
+  __device__ static bool stores_reach(const LowLatencyCall& c, int rank) { return c.peer_regions[rank] != nullptr; }
+  __device__ static char* address(const LowLatencyCall& c, int rank, int64_t offset) {
+    return c.peer_regions[rank] + offset;
+  }
   __device__ static void put_warp(const LowLatencyCall& c, int rank, int64_t offset, const void* src, int64_t bytes,
-                                  int /*lane*/) {
-    nvshmemx_putmem_nbi_warp(c.region + offset, src, static_cast<size_t>(bytes), c.pes[rank]);
+                                  int lane) {
+    if (stores_reach(c, rank))
+      PeerStores::put_warp(c, rank, offset, src, bytes, lane);
+    else
+      nvshmemx_putmem_nbi_warp(c.region + offset, src, static_cast<size_t>(bytes), c.pes[rank]);
   }
   __device__ static void put_int(const LowLatencyCall& c, int rank, int64_t offset, int32_t value) {
-    nvshmem_int_p(reinterpret_cast<int*>(c.region + offset), value, c.pes[rank]);
+    if (stores_reach(c, rank))
+      PeerStores::put_int(c, rank, offset, value);
+    else
+      nvshmem_int_p(reinterpret_cast<int*>(c.region + offset), value, c.pes[rank]);
   }
   __device__ static void finish_puts(int lane) {
     __syncwarp();
@@ -79,7 +93,8 @@ struct NvshmemPuts {
     __syncwarp();
   }
   __device__ static void signal(const LowLatencyCall& c, int rank, int64_t offset, uint64_t value) {
-    // A signal to an NVLink peer is a relaxed store: the fence orders it after what this thread observed.
+    if (stores_reach(c, rank)) return PeerStores::signal(c, rank, offset, value);
+    // The fence orders the signal after what this thread observed, for a signal an NVLink path may carry too.
     nvshmem_fence();
     nvshmemx_signal_op(reinterpret_cast<uint64_t*>(c.region + offset), value, NVSHMEM_SIGNAL_SET, c.pes[rank]);
   }

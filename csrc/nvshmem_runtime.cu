@@ -85,7 +85,8 @@ void nvshmem_release(void* pointer) {
   nvshmem_free(pointer);
 }
 
-void nvshmem_region_create(int64_t buffer_id, int device_ordinal, int64_t bytes, const std::vector<int>& pes) {
+void nvshmem_region_create(int64_t buffer_id, int device_ordinal, int64_t bytes, const std::vector<int>& pes,
+                           int ranks_per_node) {
   // The caller (jax_ep's cuda backend) checked these on every process before this collective call; a failure
   // here is a bug, and the other PEs would wait in nvshmem_malloc.
   if (!nvshmem_is_initialized())
@@ -97,27 +98,51 @@ void nvshmem_region_create(int64_t buffer_id, int device_ordinal, int64_t bytes,
       throw std::invalid_argument("jax_ep nvshmem: buffer " + std::to_string(buffer_id) +
                                   " already has a region on CUDA device " + std::to_string(device_ordinal));
   }
-  if (pes.empty() || pes.size() > static_cast<size_t>(kMaxIntranodeRanks) || bytes <= 0)
-    throw std::invalid_argument("jax_ep nvshmem: a region has 1 to " + std::to_string(kMaxIntranodeRanks) +
-                                " ranks and a positive size, got " + std::to_string(pes.size()) + " ranks and " +
-                                std::to_string(bytes) + " bytes");
-  for (int pe : pes)
-    if (pe < 0 || pe >= nvshmem_n_pes())
-      throw std::invalid_argument("jax_ep nvshmem: PE " + std::to_string(pe) + " outside the " +
-                                  std::to_string(nvshmem_n_pes()) + " PEs");
+  const int num_ranks = static_cast<int>(pes.size());
+  if (num_ranks < 1 || num_ranks > kMaxLowLatencyRanks || bytes <= 0 || ranks_per_node < 1 ||
+      num_ranks % ranks_per_node)
+    throw std::invalid_argument("jax_ep nvshmem: a region has 1 to " + std::to_string(kMaxLowLatencyRanks) +
+                                " ranks in nodes of ranks_per_node and a positive size, got " +
+                                std::to_string(num_ranks) + " ranks, ranks_per_node " +
+                                std::to_string(ranks_per_node) + " and " + std::to_string(bytes) + " bytes");
   auto region = std::make_unique<SymmetricRegion>();
+  region->rank = -1;
+  for (int r = 0; r < num_ranks; ++r) {
+    if (pes[r] < 0 || pes[r] >= nvshmem_n_pes())
+      throw std::invalid_argument("jax_ep nvshmem: PE " + std::to_string(pes[r]) + " outside the " +
+                                  std::to_string(nvshmem_n_pes()) + " PEs");
+    if (pes[r] == nvshmem_my_pe()) region->rank = r;
+    region->pes[r] = pes[r];
+  }
+  if (region->rank < 0)
+    throw std::invalid_argument("jax_ep nvshmem: this process's PE " + std::to_string(nvshmem_my_pe()) +
+                                " is not in the group");
+  region->bytes = bytes;
+  region->num_ranks = num_ranks;
   {
     CurrentDeviceGuard restore_device;
     check_cuda(cudaSetDevice(device_ordinal), "cudaSetDevice", device_ordinal, "jax_ep nvshmem");
+    check_cuda(cudaDeviceGetAttribute(&region->device_sms, cudaDevAttrMultiProcessorCount, device_ordinal),
+               "cudaDeviceGetAttribute", device_ordinal, "jax_ep nvshmem");
     // Collective: every PE, same size. Outside the registry's lock: the other PEs may take their time.
     region->base = static_cast<char*>(nvshmem_allocate(bytes));
+    const int first = region->rank / ranks_per_node * ranks_per_node;
+    for (int r = first; r < first + ranks_per_node; ++r) {
+      region->node_regions[r] = static_cast<char*>(nvshmem_ptr(region->base, pes[r]));
+      if (region->node_regions[r] != nullptr) continue;
+      // Every process met the same topology, so every process meets this problem and reaches the collective free.
+      nvshmem_release(region->base);
+      throw std::runtime_error("jax_ep nvshmem: rank " + std::to_string(r) + " (PE " + std::to_string(pes[r]) +
+                               ") is on the node of rank " + std::to_string(region->rank) + " (ranks_per_node=" +
+                               std::to_string(ranks_per_node) + ") but its memory cannot be reached by loads and "
+                               "stores from here (not in this NVLink domain?)");
+    }
   }
-  region->bytes = bytes;
-  region->num_ranks = static_cast<int32_t>(pes.size());
-  for (size_t r = 0; r < pes.size(); ++r) region->pes[r] = pes[r];
   std::lock_guard<std::mutex> lock(entries.mutex);
   CurrentDeviceGuard restore_device;  // a new entry allocates its timeout record on the device
-  entries.find_or_create(buffer_id, device_ordinal).symmetric = std::move(region);
+  DeviceEntry& entry = entries.find_or_create(buffer_id, device_ordinal);
+  region->error = entry.error_device;
+  entry.symmetric = std::move(region);
 }
 
 bool nvshmem_region_lookup(int64_t buffer_id, int device_ordinal, SymmetricRegion* out) {

@@ -65,9 +65,8 @@ def resolve_low_latency_transport(requested: str, *, backend: str, low_latency: 
     kernels run (the xla backend, or a Buffer without low-latency sizes).
 
     `requested` is the Buffer argument: "auto" takes `forced` (the $JAX_EP_LL_TRANSPORT override) when set, else
-    peer stores (every peer of a cuda Buffer is inside one NVLink domain today; NVSHMEM for peers outside it is
-    for multi-node EP, later). "nvshmem" needs one process per GPU over every process of the job, and a build
-    with NVSHMEM."""
+    peer stores. "nvshmem" needs one process per GPU over every process of the job, and a build with NVSHMEM.
+    (An internode Buffer, whose peers are not all in one NVLink domain, takes "nvshmem" whatever this says.)"""
     if requested not in LOW_LATENCY_TRANSPORTS:
         raise ValueError(f"jax_ep.Buffer: low_latency_transport must be one of {LOW_LATENCY_TRANSPORTS}, "
                          f"got {requested!r}")
@@ -105,6 +104,7 @@ class Buffer:
     `low_latency_transport` (cuda backend with low-latency sizes): "auto" writes rows and flags with plain stores
     through peer pointers inside the NVLink domain; "nvshmem" puts them into NVSHMEM symmetric memory (one
     process per GPU over every process of the job; creating the Buffer initialises NVSHMEM and is collective).
+    An internode Buffer (below) always takes "nvshmem": plain stores to the ranks of its node, puts to the others.
     The environment variable JAX_EP_LL_TRANSPORT=nvshmem makes "auto" mean "nvshmem" (for tests and benchmarks;
     jax_ep.environment lists the overrides, read here, when the Buffer is created).
     The resolved choice is `buffer.low_latency_transport`: "peer_stores", "nvshmem", or None.
@@ -113,8 +113,10 @@ class Buffer:
     below the axis size, or when it is not given and the axis spans several hosts, the cuda backend runs the
     internode normal mode (NVSHMEM between nodes, NVLink inside them; one process per GPU, see
     `jax_ep.backends.cuda.internode`). Setting it on one host (e.g. 2 on 4 GPUs) runs that mode with NVSHMEM carrying the
-    traffic between the "nodes". `num_rdma_bytes` (internode mode): the per-GPU NVSHMEM region, default 1 GiB;
-    `jax_ep.internode_buffer_bytes(...)` gives what given shapes need; a call that needs more raises.
+    traffic between the "nodes". `num_rdma_bytes` (internode mode): the per-GPU NVSHMEM region of the normal-mode
+    ops, default 1 GiB; `jax_ep.internode_buffer_bytes(...)` gives what given shapes need; a call that needs more
+    raises. With low-latency sizes an internode Buffer also serves the low-latency ops (up to 64 ranks), in a
+    region of its own.
 
     `backend_impl` is the backend object chosen at creation (jax_ep.backends: the interface the ops call);
     `backend` its name, "xla" or "cuda", and `internode` whether it runs the internode kernels.
@@ -206,7 +208,8 @@ class Buffer:
                 warnings.warn(f"jax_ep.Buffer: the EP axis spans {self.num_ranks // per_node} nodes of {per_node} "
                               f"ranks, but {reason}; backend='auto' uses the xla backend", RuntimeWarning, stacklevel=3)
                 return None
-            return internode.InternodeBackend.create(self, per_node)  # no low-latency ops across nodes
+            # Its low-latency ops (with low-latency sizes) reach other nodes through NVSHMEM whatever was asked.
+            return internode.InternodeBackend.create(self, per_node, low_latency=low_latency_transport is not None)
         if auto and intranode.unsupported_reason(self.mesh, self.axis_name):
             return None  # e.g. more ranks than the kernels support: the portable backend serves it
         try:

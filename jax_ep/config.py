@@ -71,7 +71,8 @@ class Config:
 LOW_LATENCY_MAX_TOPK = _native.limit("low_latency_max_topk")
 
 
-def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int) -> int:
+def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int, *,
+                             transport: str = "peer_stores") -> int:
     """Bytes of the low-latency region of each rank, computed by the native extension from the layout the kernels
     use (csrc/kernel_limits.h, LowLatencyLayout; csrc/low_latency_state.h says what each part holds). In order: a
     header of call counters and credits; the kernels' trace of their recent calls (for the benchmark); the dispatch
@@ -83,9 +84,15 @@ def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int,
     - the dispatch index: the source token of each of `M` positions per (local expert, source rank), int32;
     - the dispatch receive slots: `M` rows per source rank (a token crosses to a rank once), `R * M` rows of a
       row header and `2 * hidden` bytes;
-    - the combine receive slots: one row of `2 * hidden` bytes per (token, top-k entry), `M * LOW_LATENCY_MAX_TOPK`.
+    - the combine receive slots: one row of `2 * hidden` bytes per (token, top-k entry), `M * LOW_LATENCY_MAX_TOPK`;
 
-    Each array starts aligned; `jax_ep._C.limits()` gives the alignment and the fixed sizes."""
+    and with `transport="nvshmem"` (the Buffer's `low_latency_transport`; internode Buffers use it) the combine
+    send's staging rows last: `num_experts * M` rows of `2 * hidden` bytes, the copies of y that NVSHMEM puts read
+    (network transports read registered memory only). Each array starts aligned; `jax_ep._C.limits()` gives the
+    alignment and the fixed sizes."""
+    if transport not in ("peer_stores", "nvshmem"):
+        raise ValueError(f"jax_ep.low_latency_buffer_bytes: transport must be 'peer_stores' or 'nvshmem', "
+                         f"got {transport!r}")
     native = _native.extension("jax_ep.low_latency_buffer_bytes")
     return native.low_latency_region_bytes(int(num_max_dispatch_tokens_per_rank), int(hidden), int(num_ranks),
-                                           int(num_experts))
+                                           int(num_experts), transport == "nvshmem")

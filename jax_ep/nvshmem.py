@@ -14,17 +14,22 @@ def available() -> bool:
     return _native.with_nvshmem()
 
 
+# Room left in NVSHMEM's symmetric heap, when jax_ep sizes it, for NVSHMEM's own allocations.
+HEAP_MARGIN = 256 << 20
+
+
 def initialize(timeout_s: float = 60.0, symmetric_bytes: int | None = None) -> None:
     """Collective over every jax process (each with exactly one local GPU); a no-op once done.
 
-    symmetric_bytes: the symmetric heap per PE that the caller needs; used as NVSHMEM_SYMMETRIC_SIZE when that
-    variable is not set (NVSHMEM reads it once, here)."""
+    symmetric_bytes: the symmetric memory per PE that the caller will allocate; NVSHMEM_SYMMETRIC_SIZE becomes that
+    plus HEAP_MARGIN (NVSHMEM's own allocations) when the variable is not set (NVSHMEM reads it once, here). Set it
+    yourself when several Buffers with symmetric memory live at once."""
     if not available():
         raise RuntimeError("jax_ep: this build has no NVSHMEM (install the cuda12/cuda13 extra and rebuild)")
     if _native._C.nvshmem_is_initialized():
         return
     if symmetric_bytes is not None:
-        environment.set_default("NVSHMEM_SYMMETRIC_SIZE", str(int(symmetric_bytes)))
+        environment.set_default("NVSHMEM_SYMMETRIC_SIZE", str(int(symmetric_bytes) + HEAP_MARGIN))
     from jax._src import distributed
 
     client = distributed.global_state.client

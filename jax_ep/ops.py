@@ -531,11 +531,6 @@ def low_latency_combine_send(buffer: Buffer, y, topk_idx, topk_weights, handle: 
     spec = _low_latency_spec(op, buffer, topk_idx.shape[0], y.shape[-1])
     if compression not in COMBINE_COMPRESSIONS:
         raise ValueError(f"jax_ep.{op}: compression must be one of {COMBINE_COMPRESSIONS}, got {compression!r}")
-    if compression is not None and compression not in buffer.backend_impl.combine_compressions:
-        transport = buffer.low_latency_transport
-        raise ValueError(f"jax_ep.{op}: compression={compression!r} is not implemented by this Buffer's "
-                         f"{buffer.backend} backend{f' on the {transport} transport' if transport else ''}; the xla "
-                         f"backend compresses, and so do the cuda kernels on the peer_stores transport")
     experts_per_rank = spec.num_experts // spec.num_ranks
     _checks.exact(op, "y", y, jnp.bfloat16, (experts_per_rank, spec.num_ranks * spec.num_max_tokens, buffer.hidden))
     _checks.topk_idx(op, topk_idx, spec.num_experts)
@@ -568,7 +563,7 @@ def low_latency_combine(buffer: Buffer, y, topk_idx, topk_weights, handle: LowLa
 
     compression="logfmt": the expert rows travel LogFMT-encoded (jax_ep.logfmt: 10 bits per value, 64 % of the
     bfloat16 bytes; each row value within a relative 2^(s/2) - 1 of its own, s its block's step, at most 2.2 %)
-    and are decoded to float32 before the sum: the xla backend, and the cuda kernels on the peer-store transport.
-    It saves bytes on the wire and costs encoding time: worth it where the link bounds the combine."""
+    and are decoded to float32 before the sum, on every backend and transport. It saves bytes on the wire and
+    costs encoding time: worth it where the link bounds the combine (between nodes)."""
     return low_latency_combine_recv(buffer, low_latency_combine_send(buffer, y, topk_idx, topk_weights, handle,
                                                                      compression=compression))

@@ -131,9 +131,12 @@ def test_buffer_bytes_by_hand():
 
 # ---- ops lowered with an internode stand-in --------------------------------------------------------------------
 
-def standin(num_rdma_bytes=64 << 20):
-    buf = jax_ep.Buffer(mesh_of(R), "ep", backend="xla", ranks_per_node=PER_NODE, num_rdma_bytes=num_rdma_bytes)
-    buf.backend_impl = internode.InternodeBackend(buf.buffer_id, buf.config, R, PER_NODE, num_rdma_bytes)
+def standin(num_rdma_bytes=64 << 20, low_latency=False):
+    sizes = dict(num_max_dispatch_tokens_per_rank=T, hidden=H, num_experts=E) if low_latency else {}
+    buf = jax_ep.Buffer(mesh_of(R), "ep", backend="xla", ranks_per_node=PER_NODE, num_rdma_bytes=num_rdma_bytes,
+                        **sizes)
+    buf.backend_impl = internode.InternodeBackend(buf.buffer_id, buf.mesh, buf.axis_name, buf.config, R, PER_NODE,
+                                                  num_rdma_bytes, *(("nvshmem", 0) if low_latency else ()))
     assert (buf.backend, buf.internode) == ("cuda", True)
     return buf
 
@@ -164,6 +167,30 @@ def test_ops_and_gradients_lower_to_the_internode_calls():
     calls = set(re.findall(r"custom_call @(jax_ep_\w+)\(", text))
     assert calls == {"jax_ep_internode_dispatch", "jax_ep_internode_cached_dispatch", "jax_ep_internode_combine"}, calls
     assert re.search(r"jax_ep_internode_dispatch\([^\n]*num_payloads = 2", text)  # the FP8 pair
+
+
+def test_low_latency_ops_lower_to_the_low_latency_calls_on_nvshmem():
+    """An internode Buffer with low-latency sizes runs the low-latency kernels on the NVSHMEM transport (1), the
+    compressed combine included; one without a low-latency region says how to create one."""
+    if not _native.has_target("jax_ep_low_latency_dispatch_send", "cuda"):
+        pytest.skip("this build has no CUDA low-latency kernels")
+    buf = standin(low_latency=True)
+    assert buf.low_latency_transport == "nvshmem"
+
+    def body(x, idx, w):
+        d = jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=True)
+        return jax_ep.low_latency_combine(buf, d.recv_x[0].astype(jnp.bfloat16), idx, w, d.handle,
+                                          compression="logfmt")
+
+    text = lower(buf, body, X, IDX, W)
+    calls = re.findall(r"custom_call @(jax_ep_low_latency_\w+)\([^\n]*transport = (\d+)", text)
+    assert sorted(calls) == [(f"jax_ep_low_latency_{op}", "1") for op in
+                             ("combine_recv", "combine_send", "dispatch_recv", "dispatch_send")], calls
+    plain = standin()
+    plain.num_max_dispatch_tokens_per_rank, plain.hidden, plain.num_experts = T, H, E  # sizes, but no region
+    with pytest.raises(RuntimeError, match="the cuda Buffer has no low-latency region; create it with "
+                                           "num_max_dispatch_tokens_per_rank"):
+        lower(plain, lambda x, idx: jax_ep.low_latency_dispatch(plain, x, idx).recv_count, X, IDX)
 
 
 def test_call_needing_more_than_the_region_raises():

@@ -109,13 +109,16 @@ def test_region_size():
     index = E * M * 4
     assert (M * dispatch_row) % align == 0 and index % align == 0 and trace % align == 0 and header % align == 0
     set_bytes = flags + index + R * M * dispatch_row + LOW_LATENCY_MAX_TOPK * M * combine_row
-    assert jax_ep.low_latency_buffer_bytes(M, H, R, E) == header + trace + counters + M * dispatch_row + 2 * set_bytes
+    total = header + trace + counters + M * dispatch_row + 2 * set_bytes
+    assert jax_ep.low_latency_buffer_bytes(M, H, R, E) == total
+    # The NVSHMEM transport's region ends with the combine send's staging: a combine row per (expert, token).
+    assert jax_ep.low_latency_buffer_bytes(M, H, R, E, transport="nvshmem") == total + E * M * combine_row
+    with pytest.raises(ValueError, match="transport must be 'peer_stores' or 'nvshmem', got 'auto'"):
+        jax_ep.low_latency_buffer_bytes(M, H, R, E, transport="auto")
 
 
 def test_compressed_combine_lowers_with_the_attribute():
-    """compression="logfmt" reaches both combine kernels as compression = 1 (0 without); a Buffer whose region is
-    reached through NVSHMEM puts refuses it before lowering (its warps encode into the peers' slots with plain
-    stores)."""
+    """compression="logfmt" reaches both combine kernels as compression = 1 (0 without), on either transport."""
     buf = cuda_standin()
 
     def body(compression):
@@ -124,16 +127,14 @@ def test_compressed_combine_lowers_with_the_attribute():
             return jax_ep.low_latency_combine(buf, d.recv_x, idx, w, d.handle, compression=compression)
         return fn
 
-    for compression, attribute in ((None, 0), ("logfmt", 1)):
-        text = lower(buf, body(compression), X, IDX, W)
-        calls = re.findall(r"custom_call @(jax_ep_low_latency_combine_\w+)\([^\n]*compression = (\d)", text)
-        assert sorted(calls) == [("jax_ep_low_latency_combine_recv", str(attribute)),
-                                 ("jax_ep_low_latency_combine_send", str(attribute))], calls
-    buf.backend_impl = intranode.IntranodeBackend(buf.buffer_id, buf.mesh, buf.axis_name, buf.config,
-                                                  low_latency_transport="nvshmem", low_latency_offset=0)
-    with pytest.raises(ValueError, match="compression='logfmt' is not implemented by this Buffer's cuda backend on the "
-                                         "nvshmem transport"):
-        lower(buf, body("logfmt"), X, IDX, W)
+    for transport in ("peer_stores", "nvshmem"):
+        buf.backend_impl = intranode.IntranodeBackend(buf.buffer_id, buf.mesh, buf.axis_name, buf.config,
+                                                      low_latency_transport=transport, low_latency_offset=0)
+        for compression, attribute in ((None, 0), ("logfmt", 1)):
+            text = lower(buf, body(compression), X, IDX, W)
+            calls = re.findall(r"custom_call @(jax_ep_low_latency_combine_\w+)\([^\n]*compression = (\d)", text)
+            assert sorted(calls) == [("jax_ep_low_latency_combine_recv", str(attribute)),
+                                     ("jax_ep_low_latency_combine_send", str(attribute))], (transport, calls)
 
 
 def test_logfmt_sizes_agree_with_the_kernels():

@@ -611,16 +611,6 @@ def test_low_latency_combine_logfmt_gradients_are_the_uncompressed_ones():
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
-def test_low_latency_combine_compression_refused_where_the_backend_lacks_it(monkeypatch):
-    from jax_ep.backends.xla import XlaBackend
-    monkeypatch.setattr(XlaBackend, "combine_compressions", ())  # as a Buffer on the NVSHMEM transport declares
-    R, _, buf, idx, w, x, y = small_ll_case(seed=2, H=128)
-    with pytest.raises(ValueError, match="compression='logfmt' is not implemented by this Buffer's xla backend"):
-        jax.eval_shape(spmd(R, lambda x, idx, y, w: jax_ep.low_latency_combine(
-            buf, y, idx, w, jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=False).handle,
-            compression="logfmt")), flat(x), flat(idx), flat(y), flat(w))
-
-
 @pytest.mark.parametrize("R", [1, 8])
 def test_low_latency_skewed_and_empty(R):
     H, K, E = 128, 8, 2 * R

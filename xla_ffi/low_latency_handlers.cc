@@ -57,7 +57,8 @@ ffi::Error MakeCall(const char* op, const LowLatencyAttrs& attrs, int64_t hidden
     return Invalid(op, "num_max_tokens, timeout_ns must be positive and hidden a multiple of 128");
   if (num_experts < num_ranks || num_experts % num_ranks || num_experts > kLowLatencyMaxExperts)
     return Invalid(op, "num_experts must be a multiple of the ranks, at most " + std::to_string(kLowLatencyMaxExperts));
-  const int64_t needed = LowLatencyLayout(max_tokens, hidden, num_ranks, num_experts).total;
+  const bool staged_combine = call->transport == LowLatencyTransport::kNvshmem;
+  const int64_t needed = LowLatencyLayout(max_tokens, hidden, num_ranks, num_experts, staged_combine).total;
   if (needed > available)
     return Invalid(op, "the low-latency region needs " + std::to_string(needed) + " bytes, the Buffer has " +
                            std::to_string(available) + " at offset " + std::to_string(ll_offset) +
@@ -171,8 +172,6 @@ ffi::Error CombineSend(const char* op, const LowLatencyAttrs& attrs, ffi::AnyBuf
   a.layout_range = DataOf<int32_t>(layout_range);
   a.token = MutableDataOf<uint32_t>(*token);
   if (compression != 0 && compression != 1) return Invalid(op, "compression must be 0 (none) or 1 (LogFMT)");
-  if (compression == 1 && call.transport != LowLatencyTransport::kPeerStores)
-    return Invalid(op, "a compressed combine needs the peer-store transport (its warps encode into the peers' slots)");
   a.compressed = compression == 1;
   return Launched(op, low_latency_combine_send(call, a), NeverTooSmall);
 }
@@ -197,8 +196,6 @@ ffi::Error CombineRecv(const char* op, const LowLatencyAttrs& attrs, ffi::AnyBuf
   a.num_topk = idx_dims[1];
   a.out = out->untyped_data();
   if (compression != 0 && compression != 1) return Invalid(op, "compression must be 0 (none) or 1 (LogFMT)");
-  if (compression == 1 && call.transport != LowLatencyTransport::kPeerStores)
-    return Invalid(op, "a compressed combine needs the peer-store transport (its send encodes into the peers' slots)");
   a.compressed = compression == 1;
   return Launched(op, low_latency_combine_recv(call, a), NeverTooSmall);
 }

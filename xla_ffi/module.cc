@@ -74,6 +74,7 @@ nb::dict Limits() {
   limits["combine_max_push_warps"] = jax_ep::kCombineMaxPushWarps;
   limits["staging_offset"] = jax_ep::kStagingOffset;
   limits["staging_align"] = jax_ep::kStagingAlign;
+  limits["max_low_latency_ranks"] = jax_ep::kMaxLowLatencyRanks;
   limits["low_latency_max_topk"] = jax_ep::kLowLatencyMaxTopk;
   limits["low_latency_max_experts"] = jax_ep::kLowLatencyMaxExperts;
   limits["low_latency_max_entries"] = jax_ep::kLowLatencyMaxEntries;
@@ -116,11 +117,13 @@ NB_MODULE(_C, m) {
   m.def("limits", &Limits, "{name: value} of the kernels' limits and fixed sizes (csrc/kernel_limits.h).");
   m.def(
       "low_latency_region_bytes",
-      [](int64_t num_max_tokens, int64_t hidden, int64_t num_ranks, int64_t num_experts) {
-        return jax_ep::LowLatencyLayout(num_max_tokens, hidden, num_ranks, num_experts).total;
+      [](int64_t num_max_tokens, int64_t hidden, int64_t num_ranks, int64_t num_experts, bool staged_combine) {
+        return jax_ep::LowLatencyLayout(num_max_tokens, hidden, num_ranks, num_experts, staged_combine).total;
       },
       nb::arg("num_max_tokens"), nb::arg("hidden"), nb::arg("num_ranks"), nb::arg("num_experts"),
-      "Bytes of a rank's low-latency region for these sizes.");
+      nb::arg("staged_combine"),
+      "Bytes of a rank's low-latency region for these sizes (staged_combine: with the NVSHMEM transport's combine "
+      "staging rows).");
   m.def("dispatch_staging_bytes", &DispatchStagingBytes, nb::arg("num_tokens"), nb::arg("payload_row_bytes"),
         nb::arg("num_topk"), nb::arg("num_ranks"), nb::arg("with_weights"),
         "Workspace bytes an intranode dispatch stages in a group spanning processes (payload_row_bytes: 1 or 2).");
@@ -223,8 +226,9 @@ NB_MODULE(_C, m) {
   m.def("nvshmem_ring_check", &jax_ep::nvshmem_ring_check,
         "Collective: every PE puts its rank to the next one; returns what this PE received.");
   m.def("nvshmem_region_create", &jax_ep::nvshmem_region_create, nb::arg("buffer_id"), nb::arg("device_ordinal"),
-        nb::arg("bytes"), nb::arg("pes"),
-        "Collective over every PE: zeroed symmetric memory for (buffer_id, device); pes[r]: the PE of EP rank r.");
+        nb::arg("bytes"), nb::arg("pes"), nb::arg("ranks_per_node"),
+        "Collective over every PE: zeroed symmetric memory for (buffer_id, device); pes[r]: the PE of EP rank r; "
+        "the ranks of this rank's node (ranks_per_node; 1: itself) are mapped for loads and stores.");
   m.def("nvshmem_region_destroy", &jax_ep::nvshmem_region_destroy, nb::arg("buffer_id"), nb::arg("release"),
         "Forgets buffer_id's regions; with release (collective) frees them. Returns '' or the errors met.");
   // ---- internode normal mode ----

@@ -72,8 +72,6 @@ class Backend(abc.ABC):
     # How its low-latency kernels reach their peers, "peer_stores" or "nvshmem"; None where no low-latency kernels
     # run (Buffer.low_latency_transport).
     low_latency_transport: str | None = None
-    # The compressed row formats its low-latency combine can send (jax_ep.logfmt: "logfmt").
-    combine_compressions: ClassVar[tuple[str, ...]] = ()
 
     # ---- normal mode ------------------------------------------------------------------------------------------
 

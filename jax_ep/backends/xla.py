@@ -223,7 +223,6 @@ class XlaBackend(Backend):
     """The functions above for a Buffer's EP axis."""
 
     name: ClassVar[str] = "xla"
-    combine_compressions: ClassVar[tuple[str, ...]] = ("logfmt",)
     axis_name: str
     num_ranks: int
 

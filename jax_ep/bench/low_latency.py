@@ -241,9 +241,8 @@ def run(args) -> dict:
                    *time_op_and_kernels(dispatch(use_fp8), (topk_idx, x), buf, "dispatch"))
         if "combine" in args.ops:
             report(backend, "combine", "BF16", *time_op_and_kernels(combine(), (combine_routing, y), buf, "combine"))
-            if "logfmt" in buf.backend_impl.combine_compressions:
-                report(backend, "combine", "LogFMT",
-                       *time_op_and_kernels(combine("logfmt"), (combine_routing, y), buf, "combine"))
+            report(backend, "combine", "LogFMT",
+                   *time_op_and_kernels(combine("logfmt"), (combine_routing, y), buf, "combine"))
         return combine_routing, y
 
     with jax_ep.Buffer(mesh, "ep", backend=args.backend, num_max_dispatch_tokens_per_rank=M, hidden=H,

@@ -19,6 +19,8 @@
 #     nvshmem: an unstripped build, then the NVSHMEM bootstrap probes (tests/gpu/nvshmem_probe);
 #     internode: the internode tests as 4 processes (2 nodes x 2 GPUs, and 4 x 1) and 2 (2 x 1), the bounded wait,
 #     and the internode benchmark as 2 x 2;
+#     llnodes: the low-latency suite on internode Buffers as 4 processes (2 x 2, 4 x 1) and 8 (4 x 2), and its
+#     bounded wait;
 #     validate: the first run of new kernels in one 10-minute call, most informative first: intranode and
 #     low-latency tests in one process, the benchmarks (combine pull and push), the 2 x 2 internode suite, the
 #     one-process-per-GPU intranode suite and benchmark.
@@ -137,6 +139,19 @@ if [ "$mode" = ll ]; then  # low-latency kernels in both process models, NVSHMEM
     --no-baselines --json "$OUT/ll_nvshmem.json"
   grep -hE "^(FAILED|ERROR)" "$OUT"/*.log | head -20
   grep -hE "^(\[shared GPU: not a performance figure\] )?\[" "$OUT/bench_ll.log" "$OUT/bench_ll_nvshmem.log" | tail -40
+  printf '\n== summary\n'; printf '%s\n' "${summary[@]}"
+  exit 0
+fi
+if [ "$mode" = llnodes ]; then  # low-latency ops on internode Buffers (4 x 1, 2 x 2, 4 x 2 processes), bounded wait
+  rm -f "$OUT/suites.txt"
+  JAX_EP_TEST_SUITE_LOG="$OUT/suites.txt" step ll_nodes 420 python3 -m pytest -q -rs -n 3 --basetemp="$OUT/mp_tmp" \
+    tests/gpu/test_multiprocess_gpu.py -k "low_latency_internode_suite"
+  step ll_nodes_timeout 120 python3 -m pytest -q -rs --basetemp="$OUT/mp_tmp_timeouts" \
+    tests/gpu/test_multiprocess_gpu.py -k "third_send and internode"
+  tar czf "$OUT/mp_logs.tgz" -C "$OUT" --exclude=gather mp_tmp mp_tmp_timeouts 2>/dev/null
+  rm -rf "$OUT/mp_tmp" "$OUT/mp_tmp_timeouts"
+  grep -hE "^(FAILED|ERROR)|AssertionError|Error:" "$OUT"/ll_nodes*.log | head -20
+  printf '\n== multi-process suites (process 0)\n'; cat "$OUT/suites.txt" 2>/dev/null
   printf '\n== summary\n'; printf '%s\n' "${summary[@]}"
   exit 0
 fi

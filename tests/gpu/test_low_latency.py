@@ -1,6 +1,7 @@
 """The CUDA low-latency kernels (Buffer(backend="cuda") with low-latency sizes; run by plain pytest with one
 process driving the GPUs, and by test_multiprocess_gpu.py with one process per GPU on both transports, peer
-stores and NVSHMEM) against the NumPy oracle and the `xla` backend: dispatch bit for bit (BF16; FP8 values and scales in every
+stores and NVSHMEM, and on internode Buffers: $JAX_EP_TEST_RANKS_PER_NODE ranks per "node", stores inside a node
+and NVSHMEM puts between nodes) against the NumPy oracle and the `xla` backend: dispatch bit for bit (BF16; FP8 values and scales in every
 scale mode), the handle, recv_count, statistics and invalid ids; combine bit for bit against the oracle's
 float32 k-order sum; determinism; several calls in a row (both buffer sets, two results in flight, receives
 out of order) and in a jitted loop, with default and forced command buffers; two micro-batches overlapped
@@ -24,6 +25,9 @@ from jax_ep.backends.cuda import low_latency
 from gpu.conftest import RANKS_SHARE_GPUS, bounded_wait_timeout_s, needs_nccl
 from gpu.test_intranode import (FORCED_COMMAND_BUFFER_FLAGS, RANKS, assert_bits, flat, mesh, needs_one_process, ranks,
                                 report_timeout, run_worker, spmd)
+# Set by test_multiprocess_gpu.py for its internode runs: the suite's cuda Buffers are internode Buffers of this
+# many ranks per node (their low-latency ops take the NVSHMEM transport).
+RANKS_PER_NODE = int(os.environ.get("JAX_EP_TEST_RANKS_PER_NODE", "0")) or None
 MODES = {
     "bf16": dict(use_fp8=False),
     "fp8": dict(use_fp8=True),
@@ -34,10 +38,11 @@ MODES = {
 
 @functools.cache
 def ll_buffer(R: int, M: int, H: int, E: int, backend: str = "cuda", timeout_s: float = 30.0) -> jax_ep.Buffer:
-    # No normal-mode staging (num_nvl_bytes=0): these Buffers serve low-latency ops only, and with processes
-    # sharing a GPU a gigabyte for each of the suite's Buffers would not fit.
+    # No normal-mode staging (num_nvl_bytes=0, num_rdma_bytes=0): these Buffers serve low-latency ops only, and with
+    # processes sharing a GPU a gigabyte for each of the suite's Buffers would not fit.
+    nodes = dict(ranks_per_node=RANKS_PER_NODE, num_rdma_bytes=0) if RANKS_PER_NODE and backend == "cuda" else {}
     return jax_ep.Buffer(mesh(R), "ep", backend=backend, num_max_dispatch_tokens_per_rank=M, hidden=H,
-                         num_experts=E, config=jax_ep.Config(timeout_s=timeout_s), num_nvl_bytes=0)
+                         num_experts=E, config=jax_ep.Config(timeout_s=timeout_s), num_nvl_bytes=0, **nodes)
 
 
 def make_inputs(R, T, H, K, E, M, seed=0, mode="distinct", p_neg=0.1, p_invalid=0.0):
@@ -184,9 +189,9 @@ def test_max_tokens_512_and_topk_11(R):
 # H=128: one block a row (the send's second piece is empty); H=384: pieces of 2 and 1 blocks.
 @pytest.mark.parametrize("H, scale", [(128, 1.0), (384, 1.0), (512, 1.0), (7168, 1.0), (512, 1e-30), (512, 1e30)])
 def test_logfmt_combine_within_the_bound(R, H, scale):
-    """compression="logfmt": the send's warps encode each row into its slot, the receive decodes as it sums; every
-    output within sum_k |w_k| * (LogFMT's bound on row k, tests/oracle.py) of the float32 k-order sum, plus its
-    bfloat16 rounding. On the NVSHMEM transport the op is refused (its puts cannot encode)."""
+    """compression="logfmt": the send's warps encode each row into its slot (or, for a rank reached by NVSHMEM puts,
+    into its staging row, then put), the receive decodes as it sums; every output within sum_k |w_k| * (LogFMT's
+    bound on row k, tests/oracle.py) of the float32 k-order sum, plus its bfloat16 rounding."""
     T, K, E, M = 40, 8, 4 * R, 48
     x, idx, w, y, _ = make_inputs(R, T, H, K, E, M, seed=R + H, p_invalid=0.03)
     y = (y.astype(np.float32) * scale).astype(O.BF16)
@@ -196,12 +201,7 @@ def test_logfmt_combine_within_the_bound(R, H, scale):
         d = jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=False)
         return jax_ep.low_latency_combine(buf, y, idx, w, d.handle, compression="logfmt")
 
-    fn = spmd(R, body)
-    if buf.low_latency_transport != "peer_stores":
-        with pytest.raises(ValueError, match="compression='logfmt' is not implemented"):
-            fn(*map(flat, (x, idx, w, y)))
-        return
-    out = ranks(fn(*map(flat, (x, idx, w, y))), R).astype(np.float64)
+    out = ranks(spmd(R, body)(*map(flat, (x, idx, w, y))), R).astype(np.float64)
     exp = O.low_latency_dispatch(x, idx, E, M)
     acc, bound = O.low_latency_combine_logfmt(y, idx, w, E, exp)
     bad = np.abs(out - acc) > bound
@@ -212,9 +212,14 @@ def test_logfmt_combine_within_the_bound(R, H, scale):
 
 def test_buffer_transport_follows_the_setting():
     """The Buffers of this suite use the transport the environment asks for (test_multiprocess_gpu.py runs the
-    suite with JAX_EP_LL_TRANSPORT=nvshmem): the suite cannot pass on peer stores when NVSHMEM was asked for."""
-    expected = "nvshmem" if os.environ.get("JAX_EP_LL_TRANSPORT") == "nvshmem" else "peer_stores"
-    assert ll_buffer(RANKS[0], 8, 128, 2 * RANKS[0]).low_latency_transport == expected
+    suite with JAX_EP_LL_TRANSPORT=nvshmem, and on internode Buffers): the suite cannot pass on peer stores when
+    NVSHMEM was asked for."""
+    nvshmem = os.environ.get("JAX_EP_LL_TRANSPORT") == "nvshmem" or RANKS_PER_NODE is not None
+    buf = ll_buffer(RANKS[0], 8, 128, 2 * RANKS[0])
+    assert (buf.low_latency_transport, buf.internode) == ("nvshmem" if nvshmem else "peer_stores",
+                                                          RANKS_PER_NODE is not None)
+    if RANKS_PER_NODE:
+        assert buf.ranks_per_node == RANKS_PER_NODE
 
 
 def test_topk_beyond_kernel_limit_rejected():

@@ -12,7 +12,9 @@ dispatch before the first receive on every rank (both transports) and checks tha
 timeout, naming the credit wait.
 The internode mode runs only in this process model: its suite (test_internode.py) runs as R processes, R=4 as
 2 nodes x 2 GPUs and 4 x 1 (NVSHMEM between the "nodes"), R=2 as 2 x 1, and its bounded-wait test leaves one
-process out likewise.
+process out likewise. The low-latency suite runs on internode Buffers too (stores inside a "node", NVSHMEM puts
+between nodes): 4 processes as 2 x 2 and 4 x 1, 8 processes as 4 x 2 (where the GPUs' memory holds them), and the
+third-send bounded wait on 2 nodes.
 
 Ranks: $JAX_EP_TEST_RANKS (default "2 4"; e.g. "2 4 8"); a rank count whose processes would not fit in the
 GPUs' memory (PROCESS_GPU_BYTES each) is skipped. With $JAX_EP_TEST_SUITE_LOG set, each suite appends one line
@@ -40,12 +42,19 @@ SUITE_TIMEOUT_S = 420
 # GPU memory one test process may take (XLA allocating on demand, its Buffers, NVSHMEM's symmetric heap): bounds
 # how many processes share a GPU.
 PROCESS_GPU_BYTES = 8 << 30
-# The environment of the workers per low-latency transport (NVSHMEM: no NVLink multicast; XLA allocates on
-# demand, leaving room for NVSHMEM's symmetric heap).
+# The environment of the workers with NVSHMEM: no NVLink multicast; XLA allocates on demand, leaving room for
+# NVSHMEM's symmetric heap, sized for the suite's Buffers, which live together (jax_ep would size it for the first).
+NVSHMEM_ENV = {"NVSHMEM_DISABLE_NVLS": "1", "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "NVSHMEM_SYMMETRIC_SIZE": "2G"}
+# ... per low-latency transport of an intranode Buffer.
 TRANSPORT_ENV = {
     "peer_stores": {},
-    "nvshmem": {"JAX_EP_LL_TRANSPORT": "nvshmem", "NVSHMEM_DISABLE_NVLS": "1", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
+    "nvshmem": {"JAX_EP_LL_TRANSPORT": "nvshmem", **NVSHMEM_ENV},
 }
+
+
+def internode_env(ranks_per_node: int) -> dict:
+    """The workers' environment for the low-latency suite on internode Buffers of `ranks_per_node` ranks per node."""
+    return {"JAX_EP_TEST_RANKS_PER_NODE": str(ranks_per_node), **NVSHMEM_ENV}
 
 
 def needs_nvshmem(transport: str) -> None:
@@ -179,13 +188,15 @@ def test_process_that_never_joins_times_out(R, tmp_path):
 
 
 @pytest.mark.parametrize("R", RANKS)
-@pytest.mark.parametrize("transport", list(TRANSPORT_ENV))
+@pytest.mark.parametrize("transport", [*TRANSPORT_ENV, "internode"])
 def test_low_latency_third_send_times_out(transport, R, tmp_path):
     """Every process sends three low-latency dispatches before the first receive: each third send waits for a
     credit that only that receive gives, so every process fails within a bounded time (its Buffer's timeout
-    plus start-up), and its record names the op, itself and the credit wait."""
-    needs_nvshmem(transport)
-    codes, outputs = launch("ll_third_send", R, [], 150, tmp_path, TRANSPORT_ENV[transport])
+    plus start-up), and its record names the op, itself and the credit wait. On both transports of an intranode
+    Buffer, and on an internode Buffer of 2 nodes."""
+    needs_nvshmem("nvshmem" if transport == "internode" else transport)
+    env = internode_env(max(R // 2, 1)) if transport == "internode" else TRANSPORT_ENV[transport]
+    codes, outputs = launch("ll_third_send", R, [], 150, tmp_path, env)
     assert None not in codes, report(codes, outputs)
     for rank, out in enumerate(outputs):
         raised = [line for line in out.splitlines() if line.startswith("RAISED after")]
@@ -193,6 +204,18 @@ def test_low_latency_third_send_times_out(transport, R, tmp_path):
         records = [line for line in out.splitlines() if line.startswith("RECORD")]
         assert records and f"low_latency_dispatch (send) timed out on rank {rank}" in records[0], report(codes, outputs)
         assert "to finish receiving call 1 (a credit" in records[0], records[0]
+
+
+@pytest.mark.parametrize("R, ranks_per_node", [(4, 2), (4, 1), (8, 2)])
+def test_low_latency_internode_suite(R, ranks_per_node, tmp_path):
+    """tests/gpu/test_low_latency.py on internode Buffers of R / ranks_per_node nodes: rows, flags and credits go
+    by plain stores to the ranks of a node and by NVSHMEM puts and signals to the others (the combine's rows
+    through its staging rows)."""
+    needs_nvshmem("nvshmem")
+    codes, outputs = launch("pytest", R, [str(Path(__file__).parent / "test_low_latency.py"), "-x"], SUITE_TIMEOUT_S,
+                            tmp_path, internode_env(ranks_per_node))
+    assert_suite_passed(f"test_low_latency.py internode {R // ranks_per_node}x{ranks_per_node}", R, codes, outputs,
+                        min_passed=25, max_skipped=4)
 
 
 @pytest.mark.parametrize("R", RANKS)

@@ -20,6 +20,11 @@ NVSHMEM at the first internode Buffer and, when NVSHMEM_SYMMETRIC_SIZE is unset,
 that Buffer (with room for NVSHMEM's own allocations); set it yourself when several internode Buffers live at
 once.
 
+Low-latency ops: a Buffer created with low-latency sizes also gets a low-latency region (`low_latency`), NVSHMEM
+symmetric memory of its own, reached with plain stores by the ranks of its node (NVLink, mapped through
+nvshmem_ptr) and with NVSHMEM puts by the others; `low_latency_transport` is "nvshmem". Its size is
+`jax_ep.low_latency_buffer_bytes(..., transport="nvshmem")`.
+
 Bounded waits, lifetime and ordering rules are the intranode mode's (see `jax_ep.backends.cuda`); creation and
 `destroy()` are collective over every process of the job (NVSHMEM allocations are).
 """
@@ -36,8 +41,8 @@ import numpy as np
 from jax_ep import _native, nvshmem
 from jax_ep._checks import is_int
 from jax_ep.backends import Backend
-from jax_ep.backends.cuda import normal, runtime
-from jax_ep.config import FP8_GROUP, Config
+from jax_ep.backends.cuda import low_latency, normal, runtime
+from jax_ep.config import FP8_GROUP, Config, low_latency_buffer_bytes
 
 DISPATCH_TARGET = "jax_ep_internode_dispatch"
 CACHED_DISPATCH_TARGET = "jax_ep_internode_cached_dispatch"
@@ -49,8 +54,6 @@ MAX_RANKS = _native.limit("max_internode_ranks")
 MAX_RANKS_PER_NODE = _native.limit("max_ranks_per_node")
 HEADER_BYTES = _native.limit("internode_header_bytes")
 DEFAULT_NUM_RDMA_BYTES = 1 << 30
-# Room left in NVSHMEM's symmetric heap, when jax_ep sizes it, for NVSHMEM's own allocations.
-NVSHMEM_HEAP_MARGIN = 256 << 20
 
 int32 = jnp.int32
 
@@ -171,51 +174,64 @@ def unsupported_reason(buffer) -> str | None:
                 "some process drives several GPUs of the mesh")
     if sorted(processes) != list(range(jax.process_count())):
         return "internode mode needs the mesh to hold a GPU of every process (NVSHMEM allocates collectively)"
-    if None not in (buffer.num_max_dispatch_tokens_per_rank, buffer.hidden, buffer.num_experts):
-        return ("the low-latency ops are not implemented across nodes; create the internode Buffer without "
-                "num_max_dispatch_tokens_per_rank")
     return None
 
 
 # ---- the backend -------------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class InternodeBackend(Backend):
-    """The internode kernels of one Buffer (normal mode; no low-latency ops)."""
+class InternodeBackend(low_latency.LowLatencyOps, Backend):
+    """The internode kernels of one Buffer: normal mode, and the low-latency ops when it has a low-latency region."""
 
     name: ClassVar[str] = "cuda"
     internode: ClassVar[bool] = True
     buffer_id: int  # the Buffer's name in jax_ep._C
+    mesh: jax.sharding.Mesh
+    axis_name: str
     config: Config
     num_ranks: int
     ranks_per_node: int
     num_rdma_bytes: int  # each rank's NVSHMEM region (after its header)
+    low_latency_transport: str | None = None  # "nvshmem" with a low-latency region, else None
+    low_latency_offset: int | None = None  # 0: the region is a symmetric allocation of its own
 
     @classmethod
-    def create(cls, buffer, ranks_per_node: int) -> InternodeBackend:
+    def create(cls, buffer, ranks_per_node: int, low_latency: bool) -> InternodeBackend:
         """Collective over every process: checks that every process passed the same sizes, initialises NVSHMEM
-        (once per process) and allocates this process's rank's region, for `buffer` (the Buffer being created:
-        its settings) over nodes of `ranks_per_node` ranks."""
-        backend = cls(buffer.buffer_id, buffer.config, buffer.num_ranks, ranks_per_node, buffer.num_rdma_bytes)
+        (once per process) and allocates this process's rank's region, and with `low_latency` its low-latency
+        region, for `buffer` (the Buffer being created: its settings) over nodes of `ranks_per_node` ranks."""
+        backend = cls(buffer.buffer_id, buffer.mesh, buffer.axis_name, buffer.config, buffer.num_ranks, ranks_per_node,
+                      buffer.num_rdma_bytes, *(("nvshmem", 0) if low_latency else ()))
         me = jax.process_index()
         group = next(g for g in runtime.ep_groups(buffer.mesh, buffer.axis_name)
                      if any(d.process_index == me for d in g))
         rank = next(i for i, d in enumerate(group) if d.process_index == me)
         timeout_s = max(buffer.config.timeout_s, runtime.CREATION_TIMEOUT_S)
-        backend._check_same_sizes(buffer.mesh, timeout_s)
-        nvshmem.initialize(timeout_s, symmetric_bytes=HEADER_BYTES + buffer.num_rdma_bytes + NVSHMEM_HEAP_MARGIN)
+        low_latency_bytes = low_latency_buffer_bytes(buffer.num_max_dispatch_tokens_per_rank, buffer.hidden,
+                                                     buffer.num_ranks, buffer.num_experts,
+                                                     transport="nvshmem") if low_latency else 0
+        backend._check_same_sizes(buffer, low_latency_bytes, timeout_s)
+        nvshmem.initialize(timeout_s, symmetric_bytes=HEADER_BYTES + buffer.num_rdma_bytes + low_latency_bytes)
         _native._C.create_internode(buffer.buffer_id, int(group[rank].local_hardware_id), rank, ranks_per_node,
                                     [int(d.process_index) for d in group], buffer.num_rdma_bytes)
+        if low_latency:
+            try:
+                runtime.create_symmetric_region(buffer.buffer_id, buffer.mesh, buffer.axis_name, timeout_s,
+                                                low_latency_bytes, ranks_per_node=ranks_per_node)
+            except BaseException:  # every process met the same problem: all free the internode region together
+                _native._C.destroy_internode(buffer.buffer_id)
+                raise
         return backend
 
-    def _check_same_sizes(self, mesh, timeout_s: float) -> None:
+    def _check_same_sizes(self, buffer, low_latency_bytes: int, timeout_s: float) -> None:
         """Every process publishes its Buffer sizes and reads everyone's, so that all raise together on a mismatch
         (before the collective allocation, which would otherwise wait forever)."""
         if jax.process_count() == 1:
             return
         client = runtime.kv_client()
-        name = runtime.collective_name(mesh)
-        sizes = dict(num_ranks=self.num_ranks, ranks_per_node=self.ranks_per_node, num_rdma_bytes=self.num_rdma_bytes)
+        name = runtime.collective_name(buffer.mesh)
+        sizes = dict(num_ranks=self.num_ranks, ranks_per_node=self.ranks_per_node, num_rdma_bytes=self.num_rdma_bytes,
+                     low_latency_bytes=low_latency_bytes)
         key = f"{name}/internode/{{}}".format
         client.key_value_set(key(jax.process_index()), json.dumps(sizes))
         for process in range(jax.process_count()):
@@ -281,12 +297,14 @@ class InternodeBackend(Backend):
     # ---- lifetime -----------------------------------------------------------------------------------------------
 
     def destroy(self) -> str:
-        """Collective: frees this process's region after its GPU finished."""
-        return _native._C.destroy_internode(self.buffer_id)
+        """Collective: frees this process's regions after its GPU finished."""
+        problems = [_native._C.nvshmem_region_destroy(self.buffer_id, True)] if self.low_latency_transport else []
+        problems.append(_native._C.destroy_internode(self.buffer_id))
+        return "; ".join(p for p in problems if p)
 
     def errors(self) -> list[str]:
-        """The records of this process's rank (op, rank, the rank it waited for)."""
-        return list(_native._C.internode_errors(self.buffer_id))
+        """The records of this process's rank (op, rank, the rank it waited for), normal and low-latency ops."""
+        return list(_native._C.internode_errors(self.buffer_id)) + self.low_latency_errors()
 
     def kernel_times(self, reset: bool = False) -> list[tuple[int, int]]:
         """(calls, summed kernel nanoseconds) of this process's GPU since the last reset (the benchmark's; see

@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jax_ep import _native, environment
-from jax_ep.backends import Backend, LowLatencyCast
+from jax_ep.backends import Backend
 from jax_ep.backends.cuda import low_latency, normal, runtime
 from jax_ep.config import (
     COMBINE_METHODS,
@@ -149,7 +149,7 @@ class SpansHostsError(NotImplementedError):
 # ---- the backend -----------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class IntranodeBackend(Backend):
+class IntranodeBackend(low_latency.LowLatencyOps, Backend):
     """The intranode kernels of one Buffer, normal and low-latency modes."""
 
     name: ClassVar[str] = "cuda"
@@ -186,7 +186,8 @@ class IntranodeBackend(Backend):
         low_latency_offset = None
         if low_latency_transport is not None:
             low_latency_bytes = low_latency_buffer_bytes(buffer.num_max_dispatch_tokens_per_rank, buffer.hidden,
-                                                         buffer.num_ranks, buffer.num_experts)
+                                                         buffer.num_ranks, buffer.num_experts,
+                                                         transport=low_latency_transport)
             if low_latency_transport == "peer_stores":
                 low_latency_offset = staging
                 workspace_bytes += low_latency_bytes
@@ -206,8 +207,10 @@ class IntranodeBackend(Backend):
             if shared:
                 collective_name = _create_across_processes(buffer, shared, workspace_bytes, staging)
             if low_latency_transport == "nvshmem":
+                # Every peer through puts: plain stores reach a rank's own region only (one rank per "node").
                 runtime.create_symmetric_region(buffer.buffer_id, buffer.mesh, buffer.axis_name,
-                                                buffer.config.timeout_s, low_latency_bytes)
+                                                buffer.config.timeout_s, low_latency_bytes, ranks_per_node=1,
+                                                symmetric_bytes=low_latency_bytes)
         except BaseException:
             _native._C.destroy_intranode(buffer.buffer_id)
             raise
@@ -277,38 +280,6 @@ class IntranodeBackend(Backend):
             *operands, push_warps=np.int64(push_warps), **self._attributes())[0]
         return out.astype(out_dtype)
 
-    # ---- low-latency mode -----------------------------------------------------------------------------------
-
-    def check_low_latency(self, op, *, num_experts):
-        low_latency.check_usable(op, self.low_latency_offset, num_experts)
-
-    def _low_latency_params(self, num_experts: int, num_max_tokens: int) -> low_latency.LowLatencyParams:
-        return low_latency.LowLatencyParams(
-            self.buffer_id, low_latency.TRANSPORTS[self.low_latency_transport], self.low_latency_offset,
-            num_max_tokens, num_experts, runtime.timeout_ns(self.config), self.axis_name, self.num_ranks)
-
-    def low_latency_dispatch_send(self, x, topk_idx, *, num_experts, num_max_tokens, cast: LowLatencyCast):
-        return low_latency.dispatch_send(x, topk_idx, params=self._low_latency_params(num_experts, num_max_tokens),
-                                         cast=cast)
-
-    def low_latency_dispatch_recv(self, state, *, num_experts, num_max_tokens, cast: LowLatencyCast):
-        return low_latency.dispatch_recv(state, params=self._low_latency_params(num_experts, num_max_tokens),
-                                         cast=cast)
-
-    @property
-    def combine_compressions(self) -> tuple[str, ...]:
-        # The send's warps encode straight into the peers' slots: plain stores, not NVSHMEM puts.
-        return ("logfmt",) if self.low_latency_transport == "peer_stores" else ()
-
-    def low_latency_combine_send(self, y, handle, topk_idx, topk_weights, *, num_experts, num_max_tokens,
-                                 compression=None):
-        return low_latency.combine_send(y, handle, topk_idx, topk_weights, compression=compression,
-                                        params=self._low_latency_params(num_experts, num_max_tokens))
-
-    def low_latency_combine_recv(self, state, *, num_experts, num_max_tokens, compression=None):
-        return low_latency.combine_recv(state, compression=compression,
-                                        params=self._low_latency_params(num_experts, num_max_tokens))
-
     # ---- lifetime -------------------------------------------------------------------------------------------
 
     def destroy(self) -> str:
@@ -341,8 +312,7 @@ class IntranodeBackend(Backend):
 
     def errors(self) -> list[str]:
         """The normal-mode and low-latency kernels' records."""
-        return (list(_native._C.intranode_errors(self.buffer_id))
-                + low_latency.errors(self.buffer_id, runtime.local_ordinals(self.mesh)))
+        return list(_native._C.intranode_errors(self.buffer_id)) + self.low_latency_errors()
 
     # ---- the benchmark's instruments ------------------------------------------------------------------------
 
@@ -362,14 +332,6 @@ class IntranodeBackend(Backend):
             raise NotImplementedError("jax_ep store probe: needs one process driving every GPU of the EP group")
         result_type = jax.typeof(token).update(shape=(self.num_ranks * bytes_per_peer,), dtype=jnp.uint8)
         return jax.ffi.ffi_call(STORE_PROBE_TARGET, result_type)(token, **self._attributes())
-
-    def low_latency_trace(self, reset: bool = False) -> list[dict[str, dict]]:
-        """The low-latency kernels' trace of their recent calls per local device (see low_latency.trace)."""
-        if self.low_latency_offset is None:
-            raise ValueError("jax_ep: this Buffer has no low-latency region (create it with "
-                             "num_max_dispatch_tokens_per_rank, hidden and num_experts on the cuda backend)")
-        return low_latency.trace(self.buffer_id, runtime.local_ordinals(self.mesh), self.low_latency_transport,
-                                 self.low_latency_offset, reset)
 
 
 # ---- creation across processes ---------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ import numpy as np
 
 from jax_ep import _native
 from jax_ep.backends import LowLatencyCast, xla, zero_cotangent
+from jax_ep.backends.cuda import runtime
 from jax_ep.config import FP8_GROUP, LOW_LATENCY_MAX_TOPK
 
 DISPATCH_SEND_TARGET = "jax_ep_low_latency_dispatch_send"
@@ -38,9 +39,10 @@ DISPATCH_RECV_TARGET = "jax_ep_low_latency_dispatch_recv"
 COMBINE_SEND_TARGET = "jax_ep_low_latency_combine_send"
 COMBINE_RECV_TARGET = "jax_ep_low_latency_combine_recv"
 
-# Limits of the low-latency kernels (csrc/kernel_limits.h): experts of a Buffer (ids travel as int16), and top-k
-# entries of one dispatch, tokens * top-k (the send keeps the routing in shared memory); LOW_LATENCY_MAX_TOPK is in
-# config.
+# Limits of the low-latency kernels (csrc/kernel_limits.h): ranks of a group, experts of a Buffer (ids travel as
+# int16), and top-k entries of one dispatch, tokens * top-k (the send keeps the routing in shared memory);
+# LOW_LATENCY_MAX_TOPK is in config.
+MAX_RANKS = _native.limit("max_low_latency_ranks")
 MAX_EXPERTS = _native.limit("low_latency_max_experts")
 MAX_ENTRIES = _native.limit("low_latency_max_entries")
 _PAYLOAD_BF16, _PAYLOAD_FP8, _PAYLOAD_FP8_UE8M0 = 0, 1, 2  # csrc LowLatencyPayload
@@ -180,8 +182,8 @@ COMPRESSIONS = {None: 0, "logfmt": 1}
 
 
 def combine_send(y, handle, topk_idx, topk_weights, *, params: LowLatencyParams, compression=None):
-    """Returns every valid row of y [L, R*M, H] to its source rank (LogFMT-encoded with compression="logfmt",
-    the peer-store transport only). Returns the state `combine_recv` takes."""
+    """Returns every valid row of y [L, R*M, H] to its source rank (LogFMT-encoded with compression="logfmt").
+    Returns the state `combine_recv` takes."""
     check_topk("low_latency_combine", topk_idx.shape[1])
     if not isinstance(handle, CudaLowLatencyHandle):
         raise TypeError("jax_ep.low_latency_combine (cuda): the handle must come from a low_latency_dispatch of the "
@@ -261,3 +263,46 @@ def trace(buffer_id: int, ordinals, transport: str, offset: int, reset: bool = F
                                             if name != "-"}}
                         for k, kernel in enumerate(KERNELS)})
     return devices
+
+
+# ---- the low-latency ops of a cuda backend ------------------------------------------------------------------------
+
+class LowLatencyOps:
+    """The low-latency methods of a cuda Backend (intranode or internode): the Backend has `buffer_id`, `mesh`,
+    `axis_name`, `config`, `num_ranks`, and `low_latency_transport` and `low_latency_offset` (where its region
+    is reached, None without one)."""
+
+    def check_low_latency(self, op, *, num_experts):
+        check_usable(op, self.low_latency_offset, num_experts)
+
+    def _low_latency_params(self, num_experts: int, num_max_tokens: int) -> LowLatencyParams:
+        return LowLatencyParams(self.buffer_id, TRANSPORTS[self.low_latency_transport], self.low_latency_offset,
+                                num_max_tokens, num_experts, runtime.timeout_ns(self.config), self.axis_name,
+                                self.num_ranks)
+
+    def low_latency_dispatch_send(self, x, topk_idx, *, num_experts, num_max_tokens, cast: LowLatencyCast):
+        return dispatch_send(x, topk_idx, params=self._low_latency_params(num_experts, num_max_tokens), cast=cast)
+
+    def low_latency_dispatch_recv(self, state, *, num_experts, num_max_tokens, cast: LowLatencyCast):
+        return dispatch_recv(state, params=self._low_latency_params(num_experts, num_max_tokens), cast=cast)
+
+    def low_latency_combine_send(self, y, handle, topk_idx, topk_weights, *, num_experts, num_max_tokens,
+                                 compression=None):
+        return combine_send(y, handle, topk_idx, topk_weights, compression=compression,
+                            params=self._low_latency_params(num_experts, num_max_tokens))
+
+    def low_latency_combine_recv(self, state, *, num_experts, num_max_tokens, compression=None):
+        return combine_recv(state, compression=compression,
+                            params=self._low_latency_params(num_experts, num_max_tokens))
+
+    def low_latency_errors(self) -> list[str]:
+        """The low-latency kernels' timeout records of this process's devices."""
+        return errors(self.buffer_id, runtime.local_ordinals(self.mesh))
+
+    def low_latency_trace(self, reset: bool = False) -> list[dict[str, dict]]:
+        """The low-latency kernels' trace of their recent calls per local device (see `trace`)."""
+        if self.low_latency_offset is None:
+            raise ValueError("jax_ep: this Buffer has no low-latency region (create it with "
+                             "num_max_dispatch_tokens_per_rank, hidden and num_experts on the cuda backend)")
+        return trace(self.buffer_id, runtime.local_ordinals(self.mesh), self.low_latency_transport,
+                     self.low_latency_offset, reset)
