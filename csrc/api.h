@@ -273,8 +273,9 @@ struct InternodeRank {
 // g; ranks of one node must reach each other's symmetric memory by loads and stores (checked).
 void internode_create(int64_t buffer_id, int device_ordinal, int rank, int ranks_per_node,
                       const std::vector<int>& pe_of_rank, int64_t region_bytes);
-// Waits for the device, then frees the region (collective); returns "" or the CUDA errors met.
-std::string internode_destroy(int64_t buffer_id);
+// Forgets buffer_id's internode rank in this process and, with `release`, waits for the device, then frees its
+// region (collective: release only once every PE agreed to, as nvshmem_region_destroy); returns "" or the errors met.
+std::string internode_destroy(int64_t buffer_id, bool release);
 bool internode_lookup(int64_t buffer_id, int device_ordinal, InternodeRank* out);
 // One line per rank of buffer_id in this process whose kernel timed out (op, rank, the rank it waited for, what).
 std::vector<std::string> internode_errors(int64_t buffer_id);
@@ -409,7 +410,7 @@ struct LowLatencyCombineSendArgs {
   const int32_t* src_topk_index = nullptr;   // [L, R*M]
   const int32_t* layout_range = nullptr;     // [L, R, 2]
   uint32_t* token = nullptr;
-  bool compressed = false;  // send the rows LogFMT-encoded (kernel_limits.h, kLogFmt*): the peer-store transport only
+  bool compressed = false;  // send the rows LogFMT-encoded (kernel_limits.h, kLogFmt*)
 };
 cudaError_t low_latency_combine_send(const LowLatencyCall& call, const LowLatencyCombineSendArgs& args);
 

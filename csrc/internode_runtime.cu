@@ -80,13 +80,13 @@ void internode_create(int64_t buffer_id, int device_ordinal, int rank, int ranks
   entry.internode = std::move(view);
 }
 
-std::string internode_destroy(int64_t buffer_id) {
+std::string internode_destroy(int64_t buffer_id, bool release) {
   Registry& entries = registry();
   std::lock_guard<std::mutex> lock(entries.mutex);
   ErrorList errors;
   for (DeviceEntry* entry : entries.entries_of(buffer_id)) {
     if (!entry->internode) continue;
-    release_symmetric(entry->device, entry->internode->region, errors);
+    if (release) release_symmetric(entry->device, entry->internode->region, errors);
     entry->internode.reset();
   }
   entries.erase_empty(buffer_id);

@@ -94,8 +94,8 @@ __device__ __forceinline__ uint64_t wait_until(const LowLatencyCall& c, LowLaten
 }
 
 // Send halves, before writing into set call % 2 of the peers: peer `peer`'s receive of call - 2 (the previous
-// user of that set) has finished reading it, as the credit word it wrote into this rank's header says. One
-// thread per peer waits; a barrier after it holds the block's other threads back.
+// user of that set) has finished reading it, as the credit word it wrote into this rank's header says. A thread
+// waits for one or more peers; a barrier after it holds the block's other threads back.
 __device__ __forceinline__ void wait_for_credit(const LowLatencyCall& c, LowLatencyOp op, uint32_t call, bool dispatch,
                                                 int peer) {
   const uint64_t* credit = reinterpret_cast<const uint64_t*>(c.region + credit_offset(dispatch, peer, call & 1));

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 import jax_ep
 from conftest import mesh_of
 from jax_ep import _native
-from jax_ep.backends.cuda import internode
+from jax_ep.backends.cuda import internode, low_latency
 
 R, T, H, K, E = 4, 8, 256, 3, 8
 PER_NODE = 2
@@ -55,6 +55,18 @@ def test_unsupported_reason_names_the_requirement():
         reason = internode.unsupported_reason(buf)
     expected = "one process per GPU" if internode.available() else "need NVSHMEM"
     assert reason is not None and expected in reason, reason
+
+
+def test_more_ranks_than_the_limit_are_refused():
+    """64 ranks at most (the internode and the low-latency kernels' limit), 8 per node: the reason names the limit
+    (backend="cuda" raises it, "auto" warns with it and takes the xla backend)."""
+    from types import SimpleNamespace
+
+    assert internode.MAX_RANKS == low_latency.MAX_RANKS == 64
+    too_many = SimpleNamespace(num_ranks=2 * internode.MAX_RANKS, ranks_per_node=8)
+    assert internode.unsupported_reason(too_many) == "internode mode supports up to 64 ranks per EP axis, the axis has 128"
+    too_wide = SimpleNamespace(num_ranks=32, ranks_per_node=16)
+    assert internode.unsupported_reason(too_wide) == "internode mode supports up to 8 ranks per node, got 16"
 
 
 @pytest.mark.parametrize("hosts,per_node", [(["a", "a", "b", "b"], 2), (["a", "b", "c", "d"], 1),
@@ -136,7 +148,7 @@ def standin(num_rdma_bytes=64 << 20, low_latency=False):
     buf = jax_ep.Buffer(mesh_of(R), "ep", backend="xla", ranks_per_node=PER_NODE, num_rdma_bytes=num_rdma_bytes,
                         **sizes)
     buf.backend_impl = internode.InternodeBackend(buf.buffer_id, buf.mesh, buf.axis_name, buf.config, R, PER_NODE,
-                                                  num_rdma_bytes, *(("nvshmem", 0) if low_latency else ()))
+                                                  num_rdma_bytes, "standin", *(("nvshmem", 0) if low_latency else ()))
     assert (buf.backend, buf.internode) == ("cuda", True)
     return buf
 

@@ -236,8 +236,9 @@ NB_MODULE(_C, m) {
         nb::arg("ranks_per_node"), nb::arg("pe_of_rank"), nb::arg("region_bytes"),
         "Collective over every NVSHMEM PE: allocates this rank's symmetric region (header + region_bytes) and maps "
         "its node peers' regions (pe_of_rank: the PE of every EP rank).");
-  m.def("destroy_internode", &jax_ep::internode_destroy, nb::arg("buffer_id"),
-        "Collective: waits for the device and frees the region of buffer_id; returns '' or the errors met.");
+  m.def("destroy_internode", &jax_ep::internode_destroy, nb::arg("buffer_id"), nb::arg("release"),
+        "Forgets the internode rank of buffer_id; with release (collective) waits for the device and frees its region. "
+        "Returns '' or the errors met.");
   m.def("internode_errors", &jax_ep::internode_errors, nb::arg("buffer_id"),
         "One line per rank of buffer_id in this process whose internode kernel timed out (readable after the trap).");
 #if defined(JAX_EP_INSTRUMENT)

@@ -183,8 +183,7 @@ def run(args) -> dict:
         plain, encoded = (pairs * pair_bytes["combine", p] for p in ("BF16", "LogFMT"))
         setup["combine_bytes_per_rank"] = dict(BF16=float(plain), LogFMT=float(encoded))
         print(f"[low_latency] combine payload per rank (valid pairs x row bytes): BF16 {plain / 1e6:.3f} MB, "
-              f"LogFMT-compressed {encoded / 1e6:.3f} MB ({encoded / plain:.1%}; compression='logfmt': the xla "
-              "backend, and the cuda kernels on the peer-store transport)", flush=True)
+              f"LogFMT-compressed {encoded / 1e6:.3f} MB ({encoded / plain:.1%}; compression='logfmt')", flush=True)
 
     # With one process per GPU, each process reads its own GPU's clocks and process 0 prints.
     kernel_device = "process 0's GPU" if args.processes else f"mean of the medians of {num_ranks} GPUs"

@@ -20,7 +20,7 @@
 #     internode: the internode tests as 4 processes (2 nodes x 2 GPUs, and 4 x 1) and 2 (2 x 1), the bounded wait,
 #     and the internode benchmark as 2 x 2;
 #     llnodes: the low-latency suite on internode Buffers as 4 processes (2 x 2, 4 x 1) and 8 (4 x 2), and its
-#     bounded wait;
+#     bounded wait; llmax: the low-latency ops with 32 and 64 processes (nodes of 8; 64: the rank limit) on the GPUs;
 #     validate: the first run of new kernels in one 10-minute call, most informative first: intranode and
 #     low-latency tests in one process, the benchmarks (combine pull and push), the 2 x 2 internode suite, the
 #     one-process-per-GPU intranode suite and benchmark.
@@ -152,6 +152,13 @@ if [ "$mode" = llnodes ]; then  # low-latency ops on internode Buffers (4 x 1, 2
   rm -rf "$OUT/mp_tmp" "$OUT/mp_tmp_timeouts"
   grep -hE "^(FAILED|ERROR)|AssertionError|Error:" "$OUT"/ll_nodes*.log | head -20
   printf '\n== multi-process suites (process 0)\n'; cat "$OUT/suites.txt" 2>/dev/null
+  printf '\n== summary\n'; printf '%s\n' "${summary[@]}"
+  exit 0
+fi
+if [ "$mode" = llmax ]; then  # low-latency ops at the rank limit: 64 processes on the GPUs as 8 nodes x 8
+  step ll_max 560 python3 -m pytest -q -rs --basetemp="$OUT/mp_tmp" tests/gpu/test_multiprocess_gpu.py -k "many_ranks"
+  tar czf "$OUT/mp_logs.tgz" -C "$OUT" --exclude=gather mp_tmp 2>/dev/null; rm -rf "$OUT/mp_tmp"
+  grep -hE "^(FAILED|ERROR)|AssertionError|Error:" "$OUT"/ll_max.log | head -20
   printf '\n== summary\n'; printf '%s\n' "${summary[@]}"
   exit 0
 fi

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -36,13 +37,15 @@ MODES = {
 }
 
 
-@functools.cache
-def ll_buffer(R: int, M: int, H: int, E: int, backend: str = "cuda", timeout_s: float = 30.0) -> jax_ep.Buffer:
+def new_ll_buffer(R: int, M: int, H: int, E: int, backend: str = "cuda", timeout_s: float = 30.0) -> jax_ep.Buffer:
     # No normal-mode staging (num_nvl_bytes=0, num_rdma_bytes=0): these Buffers serve low-latency ops only, and with
     # processes sharing a GPU a gigabyte for each of the suite's Buffers would not fit.
     nodes = dict(ranks_per_node=RANKS_PER_NODE, num_rdma_bytes=0) if RANKS_PER_NODE and backend == "cuda" else {}
     return jax_ep.Buffer(mesh(R), "ep", backend=backend, num_max_dispatch_tokens_per_rank=M, hidden=H,
                          num_experts=E, config=jax_ep.Config(timeout_s=timeout_s), num_nvl_bytes=0, **nodes)
+
+
+ll_buffer = functools.cache(new_ll_buffer)  # the suite's Buffers, alive until the process ends
 
 
 def make_inputs(R, T, H, K, E, M, seed=0, mode="distinct", p_neg=0.1, p_invalid=0.0):
@@ -138,6 +141,49 @@ def test_matches_oracle_and_xla(R, mode):
         assert_bits(a[exp.valid], b[exp.valid], f"recv_x[{i}] vs xla")
     # The xla backend's combine may fuse multiply-adds: within a BF16 step of it.
     np.testing.assert_allclose(got["out"].astype(np.float32), xla["out"].astype(np.float32), rtol=2**-7, atol=1e-5)
+
+
+@pytest.mark.parametrize("R", RANKS)
+def test_small_shapes_every_mode(R):
+    """Every dispatch mode and the BF16 and compressed combines at shapes small enough for many ranks
+    (test_multiprocess_gpu.py runs this with 64 processes on one GPU)."""
+    T, H, K, E, M = 8, 512, 4, 2 * R, 8
+    x, idx, w, y, stats = make_inputs(R, T, H, K, E, M, seed=R + 1, p_invalid=0.05)
+    for mode in MODES:
+        exp, out = expected(x, idx, w, y, stats, E, M, mode)
+        check_oracle(run_ll(R, M, "cuda", mode, x, idx, w, y, stats), exp, out, mode, f"{mode}: ")
+    buf = ll_buffer(R, M, H, E)
+
+    def body(x, idx, w, y):
+        d = jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=False)
+        return jax_ep.low_latency_combine(buf, y, idx, w, d.handle, compression="logfmt")
+
+    got = ranks(spmd(R, body)(*map(flat, (x, idx, w, y))), R).astype(np.float64)
+    acc, bound = O.low_latency_combine_logfmt(y, idx, w, E, O.low_latency_dispatch(x, idx, E, M))
+    assert not (np.abs(got - acc) > bound).any(), "compressed combine outside LogFMT's bound"
+
+
+@pytest.mark.parametrize("R", RANKS)
+def test_buffer_destroyed_and_made_again(R):
+    """A Buffer destroyed after its ops (collectively, across processes; an internode Buffer's symmetric regions
+    freed by every process together) and a new one of the same sizes: both give the oracle's results."""
+    T, H, K, E, M = 8, 256, 4, 2 * R, 8
+    x, idx, w, y, _ = make_inputs(R, T, H, K, E, M, seed=R + 3)
+    exp, out = expected(x, idx, w, y, None, E, M, "bf16")
+    for attempt in range(2):
+        buf = new_ll_buffer(R, M, H, E)
+
+        def body(x, idx, w, y):
+            d = jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=False)
+            return d.recv_x, jax_ep.low_latency_combine(buf, y, idx, w, d.handle)
+
+        recv, combined = (ranks(a, R) for a in jax.device_get(spmd(R, body)(*map(flat, (x, idx, w, y)))))
+        assert_bits(recv[exp.valid], exp.recv_x[exp.valid], f"Buffer {attempt}: recv_x")
+        assert_bits(combined, out, f"Buffer {attempt}: combine")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # destroy warns about any problem it met
+            buf.destroy()
+        assert not buf.alive
 
 
 @pytest.mark.parametrize("R", RANKS)

@@ -52,6 +52,11 @@ TRANSPORT_ENV = {
 }
 
 
+# The most NVSHMEM PEs seen to start on one GPU (nvidia-nvshmem-cu13 on one H200: 48 processes start, 64 abort inside
+# nvshmemx_init_attr before jax_ep allocates anything).
+NVSHMEM_MAX_PES_PER_GPU = 48
+
+
 def internode_env(ranks_per_node: int) -> dict:
     """The workers' environment for the low-latency suite on internode Buffers of `ranks_per_node` ranks per node."""
     return {"JAX_EP_TEST_RANKS_PER_NODE": str(ranks_per_node), **NVSHMEM_ENV}
@@ -70,16 +75,17 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(mode: str, R: int, extra: list[str], timeout_s: float, tmp_path,
-           env_extra: dict | None = None) -> tuple[list[int | None], list[str]]:
-    """Runs R worker processes, process p owning GPU p mod n (with `env_extra` added to their environment);
-    returns their exit codes (None: killed at the deadline) and outputs."""
+def launch(mode: str, R: int, extra: list[str], timeout_s: float, tmp_path, env_extra: dict | None = None,
+           process_gpu_bytes: int = PROCESS_GPU_BYTES) -> tuple[list[int | None], list[str]]:
+    """Runs R worker processes, process p owning GPU p mod n (with `env_extra` added to their environment), each
+    taking up to `process_gpu_bytes` of its GPU; returns their exit codes (None: killed at the deadline) and
+    outputs."""
     gpus = cuda_devices()
     per_gpu = -(-R // len(gpus))
     memory = (gpus[0].memory_stats() or {}).get("bytes_limit")
-    if memory and per_gpu * PROCESS_GPU_BYTES > memory:
+    if memory and per_gpu * process_gpu_bytes > memory:
         pytest.skip(f"{R} processes on {len(gpus)} GPUs: {per_gpu} per GPU of {memory / 2**30:.0f} GiB, each may "
-                    f"take {PROCESS_GPU_BYTES / 2**30:.0f} GiB")
+                    f"take {process_gpu_bytes / 2**30:.1f} GiB")
     port = _free_port()
     gather_dir = tmp_path / "gather"
     gather_dir.mkdir(exist_ok=True)
@@ -216,6 +222,27 @@ def test_low_latency_internode_suite(R, ranks_per_node, tmp_path):
                             tmp_path, internode_env(ranks_per_node))
     assert_suite_passed(f"test_low_latency.py internode {R // ranks_per_node}x{ranks_per_node}", R, codes, outputs,
                         min_passed=25, max_skipped=4)
+
+
+@pytest.mark.parametrize("R", [32, 48, 64])
+def test_low_latency_internode_many_ranks(R, tmp_path):
+    """Up to the most ranks the low-latency kernels take (low_latency.MAX_RANKS, 64), as nodes of 8: dispatch
+    (BF16 and every FP8 mode) and combine against the oracle, and the compressed combine, at small shapes (the
+    whole suite would not fit a 10-minute run with this many processes on one GPU), with small heaps."""
+    from jax_ep.backends.cuda import low_latency
+
+    needs_nvshmem("nvshmem")
+    assert R <= low_latency.MAX_RANKS
+    per_gpu = -(-R // len(cuda_devices()))
+    if per_gpu > NVSHMEM_MAX_PES_PER_GPU:
+        pytest.skip(f"{per_gpu} processes on one GPU: NVSHMEM's initialisation aborts above "
+                    f"{NVSHMEM_MAX_PES_PER_GPU} PEs per GPU (measured: 64 on one H200 abort, 48 run)")
+    tests = "test_buffer_transport_follows_the_setting or test_small_shapes_every_mode"
+    env = {**internode_env(8), "NVSHMEM_SYMMETRIC_SIZE": "256M", "NVSHMEM_DEBUG": "WARN"}
+    codes, outputs = launch("pytest", R, [str(Path(__file__).parent / "test_low_latency.py"), "-x", "-k", tests],
+                            270, tmp_path, env, process_gpu_bytes=3 << 29)
+    assert_suite_passed(f"test_low_latency.py internode {R // 8}x8 (two tests)", R, codes, outputs, min_passed=2,
+                        max_skipped=0)
 
 
 @pytest.mark.parametrize("R", RANKS)

@@ -1,6 +1,6 @@
 """The `cuda` backend: jax_ep's CUDA kernels called through `jax.ffi.ffi_call` only. Its modes: `intranode` (one
-NVLink domain; normal mode, and the low-latency mode of `low_latency`) and `internode` (NVSHMEM between nodes,
-normal mode); `normal` holds what the two normal modes' calls share, `runtime` what their creation shares.
+NVLink domain) and `internode` (NVSHMEM between nodes), each with its normal mode and the low-latency mode of
+`low_latency`; `normal` holds what the two normal modes' calls share, `runtime` what their creation shares.
 
 Bounded waits: a kernel that waits longer than `Config.timeout_s` for a peer writes a record (op, rank, peer)
 to pinned host memory and executes `trap`. The handler cannot see this (under CUDA graphs it does not even

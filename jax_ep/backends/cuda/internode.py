@@ -1,4 +1,4 @@
-"""Internode normal mode of the `cuda` backend (docs/design.md, "Internode normal mode"): the kernels of
+"""Internode mode of the `cuda` backend (docs/design.md, "Internode normal mode"): the normal-mode kernels of
 csrc/internode.cu through `jax.ffi.ffi_call`, for an EP axis over N nodes of P = `ranks_per_node` GPUs, one
 process per GPU, NVSHMEM owned by jax_ep.
 
@@ -16,9 +16,8 @@ Memory: one NVSHMEM symmetric region per GPU of `num_rdma_bytes` (plus a header 
 collectively by every process when the Buffer is created; each op lays out its part of it from its shapes
 (csrc/internode_state.h and kernel_limits.h; `dispatch_region_bytes` / `combine_region_bytes` here) and a call that
 needs more raises while tracing. `internode_buffer_bytes` gives what given shapes need. jax_ep initialises
-NVSHMEM at the first internode Buffer and, when NVSHMEM_SYMMETRIC_SIZE is unset, sizes its symmetric heap for
-that Buffer (with room for NVSHMEM's own allocations); set it yourself when several internode Buffers live at
-once.
+NVSHMEM at the first Buffer with symmetric memory and, when NVSHMEM_SYMMETRIC_SIZE is unset, sizes its symmetric
+heap for that Buffer (jax_ep.nvshmem.initialize); set it yourself when several such Buffers live at once.
 
 Low-latency ops: a Buffer created with low-latency sizes also gets a low-latency region (`low_latency`), NVSHMEM
 symmetric memory of its own, reached with plain stores by the ranks of its node (NVLink, mapped through
@@ -160,14 +159,14 @@ def ranks_per_host(hosts: list[str], axis_name: str = "ep") -> int:
 
 def unsupported_reason(buffer) -> str | None:
     """Why the internode kernels cannot serve `buffer` (its mesh, sizes and this build), or None."""
-    if not available():
-        return ("this jax_ep build has no internode kernels (they need NVSHMEM: install the cuda12/cuda13 extra and "
-                "rebuild jax_ep with nvcc on the PATH)")
     num_ranks, per_node = buffer.num_ranks, buffer.ranks_per_node
-    if num_ranks > MAX_RANKS:
+    if num_ranks > MAX_RANKS:  # (the low-latency kernels' limit too)
         return f"internode mode supports up to {MAX_RANKS} ranks per EP axis, the axis has {num_ranks}"
     if per_node > MAX_RANKS_PER_NODE:
         return f"internode mode supports up to {MAX_RANKS_PER_NODE} ranks per node, got {per_node}"
+    if not available():
+        return ("this jax_ep build has no internode kernels (they need NVSHMEM: install the cuda12/cuda13 extra and "
+                "rebuild jax_ep with nvcc on the PATH)")
     processes = [d.process_index for d in buffer.mesh.devices.flat]
     if len(set(processes)) != len(processes):
         return ("internode mode needs one process per GPU (jax.distributed.initialize(..., local_device_ids=[i])); "
@@ -192,6 +191,7 @@ class InternodeBackend(low_latency.LowLatencyOps, Backend):
     num_ranks: int
     ranks_per_node: int
     num_rdma_bytes: int  # each rank's NVSHMEM region (after its header)
+    collective_name: str  # the Buffer's name in the key-value store
     low_latency_transport: str | None = None  # "nvshmem" with a low-latency region, else None
     low_latency_offset: int | None = None  # 0: the region is a symmetric allocation of its own
 
@@ -201,7 +201,8 @@ class InternodeBackend(low_latency.LowLatencyOps, Backend):
         (once per process) and allocates this process's rank's region, and with `low_latency` its low-latency
         region, for `buffer` (the Buffer being created: its settings) over nodes of `ranks_per_node` ranks."""
         backend = cls(buffer.buffer_id, buffer.mesh, buffer.axis_name, buffer.config, buffer.num_ranks, ranks_per_node,
-                      buffer.num_rdma_bytes, *(("nvshmem", 0) if low_latency else ()))
+                      buffer.num_rdma_bytes, runtime.collective_name(buffer.mesh),
+                      *(("nvshmem", 0) if low_latency else ()))
         me = jax.process_index()
         group = next(g for g in runtime.ep_groups(buffer.mesh, buffer.axis_name)
                      if any(d.process_index == me for d in g))
@@ -210,7 +211,7 @@ class InternodeBackend(low_latency.LowLatencyOps, Backend):
         low_latency_bytes = low_latency_buffer_bytes(buffer.num_max_dispatch_tokens_per_rank, buffer.hidden,
                                                      buffer.num_ranks, buffer.num_experts,
                                                      transport="nvshmem") if low_latency else 0
-        backend._check_same_sizes(buffer, low_latency_bytes, timeout_s)
+        backend._check_same_sizes(low_latency_bytes, timeout_s)
         nvshmem.initialize(timeout_s, symmetric_bytes=HEADER_BYTES + buffer.num_rdma_bytes + low_latency_bytes)
         _native._C.create_internode(buffer.buffer_id, int(group[rank].local_hardware_id), rank, ranks_per_node,
                                     [int(d.process_index) for d in group], buffer.num_rdma_bytes)
@@ -219,20 +220,19 @@ class InternodeBackend(low_latency.LowLatencyOps, Backend):
                 runtime.create_symmetric_region(buffer.buffer_id, buffer.mesh, buffer.axis_name, timeout_s,
                                                 low_latency_bytes, ranks_per_node=ranks_per_node)
             except BaseException:  # every process met the same problem: all free the internode region together
-                _native._C.destroy_internode(buffer.buffer_id)
+                _native._C.destroy_internode(buffer.buffer_id, True)
                 raise
         return backend
 
-    def _check_same_sizes(self, buffer, low_latency_bytes: int, timeout_s: float) -> None:
+    def _check_same_sizes(self, low_latency_bytes: int, timeout_s: float) -> None:
         """Every process publishes its Buffer sizes and reads everyone's, so that all raise together on a mismatch
         (before the collective allocation, which would otherwise wait forever)."""
         if jax.process_count() == 1:
             return
         client = runtime.kv_client()
-        name = runtime.collective_name(buffer.mesh)
         sizes = dict(num_ranks=self.num_ranks, ranks_per_node=self.ranks_per_node, num_rdma_bytes=self.num_rdma_bytes,
                      low_latency_bytes=low_latency_bytes)
-        key = f"{name}/internode/{{}}".format
+        key = f"{self.collective_name}/internode/{{}}".format
         client.key_value_set(key(jax.process_index()), json.dumps(sizes))
         for process in range(jax.process_count()):
             try:
@@ -297,9 +297,15 @@ class InternodeBackend(low_latency.LowLatencyOps, Backend):
     # ---- lifetime -----------------------------------------------------------------------------------------------
 
     def destroy(self) -> str:
-        """Collective: frees this process's regions after its GPU finished."""
-        problems = [_native._C.nvshmem_region_destroy(self.buffer_id, True)] if self.low_latency_transport else []
-        problems.append(_native._C.destroy_internode(self.buffer_id))
+        """Collective: frees this process's regions after its GPU finished, when every process can take part (none
+        has a kernel that timed out: runtime.agree_to_free), else forgets them."""
+        processes = sorted({d.process_index for d in self.mesh.devices.flat})
+        release, problems = runtime.agree_to_free(self.collective_name, processes, self.config.timeout_s,
+                                                  healthy=not self.errors(),
+                                                  what=f"the NVSHMEM regions of Buffer #{self.buffer_id}")
+        if self.low_latency_transport:
+            problems.append(_native._C.nvshmem_region_destroy(self.buffer_id, release))
+        problems.append(_native._C.destroy_internode(self.buffer_id, release))
         return "; ".join(p for p in problems if p)
 
     def errors(self) -> list[str]:

@@ -89,11 +89,11 @@ def create_symmetric_region(buffer_id: int, mesh, axis_name: str, timeout_s: flo
                                      [int(d.process_index) for d in group], ranks_per_node)
 
 
-def destroy_symmetric_region(buffer_id: int, collective_name: str | None, processes, timeout_s: float,
-                             healthy: bool) -> list[str]:
-    """Every process publishes whether it can take part in the collective free, reads the others' answers
-    (bounded), and frees only when all can (a GPU whose kernel timed out cannot take part, and the others would
-    wait for it); else it forgets the region, leaking it until the process ends. Returns the problems met."""
+def agree_to_free(collective_name: str | None, processes, timeout_s: float, healthy: bool, what: str) -> tuple[bool, list[str]]:
+    """Before a collective free of symmetric memory (`what`, for the message): every process publishes whether it
+    can take part, reads the others' answers (bounded), and all free only when all can (a GPU whose kernel timed
+    out cannot, and the others would wait for it in the free); else each forgets its memory, leaking it until the
+    process ends. Returns (free, the problems met)."""
     answers = {jax.process_index(): "ok" if healthy else "unhealthy"}
     if len(processes) > 1:
         client, timeout_ms = kv_client(), int(timeout_s * 1000)
@@ -105,7 +105,14 @@ def destroy_symmetric_region(buffer_id: int, collective_name: str | None, proces
             except Exception:  # the client raises a runtime error on its deadline
                 answers[process] = "absent"
     release = all(answer == "ok" for answer in answers.values())
-    problems = [] if release else [f"the NVSHMEM region of Buffer #{buffer_id} was not freed (processes: "
-                                   f"{answers})"]
+    return release, [] if release else [f"{what} was not freed (processes: {answers})"]
+
+
+def destroy_symmetric_region(buffer_id: int, collective_name: str | None, processes, timeout_s: float,
+                             healthy: bool) -> list[str]:
+    """Frees the Buffer's low-latency symmetric region when every process can (`agree_to_free`), else forgets it.
+    Returns the problems met."""
+    release, problems = agree_to_free(collective_name, processes, timeout_s, healthy,
+                                      f"the NVSHMEM region of Buffer #{buffer_id}")
     errors = _native._C.nvshmem_region_destroy(buffer_id, release)
     return problems + ([errors] if errors else [])
