@@ -63,16 +63,7 @@ void internode_create(int64_t buffer_id, int device_ordinal, int rank, int ranks
                "cudaDeviceGetAttribute", device_ordinal, kRuntime);
     // Collective over every PE (all processes create every internode Buffer in the same order).
     view->region = static_cast<char*>(nvshmem_allocate(kInternodeHeaderBytes + region_bytes));
-    for (int j = 0; j < ranks_per_node; ++j) {
-      const int peer = view->node * ranks_per_node + j;
-      view->node_regions[j] = static_cast<char*>(nvshmem_ptr(view->region, pe_of_rank[peer]));
-      if (view->node_regions[j] != nullptr) continue;
-      // Every process met the same topology, so every process meets this problem and reaches the collective free.
-      nvshmem_release(view->region);
-      fail("rank " + std::to_string(peer) + " (PE " + std::to_string(pe_of_rank[peer]) + ") is on the node of rank " +
-           std::to_string(rank) + " (ranks_per_node=" + std::to_string(ranks_per_node) +
-           ") but its memory cannot be reached by loads and stores from here (not in this NVLink domain?)");
-    }
+    map_node_regions(view->region, view->pe_of_rank, rank, ranks_per_node, view->node_regions, kRuntime);
   } catch (...) {
     entries.erase_empty(buffer_id);  // the entry's record, where this call created it
     throw;

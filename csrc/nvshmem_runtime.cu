@@ -126,23 +126,28 @@ void nvshmem_region_create(int64_t buffer_id, int device_ordinal, int64_t bytes,
                "cudaDeviceGetAttribute", device_ordinal, "jax_ep nvshmem");
     // Collective: every PE, same size. Outside the registry's lock: the other PEs may take their time.
     region->base = static_cast<char*>(nvshmem_allocate(bytes));
-    const int first = region->rank / ranks_per_node * ranks_per_node;
-    for (int r = first; r < first + ranks_per_node; ++r) {
-      region->node_regions[r] = static_cast<char*>(nvshmem_ptr(region->base, pes[r]));
-      if (region->node_regions[r] != nullptr) continue;
-      // Every process met the same topology, so every process meets this problem and reaches the collective free.
-      nvshmem_release(region->base);
-      throw std::runtime_error("jax_ep nvshmem: rank " + std::to_string(r) + " (PE " + std::to_string(pes[r]) +
-                               ") is on the node of rank " + std::to_string(region->rank) + " (ranks_per_node=" +
-                               std::to_string(ranks_per_node) + ") but its memory cannot be reached by loads and "
-                               "stores from here (not in this NVLink domain?)");
-    }
+    map_node_regions(region->base, region->pes, region->rank, ranks_per_node,
+                     region->node_regions + region->rank / ranks_per_node * ranks_per_node, "jax_ep nvshmem");
   }
   std::lock_guard<std::mutex> lock(entries.mutex);
   CurrentDeviceGuard restore_device;  // a new entry allocates its timeout record on the device
   DeviceEntry& entry = entries.find_or_create(buffer_id, device_ordinal);
   region->error = entry.error_device;
   entry.symmetric = std::move(region);
+}
+
+void map_node_regions(char* base, const int32_t* pe_of_rank, int rank, int ranks_per_node, char** node_regions,
+                      const char* runtime) {
+  for (int j = 0; j < ranks_per_node; ++j) {
+    const int peer = rank / ranks_per_node * ranks_per_node + j;
+    node_regions[j] = static_cast<char*>(nvshmem_ptr(base, pe_of_rank[peer]));
+    if (node_regions[j] != nullptr) continue;
+    nvshmem_release(base);
+    throw std::runtime_error(std::string(runtime) + ": rank " + std::to_string(peer) + " (PE " +
+                             std::to_string(pe_of_rank[peer]) + ") is on the node of rank " + std::to_string(rank) +
+                             " (ranks_per_node=" + std::to_string(ranks_per_node) + ") but its memory cannot be "
+                             "reached by loads and stores from here (not in this NVLink domain?)");
+  }
 }
 
 bool nvshmem_region_lookup(int64_t buffer_id, int device_ordinal, SymmetricRegion* out) {

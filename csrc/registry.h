@@ -112,6 +112,11 @@ class ErrorList {
 #if defined(JAX_EP_WITH_NVSHMEM)
 // Waits for `device`, then frees `pointer`'s symmetric memory (collective over every PE); a failure goes to `errors`.
 void release_symmetric(int device, void* pointer, ErrorList& errors);
+// node_regions[j] = the symmetric `base` of rank node * ranks_per_node + j (PE pe_of_rank[that rank]), mapped here for
+// loads and stores, for every rank of `rank`'s node. Where one cannot be mapped, frees `base` (collective: every
+// process meets the same topology, so all reach the free) and throws std::runtime_error, `runtime` naming the caller.
+void map_node_regions(char* base, const int32_t* pe_of_rank, int rank, int ranks_per_node, char** node_regions,
+                      const char* runtime);
 #endif
 
 // One line per entry of buffer_id (on `devices` only, when given) whose timeout record holds a code in

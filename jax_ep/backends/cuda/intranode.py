@@ -209,8 +209,7 @@ class IntranodeBackend(low_latency.LowLatencyOps, Backend):
             if low_latency_transport == "nvshmem":
                 # Every peer through puts: plain stores reach a rank's own region only (one rank per "node").
                 runtime.create_symmetric_region(buffer.buffer_id, buffer.mesh, buffer.axis_name,
-                                                buffer.config.timeout_s, low_latency_bytes, ranks_per_node=1,
-                                                symmetric_bytes=low_latency_bytes)
+                                                buffer.config.timeout_s, low_latency_bytes, ranks_per_node=1)
         except BaseException:
             _native._C.destroy_intranode(buffer.buffer_id)
             raise

@@ -75,13 +75,13 @@ def process_hosts() -> tuple[str, ...]:
 # ---- the NVSHMEM symmetric region of the low-latency ops ---------------------------------------------------------
 
 def create_symmetric_region(buffer_id: int, mesh, axis_name: str, timeout_s: float, nbytes: int, *,
-                            ranks_per_node: int, symmetric_bytes: int | None = None) -> None:
+                            ranks_per_node: int) -> None:
     """Symmetric memory on this process's GPU, allocated collectively by every process (the caller checked one
     process per GPU over every process, so the PE of a rank is its process index, and that every process creates
     this Buffer with the same sizes, so every PE enters the allocation with the same size). The ranks of a node
     (`ranks_per_node` consecutive ranks; 1: each rank alone) reach each other's regions by plain stores, the others
-    by NVSHMEM puts. `symmetric_bytes`: NVSHMEM's heap, when this call initialises NVSHMEM (jax_ep.nvshmem)."""
-    nvshmem.initialize(timeout_s, symmetric_bytes=symmetric_bytes)  # collective once per process; then a no-op
+    by NVSHMEM puts. When this call initialises NVSHMEM, its heap is sized for this region (jax_ep.nvshmem)."""
+    nvshmem.initialize(timeout_s, symmetric_bytes=nbytes)  # collective once per process; then a no-op
     me = jax.process_index()
     (group,) = [g for g in ep_groups(mesh, axis_name) if any(d.process_index == me for d in g)]
     device = next(d for d in group if d.process_index == me)
