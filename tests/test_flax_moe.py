@@ -181,10 +181,11 @@ def test_linen_wrapper():
     x, cotangent = inputs()
     variables = jax.jit(block.init)(jax.random.key(3), x)
     params = meta.unbox(variables["params"])
-    reference_block = from_dense(params["router_kernel"], params["w_gate"], params["w_up"], params["w_down"],
-                                 num_experts_per_tok=TOPK, shared_w_gate=params["shared_w_gate"],
-                                 shared_w_up=params["shared_w_up"], shared_w_down=params["shared_w_down"],
-                                 dispatcher="none")
+    w_gate, w_up = jnp.split(params["w_gate_up"], 2, axis=-1)
+    shared_w_gate, shared_w_up = jnp.split(params["shared_w_gate_up"], 2, axis=-1)
+    reference_block = from_dense(params["router_kernel"], w_gate, w_up, params["w_down"],
+                                 num_experts_per_tok=TOPK, shared_w_gate=shared_w_gate, shared_w_up=shared_w_up,
+                                 shared_w_down=params["shared_w_down"], dispatcher="none")
     with jax.default_matmul_precision("highest"):
         assert_close(jax.jit(block.apply)(variables, x), reference_block(x), 1e-5, "linen vs reference")
     d_params = jax.jit(jax.grad(lambda v: jnp.sum(block.apply(v, x)[0] * cotangent)))(variables)
@@ -232,7 +233,7 @@ def test_swap_in_dense_flax_block():
     moe = from_dense(dense.router.kernel[...], stacked("gate"), stacked("up"), stacked("down"),
                      num_experts_per_tok=TOPK, shared_w_gate=shared.gate.kernel[...], shared_w_up=shared.up.kernel[...],
                      shared_w_down=shared.down.kernel[...], mesh=mesh(), dispatcher="normal")
-    assert moe.w_gate[...].sharding.spec == P("ep", None, None)
+    assert moe.w_gate_up[...].sharding.spec == P("ep", None, None)
     x, _ = inputs()
     with jax.default_matmul_precision("highest"):
         y, _ = nnx.jit(lambda m, x: m(x))(moe, x)
@@ -321,6 +322,6 @@ def test_global_view_on_a_mesh_with_explicit_axes():
             y, _ = moe(x)
             y_jit, _ = nnx.jit(lambda m, x: m(x))(moe, x)
             grads = nnx.grad(lambda m, x: jnp.sum(m(x)[0]))(moe, x)
-        results[name] = [np.asarray(a) for a in (y, y_jit, grads.w_gate[...], grads.router_kernel[...])]
+        results[name] = [np.asarray(a) for a in (y, y_jit, grads.w_gate_up[...], grads.router_kernel[...])]
     for auto, explicit in zip(results["auto"], results["explicit"]):
         np.testing.assert_allclose(explicit, auto, rtol=1e-6, atol=1e-6)

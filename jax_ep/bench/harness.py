@@ -5,7 +5,7 @@ Two ways of timing, for two kinds of op:
 - `time_per_op` (communication ops, microseconds): jitted sequences of n and 2n chained ops; the difference of
   their wall times over n, median over repeats, so that the fixed cost of launching a program cancels out.
 - `median_ms` (compute, milliseconds): median over runs of back-to-back calls of one jitted step, one
-  block_until_ready per run, after a warm-up.
+  block_until_ready per run, after a warm-up; `alternating_median_ms` for several steps whose runs take turns.
 """
 from __future__ import annotations
 
@@ -246,18 +246,28 @@ def median_ms(fn, input_sets, runs: int, calls: int, warmup: int = 2) -> float:
     """Median over `runs` of the time per call of `calls` back-to-back calls (one block_until_ready per
     run), the calls rotating through input_sets. Only the last call's outputs are kept and waited for: the
     calls run in order on each device, and the outputs of a training step can be as large as its weights."""
-    sets = itertools.cycle(input_sets)
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*next(sets)))
-    per_call = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        out = None
-        for _ in range(calls):
-            out = fn(*next(sets))
-        jax.block_until_ready(out)
-        per_call.append((time.perf_counter() - start) / calls)
-    return statistics.median(per_call) * 1e3
+    return alternating_median_ms({"": (fn, input_sets)}, runs, calls, warmup)[""]
+
+
+def alternating_median_ms(steps: dict, runs: int, calls: int, warmup: int = 2) -> dict[str, float]:
+    """median_ms of each of `steps` ({name: (fn, input_sets)}), their runs taken in turn (the order reversed
+    every other run): a GPU's clock drifts with its temperature over a benchmark, and figures to be compared
+    (a block and its roofline proxy) are then taken under the same conditions rather than one after the other."""
+    cycles = {name: itertools.cycle(input_sets) for name, (_, input_sets) in steps.items()}
+    for name, (fn, _) in steps.items():
+        for _ in range(warmup):
+            jax.block_until_ready(fn(*next(cycles[name])))
+    per_call = {name: [] for name in steps}
+    for run in range(runs):
+        for name in (list(steps) if run % 2 == 0 else list(reversed(steps))):
+            fn, sets = steps[name][0], cycles[name]
+            start = time.perf_counter()
+            out = None
+            for _ in range(calls):
+                out = fn(*next(sets))
+            jax.block_until_ready(out)
+            per_call[name].append((time.perf_counter() - start) / calls)
+    return {name: statistics.median(times) * 1e3 for name, times in per_call.items()}
 
 
 # ---- one process per GPU -----------------------------------------------------------------------------------------

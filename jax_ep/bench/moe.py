@@ -10,7 +10,7 @@ is per rank. Dispatchers (--dispatchers): "normal" (jax_ep.dispatch / combine on
 Per shape and dispatcher:
 - block: the gradients of sum(y * cotangent) with respect to the block's parameters and x (cotangent random),
   one jitted step: the block's forward and backward.
-- dense proxy (once per shape): one dense bf16 SwiGLU, forward + backward, on T·K rows with D×F weights
+- dense proxy (with each block): one dense bf16 SwiGLU, forward + backward, on T·K rows with D×F weights
   (jax_ep.bench.swiglu): one rank's expert FLOPs at dense-matmul speed, without routing or communication; the
   roofline printed beside the block. ratio = block / proxy; the target is at most TARGET_RATIO.
 - FLOPs per rank (swiglu_flops): T·K rows through the SwiGLU; forward 3 matmuls of 2·rows·D·F, backward twice
@@ -20,7 +20,9 @@ Per shape and dispatcher:
   shard_map of its own, on the inputs the stages before it produce from the block's x and weights, with random
   cotangents of its outputs' shapes. Their sum is printed beside the block; the difference is what the block does
   besides (router statistics, casts) and what XLA overlaps or fuses across the stages.
-Timing (harness.median_ms): median over --runs of --calls back-to-back calls, after a warm-up.
+Timing (harness.median_ms): median over --runs of --calls back-to-back calls, after a warm-up; the block's runs and
+its proxy's take turns (harness.alternating_median_ms), so that both are timed at the same GPU clock (which drifts
+by several per cent over a run as the GPU warms).
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from jax_ep.bench import harness
-from jax_ep.bench.swiglu import DTYPE, dense_swiglu_ms, swiglu_flops
+from jax_ep.bench.swiglu import DTYPE, dense_swiglu_step, swiglu_flops
 from jax_ep.flax import MoE
 from jax_ep.flax.experts import grouped_swiglu
 from jax_ep.flax.routing import route
@@ -111,11 +113,14 @@ def _block_step(moe: MoE, remat: bool, layers: int = 1):
     return step
 
 
-def _block_ms(moe: MoE, x, cotangent, args) -> float:
-    return harness.median_ms(_block_step(moe, remat=False), [(nnx.state(moe), x, cotangent)], args.runs, args.calls)
+def _block_and_proxy_ms(moe: MoE, x, cotangent, shape: MoEShape, args) -> dict[str, float]:
+    """ms of the block's step and of the dense proxy of its FLOPs, their runs taken in turn."""
+    return harness.alternating_median_ms(
+        {"block": (_block_step(moe, remat=False), [(nnx.state(moe), x, cotangent)]),
+         "proxy": dense_swiglu_step(args.tokens * shape.topk, shape.d_model, shape.d_ff)}, args.runs, args.calls)
 
 
-def _temp_bytes(moe: MoE, x, cotangent) -> dict[str, int]:
+def remat_temp_bytes(moe: MoE, x, cotangent) -> dict[str, int]:
     """XLA's temporary memory (what the step keeps between its forward and backward passes, and workspace) of
     REMAT_LAYERS blocks in a row, without and with jax.checkpoint: a smaller figure with it shows each block's
     forward is recomputed in the backward pass rather than kept alive."""
@@ -161,8 +166,8 @@ def _breakdown_ms(mesh, moe: MoE, x, args) -> dict[str, float]:
         d = jax_ep.dispatch(buffer, x, topk_idx, topk_weights, num_experts=num_experts, layout="expert_major")
         return (d.recv_x, d.recv_weights), (d.num_recv_tokens_per_expert, d.handle)
 
-    def expert_ffn(recv_x, w_gate, w_up, w_down, group_sizes):
-        return grouped_swiglu(recv_x, group_sizes, w_gate, w_up, w_down).astype(DTYPE), ()
+    def expert_ffn(recv_x, w_gate_up, w_down, group_sizes):
+        return grouped_swiglu(recv_x, group_sizes, w_gate_up, w_down).astype(DTYPE), ()
 
     def combine(y, recv_weights, handle):
         return jax_ep.combine(buffer, y, handle, weights=recv_weights).x, ()
@@ -172,9 +177,9 @@ def _breakdown_ms(mesh, moe: MoE, x, args) -> dict[str, float]:
         mesh, next(keys), router, (x, moe.router_kernel[...]), (ep, replicated), (), args)
     ms["dispatch"], (recv_x, recv_weights), (group_sizes, handle) = _stage_ms(
         mesh, next(keys), dispatch, (x, topk_weights), (ep, ep), (topk_idx,), args)
-    experts = (moe.w_gate[...], moe.w_up[...], moe.w_down[...])  # [E, ...], sharded over the EP axis
+    experts = (moe.w_gate_up[...], moe.w_down[...])  # [E, ...], sharded over the EP axis
     ms["expert FFN"], expert_out, _ = _stage_ms(
-        mesh, next(keys), expert_ffn, (recv_x, *experts), (ep,) * 4, (group_sizes,), args)
+        mesh, next(keys), expert_ffn, (recv_x, *experts), (ep,) * 3, (group_sizes,), args)
     ms["combine"], _, _ = _stage_ms(mesh, next(keys), combine, (expert_out, recv_weights), (ep, ep), (handle,), args)
     return ms
 
@@ -190,10 +195,10 @@ def _measure(mesh, shape: MoEShape, dispatcher: str, args) -> dict:
     tokens = ((num_ranks * args.tokens, shape.d_model), DTYPE, NamedSharding(mesh, P("ep")))  # every rank's
     x, cotangent = _random(x_key, *tokens), _random(cotangent_key, *tokens)
     with moe.buffer:  # a cuda Buffer's memory lies outside XLA's pool: freed before the next shape
-        figures = dict(backend=moe.buffer.backend, block_ms=_block_ms(moe, x, cotangent, args),
+        figures = dict(backend=moe.buffer.backend, **_block_and_proxy_ms(moe, x, cotangent, shape, args),
                        breakdown_ms=_breakdown_ms(mesh, moe, x, args))
         if args.remat:
-            figures["temp_bytes"] = _temp_bytes(moe, x, cotangent)
+            figures["temp_bytes"] = remat_temp_bytes(moe, x, cotangent)
         return figures
 
 
@@ -214,13 +219,12 @@ def run(args) -> dict:
             raise SystemExit(f"[moe] {name}: {shape.experts} experts do not split over {num_ranks} ranks")
         rows = args.tokens * shape.topk
         flops = swiglu_flops(rows, shape.d_model, shape.d_ff)
-        proxy_ms = dense_swiglu_ms(rows, shape.d_model, shape.d_ff, runs=args.runs, calls=args.calls)
         print(f"[moe] {name}: D={shape.d_model} F={shape.d_ff} E={shape.experts} K={shape.topk}, "
               f"{shape.experts // num_ranks} experts per rank, {rows} rows per rank, {flops / 1e12:.4g} TFLOP per "
-              f"rank; dense proxy {proxy_ms:.3f} ms = {flops / proxy_ms / 1e9:.4g} TFLOP/s", flush=True)
+              f"rank", flush=True)
         for dispatcher in args.dispatchers:
             figures = _measure(mesh, shape, dispatcher, args)
-            block_ms, breakdown = figures["block_ms"], figures["breakdown_ms"]
+            block_ms, proxy_ms, breakdown = figures["block"], figures["proxy"], figures["breakdown_ms"]
             record = dict(shape=name, **shape._asdict(), experts_per_rank=shape.experts // num_ranks,
                           rows_per_rank=rows, flops_per_rank=flops, dispatcher=dispatcher, backend=figures["backend"],
                           block_ms=block_ms, block_tflops=flops / block_ms / 1e9, dense_proxy_ms=proxy_ms,
@@ -234,7 +238,8 @@ def run(args) -> dict:
                       f"saveable): {figures['temp_bytes']['remat'] / 2**20:.1f} MiB", flush=True)
             results.append(record)
             print(f"[moe] {name} {dispatcher} ({record['backend']} backend): block {block_ms:.3f} ms = "
-                  f"{record['block_tflops']:.4g} TFLOP/s; {record['ratio']:.2f}x the dense proxy "
+                  f"{record['block_tflops']:.4g} TFLOP/s; dense proxy {proxy_ms:.3f} ms = "
+                  f"{record['dense_proxy_tflops']:.4g} TFLOP/s; {record['ratio']:.2f}x the dense proxy "
                   f"(target <= {TARGET_RATIO}x: {'met' if record['meets_target'] else 'not met'})", flush=True)
             print("[moe]   breakdown, each stage forward + backward alone: "
                   + " + ".join(f"{stage} {breakdown[stage]:.3f}" for stage in STAGES)
@@ -243,7 +248,7 @@ def run(args) -> dict:
 
 
 def plot(plt, figures: dict, path: str) -> None:
-    """PNG: per shape, per dispatcher, the breakdown's stages stacked beside the whole block, with the dense proxy
+    """PNG: per shape, per dispatcher, the breakdown's stages stacked beside the whole block, with its dense proxy
     and the target (TARGET_RATIO x the proxy) as lines."""
     results = figures["results"]
     shapes = list(dict.fromkeys(r["shape"] for r in results))
@@ -257,10 +262,10 @@ def plot(plt, figures: dict, path: str) -> None:
             ax.bar(at - 0.2, ms, 0.4, bottom=bottom, label=stage)
             bottom += ms
         ax.bar(at + 0.2, [r["block_ms"] for r in records], 0.4, color="gray", label="whole block")
-        proxy = records[0]["dense_proxy_ms"]
-        ax.axhline(proxy, color="black", linestyle="--", linewidth=1, label="dense proxy")
-        ax.axhline(TARGET_RATIO * proxy, color="black", linestyle=":", linewidth=1,
-                   label=f"target ({TARGET_RATIO}x the proxy)")
+        proxy = np.array([r["dense_proxy_ms"] for r in records])  # each timed alongside its block
+        ax.hlines(proxy, at - 0.45, at + 0.45, color="black", linestyle="--", linewidth=1, label="dense proxy")
+        ax.hlines(TARGET_RATIO * proxy, at - 0.45, at + 0.45, color="black", linestyle=":", linewidth=1,
+                  label=f"target ({TARGET_RATIO}x the proxy)")
         ax.set_xticks(at, [f"{r['dispatcher']}\n{r['backend']} backend" for r in records], fontsize=8)
         first = records[0]
         ax.set(ylabel="ms, forward + backward",

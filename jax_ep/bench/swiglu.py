@@ -48,9 +48,13 @@ def make_inputs(seed: int, rows: int, d_model: int, d_ff: int, groups: int | Non
             normal(keys[2], (*lead, d_ff, d_model), d_ff ** -0.5), normal(keys[3], (rows, d_model)))
 
 
+def dense_swiglu_step(rows: int, d_model: int, d_ff: int, input_sets: int = 1, seed: int = 0):
+    """(fn, input sets) of forward + backward of the dense chain on one device, to time with harness.median_ms."""
+    return dense_swiglu_grads, [make_inputs(seed + i, rows, d_model, d_ff, None) for i in range(input_sets)]
+
+
 def dense_swiglu_ms(rows: int, d_model: int, d_ff: int, *, runs: int, calls: int, input_sets: int = 1,
                     seed: int = 0) -> float:
     """Median ms (harness.median_ms) of forward + backward of the dense chain on one device: the roofline proxy
     of a grouped SwiGLU of the same rows."""
-    sets = [make_inputs(seed + i, rows, d_model, d_ff, None) for i in range(input_sets)]
-    return median_ms(dense_swiglu_grads, sets, runs, calls)
+    return median_ms(*dense_swiglu_step(rows, d_model, d_ff, input_sets, seed), runs, calls)

@@ -9,18 +9,20 @@ import jax.numpy as jnp
 from jax_ep.grouped_matmul import grouped_matmul
 
 
-def swiglu(x, w_gate, w_up, w_down, matmul=jnp.matmul):
-    """down(silu(x @ gate) * (x @ up)). With jnp.matmul, leading expert axes of the weights broadcast:
-    x [T, D] with [D, F] weights is one dense FFN, x [L, N, D] or [1, T, D] with [L, D, F] weights is a batch
-    of experts."""
-    return matmul(jax.nn.silu(matmul(x, w_gate)) * matmul(x, w_up), w_down)
+def swiglu(x, w_gate_up, w_down, matmul=jnp.matmul):
+    """(silu(gate) * up) @ w_down with gate, up = split(x @ w_gate_up): w_gate_up holds the gate's F columns,
+    then the up projection's (one matmul for both, as wide as the two). With jnp.matmul, leading expert axes of
+    the weights broadcast: x [T, D] with w_gate_up [D, 2F] is one dense FFN, x [L, N, D] or [1, T, D] with
+    [L, D, 2F] is a batch of experts."""
+    gate, up = jnp.split(matmul(x, w_gate_up), 2, axis=-1)
+    return matmul(jax.nn.silu(gate) * up, w_down)
 
 
-def grouped_swiglu(rows, group_sizes, w_gate, w_up, w_down):
+def grouped_swiglu(rows, group_sizes, w_gate_up, w_down):
     """The local experts on rows sorted by expert (an expert-major dispatch's recv_x [C, D]): rows
     group_sizes[0] rows of expert 0, then expert 1's, ...; one jax_ep.grouped_matmul per projection; rows past
-    the groups give zeros and cost no matmul work. w_gate/w_up [L, D, F], w_down [L, F, D]."""
-    return swiglu(rows, w_gate, w_up, w_down, matmul=functools.partial(grouped_matmul, group_sizes=group_sizes))
+    the groups give zeros and cost no matmul work. w_gate_up [L, D, 2F], w_down [L, F, D]."""
+    return swiglu(rows, w_gate_up, w_down, matmul=functools.partial(grouped_matmul, group_sizes=group_sizes))
 
 
 def dense_gates(topk_idx, topk_weights, num_experts):

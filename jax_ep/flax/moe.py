@@ -17,8 +17,8 @@ from jax_ep.flax.routing import RouterConfig, route, router_statistics
 
 Dispatcher = Literal["normal", "low_latency", "xla", "none"]
 DISPATCHERS = ("normal", "low_latency", "xla", "none")
-EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")  # [E, D, F], [E, D, F], [E, F, D]: sharded over the EP axis
-SHARED_WEIGHTS = ("shared_w_gate", "shared_w_up", "shared_w_down")  # [D, Fs], [D, Fs], [Fs, D]: replicated
+EXPERT_WEIGHTS = ("w_gate_up", "w_down")  # [E, D, 2F], [E, F, D]: sharded over the EP axis
+SHARED_WEIGHTS = ("shared_w_gate_up", "shared_w_down")  # [D, 2Fs], [Fs, D]: replicated
 
 
 class ExpertBias(nnx.Variable):
@@ -67,8 +67,10 @@ class MoE(nnx.Module):
       "low_latency"  jax_ep.low_latency_dispatch / combine (BF16 on the wire); needs max_tokens_per_rank
       "none"         no communication: every token through its top-k experts densely (E x the expert
                      FLOPs); the single-device reference
-    Weights: router_kernel [D, E], w_gate / w_up [E, D, F] and w_down [E, F, D] (sharded over `axis_name`
-    when a mesh is given), shared_w_* when shared_d_ff is set, expert_bias [E] (`ExpertBias`) when asked.
+    Weights: router_kernel [D, E], w_gate_up [E, D, 2F] (each expert's gate kernel in the first F columns, its
+    up projection's in the last F: one matmul computes both) and w_down [E, F, D] (sharded over `axis_name`
+    when a mesh is given), shared_w_gate_up [D, 2Fs] and shared_w_down [Fs, D] when shared_d_ff is set,
+    expert_bias [E] (`ExpertBias`) when asked. `from_dense` takes separate gate and up kernels.
 
     Two ways to call it:
       global view: x holds every token (leading axes flattened, their count a multiple of the EP size);
@@ -120,13 +122,11 @@ class MoE(nnx.Module):
         by_expert = (self.axis_name, None, None)
         self.router_kernel = param(nnx.initializers.lecun_normal(), (d_model, num_experts), replicated)
         self.expert_bias = ExpertBias(jnp.zeros((num_experts,), jnp.float32)) if expert_bias else None
-        self.w_gate = param(_expert_init(), (num_experts, d_model, d_ff), by_expert)
-        self.w_up = param(_expert_init(), (num_experts, d_model, d_ff), by_expert)
+        self.w_gate_up = param(_expert_init(), (num_experts, d_model, 2 * d_ff), by_expert)
         self.w_down = param(_expert_init(), (num_experts, d_ff, d_model), by_expert)
         self.shared_d_ff = shared_d_ff
         if shared_d_ff:
-            self.shared_w_gate = param(nnx.initializers.lecun_normal(), (d_model, shared_d_ff), replicated)
-            self.shared_w_up = param(nnx.initializers.lecun_normal(), (d_model, shared_d_ff), replicated)
+            self.shared_w_gate_up = param(nnx.initializers.lecun_normal(), (d_model, 2 * shared_d_ff), replicated)
             self.shared_w_down = param(nnx.initializers.lecun_normal(), (shared_d_ff, d_model), replicated)
 
     def _make_buffer(self, buffer, mesh, axis_name, backend, max_tokens_per_rank) -> jax_ep.Buffer:
@@ -170,10 +170,10 @@ class MoE(nnx.Module):
         """The block on the tokens x [T, D] given; with axis_name, per rank inside a shard_map over it."""
         num_ranks = 1 if axis_name is None else jax.lax.axis_size(axis_name)
         expected = self.num_experts // num_ranks
-        if weights["w_gate"].shape[0] != expected:
+        if weights["w_gate_up"].shape[0] != expected:
             raise ValueError(
                 f"jax_ep.flax.MoE: expected the expert weights of {expected} experts here, got "
-                f"{weights['w_gate'].shape[0]}; inside a shard_map pass the module state with "
+                f"{weights['w_gate_up'].shape[0]}; inside a shard_map pass the module state with "
                 f"in_specs=nnx.get_partition_spec(state) (each rank holds its slice of the experts)")
         dtype = self.dtype or x.dtype
         routing = route(x, weights["router_kernel"], weights["expert_bias"], self.router_config)

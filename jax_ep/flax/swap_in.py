@@ -10,6 +10,14 @@ from jax.sharding import PartitionSpec as P
 from jax_ep.flax.moe import MoE
 
 
+def _gate_up(gate_name: str, gate, up_name: str, up):
+    """The block's fused kernel: the gate's columns, then the up projection's."""
+    if tuple(gate.shape) != tuple(up.shape):
+        raise ValueError(f"jax_ep.flax.from_dense: {gate_name} {tuple(gate.shape)} and {up_name} {tuple(up.shape)} "
+                         "must have one shape")
+    return jnp.concatenate([jnp.asarray(gate), jnp.asarray(up)], axis=-1)
+
+
 def from_dense(router_kernel, w_gate, w_up, w_down, *, num_experts_per_tok: int, shared_w_gate=None,
                shared_w_up=None, shared_w_down=None, expert_bias=None, **moe_kwargs) -> MoE:
     """A `MoE` that holds the given weights, placed on its mesh (experts sharded over the EP axis).
@@ -22,16 +30,18 @@ def from_dense(router_kernel, w_gate, w_up, w_down, *, num_experts_per_tok: int,
       shared_w_gate, shared_w_up [D, Fs], shared_w_down [Fs, D]   a shared SwiGLU expert added to every token
       expert_bias [E]                      DeepSeek-V3's selection-only bias (e_score_correction_bias)
     num_experts_per_tok and **moe_kwargs (mesh=, dispatcher=, score_function=, norm_topk_prob=, ...) are MoE's
-    arguments; d_model, d_ff, num_experts and shared_d_ff come from the shapes. Choose the router options that
+    arguments; d_model, d_ff, num_experts and shared_d_ff come from the shapes. The block holds each gate and up
+    pair as one kernel, [..., D, 2F] (w_gate_up: the gate's F columns, then up's). Choose the router options that
     the dense block used (softmax or sigmoid scores, grouping, normalisation, scaling), and the outputs match it.
     """
-    shared = {"shared_w_gate": shared_w_gate, "shared_w_up": shared_w_up, "shared_w_down": shared_w_down}
-    if len({value is None for value in shared.values()}) != 1:
+    shared = (shared_w_gate, shared_w_up, shared_w_down)
+    if len({value is None for value in shared}) != 1:
         raise ValueError("jax_ep.flax.from_dense: give all three shared expert weights or none")
     num_experts, d_model, d_ff = w_gate.shape
-    weights = {"router_kernel": router_kernel, "w_gate": w_gate, "w_up": w_up, "w_down": w_down}
+    weights = {"router_kernel": router_kernel, "w_gate_up": _gate_up("w_gate", w_gate, "w_up", w_up), "w_down": w_down}
     if shared_w_gate is not None:
-        weights.update(shared)
+        weights["shared_w_gate_up"] = _gate_up("shared_w_gate", shared_w_gate, "shared_w_up", shared_w_up)
+        weights["shared_w_down"] = shared_w_down
     if expert_bias is not None:
         weights["expert_bias"] = expert_bias
     # Built abstractly (no random initialisation of weights about to be replaced), then filled.

@@ -68,3 +68,22 @@ def test_repeated_block_steps_are_bitwise_identical():
     for _ in range(9):
         again = jax.tree.leaves(step(state, x))
         assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(first, again))
+
+
+def test_remat_keeps_less_alive_at_a_realistic_shape():
+    """Four blocks in a row at issue 20's shape (D=2048, F=1408, E=64, K=6) with 16384 tokens, each under
+    jax.checkpoint with nothing saveable: XLA's temporary memory of the forward + backward step is below that of
+    the plain step, the backward recomputing each block's forward instead of keeping its activations."""
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import Mesh
+
+    from jax_ep.bench import moe as bench_moe
+    from jax_ep.flax import MoE
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("ep",))
+    moe = MoE(2048, 1408, 64, 6, mesh=mesh, dispatcher="xla", dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+              rngs=nnx.Rngs(0))
+    tokens = jax.ShapeDtypeStruct((16384, 2048), jnp.bfloat16)
+    temp = bench_moe.remat_temp_bytes(moe, tokens, tokens)
+    assert temp["remat"] < 0.9 * temp["plain"], temp
