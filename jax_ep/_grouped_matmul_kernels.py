@@ -31,6 +31,7 @@ may still read it, including across tiles.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +46,11 @@ BLOCK_ROWS = ROWS_PER_WARPGROUP * NUM_COMPUTE_WARPGROUPS
 # Mosaic GPU loads a block into the tiled (8-row) shared memory layout wgmma reads with TMA copies whose
 # first row must be a multiple of 8, so tiles and contraction steps start at multiples of 8 rows.
 ROW_ALIGNMENT = 8
+# Columns of an output tile that a warpgroup stores at a time through shared memory (in pieces of 64 rows x
+# STORE_COLS): a buffer for a whole 256-column tile takes 64 KiB from the pipeline's stages, and measured on
+# an H200 the pieces make the 256-column kernels 2-5 % faster (the MoE block's gate and up projection,
+# forward: 497 -> 470 us).
+STORE_COLS = 128
 # The warpgroup issuing TMA loads needs few registers; the rest go to the two accumulating warpgroups.
 MEMORY_WARPGROUP_REGISTERS = 40
 _WARPGROUP_AXIS = "wg"
@@ -165,6 +171,7 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
     dtype = lhs.dtype
     num_tiles = tile_group.shape[0]
     col_blocks = out_cols // block_n
+    store_cols = math.gcd(block_n, STORE_COLS)
     transforms = _operand_transforms(block_k, dtype)
     lhs_spec = plgpu.BlockSpec((BLOCK_ROWS, block_k), lambda k: (0, k), transforms=transforms,
                                memory_space=plgpu.SMEM)
@@ -191,11 +198,11 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
         unused = lambda *_, **__: None  # noqa: E731  (the buffers depend on the block specs only)
 
         # out_smem is not swizzled so that a store can start at any row: a warpgroup writes its rows of a
-        # tile with one TMA store per set bit of their count (64, 32, ..., 1 rows).
+        # tile with one TMA store per set bit of their count (64, 32, ..., 1 rows), store_cols columns at a time.
         @functools.partial(
             pl.run_scoped,
             pipeline_buffers=make_pipeline(unused, unused).get_allocations(lhs_gmem, rhs_gmem.at[0]),
-            out_smem=plgpu.SMEM((NUM_COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, block_n), dtype),
+            out_smem=plgpu.SMEM((NUM_COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, store_cols), dtype),
             collective_axes=_WARPGROUP_AXIS,
         )
         def scope(pipeline_buffers, out_smem):
@@ -217,19 +224,22 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
 
                 def store_my_rows(values):
                     my_smem = out_smem.at[wg]
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores read it
-                    my_smem[...] = values
-                    plgpu.commit_smem()
-                    offset = my_begin
-                    size = ROWS_PER_WARPGROUP
-                    while size:
-                        @pl.when((my_rows & size) != 0)
-                        def _(offset=offset, size=size):
-                            plgpu.copy_smem_to_gmem(my_smem.at[pl.ds(offset, size)],
-                                                    out_gmem.at[pl.ds(my_start + offset, size), cols])
+                    for first_col in range(0, block_n, store_cols):
+                        # The previous stores (this tile's last columns, or the previous tile's) read it.
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        my_smem[...] = values[:, first_col:first_col + store_cols]
+                        plgpu.commit_smem()
+                        store_block = pl.ds(col_block * block_n + first_col, store_cols)
+                        offset = my_begin
+                        size = ROWS_PER_WARPGROUP
+                        while size:
+                            @pl.when((my_rows & size) != 0)
+                            def _(offset=offset, size=size):
+                                plgpu.copy_smem_to_gmem(my_smem.at[pl.ds(offset, size)],
+                                                        out_gmem.at[pl.ds(my_start + offset, size), store_block])
 
-                        offset += my_rows & size
-                        size //= 2
+                            offset += my_rows & size
+                            size //= 2
 
                 @pl.when((end_row > first_row) & (group != _FILL_TILE))
                 def _matmul_tile():
@@ -300,7 +310,9 @@ def ragged_contraction_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.A
                                transforms=_operand_transforms(block_rows, dtype), memory_space=plgpu.SMEM)
     rhs_spec = plgpu.BlockSpec((block_k, block_n), lambda k: (k, 0),
                                transforms=_operand_transforms(block_n, dtype), memory_space=plgpu.SMEM)
-    out_transforms = _operand_transforms(block_n, dtype)
+    # A warpgroup stores its rows_per_warpgroup x block_n tile in pieces of 64 rows x store_cols (STORE_COLS).
+    store_cols = math.gcd(block_n, STORE_COLS)
+    out_transforms = _operand_transforms(store_cols, dtype)
 
     def make_pipeline(mma_step, compute_context, num_steps):
         return plgpu.emit_pipeline_warp_specialized(
@@ -322,7 +334,7 @@ def ragged_contraction_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.A
         @functools.partial(
             pl.run_scoped,
             pipeline_buffers=buffers,
-            out_smem=plgpu.SMEM((NUM_COMPUTE_WARPGROUPS, rows_per_warpgroup, block_n), dtype,
+            out_smem=plgpu.SMEM((NUM_COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, store_cols), dtype,
                                 transforms=out_transforms),
             collective_axes=_WARPGROUP_AXIS,
         )
@@ -340,15 +352,21 @@ def ragged_contraction_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.A
                 start = end - size
                 aligned_start = pl.multiple_of(start - start % ROW_ALIGNMENT, ROW_ALIGNMENT)
                 num_steps = (end - aligned_start + block_k - 1) // block_k
-                my_out_rows = pl.ds(row_block * block_rows + wg * rows_per_warpgroup, rows_per_warpgroup)
+                my_first_out_row = row_block * block_rows + wg * rows_per_warpgroup
                 cols = pl.ds(col_block * block_n, block_n)
 
                 def store_my_tile(values):
                     my_smem = out_smem.at[wg]
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store read it
-                    my_smem[...] = values
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(my_smem, out_gmem.at[group, my_out_rows, cols])
+                    for first_row in range(0, rows_per_warpgroup, ROWS_PER_WARPGROUP):
+                        for first_col in range(0, block_n, store_cols):
+                            # The previous store (this tile's previous piece, or the previous tile's) read it.
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                            my_smem[...] = values[first_row:first_row + ROWS_PER_WARPGROUP,
+                                                  first_col:first_col + store_cols]
+                            plgpu.commit_smem()
+                            plgpu.copy_smem_to_gmem(my_smem, out_gmem.at[
+                                group, pl.ds(my_first_out_row + first_row, ROWS_PER_WARPGROUP),
+                                pl.ds(col_block * block_n + first_col, store_cols)])
 
                 @pl.when(size > 0)
                 def _matmul_tile():

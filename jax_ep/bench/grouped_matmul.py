@@ -56,8 +56,8 @@ from jax_ep.grouped_matmul import (
 ALIGNMENT = 128  # rows: the "aligned" case's group sizes are multiples of this
 # --sweep's block configurations per kernel family (those that do not fit a shape are skipped).
 SWEEP_GRID = {
-    "pallas": dict(block_m=(128,), block_n=(128, 256), block_k=(64,), num_stages=(3, 4),
-                   grid_tile_width=(1, 4, 8)),
+    "pallas": dict(block_m=(128,), block_n=(128, 256), block_k=(64,), num_stages=(3, 4, 5),
+                   grid_tile_width=(1, 4, 8, 16)),
     "jax_pallas": dict(block_m=(64, 128), block_n=(128, 256), block_k=(64,), num_stages=(4,),
                        grid_tile_width=(1, 4, 8)),
 }

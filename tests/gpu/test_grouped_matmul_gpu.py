@@ -16,7 +16,9 @@ from jax import lax  # noqa: E402
 
 from jax_ep import grouped_matmul  # noqa: E402
 from jax_ep.grouped_matmul import (  # noqa: E402
-    BlockConfig,
+    BLOCK_CONFIG_TABLE,
+    DEFAULT_BLOCK_CONFIG,
+    OPS,
     pallas_grouped_op,
     pallas_unsupported_reason,
     resolve_implementation,
@@ -102,19 +104,30 @@ def test_pallas_matches_oracle_and_lax(implementation, m, k, n, groups, capsys):
               f"{' '.join(identical)}")
 
 
+TILE_TEST_SHAPE = (2048, 512, 512, 16)  # (M, K, N, G): every tile shape of the table fits it
+# Each tile configuration the table gives an op of jax_ep's kernels, and the default, with that op.
+TABLE_CONFIGS = list(dict.fromkeys([(rule.op, rule.config) for rule in BLOCK_CONFIG_TABLE if rule.kernels == "pallas"]
+                                   + [(op, DEFAULT_BLOCK_CONFIG) for op in OPS]))
+
+
 @needs_hopper
-@pytest.mark.parametrize("config", [BlockConfig(), BlockConfig(block_m=256, block_n=128, num_stages=3),
-                                    BlockConfig(block_n=256, num_stages=3, grid_tile_width=8)], ids=str)
-def test_dw_tile_shapes_match_oracle(config):
-    """dw on jax_ep's kernel with each tile shape the block-configuration table uses (128 or 256 rows of
-    dw[g], 128 or 256 columns), with unaligned group starts, empty groups and rows past the last group."""
+@pytest.mark.parametrize("op, config", TABLE_CONFIGS, ids=str)
+def test_table_tile_shapes_match_oracle(op, config):
+    """fwd, dx and dw on jax_ep's kernels with each tile configuration they take from the block-configuration
+    table (128 or 256 columns, 128 or 256 rows of dw[g], 3 to 6 stages), with unaligned group starts, empty
+    groups and rows past the last group."""
     rng = np.random.default_rng(3)
-    m, k, n, groups = 2048, 512, 512, 16
+    m, k, n, groups = TILE_TEST_SHAPE
     x, w, dy = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for shape in ((m, k), (groups, k, n), (m, n)))
     sizes = random_group_sizes(rng, m, groups)
-    dw = jax.jit(functools.partial(pallas_grouped_op, "dw", "pallas", config=config))(x, dy, jnp.asarray(sizes))
-    assert relative_error(dw, oracle(x, w, dy, sizes)[2]) <= BF16_TOLERANCE
-    assert not np.any(np.asarray(dw[sizes == 0], np.float32)), "dw of an empty group must be zero"
+    lhs, rhs = {"fwd": (x, w), "dx": (dy, w), "dw": (x, dy)}[op]
+    out = jax.jit(functools.partial(pallas_grouped_op, op, "pallas", config=config))(lhs, rhs, jnp.asarray(sizes))
+    expected = oracle(x, w, dy, sizes)[OPS.index(op)]
+    assert relative_error(out, expected) <= BF16_TOLERANCE
+    if op == "dw":
+        assert not np.any(np.asarray(out[sizes == 0], np.float32)), "dw of an empty group must be zero"
+    else:
+        assert not np.any(np.asarray(out[int(sizes.sum()):], np.float32)), "rows past the last group must be zero"
 
 
 @needs_hopper
