@@ -17,8 +17,8 @@ loads), one per kind of grouped product:
   rows of other groups: those rows of the lhs block are zeroed in shared memory before the matmul.
 
 Shapes the kernels take: lhs/rhs in bfloat16 or float16 (one dtype), float32 accumulation; the contracted
-dimension a multiple of `block_k` (rows kernel), output columns a multiple of `block_n`, K a multiple of 128
-(contraction kernel), at least 128 rows. `grouped_matmul` checks these before it picks these kernels.
+dimension a multiple of `block_k` (rows kernel), output columns a multiple of `block_n`, K a multiple of
+`block_rows` (contraction kernel), at least 128 rows. `grouped_matmul` checks these before it picks these kernels.
 
 Loads may run past the end of lhs/rhs (a tile's 128 rows from its group's start, a group's last `block_k`
 rows): TMA fills rows outside the array with zeros, and rows inside it that belong to another group never
@@ -46,10 +46,10 @@ BLOCK_ROWS = ROWS_PER_WARPGROUP * NUM_COMPUTE_WARPGROUPS
 # Mosaic GPU loads a block into the tiled (8-row) shared memory layout wgmma reads with TMA copies whose
 # first row must be a multiple of 8, so tiles and contraction steps start at multiples of 8 rows.
 ROW_ALIGNMENT = 8
-# Columns of an output tile that a warpgroup stores at a time through shared memory (in pieces of 64 rows x
-# STORE_COLS): a buffer for a whole 256-column tile takes 64 KiB from the pipeline's stages, and measured on
-# an H200 the pieces make the 256-column kernels 2-5 % faster (the MoE block's gate and up projection,
-# forward: 497 -> 470 us).
+# A warpgroup stores its part of an output tile through shared memory in pieces of 64 rows x
+# gcd(block_n, STORE_COLS) columns: a buffer for a whole 256-column tile takes 64 KiB from the pipeline's
+# stages, and measured on an H200 the pieces make the 256-column kernels 2-5 % faster (the MoE block's gate and
+# up projection, forward: 497 -> 470 us).
 STORE_COLS = 128
 # The warpgroup issuing TMA loads needs few registers; the rest go to the two accumulating warpgroups.
 MEMORY_WARPGROUP_REGISTERS = 40
@@ -310,7 +310,7 @@ def ragged_contraction_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.A
                                transforms=_operand_transforms(block_rows, dtype), memory_space=plgpu.SMEM)
     rhs_spec = plgpu.BlockSpec((block_k, block_n), lambda k: (k, 0),
                                transforms=_operand_transforms(block_n, dtype), memory_space=plgpu.SMEM)
-    # A warpgroup stores its rows_per_warpgroup x block_n tile in pieces of 64 rows x store_cols (STORE_COLS).
+    # A warpgroup stores its rows_per_warpgroup x block_n tile in pieces of 64 rows x store_cols (see STORE_COLS).
     store_cols = math.gcd(block_n, STORE_COLS)
     out_transforms = _operand_transforms(store_cols, dtype)
 

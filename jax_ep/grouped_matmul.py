@@ -95,31 +95,30 @@ DEFAULT_BLOCK_CONFIG = BlockConfig(block_m=128, block_n=128, block_k=64, num_sta
 # the output's columns: fwd 515 -> 470 and 266 -> 237 us, dx 527 -> 468 us; dw 589 -> 531 (K=2048) and
 # 298 -> 271 us (K=1408), dw's short per-group pipelines (a group's rows / block_k steps per tile) gaining
 # from the fewer, larger tiles too. Where 256 columns do not divide: 256 rows of dw[g], else deeper prefetch;
-# fwd and dx 128 columns in wider stripes, dx with 5 stages (the down projection's, 1408 columns: 277 -> 259 us). Three stages beat four with 256-column tiles (and two are 15 %
-# slower). Other shapes keep the default until measured.
+# fwd and dx 128 columns in wider stripes, dx with 5 stages (the down projection's, 1408 columns: 277 -> 259
+# us). Three stages beat four with 256-column tiles (and two are 15 % slower). Other shapes keep the default
+# until measured.
 _MANY_GROUPS = dict(m=(16384, 32768), groups=(32, 128))
 _EXPERT_PROJECTIONS = dict(k=(1024, 4096), n=(1024, 4096), **_MANY_GROUPS)
 # A DeepSeek-V3-like rank holding many experts (256 at D=7168, F=2048; M=32768): 256-column tiles for dw
 # (gate and up 10.0 -> 6.4 ms, down 4.8 -> 3.1 ms), fwd (6.22 -> 6.17, 2.93 -> 2.80 ms) and the down
-# projection's dx (3.04 -> 2.92 ms); the gate and up projections' dx keeps 128 (6.38 against 6.57 ms).
+# projection's dx (3.04 -> 2.92 ms); the gate and up projections' dx (K=7168, past the dx rule's K range) keeps
+# 128 columns (6.38 against 6.57 ms).
 _MANY_EXPERTS = dict(m=(16384, 65536), groups=(129, 512), k=(1024, 8192), n=(1024, 8192))
+_WIDE_DW = BlockConfig(block_n=256, num_stages=3, grid_tile_width=8)
+_WIDE_ROWS = BlockConfig(block_n=256, num_stages=3, grid_tile_width=16)  # fwd and dx
 BLOCK_CONFIG_TABLE: tuple[BlockConfigRule, ...] = (
-    BlockConfigRule("pallas", "dw", **_MANY_EXPERTS, config=BlockConfig(block_n=256, num_stages=3, grid_tile_width=8)),
-    BlockConfigRule("pallas", "fwd", **_MANY_EXPERTS,
-                    config=BlockConfig(block_n=256, num_stages=3, grid_tile_width=16)),
-    BlockConfigRule("pallas", "dx", m=_MANY_EXPERTS["m"], groups=_MANY_EXPERTS["groups"], k=(1024, 4096),
-                    n=(1024, 8192), config=BlockConfig(block_n=256, num_stages=3, grid_tile_width=16)),
-    BlockConfigRule("pallas", "dw", **_EXPERT_PROJECTIONS,
-                    config=BlockConfig(block_n=256, num_stages=3, grid_tile_width=8)),
+    BlockConfigRule("pallas", "dw", **_MANY_EXPERTS, config=_WIDE_DW),
+    BlockConfigRule("pallas", "fwd", **_MANY_EXPERTS, config=_WIDE_ROWS),
+    BlockConfigRule("pallas", "dx", **{**_MANY_EXPERTS, "k": (1024, 4096)}, config=_WIDE_ROWS),
+    BlockConfigRule("pallas", "dw", **_EXPERT_PROJECTIONS, config=_WIDE_DW),
     BlockConfigRule("pallas", "dw", **_EXPERT_PROJECTIONS,
                     config=BlockConfig(block_m=256, block_n=128, num_stages=3, grid_tile_width=8)),
     BlockConfigRule("pallas", "dw", **_EXPERT_PROJECTIONS,
                     config=BlockConfig(block_n=128, num_stages=6, grid_tile_width=1)),
-    BlockConfigRule("pallas", "fwd", **_EXPERT_PROJECTIONS,
-                    config=BlockConfig(block_n=256, num_stages=3, grid_tile_width=16)),
+    BlockConfigRule("pallas", "fwd", **_EXPERT_PROJECTIONS, config=_WIDE_ROWS),
     BlockConfigRule("pallas", "fwd", **_EXPERT_PROJECTIONS, config=BlockConfig(grid_tile_width=8)),
-    BlockConfigRule("pallas", "dx", **_EXPERT_PROJECTIONS,
-                    config=BlockConfig(block_n=256, num_stages=3, grid_tile_width=16)),
+    BlockConfigRule("pallas", "dx", **_EXPERT_PROJECTIONS, config=_WIDE_ROWS),
     BlockConfigRule("pallas", "dx", **_EXPERT_PROJECTIONS, config=BlockConfig(num_stages=5, grid_tile_width=8)),
 )
 

@@ -66,11 +66,12 @@ def test_moe_bench_shape_overrides(tmp_path):
 
 
 def test_moe_bench_remat_memory(tmp_path):
-    """--remat records XLA's temporary memory of the block's step with and without jax.checkpoint. (That
-    recomputing keeps less alive is asserted on the GPU at a realistic shape, tests/gpu/test_flax_moe_gpu.py:
-    XLA's CPU schedule of these tiny blocks keeps about as much either way.)"""
+    """--remat records XLA's temporary memory of the block's step with and without jax.checkpoint, and
+    recomputing does not cost memory beyond a margin. (That it keeps less alive is asserted on the GPU at a
+    realistic shape, tests/gpu/test_flax_moe_gpu.py: XLA's CPU schedule of these tiny blocks keeps about as much
+    either way, 5.3 and 5.6 MiB.)"""
     record = moe_record(tmp_path, "--shapes", "tiny", "--dispatchers", "xla", "--ranks", "2", "--remat",
                         "--tokens", "64")
     (r,) = record["results"]
     assert set(r["temp_bytes"]) == {"plain", "remat"}
-    assert all(value > 0 for value in r["temp_bytes"].values()), r["temp_bytes"]
+    assert 0 < r["temp_bytes"]["remat"] <= 1.25 * r["temp_bytes"]["plain"], r["temp_bytes"]

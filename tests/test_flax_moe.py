@@ -295,6 +295,9 @@ def test_update_expert_bias():
     (lambda: from_dense(jnp.zeros((D_MODEL, EXPERTS)), *dense_shaped_experts(), num_experts_per_tok=TOPK,
                         shared_w_gate=jnp.zeros((D_MODEL, SHARED_D_FF)), dispatcher="none"),
      "all three shared expert weights"),
+    (lambda: from_dense(jnp.zeros((D_MODEL, EXPERTS)), jnp.zeros((EXPERTS, D_MODEL, D_FF)),
+                        jnp.zeros((EXPERTS, D_MODEL, D_FF + 1)), jnp.zeros((EXPERTS, D_FF, D_MODEL)),
+                        num_experts_per_tok=TOPK, dispatcher="none"), "w_gate .* and w_up .* must have one shape"),
 ])
 def test_bad_arguments(build, message):
     with pytest.raises(ValueError, match=message):

@@ -275,21 +275,23 @@ def test_kernels_lower_to_mosaic_gpu(op):
 
 @cpu_only
 @needs_pallas
-def test_forward_kernel_in_the_gpu_interpreter():
+@pytest.mark.parametrize("block_n", [64, 192, 256])  # one, three and two pieces of the tiles' stores
+def test_forward_kernel_in_the_gpu_interpreter(block_n):
     """The rows kernel run by JAX's Pallas GPU interpreter: warp specialization, the tile schedule with
-    unaligned group starts and an empty group, partial stores, zero rows past the last group. (The
+    unaligned group starts and an empty group, partial stores (stored in column pieces), zero rows past the
+    last group. (The
     interpreter cannot run transposed wgmma operands, which dx and dw use.)"""
     interpret = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.params",
                                     reason="JAX's Pallas GPU interpreter moved")
     rng = np.random.default_rng(7)
-    m, k, n, sizes = 256, 64, 64, [0, 37, 100, 80]
+    m, k, n, sizes = 256, 64, 768, [0, 37, 100, 80]
     x, w, _ = random_operands(rng, m, k, n, len(sizes), jnp.bfloat16)
     group_sizes = jnp.asarray(sizes, jnp.int32)
     # Reads past the array (a tile's rows from an aligned group start) are TMA zero fills on the device.
     params = interpret.InterpretGPUParams(out_of_bounds_reads="uninitialized")
     with interpret.force_gpu_interpret_mode(params):
         y = kernels.ragged_rows_matmul(x, w, *kernels.row_tile_schedule(group_sizes, m), transpose_rhs=False,
-                                       block_n=64, block_k=64, num_stages=2, grid_tile_width=1, num_sms=2)
+                                       block_n=block_n, block_k=64, num_stages=2, grid_tile_width=1, num_sms=2)
     expected = oracle(np.asarray(x, np.float64), np.asarray(w, np.float64), np.zeros((m, n)), sizes)[0]
     assert relative_error(y, expected) <= 1e-2
     np.testing.assert_array_equal(np.asarray(y[sum(sizes):], np.float32), 0)  # unwritten rows would be nan

@@ -10,12 +10,13 @@ from jax.sharding import PartitionSpec as P
 from jax_ep.flax.moe import MoE
 
 
-def _gate_up(gate_name: str, gate, up_name: str, up):
-    """The block's fused kernel: the gate's columns, then the up projection's."""
+def _gate_up(gate_name: str, gate, up_name: str, up) -> tuple:
+    """The parts of the block's fused kernel: the gate's columns, then the up projection's (concatenated once
+    cast to the parameter's dtype, so that the copy is no larger than the parameter)."""
     if tuple(gate.shape) != tuple(up.shape):
         raise ValueError(f"jax_ep.flax.from_dense: {gate_name} {tuple(gate.shape)} and {up_name} {tuple(up.shape)} "
                          "must have one shape")
-    return jnp.concatenate([jnp.asarray(gate), jnp.asarray(up)], axis=-1)
+    return gate, up
 
 
 def from_dense(router_kernel, w_gate, w_up, w_down, *, num_experts_per_tok: int, shared_w_gate=None,
@@ -50,6 +51,8 @@ def from_dense(router_kernel, w_gate, w_up, w_down, *, num_experts_per_tok: int,
         shared_d_ff=None if shared_w_gate is None else shared_w_gate.shape[1], rngs=nnx.Rngs(0), **moe_kwargs))
     for name, value in weights.items():
         variable = getattr(moe, name)
+        if isinstance(value, tuple):  # a gate and up pair
+            value = jnp.concatenate([jnp.asarray(part, variable.dtype) for part in value], axis=-1)
         if tuple(value.shape) != tuple(variable.shape):
             raise ValueError(f"jax_ep.flax.from_dense: {name} has shape {tuple(value.shape)}, the block with "
                              f"these shapes needs {tuple(variable.shape)}")

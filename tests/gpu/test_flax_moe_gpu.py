@@ -1,6 +1,7 @@
-"""jax_ep.flax.MoE with the CUDA backend (Buffer(backend="cuda"), one process driving the GPUs): the block
-against the dense `none` reference for every router variant, capacity drops, and a short training run whose
-losses track the `xla` dispatcher's."""
+"""jax_ep.flax.MoE on the GPU: with the CUDA backend (Buffer(backend="cuda"), one process driving the GPUs) the
+block against the dense `none` reference for every router variant, capacity drops, a short training run whose
+losses track the `xla` dispatcher's and bitwise-repeatable steps; and the memory jax.checkpoint saves at a
+realistic shape."""
 from __future__ import annotations
 
 import jax
@@ -71,7 +72,7 @@ def test_repeated_block_steps_are_bitwise_identical():
 
 
 def test_remat_keeps_less_alive_at_a_realistic_shape():
-    """Four blocks in a row at issue 20's shape (D=2048, F=1408, E=64, K=6) with 16384 tokens, each under
+    """Four blocks in a row at the benchmark's moe-a shape (D=2048, F=1408, E=64, K=6) with 16384 tokens, each under
     jax.checkpoint with nothing saveable: XLA's temporary memory of the forward + backward step is below that of
     the plain step, the backward recomputing each block's forward instead of keeping its activations."""
     import jax.numpy as jnp

@@ -19,6 +19,8 @@ from jax_ep.grouped_matmul import (  # noqa: E402
     BLOCK_CONFIG_TABLE,
     DEFAULT_BLOCK_CONFIG,
     OPS,
+    BlockConfig,
+    config_unsupported_reason,
     pallas_grouped_op,
     pallas_unsupported_reason,
     resolve_implementation,
@@ -104,20 +106,23 @@ def test_pallas_matches_oracle_and_lax(implementation, m, k, n, groups, capsys):
               f"{' '.join(identical)}")
 
 
-TILE_TEST_SHAPE = (2048, 512, 512, 16)  # (M, K, N, G): every tile shape of the table fits it
-# Each tile configuration the table gives an op of jax_ep's kernels, and the default, with that op.
+TILE_TEST_SHAPE = (2048, 768, 768, 16)  # (M, K, N, G): every tile shape below fits it (768 = 3 x 256 = 4 x 192)
+# Each tile configuration the table gives an op of jax_ep's kernels, and the default, with that op; and 192-column
+# tiles, whose stores go in three 64-column pieces.
 TABLE_CONFIGS = list(dict.fromkeys([(rule.op, rule.config) for rule in BLOCK_CONFIG_TABLE if rule.kernels == "pallas"]
-                                   + [(op, DEFAULT_BLOCK_CONFIG) for op in OPS]))
+                                   + [(op, DEFAULT_BLOCK_CONFIG) for op in OPS]
+                                   + [(op, BlockConfig(block_n=192, num_stages=3)) for op in OPS]))
 
 
 @needs_hopper
 @pytest.mark.parametrize("op, config", TABLE_CONFIGS, ids=str)
 def test_table_tile_shapes_match_oracle(op, config):
     """fwd, dx and dw on jax_ep's kernels with each tile configuration they take from the block-configuration
-    table (128 or 256 columns, 128 or 256 rows of dw[g], 3 to 6 stages), with unaligned group starts, empty
-    groups and rows past the last group."""
-    rng = np.random.default_rng(3)
+    table (128 or 256 columns, 128 or 256 rows of dw[g], 3 to 6 stages) and with 192 columns, with unaligned
+    group starts, empty groups and rows past the last group."""
     m, k, n, groups = TILE_TEST_SHAPE
+    assert config_unsupported_reason("pallas", op, config, m, k, n) is None, "TILE_TEST_SHAPE must fit every tile"
+    rng = np.random.default_rng(3)
     x, w, dy = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for shape in ((m, k), (groups, k, n), (m, n)))
     sizes = random_group_sizes(rng, m, groups)
     lhs, rhs = {"fwd": (x, w), "dx": (dy, w), "dw": (x, dy)}[op]
