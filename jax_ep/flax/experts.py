@@ -20,8 +20,8 @@ def swiglu(x, w_gate_up, w_down, matmul=jnp.matmul):
 
 def grouped_swiglu(rows, group_sizes, w_gate_up, w_down):
     """The local experts on rows sorted by expert (an expert-major dispatch's recv_x [C, D]): rows
-    group_sizes[0] rows of expert 0, then expert 1's, ...; one jax_ep.grouped_matmul per projection; rows past
-    the groups give zeros and cost no matmul work. w_gate_up [L, D, 2F], w_down [L, F, D]."""
+    group_sizes[0] rows of expert 0, then expert 1's, ...; two jax_ep.grouped_matmul calls (gate and up together,
+    then down); rows past the groups give zeros and cost no matmul work. w_gate_up [L, D, 2F], w_down [L, F, D]."""
     return swiglu(rows, w_gate_up, w_down, matmul=functools.partial(grouped_matmul, group_sizes=group_sizes))
 
 

@@ -11,8 +11,8 @@ from jax_ep.flax.moe import MoE
 
 
 def _gate_up(gate_name: str, gate, up_name: str, up) -> tuple:
-    """The parts of the block's fused kernel: the gate's columns, then the up projection's (concatenated once
-    cast to the parameter's dtype, so that the copy is no larger than the parameter)."""
+    """(gate, up), checked to have one shape: the parts of the block's kernel [..., 2F], concatenated below once
+    cast to the parameter's dtype (so that the copy is no larger than the parameter)."""
     if tuple(gate.shape) != tuple(up.shape):
         raise ValueError(f"jax_ep.flax.from_dense: {gate_name} {tuple(gate.shape)} and {up_name} {tuple(up.shape)} "
                          "must have one shape")
@@ -51,12 +51,11 @@ def from_dense(router_kernel, w_gate, w_up, w_down, *, num_experts_per_tok: int,
         shared_d_ff=None if shared_w_gate is None else shared_w_gate.shape[1], rngs=nnx.Rngs(0), **moe_kwargs))
     for name, value in weights.items():
         variable = getattr(moe, name)
-        if isinstance(value, tuple):  # a gate and up pair
-            value = jnp.concatenate([jnp.asarray(part, variable.dtype) for part in value], axis=-1)
+        parts = value if isinstance(value, tuple) else (value,)  # a gate and up pair, or one array
+        value = jnp.concatenate([jnp.asarray(part, variable.dtype) for part in parts], axis=-1)
         if tuple(value.shape) != tuple(variable.shape):
             raise ValueError(f"jax_ep.flax.from_dense: {name} has shape {tuple(value.shape)}, the block with "
                              f"these shapes needs {tuple(variable.shape)}")
-        value = jnp.asarray(value, variable.dtype)
         if moe.mesh is not None:
             value = jax.device_put(value, NamedSharding(moe.mesh, P(*variable.get_metadata().get("out_sharding", ()))))
         variable.set_value(value)
