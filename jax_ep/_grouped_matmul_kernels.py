@@ -24,9 +24,11 @@ Loads may run past the end of lhs/rhs (a tile's 128 rows from its group's start,
 rows): TMA fills rows outside the array with zeros, and rows inside it that belong to another group never
 reach an output row (rows kernel) or are zeroed first (contraction kernel).
 
-Both kernels release a pipeline stage only after its wgmma has completed (wgmma_wait(0)): with two compute
-warpgroups one keeps the tensor cores busy while the other waits, and no stage is reloaded while a matmul
-may still read it, including across tiles.
+Both kernels run one pipeline per SM over all of its tiles (`_stage_ring`): the memory warpgroup loads the next
+tile's first steps while the compute warpgroups finish the current one and store it (through two shared-memory
+buffers where they fit, one being written while the other is stored). A stage is released only after its wgmma
+has completed (wgmma_wait(0)): with two compute warpgroups one keeps the tensor cores busy while the other
+waits, and no stage is reloaded while a matmul may still read it.
 """
 from __future__ import annotations
 
@@ -44,15 +46,21 @@ ROWS_PER_WARPGROUP = 64
 NUM_COMPUTE_WARPGROUPS = 2
 BLOCK_ROWS = ROWS_PER_WARPGROUP * NUM_COMPUTE_WARPGROUPS
 # Mosaic GPU loads a block into the tiled (8-row) shared memory layout wgmma reads with TMA copies whose
-# first row must be a multiple of 8, so tiles and contraction steps start at multiples of 8 rows.
+# first row must be a multiple of 8, so tiles and contraction steps start at multiples of 8 rows. (Callers see it
+# as jax_ep.grouped_matmul.GROUP_ROW_ALIGNMENT, which cannot import this module; a test checks they agree.)
 ROW_ALIGNMENT = 8
 # A warpgroup stores its part of an output tile through shared memory in pieces of 64 rows x
 # gcd(block_n, STORE_COLS) columns: a buffer for a whole 256-column tile takes 64 KiB from the pipeline's
 # stages, and measured on an H200 the pieces make the 256-column kernels 2-5 % faster (the MoE block's gate and
 # up projection, forward: 497 -> 470 us).
 STORE_COLS = 128
+# Shared memory a CTA may use on sm_90 (227 KiB), less 1 KiB for the barriers and Mosaic GPU's own.
+SMEM_BYTES = 227 * 1024 - 1024
 # The warpgroup issuing TMA loads needs few registers; the rest go to the two accumulating warpgroups.
 MEMORY_WARPGROUP_REGISTERS = 40
+# The register file holds 512 registers per thread of one warpgroup; the compute warpgroups share what the memory
+# warpgroup leaves, in multiples of 8 (as JAX's warp-specialized pipeline splits them).
+COMPUTE_WARPGROUP_REGISTERS = (512 - MEMORY_WARPGROUP_REGISTERS) // NUM_COMPUTE_WARPGROUPS // 8 * 8
 _WARPGROUP_AXIS = "wg"
 _SM_AXIS = "sm"
 _FILL_TILE = -1  # tile_group value of a tile that writes zero rows
@@ -150,6 +158,114 @@ def _kernel(body, out_type, num_sms: int):
     )
 
 
+def _stage_ring(num_stages: int, lhs_block, rhs_block) -> dict:
+    """Shared memory of the pipeline both kernels run: num_stages stages of an lhs and an rhs block
+    (plgpu.SMEM allocations of one stage each), a barrier per stage that their two copies complete, and
+    one that both compute warpgroups have released it.
+
+    The pipeline is one stream of steps over all of an SM's tiles, not one per tile: the memory warpgroup
+    loads the next tile's first steps while the compute warpgroups finish and store the current one. Both
+    roles walk the SM's tiles in the same order and count the steps of all of them, so step s of the SM
+    uses stage s % num_stages, which is reloaded once both compute warpgroups have released its previous
+    use. (Each barrier wait flips the waiting thread's phase: every thread waits once per use of a stage.)"""
+    def stages(block):
+        return plgpu.SMEM((num_stages, *block.shape), block.dtype, transforms=block.transforms)
+
+    return dict(lhs_smem=stages(lhs_block), rhs_smem=stages(rhs_block),
+                loaded=plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
+                consumed=plgpu.Barrier(num_arrivals=NUM_COMPUTE_WARPGROUPS, num_barriers=num_stages))
+
+
+def _load_steps(num_steps, step, num_stages: int, ring: dict, lhs_at, rhs_at):
+    """The memory warpgroup's part of a tile: loads its num_steps steps (the blocks lhs_at(i), rhs_at(i)
+    of step i) into the stages of the SM's steps step, step + 1, ...; returns the SM's next step."""
+    def load_step(step_in_tile, step):
+        stage = lax.rem(step, num_stages)
+
+        @pl.when(step >= num_stages)
+        def _wait_for_release():
+            plgpu.barrier_wait(ring["consumed"].at[stage])
+
+        plgpu.copy_gmem_to_smem(lhs_at(step_in_tile), ring["lhs_smem"].at[stage], ring["loaded"].at[stage])
+        plgpu.copy_gmem_to_smem(rhs_at(step_in_tile), ring["rhs_smem"].at[stage], ring["loaded"].at[stage])
+        return step + 1
+
+    return lax.fori_loop(0, num_steps, load_step, step)
+
+
+def _mma_steps(num_steps, step, acc_ref, num_stages: int, ring: dict, mma):
+    """A compute warpgroup's part of a tile: for each of its num_steps steps, waits for the stage of the SM's
+    step, calls mma(step_in_tile, lhs stage, rhs stage, acc_ref) and releases the stage once the matmul is
+    done (the other warpgroup keeps the tensor cores busy meanwhile). Returns the SM's next step."""
+    def mma_step(step_in_tile, step_and_acc):
+        step, acc_ref = step_and_acc
+        stage = lax.rem(step, num_stages)
+        plgpu.barrier_wait(ring["loaded"].at[stage])
+        mma(step_in_tile, ring["lhs_smem"].at[stage], ring["rhs_smem"].at[stage], acc_ref)
+        plgpu.wgmma_wait(0)
+        plgpu.barrier_arrive(ring["consumed"].at[stage])
+        return step + 1, acc_ref
+
+    step, _ = lax.fori_loop(0, num_steps, mma_step, (step, acc_ref))
+    return step
+
+
+def _split_roles(compute_warpgroup, memory_warpgroup, num_stages: int, ring: dict):
+    """Runs compute_warpgroup() in the compute warpgroups and memory_warpgroup() (which returns the SM's
+    number of steps) in the last one, each with its share of the registers. The memory warpgroup then
+    waits for the last stages' releases, so that no barrier is left with a phase nobody waited for."""
+    def compute():
+        plgpu.set_max_registers(COMPUTE_WARPGROUP_REGISTERS, action="increase")
+        compute_warpgroup()
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last stores' reads of shared memory
+
+    def memory():
+        plgpu.set_max_registers(MEMORY_WARPGROUP_REGISTERS, action="decrease")
+        num_steps = memory_warpgroup()
+
+        def wait_for_release(step, carry):
+            plgpu.barrier_wait(ring["consumed"].at[lax.rem(step, num_stages)])
+            return carry
+
+        lax.fori_loop(jnp.maximum(num_steps - num_stages, 0), num_steps, wait_for_release, None)
+
+    lax.cond(lax.axis_index(_WARPGROUP_AXIS) < NUM_COMPUTE_WARPGROUPS, compute, memory)
+
+
+def _store_buffers(tile_rows: int, tile_cols: int, piece_cols: int, dtype, num_stages: int, lhs_block, rhs_block,
+                   transforms=()):
+    """The shared memory each compute warpgroup stores its tiles [tile_rows, tile_cols] through, in pieces of
+    64 rows x piece_cols: two buffers where a tile has an even count of pieces (a piece is written while the
+    one before it is being stored) and they fit beside the pipeline's num_stages stages, else one."""
+    def nbytes(shape):
+        return math.prod(shape) * jnp.dtype(dtype).itemsize
+
+    num_pieces = tile_rows // ROWS_PER_WARPGROUP * (tile_cols // piece_cols)
+    stages_bytes = num_stages * (nbytes(lhs_block.shape) + nbytes(rhs_block.shape))
+    two_fit = stages_bytes + 2 * NUM_COMPUTE_WARPGROUPS * nbytes((ROWS_PER_WARPGROUP, piece_cols)) <= SMEM_BYTES
+    num_buffers = 2 if num_pieces % 2 == 0 and two_fit else 1
+    return plgpu.SMEM((NUM_COMPUTE_WARPGROUPS, num_buffers, ROWS_PER_WARPGROUP, piece_cols), dtype,
+                      transforms=transforms)
+
+
+def _store_in_pieces(values: jax.Array, buffers, store_piece) -> None:
+    """Stores a warpgroup's tile `values` through its buffers (its part of a `_store_buffers` allocation):
+    piece i (64 rows x the buffers' columns, row-major order) is written to buffer i % num_buffers, then
+    store_piece(buffer, first_row, first_col) issues its copies to global memory (commit_group=False), one
+    bulk group per piece. A buffer was last read by the store num_buffers pieces before (in this tile or the
+    previous one, as tiles have a multiple of num_buffers pieces), so only that store's read is awaited."""
+    rows, cols = values.shape
+    num_buffers, _, piece_cols = buffers.shape
+    pieces = [(r, c) for r in range(0, rows, ROWS_PER_WARPGROUP) for c in range(0, cols, piece_cols)]
+    for i, (first_row, first_col) in enumerate(pieces):
+        buffer = buffers.at[i % num_buffers]
+        plgpu.wait_smem_to_gmem(num_buffers - 1, wait_read_only=True)
+        buffer[...] = values[first_row:first_row + ROWS_PER_WARPGROUP, first_col:first_col + piece_cols]
+        plgpu.commit_smem()
+        store_piece(buffer, first_row, first_col)
+        plgpu.commit_smem_to_gmem_group()
+
+
 def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, tile_first_row: jax.Array,
                        tile_end_row: jax.Array, *, transpose_rhs: bool, block_n: int, block_k: int,
                        num_stages: int, grid_tile_width: int, num_sms: int) -> jax.Array:
@@ -171,108 +287,104 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
     dtype = lhs.dtype
     num_tiles = tile_group.shape[0]
     col_blocks = out_cols // block_n
-    store_cols = math.gcd(block_n, STORE_COLS)
-    transforms = _operand_transforms(block_k, dtype)
-    lhs_spec = plgpu.BlockSpec((BLOCK_ROWS, block_k), lambda k: (0, k), transforms=transforms,
-                               memory_space=plgpu.SMEM)
+    steps_per_tile = contracted // block_k
+    lhs_block = plgpu.SMEM((BLOCK_ROWS, block_k), dtype, transforms=_operand_transforms(block_k, dtype))
     if transpose_rhs:
-        rhs_spec = plgpu.BlockSpec((block_n, block_k), lambda k: (0, k), transforms=transforms,
-                                   memory_space=plgpu.SMEM)
+        rhs_block = plgpu.SMEM((block_n, block_k), dtype, transforms=_operand_transforms(block_k, dtype))
     else:
-        rhs_spec = plgpu.BlockSpec((block_k, block_n), lambda k: (k, 0),
-                                   transforms=_operand_transforms(block_n, dtype), memory_space=plgpu.SMEM)
-
-    def make_pipeline(mma_step, compute_context):
-        return plgpu.emit_pipeline_warp_specialized(
-            mma_step,
-            grid=(contracted // block_k,),
-            memory_registers=MEMORY_WARPGROUP_REGISTERS,
-            in_specs=[lhs_spec, rhs_spec],
-            wg_axis=_WARPGROUP_AXIS,
-            num_compute_wgs=NUM_COMPUTE_WARPGROUPS,
-            max_concurrent_steps=num_stages,
-            compute_context=compute_context,
-        )
+        rhs_block = plgpu.SMEM((block_k, block_n), dtype, transforms=_operand_transforms(block_n, dtype))
 
     def body(tile_group_gmem, tile_first_row_gmem, tile_end_row_gmem, lhs_gmem, rhs_gmem, out_gmem):
-        unused = lambda *_, **__: None  # noqa: E731  (the buffers depend on the block specs only)
+        def tile_at(index):
+            """The index-th (tile, column block): its group, first and end rows, first row rounded down to 8,
+            number of steps (0 for a zero tile or an unused entry) and columns."""
+            tile, col_block = _striped_order(index, num_tiles, col_blocks, grid_tile_width)
+            group = tile_group_gmem[tile]
+            first_row = tile_first_row_gmem[tile]
+            end_row = tile_end_row_gmem[tile]
+            tile_start = pl.multiple_of(first_row - first_row % ROW_ALIGNMENT, ROW_ALIGNMENT)
+            num_steps = jnp.where((end_row > first_row) & (group != _FILL_TILE), steps_per_tile, 0)
+            return group, first_row, end_row, tile_start, num_steps, col_block
 
         # out_smem is not swizzled so that a store can start at any row: a warpgroup writes its rows of a
-        # tile with one TMA store per set bit of their count (64, 32, ..., 1 rows), store_cols columns at a time.
+        # tile with one TMA store per set bit of their count (64, 32, ..., 1 rows).
         @functools.partial(
             pl.run_scoped,
-            pipeline_buffers=make_pipeline(unused, unused).get_allocations(lhs_gmem, rhs_gmem.at[0]),
-            out_smem=plgpu.SMEM((NUM_COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, store_cols), dtype),
+            out_smem=_store_buffers(ROWS_PER_WARPGROUP, block_n, math.gcd(block_n, STORE_COLS), dtype, num_stages,
+                                    lhs_block, rhs_block),
             collective_axes=_WARPGROUP_AXIS,
+            **_stage_ring(num_stages, lhs_block, rhs_block),
         )
-        def scope(pipeline_buffers, out_smem):
+        def scope(out_smem, **ring):
             wg = lax.axis_index(_WARPGROUP_AXIS)
 
-            @plgpu.nd_loop((num_tiles * col_blocks,), collective_axes=_SM_AXIS)
-            def tile_loop(loop_info):
-                tile, col_block = _striped_order(loop_info.index[0], num_tiles, col_blocks, grid_tile_width)
-                group = tile_group_gmem[tile]
-                first_row = tile_first_row_gmem[tile]
-                end_row = tile_end_row_gmem[tile]
-                tile_start = pl.multiple_of(first_row - first_row % ROW_ALIGNMENT, ROW_ALIGNMENT)
-                # This warpgroup's slab of the tile, and the part of it the tile writes.
-                my_start = tile_start + wg * ROWS_PER_WARPGROUP
-                my_begin = jnp.clip(first_row - my_start, 0, ROWS_PER_WARPGROUP)
-                my_end = jnp.clip(end_row - my_start, 0, ROWS_PER_WARPGROUP)
-                my_rows = my_end - my_begin
-                cols = pl.ds(col_block * block_n, block_n)
+            def memory_warpgroup():
+                @plgpu.nd_loop((num_tiles * col_blocks,), collective_axes=_SM_AXIS, init_carry=jnp.int32(0))
+                def tile_loop(loop_info, carry):
+                    step = carry
+                    group, _, _, tile_start, num_steps, col_block = tile_at(loop_info.index[0])
+                    cols = pl.ds(col_block * block_n, block_n)
+                    tile_rows = pl.ds(tile_start, BLOCK_ROWS)
 
-                def store_my_rows(values):
-                    my_smem = out_smem.at[wg]
-                    for first_col in range(0, block_n, store_cols):
-                        # The previous stores (this tile's last columns, or the previous tile's) read it.
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        my_smem[...] = values[:, first_col:first_col + store_cols]
-                        plgpu.commit_smem()
-                        store_block = pl.ds(col_block * block_n + first_col, store_cols)
+                    def rhs_at(i):
+                        contracted_block = pl.ds(i * block_k, block_k)
+                        if transpose_rhs:
+                            return rhs_gmem.at[group, cols, contracted_block]
+                        return rhs_gmem.at[group, contracted_block, cols]
+
+                    return _load_steps(num_steps, step, num_stages, ring,
+                                       lambda i: lhs_gmem.at[tile_rows, pl.ds(i * block_k, block_k)], rhs_at)
+
+                return tile_loop  # the SM's number of steps
+
+            def compute_warpgroup():
+                @plgpu.nd_loop((num_tiles * col_blocks,), collective_axes=_SM_AXIS, init_carry=jnp.int32(0))
+                def tile_loop(loop_info, carry):
+                    step = carry
+                    group, first_row, end_row, tile_start, num_steps, col_block = tile_at(loop_info.index[0])
+                    # This warpgroup's slab of the tile, and the part of it the tile writes.
+                    my_start = tile_start + wg * ROWS_PER_WARPGROUP
+                    my_begin = jnp.clip(first_row - my_start, 0, ROWS_PER_WARPGROUP)
+                    my_end = jnp.clip(end_row - my_start, 0, ROWS_PER_WARPGROUP)
+                    my_rows = my_end - my_begin
+
+                    def store_piece(buffer, first_row, first_col):
+                        del first_row  # a warpgroup's tile is one piece high
+                        store_block = pl.ds(col_block * block_n + first_col, buffer.shape[-1])
                         offset = my_begin
                         size = ROWS_PER_WARPGROUP
                         while size:
                             @pl.when((my_rows & size) != 0)
                             def _(offset=offset, size=size):
-                                plgpu.copy_smem_to_gmem(my_smem.at[pl.ds(offset, size)],
-                                                        out_gmem.at[pl.ds(my_start + offset, size), store_block])
+                                plgpu.copy_smem_to_gmem(buffer.at[pl.ds(offset, size)],
+                                                        out_gmem.at[pl.ds(my_start + offset, size), store_block],
+                                                        commit_group=False)
 
                             offset += my_rows & size
                             size //= 2
 
-                @pl.when((end_row > first_row) & (group != _FILL_TILE))
-                def _matmul_tile():
-                    def mma_step(_, lhs_smem, rhs_smem, acc_ref):
+                    def mma(_, lhs_smem, rhs_smem, acc_ref):
+                        # In a group's last tile, a warpgroup whose rows are all past the group's end skips.
                         @pl.when(my_rows > 0)
                         def _():
                             rhs_operand = plgpu.transpose_ref(rhs_smem, (1, 0)) if transpose_rhs else rhs_smem
                             plgpu.wgmma(acc_ref, lhs_smem.at[pl.ds(wg * ROWS_PER_WARPGROUP, ROWS_PER_WARPGROUP)],
                                         rhs_operand)
-                        # Release the stage only once its matmul is done (the other warpgroup keeps the
-                        # tensor cores busy meanwhile).
-                        plgpu.wgmma_wait(0)
-                        return acc_ref
 
-                    def compute_context(run_pipeline):
-                        @functools.partial(pl.run_scoped,
-                                           acc_ref=plgpu.ACC((ROWS_PER_WARPGROUP, block_n), jnp.float32))
-                        def _(acc_ref):
-                            run_pipeline(acc_ref)
+                    # A zero tile has no steps: it stores the accumulator's initial zeros.
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((ROWS_PER_WARPGROUP, block_n), jnp.float32))
+                    def next_step(acc_ref):
+                        next_step = _mma_steps(num_steps, step, acc_ref, num_stages, ring, mma)
 
-                            @pl.when(my_rows > 0)
-                            def _():
-                                store_my_rows(acc_ref[...].astype(dtype))
+                        @pl.when(my_rows > 0)
+                        def _():
+                            _store_in_pieces(acc_ref[...].astype(dtype), out_smem.at[wg], store_piece)
 
-                    rhs_block = rhs_gmem.at[group, cols, :] if transpose_rhs else rhs_gmem.at[group, :, cols]
-                    make_pipeline(mma_step, compute_context)(
-                        lhs_gmem.at[pl.ds(tile_start, BLOCK_ROWS), :], rhs_block, allocations=pipeline_buffers)
+                        return next_step
 
-                @pl.when((group == _FILL_TILE) & (my_rows > 0) & (wg < NUM_COMPUTE_WARPGROUPS))
-                def _zero_tile():
-                    store_my_rows(jnp.zeros((ROWS_PER_WARPGROUP, block_n), dtype))
+                    return next_step
 
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            _split_roles(compute_warpgroup, memory_warpgroup, num_stages, ring)
 
     return _kernel(body, jax.ShapeDtypeStruct((num_rows, out_cols), dtype), num_sms)(
         tile_group, tile_first_row, tile_end_row, lhs, rhs)
@@ -290,8 +402,10 @@ def ragged_contraction_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.A
     sum(group_sizes) must be finite (0 * inf is nan).
 
     Output tiles are block_rows (128 or 256) rows of K by block_n columns, each compute warpgroup owning
-    half of the rows. A group's tiles are only its rows / block_k steps long, so filling the pipeline and
-    storing the tile cost about as much as the matmuls; 256-row tiles halve that per FLOP."""
+    half of the rows. A group's tiles are only its rows / block_k steps long (about 6 for 384 rows), so the
+    pipeline is one stream of steps over all of an SM's tiles: the memory warpgroup loads the next tile's
+    first steps while the compute warpgroups finish and store the current one (a pipeline per tile would
+    wait for its first loads at every tile)."""
     _check_operands(lhs, rhs, block_n, block_k, num_stages)
     num_rows, out_rows = lhs.shape
     rhs_rows, out_cols = rhs.shape
@@ -305,77 +419,66 @@ def ragged_contraction_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.A
     num_groups = group_sizes.shape[0]
     row_blocks = out_rows // block_rows
     col_blocks = out_cols // block_n
+    num_tiles = num_groups * row_blocks * col_blocks
     group_ends = jnp.cumsum(group_sizes)
-    lhs_spec = plgpu.BlockSpec((block_k, block_rows), lambda k: (k, 0),
-                               transforms=_operand_transforms(block_rows, dtype), memory_space=plgpu.SMEM)
-    rhs_spec = plgpu.BlockSpec((block_k, block_n), lambda k: (k, 0),
-                               transforms=_operand_transforms(block_n, dtype), memory_space=plgpu.SMEM)
     # A warpgroup stores its rows_per_warpgroup x block_n tile in pieces of 64 rows x store_cols (see STORE_COLS).
     store_cols = math.gcd(block_n, STORE_COLS)
-    out_transforms = _operand_transforms(store_cols, dtype)
-
-    def make_pipeline(mma_step, compute_context, num_steps):
-        return plgpu.emit_pipeline_warp_specialized(
-            mma_step,
-            grid=(num_steps,),
-            memory_registers=MEMORY_WARPGROUP_REGISTERS,
-            in_specs=[lhs_spec, rhs_spec],
-            wg_axis=_WARPGROUP_AXIS,
-            num_compute_wgs=NUM_COMPUTE_WARPGROUPS,
-            max_concurrent_steps=num_stages,
-            compute_context=compute_context,
-        )
+    lhs_block = plgpu.SMEM((block_k, block_rows), dtype, transforms=_operand_transforms(block_rows, dtype))
+    rhs_block = plgpu.SMEM((block_k, block_n), dtype, transforms=_operand_transforms(block_n, dtype))
 
     def body(group_ends_gmem, group_sizes_gmem, lhs_gmem, rhs_gmem, out_gmem):
-        unused = lambda *_, **__: None  # noqa: E731  (the buffers depend on the block specs only)
-        # A static grid of num_stages steps sizes the buffers as the per-group (traced) grids use them.
-        buffers = make_pipeline(unused, unused, num_stages).get_allocations(lhs_gmem, rhs_gmem)
+        def tile_at(index):
+            """The index-th tile: its group's first and end rows, the first step's row (the first rounded down
+            to 8) and its number of steps (0 for an empty group); its group, row block and column block. A
+            group's tiles are consecutive, so the SMs working at the same time read the same rows."""
+            group = index // (row_blocks * col_blocks)
+            row_block, col_block = _striped_order(index % (row_blocks * col_blocks), row_blocks, col_blocks,
+                                                  grid_tile_width)
+            end = group_ends_gmem[group]
+            start = end - group_sizes_gmem[group]
+            aligned_start = pl.multiple_of(start - start % ROW_ALIGNMENT, ROW_ALIGNMENT)
+            num_steps = jnp.where(end > start, (end - aligned_start + block_k - 1) // block_k, 0)
+            return start, end, aligned_start, num_steps, group, row_block, col_block
 
         @functools.partial(
             pl.run_scoped,
-            pipeline_buffers=buffers,
-            out_smem=plgpu.SMEM((NUM_COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, store_cols), dtype,
-                                transforms=out_transforms),
+            out_smem=_store_buffers(rows_per_warpgroup, block_n, store_cols, dtype, num_stages, lhs_block, rhs_block,
+                                    _operand_transforms(store_cols, dtype)),
             collective_axes=_WARPGROUP_AXIS,
+            **_stage_ring(num_stages, lhs_block, rhs_block),
         )
-        def scope(pipeline_buffers, out_smem):
+        def scope(out_smem, **ring):
             wg = lax.axis_index(_WARPGROUP_AXIS)
 
-            @plgpu.nd_loop((num_groups * row_blocks * col_blocks,), collective_axes=_SM_AXIS)
-            def tile_loop(loop_info):
-                # A group's tiles are consecutive, so the SMs working at the same time read the same rows.
-                group = loop_info.index[0] // (row_blocks * col_blocks)
-                row_block, col_block = _striped_order(loop_info.index[0] % (row_blocks * col_blocks),
-                                                      row_blocks, col_blocks, grid_tile_width)
-                size = group_sizes_gmem[group]
-                end = group_ends_gmem[group]
-                start = end - size
-                aligned_start = pl.multiple_of(start - start % ROW_ALIGNMENT, ROW_ALIGNMENT)
-                num_steps = (end - aligned_start + block_k - 1) // block_k
-                my_first_out_row = row_block * block_rows + wg * rows_per_warpgroup
-                cols = pl.ds(col_block * block_n, block_n)
+            def memory_warpgroup():
+                @plgpu.nd_loop((num_tiles,), collective_axes=_SM_AXIS, init_carry=jnp.int32(0))
+                def tile_loop(loop_info, carry):
+                    step = carry
+                    _, _, aligned_start, num_steps, _, row_block, col_block = tile_at(loop_info.index[0])
 
-                def store_my_tile(values):
-                    my_smem = out_smem.at[wg]
-                    for first_row in range(0, rows_per_warpgroup, ROWS_PER_WARPGROUP):
-                        for first_col in range(0, block_n, store_cols):
-                            # The previous store (this tile's previous piece, or the previous tile's) read it.
-                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                            my_smem[...] = values[first_row:first_row + ROWS_PER_WARPGROUP,
-                                                  first_col:first_col + store_cols]
-                            plgpu.commit_smem()
-                            plgpu.copy_smem_to_gmem(my_smem, out_gmem.at[
-                                group, pl.ds(my_first_out_row + first_row, ROWS_PER_WARPGROUP),
-                                pl.ds(col_block * block_n + first_col, store_cols)])
+                    def rows(i):
+                        return pl.ds(aligned_start + i * block_k, block_k)
 
-                @pl.when(size > 0)
-                def _matmul_tile():
-                    def mma_step(step, lhs_smem, rhs_smem, acc_ref):
+                    return _load_steps(
+                        num_steps, step, num_stages, ring,
+                        lambda i: lhs_gmem.at[rows(i), pl.ds(row_block * block_rows, block_rows)],
+                        lambda i: rhs_gmem.at[rows(i), pl.ds(col_block * block_n, block_n)])
+
+                return tile_loop  # the SM's number of steps
+
+            def compute_warpgroup():
+                @plgpu.nd_loop((num_tiles,), collective_axes=_SM_AXIS, init_carry=jnp.int32(0))
+                def tile_loop(loop_info, carry):
+                    step = carry
+                    start, end, aligned_start, num_steps, group, row_block, col_block = tile_at(loop_info.index[0])
+                    my_first_out_row = row_block * block_rows + wg * rows_per_warpgroup
+
+                    def mma(step_in_tile, lhs_smem, rhs_smem, acc_ref):
                         # This warpgroup's K columns of the lhs block: its slab of output rows.
                         my_lhs = lhs_smem.at[:, pl.ds(wg * rows_per_warpgroup, rows_per_warpgroup)]
-                        # The block's rows [begin, end) are the group's; only the first and last steps
-                        # have others.
-                        step_start = aligned_start + step[0] * block_k
+                        # The block's rows [begin, stop) are the group's; only the first and last steps have
+                        # others.
+                        step_start = aligned_start + step_in_tile * block_k
                         begin = start - step_start
                         stop = end - step_start
 
@@ -387,26 +490,22 @@ def ragged_contraction_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.A
                             plgpu.commit_smem()
 
                         plgpu.wgmma(acc_ref, plgpu.transpose_ref(my_lhs, (1, 0)), rhs_smem)
-                        plgpu.wgmma_wait(0)
-                        return acc_ref
 
-                    def compute_context(run_pipeline):
-                        @functools.partial(pl.run_scoped,
-                                           acc_ref=plgpu.ACC((rows_per_warpgroup, block_n), jnp.float32))
-                        def _(acc_ref):
-                            run_pipeline(acc_ref)
-                            store_my_tile(acc_ref[...].astype(dtype))
+                    def store_piece(buffer, first_row, first_col):
+                        plgpu.copy_smem_to_gmem(buffer, out_gmem.at[
+                            group, pl.ds(my_first_out_row + first_row, ROWS_PER_WARPGROUP),
+                            pl.ds(col_block * block_n + first_col, store_cols)], commit_group=False)
 
-                    group_rows = pl.ds(aligned_start, num_rows)  # only its first num_steps blocks are read
-                    make_pipeline(mma_step, compute_context, num_steps)(
-                        lhs_gmem.at[group_rows, pl.ds(row_block * block_rows, block_rows)],
-                        rhs_gmem.at[group_rows, cols], allocations=pipeline_buffers)
+                    # An empty group has no steps: its tiles store the accumulator's initial zeros.
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((rows_per_warpgroup, block_n), jnp.float32))
+                    def next_step(acc_ref):
+                        next_step = _mma_steps(num_steps, step, acc_ref, num_stages, ring, mma)
+                        _store_in_pieces(acc_ref[...].astype(dtype), out_smem.at[wg], store_piece)
+                        return next_step
 
-                @pl.when((size == 0) & (wg < NUM_COMPUTE_WARPGROUPS))
-                def _empty_group():
-                    store_my_tile(jnp.zeros((rows_per_warpgroup, block_n), dtype))
+                    return next_step
 
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            _split_roles(compute_warpgroup, memory_warpgroup, num_stages, ring)
 
     return _kernel(body, jax.ShapeDtypeStruct((num_groups, out_rows, out_cols), dtype), num_sms)(
         group_ends.astype(jnp.int32), group_sizes.astype(jnp.int32), lhs, rhs)

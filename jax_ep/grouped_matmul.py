@@ -44,6 +44,11 @@ IMPLEMENTATIONS = ("auto", "pallas", "jax_pallas", "ragged_dot")
 PALLAS_KERNELS = ("pallas", "jax_pallas")
 OPS = ("fwd", "dx", "dw")
 PALLAS_DTYPES = (jnp.bfloat16, jnp.float16)
+# The "pallas" kernels load rows in blocks that start at multiples of this many rows (TMA copies into Mosaic GPU's
+# 8-row tiled shared-memory layout), so a group starting elsewhere has its first tile and its first dw step begin
+# on rows of the group before. jax_ep.flax.MoE lays its experts' groups out at multiples of it (the dispatch's
+# expert_alignment).
+GROUP_ROW_ALIGNMENT = 8
 
 
 @dataclasses.dataclass(frozen=True)

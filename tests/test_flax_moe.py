@@ -241,31 +241,34 @@ def test_swap_in_dense_flax_block():
     assert_close(y, expected, 1e-5, "swapped-in vs dense block")
 
 
-def test_capacity_drops_are_counted():
-    check_capacity_drops("xla")
+@pytest.mark.parametrize("expert_alignment", [1, 2])
+def test_capacity_drops_are_counted(expert_alignment):
+    check_capacity_drops("xla", expert_alignment)
 
 
-def check_capacity_drops(dispatcher: str, **options):
+def check_capacity_drops(dispatcher: str, expert_alignment: int, **options):
     """capacity_factor below the need: num_dropped counts the (token, expert) pairs that did not fit (each rank's
-    rows hold its experts' pairs expert by expert, each expert's in (source rank, token) order, the first C kept),
-    and tokens whose pairs were all kept still get the reference output."""
+    rows hold its experts' pairs expert by expert, each expert's in (source rank, token) order and its group
+    padded to a multiple of expert_alignment; the rows are ceil(c T K) plus (E/R) (expert_alignment - 1), and the
+    pairs in the first that many rows are kept), and tokens whose pairs were all kept still get the reference
+    output."""
     capacity_factor = 0.75  # drops on some rank, and tokens left whole, on 1 to 4 ranks
-    moe = make_moe(dispatcher, capacity_factor=capacity_factor, **options)
+    moe = make_moe(dispatcher, capacity_factor=capacity_factor, expert_alignment=expert_alignment, **options)
     x, _ = inputs()
     with jax.default_matmul_precision("highest"):
         y, aux = nnx.jit(lambda m, x: m(x))(moe, x)
     topk_idx = np.asarray(route(x, moe.router_kernel[...], None, moe.router_config).topk_idx)
-    capacity = int(np.ceil(capacity_factor * TOKENS * TOPK))
+    local = EXPERTS // RANKS
+    capacity = int(np.ceil(capacity_factor * TOKENS * TOPK)) + local * (expert_alignment - 1)
     pairs = np.zeros((len(topk_idx), EXPERTS), bool)  # [RT, E]: token t chose expert e (once however often)
     pairs[np.arange(len(topk_idx))[:, None], topk_idx] = True
     kept = np.zeros_like(pairs)
-    local = EXPERTS // RANKS
     for r in range(RANKS):
         used = 0
         for e in range(r * local, (r + 1) * local):
             tokens = np.flatnonzero(pairs[:, e])
             kept[tokens[:max(0, capacity - used)], e] = True
-            used += len(tokens)
+            used += -(-len(tokens) // expert_alignment) * expert_alignment
     assert int(aux.num_dropped) == int((pairs & ~kept).sum()) > 0
     whole = (kept == pairs).all(axis=1)
     assert whole.any()
@@ -288,6 +291,7 @@ def test_update_expert_bias():
     (lambda: MoE(D_MODEL, D_FF, EXPERTS, TOPK, dispatcher="xla", rngs=nnx.Rngs(0)), "needs a mesh"),
     (lambda: MoE(D_MODEL, D_FF, EXPERTS, TOPK, mesh=mesh(), dispatcher="low_latency", rngs=nnx.Rngs(0)),
      "needs max_tokens_per_rank"),
+    (lambda: make_moe("xla", expert_alignment=0), "expert_alignment must be a positive integer, got 0"),
     (lambda: RouterConfig(EXPERTS, TOPK, n_groups=3), "n_groups=3 must divide"),
     (lambda: RouterConfig(EXPERTS, 3, n_groups=4, topk_groups=1), "num_experts_per_tok=3 must be in"),
     (lambda: from_dense(jnp.zeros((D_MODEL, EXPERTS + 1)), *dense_shaped_experts(), num_experts_per_tok=TOPK,

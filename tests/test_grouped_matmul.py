@@ -239,6 +239,11 @@ def test_row_tile_schedule_writes_every_row_once(sizes, num_rows):
 
 
 @needs_pallas
+def test_the_public_group_row_alignment_is_the_kernels():
+    assert gm_module.GROUP_ROW_ALIGNMENT == kernels.ROW_ALIGNMENT
+
+
+@needs_pallas
 @pytest.mark.parametrize("num_row_blocks, num_col_blocks, width", [(5, 4, 2), (3, 7, 3), (4, 1, 1), (6, 5, 8)])
 def test_striped_order_visits_every_block_once(num_row_blocks, num_col_blocks, width):
     index = jnp.arange(num_row_blocks * num_col_blocks)

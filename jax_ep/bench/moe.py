@@ -154,7 +154,7 @@ def _stage_ms(mesh, key, fn, diff, diff_specs, const, args):
 def _breakdown_ms(mesh, moe: MoE, x, args) -> dict[str, float]:
     """ms of each of STAGES alone, forward + backward, chained as the block chains them (MoE._forward, the
     normal and xla dispatchers, no capacity limit), on this block's weights and x."""
-    buffer, config, num_experts = moe.buffer, moe.router_config, moe.num_experts
+    buffer, config, num_experts, alignment = moe.buffer, moe.router_config, moe.num_experts, moe.expert_alignment
     keys = iter(jax.random.split(jax.random.key(3), len(STAGES)))
     ep, replicated = P("ep"), P()
 
@@ -163,7 +163,8 @@ def _breakdown_ms(mesh, moe: MoE, x, args) -> dict[str, float]:
         return routing.topk_weights, routing.topk_idx
 
     def dispatch(x, topk_weights, topk_idx):
-        d = jax_ep.dispatch(buffer, x, topk_idx, topk_weights, num_experts=num_experts, layout="expert_major")
+        d = jax_ep.dispatch(buffer, x, topk_idx, topk_weights, num_experts=num_experts, expert_alignment=alignment,
+                            layout="expert_major")
         return (d.recv_x, d.recv_weights), (d.num_recv_tokens_per_expert, d.handle)
 
     def expert_ffn(recv_x, w_gate_up, w_down, group_sizes):

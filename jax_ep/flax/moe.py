@@ -11,9 +11,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
+from jax_ep import _checks
 from jax_ep.expert_major import default_capacity
 from jax_ep.flax.experts import dense_gates, grouped_swiglu, swiglu
 from jax_ep.flax.routing import RouterConfig, route, router_statistics
+from jax_ep.grouped_matmul import GROUP_ROW_ALIGNMENT
 
 Dispatcher = Literal["normal", "low_latency", "xla", "none"]
 DISPATCHERS = ("normal", "low_latency", "xla", "none")
@@ -86,9 +88,14 @@ class MoE(nnx.Module):
 
     Router options (see RouterConfig): score_function "softmax" | "sigmoid", expert_bias (selection-only
     bias, DeepSeek-V3), n_groups / topk_groups (grouped top-k), norm_topk_prob, routed_scaling_factor.
-    capacity_factor c (normal / xla): each rank receives at most ceil(c * T * K) (token, expert) pairs (the mean
-    number a rank receives under uniform routing is T * K); pairs beyond it are dropped and counted in
-    MoEAux.num_dropped. None: R * T * min(K, E/R), which never drops.
+    expert_alignment (normal / xla): each local expert's rows start at a multiple of it, the expert's group padded
+    with zero rows to a multiple of it (the expert-major dispatch's expert_alignment). The default, 8 rows
+    (jax_ep.grouped_matmul.GROUP_ROW_ALIGNMENT), starts every group where the grouped-matmul kernels' loads
+    start; 1 packs the rows without padding.
+    capacity_factor c (normal / xla): each rank's rows hold ceil(c * T * K) (token, expert) pairs (the mean
+    number a rank receives under uniform routing is T * K) plus the padding its experts' groups may need,
+    (E/R) * (expert_alignment - 1) rows, so that the alignment drops no pair; the pairs past the last row are
+    dropped and counted in MoEAux.num_dropped. None: R * T * min(K, E/R) pairs and the padding, which never drops.
     buffer: an existing jax_ep.Buffer to use (share one among layers; pass one to the Linen wrapper, which
     builds the module again at every apply); by default the block makes its own from mesh and axis_name.
     dtype: computation dtype of the experts and of the tokens on the wire (None: that of x); the router runs
@@ -101,9 +108,11 @@ class MoE(nnx.Module):
                  score_function: Literal["softmax", "sigmoid"] = "softmax", expert_bias: bool = False,
                  n_groups: int = 1, topk_groups: int = 1, norm_topk_prob: bool = True,
                  routed_scaling_factor: float = 1.0, shared_d_ff: int | None = None,
-                 capacity_factor: float | None = None, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 capacity_factor: float | None = None, expert_alignment: int = GROUP_ROW_ALIGNMENT, dtype=None,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
         if dispatcher not in DISPATCHERS:
             raise ValueError(f"jax_ep.flax.MoE: dispatcher must be one of {DISPATCHERS}, got {dispatcher!r}")
+        self.expert_alignment = _checks.positive("flax.MoE", "expert_alignment", expert_alignment)
         self.router_config = RouterConfig(num_experts, num_experts_per_tok, score_function, n_groups,
                                           topk_groups, norm_topk_prob, routed_scaling_factor)
         self.d_model, self.num_experts, self.dispatcher = d_model, num_experts, dispatcher
@@ -197,7 +206,8 @@ class MoE(nnx.Module):
             # Rows are (token, local expert) pairs grouped by expert: the grouped matmuls take them as they come,
             # and combine applies the gate weights while it sums each token's pairs.
             d = jax_ep.dispatch(self.buffer, x, routing.topk_idx, routing.topk_weights, num_experts=self.num_experts,
-                                max_recv_tokens=self._capacity(x.shape[0], num_ranks), layout="expert_major")
+                                max_recv_tokens=self._capacity(x.shape[0], num_ranks),
+                                expert_alignment=self.expert_alignment, layout="expert_major")
             expert_out = grouped_swiglu(d.recv_x, d.num_recv_tokens_per_expert, *experts)
             y = jax_ep.combine(self.buffer, expert_out.astype(dtype), d.handle, weights=d.recv_weights).x
             num_dropped = jax.lax.psum(d.num_dropped, axis_name)
@@ -207,13 +217,15 @@ class MoE(nnx.Module):
         return y.astype(dtype), MoEAux(*statistics, num_dropped)
 
     def _capacity(self, num_tokens: int, num_ranks: int) -> int | None:
-        """Pairs per rank (expert-major dispatch's max_recv_tokens): None, the default that never drops, or
-        capacity_factor times the mean, at most that default."""
+        """Rows per rank (expert-major dispatch's max_recv_tokens): None, the default that never drops, or
+        capacity_factor times the mean number of pairs plus the experts' padding, at most that default."""
         if self.capacity_factor is None:
             return None
         num_topk = self.router_config.num_experts_per_tok
-        never_drops = default_capacity(num_ranks, num_tokens, num_topk, self.num_experts // num_ranks, alignment=1)
-        return max(1, min(never_drops, math.ceil(self.capacity_factor * num_tokens * num_topk)))
+        num_local_experts = self.num_experts // num_ranks
+        never_drops = default_capacity(num_ranks, num_tokens, num_topk, num_local_experts, self.expert_alignment)
+        pairs = math.ceil(self.capacity_factor * num_tokens * num_topk)
+        return max(1, min(never_drops, pairs + num_local_experts * (self.expert_alignment - 1)))
 
     def update_expert_bias(self, tokens_per_expert, rate: float) -> None:
         """DeepSeek-V3's auxiliary-loss-free balancing step: raise the bias of experts that got fewer than

@@ -20,7 +20,7 @@ def test_cuda_block_matches_dense_reference(router):
 
 
 def test_cuda_capacity_drops_are_counted():
-    check_capacity_drops("normal", backend="cuda")
+    check_capacity_drops("normal", 1, backend="cuda")
 
 
 def test_training_with_cuda_tracks_xla():
