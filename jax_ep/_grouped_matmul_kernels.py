@@ -367,7 +367,7 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
                         # In a group's last tile, a warpgroup whose rows are all past the group's end skips.
                         @pl.when(my_rows > 0)
                         def _():
-                            rhs_operand = plgpu.transpose_ref(rhs_smem, (1, 0)) if transpose_rhs else rhs_smem
+                            rhs_operand = rhs_smem.transpose((1, 0)) if transpose_rhs else rhs_smem
                             plgpu.wgmma(acc_ref, lhs_smem.at[pl.ds(wg * ROWS_PER_WARPGROUP, ROWS_PER_WARPGROUP)],
                                         rhs_operand)
 
@@ -489,7 +489,7 @@ def ragged_contraction_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.A
                             my_lhs[...] = jnp.where(keep, my_lhs[...], jnp.zeros((), dtype))
                             plgpu.commit_smem()
 
-                        plgpu.wgmma(acc_ref, plgpu.transpose_ref(my_lhs, (1, 0)), rhs_smem)
+                        plgpu.wgmma(acc_ref, my_lhs.transpose((1, 0)), rhs_smem)
 
                     def store_piece(buffer, first_row, first_col):
                         plgpu.copy_smem_to_gmem(buffer, out_gmem.at[
