@@ -24,9 +24,10 @@ Loads may run past the end of lhs/rhs (a tile's 128 rows from its group's start,
 rows): TMA fills rows outside the array with zeros, and rows inside it that belong to another group never
 reach an output row (rows kernel) or are zeroed first (contraction kernel).
 
-Both kernels run one pipeline per SM over all of its tiles (`_stage_ring`): the memory warpgroup loads the next
-tile's first steps while the compute warpgroups finish the current one and store it (through two shared-memory
-buffers where they fit, one being written while the other is stored). A stage is released only after its wgmma
+Both kernels run one pipeline per SM over all of its tiles (`_run_pipeline`): the memory warpgroup loads the
+next tile's first steps while the compute warpgroups finish the current one and store it (in pieces, through two
+shared-memory buffers where a tile has an even count of pieces and they fit, one piece being written while the
+one before is stored; see STORE_COLS). A stage is released only after its wgmma
 has completed (wgmma_wait(0)): with two compute warpgroups one keeps the tensor cores busy while the other
 waits, and no stage is reloaded while a matmul may still read it.
 """
@@ -47,12 +48,14 @@ NUM_COMPUTE_WARPGROUPS = 2
 BLOCK_ROWS = ROWS_PER_WARPGROUP * NUM_COMPUTE_WARPGROUPS
 # Mosaic GPU loads a block into the tiled (8-row) shared memory layout wgmma reads with TMA copies whose
 # first row must be a multiple of 8, so tiles and contraction steps start at multiples of 8 rows. (Callers see it
-# as jax_ep.grouped_matmul.GROUP_ROW_ALIGNMENT, which cannot import this module; a test checks they agree.)
+# as jax_ep.grouped_matmul.GROUP_ROW_ALIGNMENT: that module imports this one when first used, and jax_ep has no
+# import cycles, so this one cannot import it; a test checks they agree.)
 ROW_ALIGNMENT = 8
 # A warpgroup stores its part of an output tile through shared memory in pieces of 64 rows x
-# gcd(block_n, STORE_COLS) columns: a buffer for a whole 256-column tile takes 64 KiB from the pipeline's
-# stages, and measured on an H200 the pieces make the 256-column kernels 2-5 % faster (the MoE block's gate and
-# up projection, forward: 497 -> 470 us).
+# gcd(block_n, STORE_COLS) columns, in two buffers where a tile has an even count of pieces and they fit beside
+# the stages (one piece is written while the one before is stored), else in one. Measured on an H200 at the MoE
+# block's gate and up projection (256-column tiles, 3 stages): a whole-tile buffer 497 us, one 128-column piece
+# buffer 470 us (the stores start earlier); with the per-SM pipeline, two piece buffers brought dW 500 -> 487 us.
 STORE_COLS = 128
 # Shared memory a CTA may use on sm_90 (227 KiB), less 1 KiB for the barriers and Mosaic GPU's own.
 SMEM_BYTES = 227 * 1024 - 1024
@@ -159,21 +162,20 @@ def _kernel(body, out_type, num_sms: int):
 
 
 def _stage_ring(num_stages: int, lhs_block, rhs_block) -> dict:
-    """Shared memory of the pipeline both kernels run: num_stages stages of an lhs and an rhs block
-    (plgpu.SMEM allocations of one stage each), a barrier per stage that their two copies complete, and
-    one that both compute warpgroups have released it.
-
-    The pipeline is one stream of steps over all of an SM's tiles, not one per tile: the memory warpgroup
-    loads the next tile's first steps while the compute warpgroups finish and store the current one. Both
-    roles walk the SM's tiles in the same order and count the steps of all of them, so step s of the SM
-    uses stage s % num_stages, which is reloaded once both compute warpgroups have released its previous
-    use. (Each barrier wait flips the waiting thread's phase: every thread waits once per use of a stage.)"""
+    """Shared memory of the pipeline both kernels run (`_run_pipeline`): num_stages stages of an lhs and an
+    rhs block (plgpu.SMEM allocations of one stage each), a barrier per stage that its two copies completed,
+    and one that both compute warpgroups have released it."""
     def stages(block):
         return plgpu.SMEM((num_stages, *block.shape), block.dtype, transforms=block.transforms)
 
     return dict(lhs_smem=stages(lhs_block), rhs_smem=stages(rhs_block),
-                loaded=plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
+                loaded=plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),  # _load_steps' two copies
                 consumed=plgpu.Barrier(num_arrivals=NUM_COMPUTE_WARPGROUPS, num_barriers=num_stages))
+
+
+def _stages_bytes(num_stages: int, *blocks) -> int:
+    """Shared memory of num_stages stages of `blocks` (plgpu.SMEM allocations of one stage each)."""
+    return num_stages * sum(math.prod(block.shape) * jnp.dtype(block.dtype).itemsize for block in blocks)
 
 
 def _load_steps(num_steps, step, num_stages: int, ring: dict, lhs_at, rhs_at):
@@ -206,22 +208,38 @@ def _mma_steps(num_steps, step, acc_ref, num_stages: int, ring: dict, mma):
         plgpu.barrier_arrive(ring["consumed"].at[stage])
         return step + 1, acc_ref
 
+    # The accumulator (registers) travels as the loop's carry, as in JAX's warp-specialized pipeline.
     step, _ = lax.fori_loop(0, num_steps, mma_step, (step, acc_ref))
     return step
 
 
-def _split_roles(compute_warpgroup, memory_warpgroup, num_stages: int, ring: dict):
-    """Runs compute_warpgroup() in the compute warpgroups and memory_warpgroup() (which returns the SM's
-    number of steps) in the last one, each with its share of the registers. The memory warpgroup then
-    waits for the last stages' releases, so that no barrier is left with a phase nobody waited for."""
+def _run_pipeline(num_tiles: int, load_tile, compute_tile, num_stages: int, ring: dict) -> None:
+    """Runs each SM's share of num_tiles tiles (interleaved over the SMs) in both roles, each with its share of
+    the registers: load_tile(index, step) in the memory warpgroup, compute_tile(index, step) in the compute
+    warpgroups, both returning the SM's step after the index-th tile's steps.
+
+    The pipeline is one stream of steps over all of an SM's tiles, not one per tile: the memory warpgroup
+    loads the next tile's first steps while the compute warpgroups finish and store the current one. Both
+    roles walk the SM's tiles in the same order and count the same steps, so step s of the SM uses stage
+    s % num_stages, which is reloaded once both compute warpgroups have released its previous use. (Each
+    barrier wait flips the waiting thread's phase: every thread waits once per use of a stage.) The memory
+    warpgroup ends waiting for the last stages' releases, so that no barrier is left with a phase nobody
+    waited for."""
+    def over_my_tiles(tile_fn):
+        @plgpu.nd_loop((num_tiles,), collective_axes=_SM_AXIS, init_carry=jnp.int32(0))
+        def steps_done(loop_info, carry):
+            return tile_fn(loop_info.index[0], carry)
+
+        return steps_done
+
     def compute():
         plgpu.set_max_registers(COMPUTE_WARPGROUP_REGISTERS, action="increase")
-        compute_warpgroup()
+        over_my_tiles(compute_tile)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last stores' reads of shared memory
 
     def memory():
         plgpu.set_max_registers(MEMORY_WARPGROUP_REGISTERS, action="decrease")
-        num_steps = memory_warpgroup()
+        num_steps = over_my_tiles(load_tile)
 
         def wait_for_release(step, carry):
             plgpu.barrier_wait(ring["consumed"].at[lax.rem(step, num_stages)])
@@ -232,37 +250,36 @@ def _split_roles(compute_warpgroup, memory_warpgroup, num_stages: int, ring: dic
     lax.cond(lax.axis_index(_WARPGROUP_AXIS) < NUM_COMPUTE_WARPGROUPS, compute, memory)
 
 
-def _store_buffers(tile_rows: int, tile_cols: int, piece_cols: int, dtype, num_stages: int, lhs_block, rhs_block,
-                   transforms=()):
-    """The shared memory each compute warpgroup stores its tiles [tile_rows, tile_cols] through, in pieces of
-    64 rows x piece_cols: two buffers where a tile has an even count of pieces (a piece is written while the
-    one before it is being stored) and they fit beside the pipeline's num_stages stages, else one."""
-    def nbytes(shape):
-        return math.prod(shape) * jnp.dtype(dtype).itemsize
-
-    num_pieces = tile_rows // ROWS_PER_WARPGROUP * (tile_cols // piece_cols)
-    stages_bytes = num_stages * (nbytes(lhs_block.shape) + nbytes(rhs_block.shape))
-    two_fit = stages_bytes + 2 * NUM_COMPUTE_WARPGROUPS * nbytes((ROWS_PER_WARPGROUP, piece_cols)) <= SMEM_BYTES
-    num_buffers = 2 if num_pieces % 2 == 0 and two_fit else 1
+def _store_buffers(warpgroup_rows: int, block_n: int, dtype, stages_bytes: int, swizzled: bool):
+    """The shared memory each compute warpgroup stores its warpgroup_rows x block_n part of a tile through, in
+    pieces of 64 rows x gcd(block_n, STORE_COLS) columns (see STORE_COLS): two buffers where a tile has an even
+    count of pieces and they fit beside the pipeline's stages (stages_bytes), else one. Swizzled buffers take
+    a store only at their first row."""
+    piece_cols = math.gcd(block_n, STORE_COLS)
+    num_pieces = warpgroup_rows // ROWS_PER_WARPGROUP * (block_n // piece_cols)
+    buffer_bytes = NUM_COMPUTE_WARPGROUPS * ROWS_PER_WARPGROUP * piece_cols * jnp.dtype(dtype).itemsize
+    num_buffers = 2 if num_pieces % 2 == 0 and stages_bytes + 2 * buffer_bytes <= SMEM_BYTES else 1
     return plgpu.SMEM((NUM_COMPUTE_WARPGROUPS, num_buffers, ROWS_PER_WARPGROUP, piece_cols), dtype,
-                      transforms=transforms)
+                      transforms=_operand_transforms(piece_cols, dtype) if swizzled else ())
 
 
 def _store_in_pieces(values: jax.Array, buffers, store_piece) -> None:
-    """Stores a warpgroup's tile `values` through its buffers (its part of a `_store_buffers` allocation):
-    piece i (64 rows x the buffers' columns, row-major order) is written to buffer i % num_buffers, then
-    store_piece(buffer, first_row, first_col) issues its copies to global memory (commit_group=False), one
-    bulk group per piece. A buffer was last read by the store num_buffers pieces before (in this tile or the
-    previous one, as tiles have a multiple of num_buffers pieces), so only that store's read is awaited."""
+    """Stores a warpgroup's part of a tile, `values`, through its buffers (its part of a `_store_buffers`
+    allocation): piece i (64 rows x the buffers' columns, row-major order) is written to buffer
+    i % num_buffers, then store_piece(buffer, piece_row, piece_col) issues its copies to global memory
+    (commit_group=False), one bulk group per piece. A buffer was last read by the store num_buffers pieces
+    before (in this tile or the previous one, as tiles have a multiple of num_buffers pieces), so only that
+    store's read is awaited."""
     rows, cols = values.shape
     num_buffers, _, piece_cols = buffers.shape
     pieces = [(r, c) for r in range(0, rows, ROWS_PER_WARPGROUP) for c in range(0, cols, piece_cols)]
-    for i, (first_row, first_col) in enumerate(pieces):
+    assert len(pieces) % num_buffers == 0, (len(pieces), num_buffers)
+    for i, (piece_row, piece_col) in enumerate(pieces):
         buffer = buffers.at[i % num_buffers]
         plgpu.wait_smem_to_gmem(num_buffers - 1, wait_read_only=True)
-        buffer[...] = values[first_row:first_row + ROWS_PER_WARPGROUP, first_col:first_col + piece_cols]
+        buffer[...] = values[piece_row:piece_row + ROWS_PER_WARPGROUP, piece_col:piece_col + piece_cols]
         plgpu.commit_smem()
-        store_piece(buffer, first_row, first_col)
+        store_piece(buffer, piece_row, piece_col)
         plgpu.commit_smem_to_gmem_group()
 
 
@@ -310,81 +327,73 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
         # tile with one TMA store per set bit of their count (64, 32, ..., 1 rows).
         @functools.partial(
             pl.run_scoped,
-            out_smem=_store_buffers(ROWS_PER_WARPGROUP, block_n, math.gcd(block_n, STORE_COLS), dtype, num_stages,
-                                    lhs_block, rhs_block),
+            out_smem=_store_buffers(ROWS_PER_WARPGROUP, block_n, dtype,
+                                    _stages_bytes(num_stages, lhs_block, rhs_block), swizzled=False),
             collective_axes=_WARPGROUP_AXIS,
             **_stage_ring(num_stages, lhs_block, rhs_block),
         )
         def scope(out_smem, **ring):
             wg = lax.axis_index(_WARPGROUP_AXIS)
 
-            def memory_warpgroup():
-                @plgpu.nd_loop((num_tiles * col_blocks,), collective_axes=_SM_AXIS, init_carry=jnp.int32(0))
-                def tile_loop(loop_info, carry):
-                    step = carry
-                    group, _, _, tile_start, num_steps, col_block = tile_at(loop_info.index[0])
-                    cols = pl.ds(col_block * block_n, block_n)
-                    tile_rows = pl.ds(tile_start, BLOCK_ROWS)
+            def load_tile(index, step):
+                group, _, _, tile_start, num_steps, col_block = tile_at(index)
+                cols = pl.ds(col_block * block_n, block_n)
+                tile_rows = pl.ds(tile_start, BLOCK_ROWS)
 
-                    def rhs_at(i):
-                        contracted_block = pl.ds(i * block_k, block_k)
-                        if transpose_rhs:
-                            return rhs_gmem.at[group, cols, contracted_block]
-                        return rhs_gmem.at[group, contracted_block, cols]
+                def rhs_at(i):
+                    contracted_block = pl.ds(i * block_k, block_k)
+                    if transpose_rhs:
+                        return rhs_gmem.at[group, cols, contracted_block]
+                    return rhs_gmem.at[group, contracted_block, cols]
 
-                    return _load_steps(num_steps, step, num_stages, ring,
-                                       lambda i: lhs_gmem.at[tile_rows, pl.ds(i * block_k, block_k)], rhs_at)
+                return _load_steps(num_steps, step, num_stages, ring,
+                                   lambda i: lhs_gmem.at[tile_rows, pl.ds(i * block_k, block_k)], rhs_at)
 
-                return tile_loop  # the SM's number of steps
+            def compute_tile(index, step):
+                group, first_row, end_row, tile_start, num_steps, col_block = tile_at(index)
+                # This warpgroup's slab of the tile, and the part of it the tile writes.
+                my_start = tile_start + wg * ROWS_PER_WARPGROUP
+                my_begin = jnp.clip(first_row - my_start, 0, ROWS_PER_WARPGROUP)
+                my_end = jnp.clip(end_row - my_start, 0, ROWS_PER_WARPGROUP)
+                my_rows = my_end - my_begin
 
-            def compute_warpgroup():
-                @plgpu.nd_loop((num_tiles * col_blocks,), collective_axes=_SM_AXIS, init_carry=jnp.int32(0))
-                def tile_loop(loop_info, carry):
-                    step = carry
-                    group, first_row, end_row, tile_start, num_steps, col_block = tile_at(loop_info.index[0])
-                    # This warpgroup's slab of the tile, and the part of it the tile writes.
-                    my_start = tile_start + wg * ROWS_PER_WARPGROUP
-                    my_begin = jnp.clip(first_row - my_start, 0, ROWS_PER_WARPGROUP)
-                    my_end = jnp.clip(end_row - my_start, 0, ROWS_PER_WARPGROUP)
-                    my_rows = my_end - my_begin
+                def store_piece(buffer, piece_row, piece_col):
+                    del piece_row  # a warpgroup's part of a tile is one piece high
+                    store_block = pl.ds(col_block * block_n + piece_col, buffer.shape[-1])
+                    offset = my_begin
+                    size = ROWS_PER_WARPGROUP
+                    while size:
+                        @pl.when((my_rows & size) != 0)
+                        def _(offset=offset, size=size):
+                            plgpu.copy_smem_to_gmem(buffer.at[pl.ds(offset, size)],
+                                                    out_gmem.at[pl.ds(my_start + offset, size), store_block],
+                                                    commit_group=False)
 
-                    def store_piece(buffer, first_row, first_col):
-                        del first_row  # a warpgroup's tile is one piece high
-                        store_block = pl.ds(col_block * block_n + first_col, buffer.shape[-1])
-                        offset = my_begin
-                        size = ROWS_PER_WARPGROUP
-                        while size:
-                            @pl.when((my_rows & size) != 0)
-                            def _(offset=offset, size=size):
-                                plgpu.copy_smem_to_gmem(buffer.at[pl.ds(offset, size)],
-                                                        out_gmem.at[pl.ds(my_start + offset, size), store_block],
-                                                        commit_group=False)
+                        offset += my_rows & size
+                        size //= 2
 
-                            offset += my_rows & size
-                            size //= 2
+                def mma(_, lhs_smem, rhs_smem, acc_ref):
+                    # In a group's last tile, a warpgroup whose rows are all past the group's end skips.
+                    @pl.when(my_rows > 0)
+                    def _():
+                        rhs_operand = rhs_smem.transpose((1, 0)) if transpose_rhs else rhs_smem
+                        plgpu.wgmma(acc_ref, lhs_smem.at[pl.ds(wg * ROWS_PER_WARPGROUP, ROWS_PER_WARPGROUP)],
+                                    rhs_operand)
 
-                    def mma(_, lhs_smem, rhs_smem, acc_ref):
-                        # In a group's last tile, a warpgroup whose rows are all past the group's end skips.
-                        @pl.when(my_rows > 0)
-                        def _():
-                            rhs_operand = rhs_smem.transpose((1, 0)) if transpose_rhs else rhs_smem
-                            plgpu.wgmma(acc_ref, lhs_smem.at[pl.ds(wg * ROWS_PER_WARPGROUP, ROWS_PER_WARPGROUP)],
-                                        rhs_operand)
+                # A zero tile has no steps: it stores the accumulator's initial zeros.
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((ROWS_PER_WARPGROUP, block_n), jnp.float32))
+                def step_after_tile(acc_ref):
+                    step_after = _mma_steps(num_steps, step, acc_ref, num_stages, ring, mma)
 
-                    # A zero tile has no steps: it stores the accumulator's initial zeros.
-                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((ROWS_PER_WARPGROUP, block_n), jnp.float32))
-                    def next_step(acc_ref):
-                        next_step = _mma_steps(num_steps, step, acc_ref, num_stages, ring, mma)
+                    @pl.when(my_rows > 0)
+                    def _():
+                        _store_in_pieces(acc_ref[...].astype(dtype), out_smem.at[wg], store_piece)
 
-                        @pl.when(my_rows > 0)
-                        def _():
-                            _store_in_pieces(acc_ref[...].astype(dtype), out_smem.at[wg], store_piece)
+                    return step_after
 
-                        return next_step
+                return step_after_tile
 
-                    return next_step
-
-            _split_roles(compute_warpgroup, memory_warpgroup, num_stages, ring)
+            _run_pipeline(num_tiles * col_blocks, load_tile, compute_tile, num_stages, ring)
 
     return _kernel(body, jax.ShapeDtypeStruct((num_rows, out_cols), dtype), num_sms)(
         tile_group, tile_first_row, tile_end_row, lhs, rhs)
@@ -421,8 +430,6 @@ def ragged_contraction_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.A
     col_blocks = out_cols // block_n
     num_tiles = num_groups * row_blocks * col_blocks
     group_ends = jnp.cumsum(group_sizes)
-    # A warpgroup stores its rows_per_warpgroup x block_n tile in pieces of 64 rows x store_cols (see STORE_COLS).
-    store_cols = math.gcd(block_n, STORE_COLS)
     lhs_block = plgpu.SMEM((block_k, block_rows), dtype, transforms=_operand_transforms(block_rows, dtype))
     rhs_block = plgpu.SMEM((block_k, block_n), dtype, transforms=_operand_transforms(block_n, dtype))
 
@@ -442,70 +449,60 @@ def ragged_contraction_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.A
 
         @functools.partial(
             pl.run_scoped,
-            out_smem=_store_buffers(rows_per_warpgroup, block_n, store_cols, dtype, num_stages, lhs_block, rhs_block,
-                                    _operand_transforms(store_cols, dtype)),
+            out_smem=_store_buffers(rows_per_warpgroup, block_n, dtype, _stages_bytes(num_stages, lhs_block, rhs_block),
+                                    swizzled=True),
             collective_axes=_WARPGROUP_AXIS,
             **_stage_ring(num_stages, lhs_block, rhs_block),
         )
         def scope(out_smem, **ring):
             wg = lax.axis_index(_WARPGROUP_AXIS)
 
-            def memory_warpgroup():
-                @plgpu.nd_loop((num_tiles,), collective_axes=_SM_AXIS, init_carry=jnp.int32(0))
-                def tile_loop(loop_info, carry):
-                    step = carry
-                    _, _, aligned_start, num_steps, _, row_block, col_block = tile_at(loop_info.index[0])
+            def load_tile(index, step):
+                _, _, aligned_start, num_steps, _, row_block, col_block = tile_at(index)
 
-                    def rows(i):
-                        return pl.ds(aligned_start + i * block_k, block_k)
+                def rows(i):
+                    return pl.ds(aligned_start + i * block_k, block_k)
 
-                    return _load_steps(
-                        num_steps, step, num_stages, ring,
-                        lambda i: lhs_gmem.at[rows(i), pl.ds(row_block * block_rows, block_rows)],
-                        lambda i: rhs_gmem.at[rows(i), pl.ds(col_block * block_n, block_n)])
+                return _load_steps(num_steps, step, num_stages, ring,
+                                   lambda i: lhs_gmem.at[rows(i), pl.ds(row_block * block_rows, block_rows)],
+                                   lambda i: rhs_gmem.at[rows(i), pl.ds(col_block * block_n, block_n)])
 
-                return tile_loop  # the SM's number of steps
+            def compute_tile(index, step):
+                start, end, aligned_start, num_steps, group, row_block, col_block = tile_at(index)
+                my_first_out_row = row_block * block_rows + wg * rows_per_warpgroup
 
-            def compute_warpgroup():
-                @plgpu.nd_loop((num_tiles,), collective_axes=_SM_AXIS, init_carry=jnp.int32(0))
-                def tile_loop(loop_info, carry):
-                    step = carry
-                    start, end, aligned_start, num_steps, group, row_block, col_block = tile_at(loop_info.index[0])
-                    my_first_out_row = row_block * block_rows + wg * rows_per_warpgroup
+                def mma(step_in_tile, lhs_smem, rhs_smem, acc_ref):
+                    # This warpgroup's K columns of the lhs block: its slab of output rows.
+                    my_lhs = lhs_smem.at[:, pl.ds(wg * rows_per_warpgroup, rows_per_warpgroup)]
+                    # The block's rows [begin, stop) are the group's; only the first and last steps have others.
+                    step_start = aligned_start + step_in_tile * block_k
+                    begin = start - step_start
+                    stop = end - step_start
 
-                    def mma(step_in_tile, lhs_smem, rhs_smem, acc_ref):
-                        # This warpgroup's K columns of the lhs block: its slab of output rows.
-                        my_lhs = lhs_smem.at[:, pl.ds(wg * rows_per_warpgroup, rows_per_warpgroup)]
-                        # The block's rows [begin, stop) are the group's; only the first and last steps have
-                        # others.
-                        step_start = aligned_start + step_in_tile * block_k
-                        begin = start - step_start
-                        stop = end - step_start
+                    @pl.when((begin > 0) | (stop < block_k))
+                    def _zero_rows_of_other_groups():
+                        row = lax.broadcasted_iota(jnp.int32, (block_k, rows_per_warpgroup), 0)
+                        keep = (row >= begin) & (row < stop)
+                        my_lhs[...] = jnp.where(keep, my_lhs[...], jnp.zeros((), dtype))
+                        plgpu.commit_smem()
 
-                        @pl.when((begin > 0) | (stop < block_k))
-                        def _zero_rows_of_other_groups():
-                            row = lax.broadcasted_iota(jnp.int32, (block_k, rows_per_warpgroup), 0)
-                            keep = (row >= begin) & (row < stop)
-                            my_lhs[...] = jnp.where(keep, my_lhs[...], jnp.zeros((), dtype))
-                            plgpu.commit_smem()
+                    plgpu.wgmma(acc_ref, my_lhs.transpose((1, 0)), rhs_smem)
 
-                        plgpu.wgmma(acc_ref, my_lhs.transpose((1, 0)), rhs_smem)
+                def store_piece(buffer, piece_row, piece_col):
+                    plgpu.copy_smem_to_gmem(buffer, out_gmem.at[
+                        group, pl.ds(my_first_out_row + piece_row, ROWS_PER_WARPGROUP),
+                        pl.ds(col_block * block_n + piece_col, buffer.shape[-1])], commit_group=False)
 
-                    def store_piece(buffer, first_row, first_col):
-                        plgpu.copy_smem_to_gmem(buffer, out_gmem.at[
-                            group, pl.ds(my_first_out_row + first_row, ROWS_PER_WARPGROUP),
-                            pl.ds(col_block * block_n + first_col, store_cols)], commit_group=False)
+                # An empty group has no steps: its tiles store the accumulator's initial zeros.
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((rows_per_warpgroup, block_n), jnp.float32))
+                def step_after_tile(acc_ref):
+                    step_after = _mma_steps(num_steps, step, acc_ref, num_stages, ring, mma)
+                    _store_in_pieces(acc_ref[...].astype(dtype), out_smem.at[wg], store_piece)
+                    return step_after
 
-                    # An empty group has no steps: its tiles store the accumulator's initial zeros.
-                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((rows_per_warpgroup, block_n), jnp.float32))
-                    def next_step(acc_ref):
-                        next_step = _mma_steps(num_steps, step, acc_ref, num_stages, ring, mma)
-                        _store_in_pieces(acc_ref[...].astype(dtype), out_smem.at[wg], store_piece)
-                        return next_step
+                return step_after_tile
 
-                    return next_step
-
-            _split_roles(compute_warpgroup, memory_warpgroup, num_stages, ring)
+            _run_pipeline(num_tiles, load_tile, compute_tile, num_stages, ring)
 
     return _kernel(body, jax.ShapeDtypeStruct((num_groups, out_rows, out_cols), dtype), num_sms)(
         group_ends.astype(jnp.int32), group_sizes.astype(jnp.int32), lhs, rhs)

@@ -61,9 +61,14 @@ class Plan(NamedTuple):
     topk_row: jax.Array  # int32 [Cr, K]
 
 
+def padding_rows(num_local_experts: int, alignment: int) -> int:
+    """The most zero rows that padding the L groups to multiples of alignment can add."""
+    return num_local_experts * (alignment - 1)
+
+
 def default_capacity(num_ranks: int, num_tokens: int, num_topk: int, num_local_experts: int, alignment: int) -> int:
     """The rows that never drop: every received token with min(K, L) pairs, every group padded by alignment - 1."""
-    return num_ranks * num_tokens * min(num_topk, num_local_experts) + num_local_experts * (alignment - 1)
+    return num_ranks * num_tokens * min(num_topk, num_local_experts) + padding_rows(num_local_experts, alignment)
 
 
 def plan(recv_topk_idx, recv_topk_weights, recv_src_index, *, num_local_experts: int, capacity: int,

@@ -98,11 +98,11 @@ DEFAULT_BLOCK_CONFIG = BlockConfig(block_m=128, block_n=128, block_k=64, num_sta
 # 2816] (gate and up) and [1408, 2048] (down) weights, each kernel alone: 256-column tiles (a warpgroup's
 # wgmma 64 x 256, half the shared-memory reads of the lhs per FLOP of two 128-column tiles) where they divide
 # the output's columns: fwd 515 -> 470 and 266 -> 237 us, dx 527 -> 468 us; dw 589 -> 531 (K=2048) and
-# 298 -> 271 us (K=1408), dw's short per-group pipelines (a group's rows / block_k steps per tile) gaining
-# from the fewer, larger tiles too. Where 256 columns do not divide: 256 rows of dw[g], else deeper prefetch;
-# fwd and dx 128 columns in wider stripes, dx with 5 stages (the down projection's, 1408 columns: 277 -> 259
-# us). Three stages beat four with 256-column tiles (and two are 15 % slower). Other shapes keep the default
-# until measured.
+# 298 -> 271 us (K=1408), dw's short tiles (a group's rows / block_k steps each) gaining from the fewer,
+# larger tiles too. Where 256 columns do not divide: 256 rows of dw[g], else deeper prefetch; fwd and dx 128
+# columns in wider stripes, dx with 5 stages (the down projection's, 1408 columns: 277 -> 259 us). Three
+# stages beat four with 256-column tiles (and two are 15 % slower), before and after the kernels' pipeline
+# ran across tiles. Other shapes keep the default until measured.
 _MANY_GROUPS = dict(m=(16384, 32768), groups=(32, 128))
 _EXPERT_PROJECTIONS = dict(k=(1024, 4096), n=(1024, 4096), **_MANY_GROUPS)
 # A DeepSeek-V3-like rank holding many experts (256 at D=7168, F=2048; M=32768): 256-column tiles for dw

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from jax_ep import _checks
-from jax_ep.expert_major import default_capacity
+from jax_ep.expert_major import default_capacity, padding_rows
 from jax_ep.flax.experts import dense_gates, grouped_swiglu, swiglu
 from jax_ep.flax.routing import RouterConfig, route, router_statistics
 from jax_ep.grouped_matmul import GROUP_ROW_ALIGNMENT
@@ -225,7 +225,7 @@ class MoE(nnx.Module):
         num_local_experts = self.num_experts // num_ranks
         never_drops = default_capacity(num_ranks, num_tokens, num_topk, num_local_experts, self.expert_alignment)
         pairs = math.ceil(self.capacity_factor * num_tokens * num_topk)
-        return max(1, min(never_drops, pairs + num_local_experts * (self.expert_alignment - 1)))
+        return max(1, min(never_drops, pairs + padding_rows(num_local_experts, self.expert_alignment)))
 
     def update_expert_bias(self, tokens_per_expert, rate: float) -> None:
         """DeepSeek-V3's auxiliary-loss-free balancing step: raise the bias of experts that got fewer than
