@@ -411,10 +411,8 @@ def ragged_contraction_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.A
     sum(group_sizes) must be finite (0 * inf is nan).
 
     Output tiles are block_rows (128 or 256) rows of K by block_n columns, each compute warpgroup owning
-    half of the rows. A group's tiles are only its rows / block_k steps long (about 6 for 384 rows), so the
-    pipeline is one stream of steps over all of an SM's tiles: the memory warpgroup loads the next tile's
-    first steps while the compute warpgroups finish and store the current one (a pipeline per tile would
-    wait for its first loads at every tile)."""
+    half of the rows. A group's tiles are only its rows / block_k steps long (about 6 for 384 rows): the kernel
+    gains most from `_run_pipeline` loading the next tile while the current one finishes."""
     _check_operands(lhs, rhs, block_n, block_k, num_stages)
     num_rows, out_rows = lhs.shape
     rhs_rows, out_cols = rhs.shape
