@@ -186,6 +186,71 @@ struct CombineArgs : NormalCombineArgs {
 };
 cudaError_t intranode_combine(const IntranodeCall& call, const CombineArgs& args);
 
+// ---- Intranode expert-major ops (expert_major.cu; docs/design.md, "Expert-major layout") ------------------------
+// Rows are (token, local expert) pairs grouped by local expert, each group in (source rank, source token) order.
+// Items: the R*T tokens a rank may receive, item i = source rank * T + source token. A pair's row is the row of
+// its group's pair; `pair_row` lists an item's pairs in ascending local expert (so ascending rows): the row of each
+// kept pair, `capacity` for each dropped one (dropped pairs come last), -1 past the item's pairs (an item with no
+// pair on this rank has -1 first).
+
+// Dispatch: a token crosses to each rank once and is written into all of its pair rows there. Every pointer is
+// this rank's; the FP8 pair's two payloads move as bytes.
+struct ExpertMajorDispatchArgs {
+  int32_t num_payloads = 0;  // 1, or 2 for the FP8 pair (values, scales)
+  const void* x[2] = {};     // [num_tokens, row_bytes] each
+  int64_t x_row_bytes[2] = {};
+  const int32_t* topk_idx = nullptr;    // [num_tokens, num_topk]
+  const float* topk_weights = nullptr;  // [num_tokens, num_topk], or null
+  int64_t num_tokens = 0, num_topk = 0, num_experts = 0, capacity = 0, expert_alignment = 1;
+  void* recv_x[2] = {};                 // [capacity, row_bytes] each: rows past the last group are not written
+  float* recv_weights = nullptr;        // [capacity]: each kept pair's weight, 0 elsewhere; null iff topk_weights is
+  int32_t* group_sizes = nullptr;       // [L]: pairs per local expert rounded up to expert_alignment
+  int32_t* group_offsets = nullptr;     // [L]: first row of each group
+  int32_t* num_kept = nullptr;          // scalar: pairs below capacity
+  int32_t* num_dropped = nullptr;       // scalar: pairs past capacity
+  int32_t* invalid_ids = nullptr;       // scalar: this rank's entries outside [-1, E)
+  int32_t* rows_needed = nullptr;       // scalar: the capacity that keeps every pair (the last pair's row + 1)
+  int32_t* recv_src_index = nullptr;    // [capacity]: the item of each kept pair's row, R*T elsewhere
+  bool* is_token_in_rank = nullptr;     // [num_tokens, num_ranks]
+  int32_t* pair_row = nullptr;          // [R*T, min(num_topk, L)] (see above)
+  int32_t* topk_row = nullptr;          // [R*T, num_topk]: the row of the kept pair of each entry, else capacity
+  int32_t* rows_end = nullptr;          // [1]: min(capacity, the end of the last group)
+  int32_t* block_counts = nullptr;      // scratch [block_count_rows, num_experts]: one row per block of the launch
+  int64_t block_count_rows = 0;
+};
+// cudaErrorInvalidValue: outside the limits (kernel_limits.h, kExpertMajorMaxExperts; scratch rows below the grid).
+cudaError_t intranode_expert_major_dispatch(const IntranodeCall& call, const ExpertMajorDispatchArgs& args);
+
+// Cached dispatch: new data [num_tokens, row_bytes] on an earlier expert-major dispatch's rows; rows of the groups
+// that hold no pair are zeroed, rows past the last group are not written.
+struct ExpertMajorCachedDispatchArgs {
+  const void* x = nullptr;
+  int64_t row_bytes = 0, num_tokens = 0, capacity = 0, num_pair_columns = 0;
+  const int32_t* pair_row = nullptr;        // [R*T, num_pair_columns]
+  const int32_t* recv_src_index = nullptr;  // [capacity]
+  const int32_t* rows_end = nullptr;        // [1] (device)
+  void* recv_x = nullptr;                   // [capacity, row_bytes]
+};
+cudaError_t intranode_expert_major_cached_dispatch(const IntranodeCall& call, const ExpertMajorCachedDispatchArgs& args);
+
+// Combine: on each rank the partial of every item it received, p = sum over the item's kept pairs in order of
+// weights[row] * y[row] (float32 from 0, each product rounded on its own; weight 1 without weights), rounded to
+// y's type; each partial goes to the item's home rank (a store into its slots), which sums its tokens' partials
+// over the ranks in rank order in float32, adds the bias, casts. Rows of y that no pair_row names are never read.
+// `out` holds this rank's own partials between the two phases (its type holds y's values exactly).
+struct ExpertMajorCombineArgs : NormalCombineArgs {
+  const float* weights = nullptr;           // [capacity] or null
+  const int32_t* pair_row = nullptr;        // [R*T, num_pair_columns]
+  int64_t num_pair_columns = 0;
+  const bool* is_token_in_rank = nullptr;   // [num_tokens, num_ranks]: the ranks that hold a partial of a token
+  const void* bias = nullptr;
+  FloatType bias_type = FloatType::kF32;
+  void* out = nullptr;                      // [num_tokens, row_elements]
+  FloatType out_type = FloatType::kF32;     // y's type or f32
+  void* slots = nullptr;  // one process: scratch of (R - 1) * T rows of y's row bytes (staged: the workspace)
+};
+cudaError_t intranode_expert_major_combine(const IntranodeCall& call, const ExpertMajorCombineArgs& args);
+
 #if defined(JAX_EP_INSTRUMENT)
 // The benchmark's all-to-all store ceiling: every rank stores `bytes_per_peer` bytes into each peer's `out`
 // ([num_ranks, bytes_per_peer] bytes, region `rank` of each peer), all peers at once, with plain 16-byte
@@ -332,7 +397,7 @@ namespace jax_ep {
 // source) flags tagged with the call number; two buffer sets alternate per call and credits bound the skew
 // between ranks. See low_latency.cu for the protocol.
 
-// Error-record values of the LL kernels (IntranodeError.op / .wait); the normal mode uses 1..4 and 1..4.
+// Error-record values of the LL kernels (IntranodeError.op / .wait); the intranode normal mode uses 1..7 and 1..5.
 enum class LowLatencyOp : int32_t { kDispatchSend = 10, kDispatchRecv = 11, kCombineSend = 12, kCombineRecv = 13 };
 enum class LowLatencyWait : int32_t {
   kCredit = 10,  // a send waited for a peer to finish receiving call - 2 of the same buffer set

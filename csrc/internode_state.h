@@ -60,7 +60,7 @@ static_assert(kMaxRanksPerNode * sizeof(int32_t) <= InternodeDispatchLayout::kOf
 // (InternodeCombineLayout in kernel_limits.h computes these offsets.)
 
 // Error-record values (IntranodeError.op / .wait) of the internode kernels; the intranode and low-latency
-// modes use 1..4 and 10..13.
+// modes use 1..7 and 10..13.
 enum class InternodeOp : int32_t { kDispatch = 20, kCachedDispatch = 21, kCombine = 22 };
 enum class InternodeWait : int32_t {
   kCredit = 20,   // a sender waited for rank (m, local) to free its region after the previous call

@@ -32,10 +32,12 @@ struct IntranodeState {
   uint64_t calls_completed;
   uint32_t blocks_finished;  // blocks of the running call that finished their work
   uint32_t blocks_staged;    // staged groups: blocks of the running call that copied their share of the inputs
+  uint32_t blocks_synced;    // arrivals at the running call's grid barriers (sync_grid), over all of them
   uint32_t combine_tickets;  // push combine: this rank's tokens handed to reducing warps so far in the call
   unsigned error_claimed;    // the first block that fails fills the error record
   uint64_t arrived[kMaxIntranodeRanks];   // [p]: latest call for which rank p published its view
   uint64_t released[kMaxIntranodeRanks];  // [p]: latest call after which rank p reads nothing of ours
+  uint64_t partials_stored[kMaxIntranodeRanks];  // [p]: expert-major combine: latest call whose partials rank p stored
   IntranodeView view;
 #if defined(JAX_EP_INSTRUMENT)
   KernelTimer timer;  // read and reset by intranode_kernel_times()
@@ -45,8 +47,16 @@ struct IntranodeState {
   uint64_t combine_ready[kMaxIntranodeRanks][kMaxCombineUnits];
 };
 
-enum class IntranodeOp : int32_t { kDispatch = 1, kCachedDispatch = 2, kCombine = 3, kStoreProbe = 4 };
-enum class IntranodeWait : int32_t { kArrival = 1, kRelease = 2, kStaging = 3, kCombineRows = 4 };
+enum class IntranodeOp : int32_t {
+  kDispatch = 1,
+  kCachedDispatch = 2,
+  kCombine = 3,
+  kStoreProbe = 4,
+  kExpertMajorDispatch = 5,
+  kExpertMajorCachedDispatch = 6,
+  kExpertMajorCombine = 7,  // the last intranode op (intranode_errors reads the records of 1 to this)
+};
+enum class IntranodeWait : int32_t { kArrival = 1, kRelease = 2, kStaging = 3, kCombineRows = 4, kGrid = 5 };
 
 // Written by a kernel just before it traps; lives in pinned host memory so the host can read it after the
 // trap destroyed the CUDA context. `op` is written last: nonzero means the record is complete.

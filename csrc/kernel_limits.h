@@ -45,6 +45,10 @@ inline constexpr int kNormalMaxTopk = 32;
 // many entries.
 inline constexpr int kMaxIntranodeRanks = 8;
 
+// Experts (E) of the intranode expert-major dispatch kernel: it counts pairs per (warp, source rank, local expert)
+// in shared memory (kNormalThreads / 32 * E int32, 32 KB here). Larger E takes the composed expert-major path.
+inline constexpr int kExpertMajorMaxExperts = 512;
+
 // Groups spanning processes ("staged", api.h): a peer process cannot map XLA's buffers, so each op copies the inputs
 // its peers read into its own workspace, one region per input in the order the op publishes them. Regions start at
 // kStagingOffset (offset 0 is never a region, so a published 0 still means "no such input") and each is

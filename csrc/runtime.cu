@@ -259,7 +259,7 @@ bool intranode_lookup(int64_t buffer_id, int device_ordinal, IntranodeRank* out)
 
 std::vector<std::string> intranode_errors(int64_t buffer_id) {
   return timeout_errors(buffer_id, static_cast<int32_t>(IntranodeOp::kDispatch),
-                        static_cast<int32_t>(IntranodeOp::kStoreProbe));
+                        static_cast<int32_t>(IntranodeOp::kExpertMajorCombine));
 }
 
 #if defined(JAX_EP_INSTRUMENT)

@@ -1,17 +1,21 @@
 """The expert-major layout of the normal dispatch (docs/design.md, "Expert-major layout"), on any backend.
 
-Built from what every backend has: a rank-major dispatch of the top-k alone (a 16-byte dummy row per token,
-capacity R*T: nothing dropped) tells each rank which tokens it receives and their local expert ids; `plan`
-derives the pair rows from those with a few integer passes; the backend's cached dispatch, along a handle whose
-`recv_src_index` names each row's source token, copies every pair's row from its source straight into its row.
-Combine sums each received token's pairs into one float32 partial row (one gather pass) and brings the partials
-home with the backend's rank-major combine along the routing dispatch's handle.
+Two paths, chosen once per dispatch by the backend (`Backend.runs_expert_major_kernels`) and recorded in the handle:
 
-With one rank nothing moves between ranks: the routing is the rank's own top-k, rows move by XLA gathers and the
-partials are the result; no kernel runs.
+- Kernels (the cuda backend's intranode kernels): one launch per op. Dispatch sends each token once to each rank
+  that holds one of its experts and writes it there into all of its pair rows; combine sums each received token's
+  pairs into its partial where they are and sends one partial per (token, rank) home.
+- Composed, from what every backend has (the xla backend, the internode kernels, more experts than the kernels
+  take): a rank-major dispatch of the top-k alone (a 16-byte dummy row per token, capacity R*T: nothing dropped)
+  tells each rank which tokens it receives and their local expert ids; `plan` derives the pair rows from those with
+  a few integer passes; the backend's cached dispatch, along a handle whose `recv_src_index` names each row's
+  source token, copies every pair's row from its source straight into its row. Combine sums each received token's
+  pairs into its partial (one gather pass) and brings the partials home with the backend's rank-major combine
+  along the routing dispatch's handle. With one rank nothing moves between ranks: the routing is the rank's own
+  top-k, rows move by XLA gathers and the partials are the result.
 
-Every function runs per rank inside `shard_map` over the Buffer's EP axis; `ops.dispatch` / `ops.combine` check
-the arguments and call the custom_vjp functions here.
+Both compute the same results (docs/design.md). Every function runs per rank inside `shard_map` over the Buffer's
+EP axis; `ops.dispatch` / `ops.combine` check the arguments and call the custom_vjp functions here.
 """
 from __future__ import annotations
 
@@ -33,12 +37,19 @@ _ROUTING_ROW = 4
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ExpertMajorHandle:
-    """Routing of an expert-major dispatch (C rows, Cr = R*T rows of the routing dispatch, P = min(K, L))."""
+    """Routing of an expert-major dispatch (C rows, P = min(K, L) pairs a token may have on a rank).
 
-    routing: Any  # the rank-major handle of the routing dispatch: combine brings partials home along it (one rank: None)
+    pair_row and topk_row have a row per token the rank may receive: kernels, item s * T + t (source rank s, token
+    t); composed, each row of the routing dispatch (R*T rows in (source rank, source token) order)."""
+
     rows: XlaHandle  # recv_src_index [C]: source rank * T + source token of each row, R*T for padding rows
-    pair_row: jax.Array  # int32 [Cr, P]: rows of each received token's pairs, ascending local expert; C for none
-    topk_row: jax.Array  # int32 [Cr, K]: row of the pair of each received top-k entry; C for none
+    pair_row: jax.Array  # int32 [R*T, P]: rows of each received token's pairs, ascending local expert (see below)
+    topk_row: jax.Array  # int32 [R*T, K]: row of the pair of each received top-k entry; C for none
+    routing: Any = None  # composed with R > 1: the rank-major handle of the routing dispatch (partials go home along it)
+    rows_end: jax.Array | None = None  # kernels: int32 [1], min(C, the end of the last group)
+    # Which path made it. pair_row's entries past a token's kept pairs: kernels, C for a dropped pair and -1 past the
+    # token's pairs (-1 first: the token has no pair here); composed, C.
+    by_kernels: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def num_tokens(self) -> int:
@@ -135,12 +146,16 @@ class Spec:
     num_experts: int
     capacity: int
     expert_alignment: int
+    by_kernels: bool  # the backend's kernels run it (Backend.runs_expert_major_kernels), else the composed path
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def dispatch(spec: Spec, x_leaves, topk_idx, topk_weights):
     """Returns (recv leaves, pair weights or None, group sizes, offsets, kept pairs, dropped pairs, invalid ids,
     ExpertMajorHandle, the capacity that would keep every pair)."""
+    if spec.by_kernels:
+        return spec.backend.expert_major_dispatch(x_leaves, topk_idx, topk_weights, num_experts=spec.num_experts,
+                                                  capacity=spec.capacity, expert_alignment=spec.expert_alignment)
     num_tokens = topk_idx.shape[0]
     if spec.num_ranks == 1:  # every token stays: the routing is this rank's own top-k
         recv_idx, invalid = sanitize_ids(topk_idx, spec.num_experts)
@@ -156,24 +171,39 @@ def dispatch(spec: Spec, x_leaves, topk_idx, topk_weights):
         recv_src_index, is_token_in_rank = routing.recv_src_index, routing.is_token_in_rank
     p = plan(recv_idx, recv_w, recv_src_index, num_local_experts=spec.num_experts // spec.num_ranks,
              capacity=spec.capacity, alignment=spec.expert_alignment, num_sources=spec.num_ranks * num_tokens)
-    handle = ExpertMajorHandle(routing, XlaHandle(p.rows, is_token_in_rank), p.pair_row, p.topk_row)
+    handle = ExpertMajorHandle(XlaHandle(p.rows, is_token_in_rank), p.pair_row, p.topk_row, routing)
     recv = tuple(_rows(spec.backend, leaf, handle) for leaf in x_leaves)
     return (recv, p.pair_weight, p.group_sizes, p.group_offsets, p.num_kept, p.num_dropped, invalid, handle,
             p.rows_needed)
 
 
 def _rows(backend: Backend, leaf, handle: ExpertMajorHandle):
-    """leaf [T, ...] placed on the handle's rows: the cached dispatch, or with one rank a gather."""
+    """leaf [T, ...] placed on the handle's rows: the kernels' cached dispatch, the rank-major cached dispatch along
+    the rows, or with one rank a gather."""
+    if handle.by_kernels:
+        return backend.expert_major_cached_dispatch(leaf, handle)
     if handle.routing is None:
         return gather_rows(leaf, handle.rows.recv_src_index)
     return backend.cached_dispatch(leaf, handle.rows)
 
 
 def _bring_home(backend: Backend, rows, handle: ExpertMajorHandle, bias=None, out_dtype=jnp.float32):
-    """The rank-major combine of rows [Cr, ...] (one per received token) along the routing dispatch."""
+    """Composed path: the rank-major combine of rows [R*T, ...] (one per received token) along the routing
+    dispatch."""
     if handle.routing is None:
         return (rows if bias is None else rows + bias.astype(jnp.float32)).astype(out_dtype)
     return backend.combine(rows, handle.routing, bias=bias, out_dtype=out_dtype)
+
+
+def _per_received_token(backend: Backend, rows, handle: ExpertMajorHandle):
+    """float32 rows [R*T, ...], one per token the rank may receive (the handle's pair_row rows), summed home: each
+    token's rows of the ranks that received it, in rank order (rows of a token no rank sent a pair of: 0)."""
+    if not handle.by_kernels:
+        return _bring_home(backend, rows, handle)
+    # Each received token's own row as its one "pair".
+    items = jnp.arange(rows.shape[0], dtype=int32)[:, None]
+    received = jnp.where(handle.pair_row[:, :1] >= 0, items, -1)
+    return backend.expert_major_combine(rows, None, received, handle, out_dtype=jnp.float32)
 
 
 def _dispatch_fwd(spec, x_leaves, topk_idx, topk_weights):
@@ -203,7 +233,7 @@ def _dispatch_bwd(spec, residual, cotangent):
     if d_weight is not None:
         # Entry k of a received token gets its pair's cotangent; the routing combine adds the one rank holding it.
         per_entry = gather_rows(d_weight.astype(jnp.float32), handle.topk_row)
-        d_topk_weights = typed_like(_bring_home(spec.backend, per_entry, handle), topk_weights)
+        d_topk_weights = typed_like(_per_received_token(spec.backend, per_entry, handle), topk_weights)
     return d_x, zero_cotangent(topk_idx), d_topk_weights
 
 
@@ -211,9 +241,13 @@ dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 
 def combine_rows(backend: Backend, y, weights, handle: ExpertMajorHandle, bias=None, out_dtype=None):
-    """The expert-major combine without its VJP: float32 partials per rank, the rank-major combine of them."""
-    partial = partial_sums(y, weights, handle.pair_row)
-    return _bring_home(backend, partial, handle, bias, out_dtype or jnp.float32)
+    """The expert-major combine without its VJP: per rank each token's partial (its pairs, weighted, summed in
+    float32, rounded to y's dtype), then the partials summed home in float32 in rank order, + bias, cast."""
+    out_dtype = out_dtype or jnp.float32
+    if handle.by_kernels:
+        return backend.expert_major_combine(y, weights, handle.pair_row, handle, bias=bias, out_dtype=out_dtype)
+    partial = partial_sums(y, weights, handle.pair_row).astype(y.dtype)
+    return _bring_home(backend, partial, handle, bias, out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -227,7 +261,9 @@ def _combine_fwd(backend, y, handle, weights, bias):
 
 def _combine_bwd(backend, residual, d_out):
     y, handle, weights, bias = residual
-    d_rows = _rows(backend, d_out, handle).astype(jnp.float32)  # dout[t] on each of t's rows
+    # dout[t] on each of t's rows; rows of no pair 0 (the kernels leave rows past the groups unwritten).
+    has_pair = (handle.rows.recv_src_index < handle.rows.is_token_in_rank.size)[:, None]
+    d_rows = jnp.where(has_pair, _rows(backend, d_out, handle).astype(jnp.float32), 0.0)
     d_y = d_rows if weights is None else weights[:, None] * d_rows
     d_weights = None if weights is None else jnp.sum(d_rows * y.astype(jnp.float32), axis=1)
     d_bias = None if bias is None else typed_like(d_out.astype(bias.dtype), bias)

@@ -10,6 +10,7 @@ are cut at row M (a group reaching past row M keeps only its rows before M; late
 get a zero dw). The VJP: dx = grouped_matmul of dy with each w[g] transposed; dw[g] = x_g^T dy_g (zeros
 for an empty group); group_sizes gets no cotangent. On the Pallas paths the cotangent's rows past
 sum(group_sizes) must be finite: dw's kernels read a few of them with the last group and multiply them by 0.
+Rows of x past sum(group_sizes) may hold anything (non-finite values too): no output depends on them.
 
 Implementations (`implementation=`):
 
@@ -270,6 +271,12 @@ def _clamp_group_sizes(group_sizes: jax.Array, num_rows: int) -> jax.Array:
     return jnp.diff(ends, prepend=0).astype(jnp.int32)
 
 
+def _rows_in_groups(a, group_sizes):
+    """a [M, ...] with its rows past sum(group_sizes) (sizes clamped as ragged_dot clamps them) zeroed."""
+    end = jnp.sum(jnp.maximum(group_sizes, 0))
+    return jnp.where((jnp.arange(a.shape[0]) < end).reshape(-1, *(1,) * (a.ndim - 1)), a, jnp.zeros((), a.dtype))
+
+
 _DX_DIMENSIONS = lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
 _DW_DIMENSIONS = lax.RaggedDotDimensionNumbers(
@@ -279,10 +286,15 @@ _DW_DIMENSIONS = lax.RaggedDotDimensionNumbers(
 def _grouped_op(op: str, implementation: str, lhs, rhs, group_sizes, problem_shape) -> jax.Array:
     """`op` of `pallas_grouped_op`, on `implementation`, for the forward problem (M, K, N, G)."""
     if implementation == "ragged_dot":
+        # XLA may expand ragged_dot into masked dense products, where a non-finite row past the groups (the cuda
+        # expert-major dispatch leaves those rows unwritten) would reach the result as 0 * inf: zeroed first.
+        lhs = _rows_in_groups(lhs, group_sizes)
         if op == "fwd":
             out = lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
         else:
             dimensions = _DX_DIMENSIONS if op == "dx" else _DW_DIMENSIONS
+            if op == "dw":
+                rhs = _rows_in_groups(rhs, group_sizes)
             out = lax.ragged_dot_general(lhs, rhs, group_sizes, dimensions, preferred_element_type=jnp.float32)
         return out.astype(lhs.dtype)
     return pallas_grouped_op(op, implementation, lhs, rhs, group_sizes,

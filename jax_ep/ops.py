@@ -302,7 +302,8 @@ def dispatch(
     spec = dataclasses.replace(spec, capacity=capacity)
     if layout == "expert_major":
         recv, weights, sizes, offsets, kept, dropped, invalid, em_handle, rows_needed = expert_major.dispatch(
-            expert_major.Spec(spec.backend, spec.num_ranks, spec.num_experts, capacity, spec.expert_alignment),
+            expert_major.Spec(spec.backend, spec.num_ranks, spec.num_experts, capacity, spec.expert_alignment,
+                              spec.backend.runs_expert_major_kernels(spec.num_experts, topk_idx.shape[1])),
             _leaves(x), topk_idx, topk_weights)
         out = ExpertMajorDispatchResult(_like(x, recv), weights, kept, sizes, offsets, dropped, invalid, em_handle)
         what = "received (token, expert) pairs"

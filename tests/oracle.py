@@ -8,7 +8,8 @@ Written from that text and its "Choices where the contract is silent", never fro
   internode combine sums per node first (float32, rank order), then the nodes' partials (float32, node order);
 - low-latency rows of a local expert are the distinct (source rank, source token) pairs in that order;
 - expert-major rows are (source rank, source token, local expert) pairs, grouped by expert, each group in (source
-  rank, source token) order; a rank's partial of a token adds its pairs in ascending local expert (float32, from 0);
+  rank, source token) order; a rank's partial of a token adds its pairs in ascending local expert (float32, from 0)
+  and is rounded to y's dtype before the ranks' partials are summed;
 - FP8: per row and 128 channels, scale = max(amax, 1e-4) / 448 (optionally rounded up to a power of two),
   value = x / scale as float8_e4m3fn; UE8M0 packs the biased exponents of four scales per int32, little-endian.
 
@@ -379,7 +380,8 @@ def expert_major_cached_dispatch(x, route: ExpertMajorRouting) -> list[np.ndarra
 
 def _expert_major_partials(y: np.ndarray, route: ExpertMajorRouting, weights: np.ndarray | None):
     """(partials f32 [R (receiving rank), R, T, ...], present bool [R, R, T]): per rank p = 0; for the token's
-    kept pairs on that rank in ascending local expert: p = p + f32(w * y[row]) (w = 1 when None)."""
+    kept pairs on that rank in ascending local expert: p = p + f32(w * y[row]) (w = 1 when None); then p rounded to
+    y's dtype (the partial travels in it) and read back as float32."""
     y = np.asarray(y)
     R, T = route.num_ranks, route.num_tokens
     part = np.zeros((R, R, T) + y.shape[2:], dtype=F32)
@@ -397,7 +399,7 @@ def _expert_major_partials(y: np.ndarray, route: ExpertMajorRouting, weights: np
                 term = (w[r, rows].reshape((-1,) + (1,) * (term.ndim - 1)) * term).astype(F32)
             part[r, s, t] = part[r, s, t] + term
             present[r, s, t] = True
-    return part, present
+    return part.astype(y.dtype).astype(F32), present
 
 
 def _expert_major_sum_f32(y, route: ExpertMajorRouting, weights=None, ranks_per_node=None) -> np.ndarray:
@@ -428,7 +430,8 @@ def expert_major_combine(
     ranks_per_node: int | None = None,
 ) -> np.ndarray:
     """[R, T, H] in y's dtype: per-rank float32 partials of the token's kept pairs in ascending local expert
-    (each term f32(w * y), w = 1 when None), summed over ranks in float32 in rank order from 0 (with ranks_per_node:
+    (each term f32(w * y), w = 1 when None), each rounded to y's dtype, summed over ranks in float32 in rank order
+    from 0 (with ranks_per_node:
     per node in local rank order, then the nodes in order, as combine_internode), + bias in float32, then cast."""
     y = np.asarray(y)
     acc = _expert_major_sum_f32(y, route, weights, ranks_per_node)

@@ -176,3 +176,54 @@ def test_no_xla_collective_in_cuda_programs(layout):
     collectives = re.findall(r"stablehlo\.(all_gather|all_to_all|all_reduce|collective_permute|reduce_scatter)", text)
     assert not collectives, collectives
     assert "custom_call @jax_ep_cached_dispatch(" in text  # strict's gather of the counts (and the rows)
+
+
+def expert_major_program(buf, num_experts: int) -> str:
+    """The lowered text of an expert-major dispatch, cached dispatch and weighted combine with their gradients."""
+
+    def loss(x, w, idx, x2, bias):
+        d = jax_ep.dispatch(buf, x, idx, w, num_experts=num_experts, layout="expert_major")
+        cached = jax_ep.dispatch(buf, x2, handle=d.handle).recv_x
+        out = jax_ep.combine(buf, d.recv_x + cached, d.handle, bias=bias, weights=d.recv_weights).x
+        return jnp.sum(out.astype(jnp.float32))
+
+    def body(x, w, idx, x2, bias):
+        value, grads = jax.value_and_grad(loss, argnums=(0, 1))(x, w, idx, x2, bias)
+        return value[None], grads
+
+    args = (jnp.zeros((R * T, H), jnp.bfloat16), jnp.zeros((R * T, K), jnp.float32), jnp.zeros((R * T, K), jnp.int32),
+            jnp.zeros((R * T, H), jnp.bfloat16), jnp.zeros((R * T, H), jnp.float32))
+    return jax.jit(jax.shard_map(body, mesh=buf.mesh, in_specs=P("ep"), out_specs=P("ep"))).lower(*args).as_text()
+
+
+def calls_of(text: str, target: str) -> list[str]:
+    return [line for line in text.splitlines() if f"custom_call @{target}(" in line]
+
+
+@pytest.mark.parametrize("spans_processes", [False, True])
+def test_expert_major_ops_run_their_own_kernels(spans_processes):
+    """With E within the kernels' limit the expert-major dispatch, cached dispatch, combine and their gradients are
+    the expert-major kernels' calls (no routing dispatch, no rank-major call); the combines are weighted where
+    weights are given (the combine: yes; the dispatch's d x and the d topk_weights rows: no) and carry the peers'
+    slots as a second result in one process only."""
+    text = expert_major_program(cuda_standin(spans_processes), E)
+    for target in (intranode.DISPATCH_TARGET, intranode.CACHED_DISPATCH_TARGET, intranode.COMBINE_TARGET):
+        assert not calls_of(text, target), target
+    assert len(calls_of(text, intranode.EXPERT_MAJOR_DISPATCH_TARGET)) == 1
+    assert len(calls_of(text, intranode.EXPERT_MAJOR_CACHED_DISPATCH_TARGET)) == 2  # the cached x2, d out's rows
+    combines = calls_of(text, intranode.EXPERT_MAJOR_COMBINE_TARGET)
+    assert len(combines) == 3, combines  # forward, d x, d topk_weights
+    weighted = sorted(int(re.search(r"weighted = (\d+)", c).group(1)) for c in combines)
+    assert weighted == [0, 0, 1], weighted
+    for call in combines:
+        results = re.search(r"->\s*(\(.*\)|tensor<[^>]*>)\s*$", call).group(1)
+        assert ("ui8" in results) == (not spans_processes), call
+
+
+def test_expert_major_beyond_the_kernels_limit_is_composed():
+    """More experts than the expert-major kernels take: the composed path (a routing dispatch of the rank-major
+    kernels, their cached dispatch and combine)."""
+    experts = R * (intranode.MAX_EXPERT_MAJOR_EXPERTS // R + 1)
+    text = expert_major_program(cuda_standin(False), experts)
+    assert not calls_of(text, intranode.EXPERT_MAJOR_DISPATCH_TARGET)
+    assert calls_of(text, intranode.DISPATCH_TARGET) and calls_of(text, intranode.COMBINE_TARGET)

@@ -114,8 +114,7 @@ def cuda_standin(kind: str, num_ranks: int = 4):
     return buf
 
 
-# The expert-major dispatch's forward custom call is its routing dispatch (a rank-major dispatch of the top-k).
-FORWARD_TARGETS = {"normal": intranode.DISPATCH_TARGET, "expert_major": intranode.DISPATCH_TARGET,
+FORWARD_TARGETS = {"normal": intranode.DISPATCH_TARGET, "expert_major": intranode.EXPERT_MAJOR_DISPATCH_TARGET,
                    "low_latency": low_latency.DISPATCH_SEND_TARGET}
 
 

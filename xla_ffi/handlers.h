@@ -248,6 +248,9 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(LayoutCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(IntranodeDispatch);  // intranode_handlers.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(IntranodeCachedDispatch);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(IntranodeCombine);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(IntranodeExpertMajorDispatch);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(IntranodeExpertMajorCachedDispatch);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(IntranodeExpertMajorCombine);
 #if defined(JAX_EP_INSTRUMENT)
 XLA_FFI_DECLARE_HANDLER_SYMBOL(IntranodeStoreProbe);
 #endif

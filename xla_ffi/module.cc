@@ -50,6 +50,9 @@ nb::dict Registrations() {
   targets["jax_ep_dispatch"] = cuda_only(Capsule(IntranodeDispatch));
   targets["jax_ep_cached_dispatch"] = cuda_only(Capsule(IntranodeCachedDispatch));
   targets["jax_ep_combine"] = cuda_only(Capsule(IntranodeCombine));
+  targets["jax_ep_expert_major_dispatch"] = cuda_only(Capsule(IntranodeExpertMajorDispatch));
+  targets["jax_ep_expert_major_cached_dispatch"] = cuda_only(Capsule(IntranodeExpertMajorCachedDispatch));
+  targets["jax_ep_expert_major_combine"] = cuda_only(Capsule(IntranodeExpertMajorCombine));
 #if defined(JAX_EP_INSTRUMENT)
   targets["jax_ep_store_probe"] = cuda_only(Capsule(IntranodeStoreProbe));
 #endif
@@ -72,6 +75,7 @@ nb::dict Limits() {
   limits["max_intranode_ranks"] = jax_ep::kMaxIntranodeRanks;
   limits["normal_max_topk"] = jax_ep::kNormalMaxTopk;
   limits["combine_max_push_warps"] = jax_ep::kCombineMaxPushWarps;
+  limits["expert_major_max_experts"] = jax_ep::kExpertMajorMaxExperts;
   limits["staging_offset"] = jax_ep::kStagingOffset;
   limits["staging_align"] = jax_ep::kStagingAlign;
   limits["max_low_latency_ranks"] = jax_ep::kMaxLowLatencyRanks;

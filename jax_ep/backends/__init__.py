@@ -98,6 +98,35 @@ class Backend(abc.ABC):
         """y [C, ...] -> [T, ...] of out_dtype: each token's rows summed in float32 (in the order docs/design.md
         gives this backend), plus `bias` in float32, cast once."""
 
+    # ---- the expert-major layout (jax_ep/expert_major.py) ------------------------------------------------------
+
+    def runs_expert_major_kernels(self, num_experts: int, num_topk: int) -> bool:
+        """Whether this backend's own kernels run an expert-major dispatch with these sizes (the methods below);
+        else the composed path does, on the normal-mode methods above."""
+        return False
+
+    def expert_major_dispatch(self, x_leaves: tuple, topk_idx, topk_weights, *, num_experts: int, capacity: int,
+                              expert_alignment: int) -> tuple:
+        """Expert-major dispatch by the backend's kernels. Returns (recv leaves [C, ...], pair weights [C] or None,
+        group sizes [L], group offsets [L], kept pairs, dropped pairs, invalid ids, ExpertMajorHandle (by_kernels),
+        the capacity that keeps every pair)."""
+        raise self._no_expert_major_kernels()
+
+    def expert_major_cached_dispatch(self, leaf, handle) -> jax.Array:
+        """leaf [T, ...] on the rows of a by_kernels handle -> [C, ...]."""
+        raise self._no_expert_major_kernels()
+
+    def expert_major_combine(self, y, weights, pair_row, handle, *, bias=None, out_dtype=jnp.float32) -> jax.Array:
+        """y [C', ...] -> [T, ...] of out_dtype along a by_kernels handle, with `pair_row` [R*T, P'] naming each
+        received token's rows of y (the handle's, or rows of another table): per rank each token's rows weighted by
+        `weights` [C'] (or not) and summed in float32, rounded to y's dtype; those partials summed home in float32
+        in rank order, plus `bias`, cast once."""
+        raise self._no_expert_major_kernels()
+
+    def _no_expert_major_kernels(self) -> TypeError:
+        return TypeError("jax_ep: this expert-major handle comes from the cuda backend's kernels; pass it to ops of a "
+                         f"Buffer of that backend (this Buffer's backend is {self.name!r})")
+
     # ---- low-latency mode -------------------------------------------------------------------------------------
 
     def check_low_latency(self, op: str, *, num_experts: int) -> None:

@@ -8,6 +8,7 @@ counted as DeepEP counts it (docs/design.md): received rows × H × 2 bytes for 
 """
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 
 import jax_ep
@@ -25,6 +26,9 @@ def add_arguments(parser) -> None:
     harness.add_process_arguments(parser)
     harness.add_communication_arguments(parser, SHAPE)
     harness.add_sms_argument(parser)
+    parser.add_argument("--layout", choices=("rank_major", "expert_major"), default="rank_major",
+                        help="expert_major: also the expert-major dispatch (BF16, FP8) and weighted combine beside the "
+                             "rank-major ops, in the same run, counted in the same bytes")
     parser.add_argument("--xla", action="store_true",
                         help="also time jax_ep's xla backend (its all_gather of the payload does not depend on the "
                              "routing, so XLA computes it once for the whole timed sequence: not a fair figure)")
@@ -123,6 +127,21 @@ def run(args) -> list[dict]:
             report(backend, "combine", "BF16", sms, seconds, bf16_bytes, kernel_seconds)
             if backend == "cuda":
                 records[-1]["combine_method"] = combine_method
+            if args.layout == "expert_major":  # rows are (token, local expert) pairs; DeepEP's byte count as above
+                def em_dispatch(idx, payload):
+                    return jax_ep.dispatch(buf, payload, idx, jnp.ones_like(idx, jnp.float32), num_experts=E,
+                                           layout="expert_major")
+
+                def em_combine(handle, y, weights):
+                    return jax_ep.combine(buf, y, handle, weights=weights).x
+
+                em = harness.spmd(mesh, lambda i, p: (lambda r: (r.recv_x, r.recv_weights, r.handle))(
+                    em_dispatch(i, p)))(topk_idx, x)
+                for payload, data, nbytes in (("BF16", x, bf16_bytes), ("FP8", x_fp8, fp8_bytes)):
+                    seconds, kernel_seconds = timed(em_dispatch, (topk_idx, data))
+                    report(backend, "expert-major dispatch", payload, sms, seconds, nbytes, kernel_seconds)
+                seconds, kernel_seconds = timed(em_combine, (em[2], em[0], em[1]))
+                report(backend, "expert-major combine", "BF16", sms, seconds, bf16_bytes, kernel_seconds)
     return records
 
 

@@ -32,6 +32,7 @@ from jax.sharding import Mesh
 from jax_ep import _native, environment
 from jax_ep.backends import Backend
 from jax_ep.backends.cuda import low_latency, normal, runtime
+from jax_ep.backends.xla import XlaHandle
 from jax_ep.config import (
     COMBINE_METHODS,
     DEFAULT_PUSH_WARPS,
@@ -43,10 +44,15 @@ from jax_ep.config import (
 DISPATCH_TARGET = "jax_ep_dispatch"
 CACHED_DISPATCH_TARGET = "jax_ep_cached_dispatch"
 COMBINE_TARGET = "jax_ep_combine"
+EXPERT_MAJOR_DISPATCH_TARGET = "jax_ep_expert_major_dispatch"
+EXPERT_MAJOR_CACHED_DISPATCH_TARGET = "jax_ep_expert_major_cached_dispatch"
+EXPERT_MAJOR_COMBINE_TARGET = "jax_ep_expert_major_combine"
 STORE_PROBE_TARGET = "jax_ep_store_probe"
 
 # Ranks of an intranode group (one NVLink domain; csrc/kernel_limits.h).
 MAX_RANKS = _native.limit("max_intranode_ranks")
+# Experts of an expert-major dispatch that the expert-major kernels take (more: the composed path).
+MAX_EXPERT_MAJOR_EXPERTS = _native.limit("expert_major_max_experts")
 
 int32 = jnp.int32
 
@@ -277,6 +283,69 @@ class IntranodeBackend(low_latency.LowLatencyOps, Backend):
         operands = (y, handle.send_row, handle.recv_src_index) + (() if bias is None else (bias,))
         out = jax.ffi.ffi_call(COMBINE_TARGET, result_types)(
             *operands, push_warps=np.int64(push_warps), **self._attributes())[0]
+        return out.astype(out_dtype)
+
+    # ---- the expert-major layout (csrc/expert_major.cu) -------------------------------------------------------
+
+    def runs_expert_major_kernels(self, num_experts, num_topk):
+        return self.num_ranks > 1 and num_experts <= MAX_EXPERT_MAJOR_EXPERTS and num_topk <= normal.MAX_TOPK
+
+    def expert_major_dispatch(self, x_leaves, topk_idx, topk_weights, *, num_experts, capacity, expert_alignment):
+        from jax_ep.expert_major import ExpertMajorHandle  # jax_ep.expert_major imports the backends' interface
+
+        num_tokens, num_topk = topk_idx.shape
+        num_ranks, local = self.num_ranks, num_experts // self.num_ranks
+        normal.check_dispatch(num_ranks, num_tokens, num_topk)
+        row_bytes = tuple(normal.row_bytes(leaf) for leaf in x_leaves)
+        _check_staging("dispatch", self.staging_bytes,
+                       dispatch_staging_bytes(num_tokens, row_bytes, num_topk, num_ranks, topk_weights is not None))
+        aval = jax.typeof(x_leaves[0])
+        result = lambda shape, dtype: aval.update(shape=shape, dtype=dtype)  # noqa: E731
+        items = num_ranks * num_tokens
+        result_types = [result((capacity, *leaf.shape[1:]), leaf.dtype) for leaf in x_leaves]
+        if topk_weights is not None:
+            result_types.append(result((capacity,), jnp.float32))
+        result_types += [result((local,), int32), result((local,), int32)]  # group sizes, offsets
+        result_types += [result((), int32)] * 4  # kept, dropped, invalid ids, rows needed
+        result_types += [result((capacity,), int32), result((num_tokens, num_ranks), jnp.bool_),
+                         result((items, min(num_topk, local)), int32), result((items, num_topk), int32),
+                         result((1,), int32),  # rows_end ([1]: a handle's arrays all have a leading axis)
+                         result((self.config.num_sms, num_experts), int32)]  # scratch: a row per block
+        operands = (*x_leaves, topk_idx) + (() if topk_weights is None else (topk_weights,))
+        outs = list(jax.ffi.ffi_call(EXPERT_MAJOR_DISPATCH_TARGET, result_types)(
+            *operands, num_payloads=np.int64(len(x_leaves)), num_experts=np.int64(num_experts),
+            expert_alignment=np.int64(expert_alignment), **self._attributes()))
+        recv = tuple(outs[:len(x_leaves)])
+        outs = outs[len(x_leaves):]
+        weights = None if topk_weights is None else outs.pop(0)
+        sizes, offsets, kept, dropped, invalid, rows_needed, recv_src_index, is_token_in_rank, pair_row, topk_row, \
+            rows_end, _ = outs
+        handle = ExpertMajorHandle(XlaHandle(recv_src_index, is_token_in_rank), pair_row, topk_row, rows_end=rows_end,
+                                   by_kernels=True)
+        return recv, weights, sizes, offsets, kept, dropped, invalid, handle, rows_needed
+
+    def expert_major_cached_dispatch(self, leaf, handle):
+        _check_staging("cached dispatch", self.staging_bytes,
+                       cached_dispatch_staging_bytes(leaf.shape[0], normal.row_bytes(leaf)))
+        result_type = jax.typeof(leaf).update(shape=(handle.capacity, *leaf.shape[1:]), dtype=leaf.dtype)
+        return jax.ffi.ffi_call(EXPERT_MAJOR_CACHED_DISPATCH_TARGET, result_type)(
+            leaf, handle.pair_row, handle.rows.recv_src_index, handle.rows_end, **self._attributes())
+
+    def expert_major_combine(self, y, weights, pair_row, handle, *, bias=None, out_dtype=jnp.float32):
+        """Partials are made where the pairs are and stored into their home ranks, whatever Config.combine says."""
+        y, bias, kernel_out = normal.combine_kernel_types(y, bias, out_dtype)
+        num_tokens, num_ranks = handle.rows.is_token_in_rank.shape
+        row_bytes = normal.row_bytes(y)
+        _check_staging("combine", self.staging_bytes,
+                       combine_staging_bytes(num_tokens, row_bytes, num_ranks, y.shape[0], True))
+        aval = jax.typeof(y)
+        result_types = [aval.update(shape=(num_tokens, *y.shape[1:]), dtype=kernel_out)]
+        if not self.spans_processes:  # one process: the peers push into a scratch result
+            result_types.append(aval.update(shape=((num_ranks - 1) * num_tokens * row_bytes,), dtype=jnp.uint8))
+        operands = (y, pair_row, handle.rows.is_token_in_rank) + (() if weights is None else (weights,)) + \
+            (() if bias is None else (bias,))
+        out = jax.ffi.ffi_call(EXPERT_MAJOR_COMBINE_TARGET, result_types)(
+            *operands, weighted=np.int64(weights is not None), **self._attributes())[0]
         return out.astype(out_dtype)
 
     # ---- lifetime -------------------------------------------------------------------------------------------

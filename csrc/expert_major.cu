@@ -1,0 +1,659 @@
+// Intranode expert-major kernels (docs/design.md, "Expert-major layout"): dispatch, cached dispatch and combine of
+// the layout whose rows are (token, local expert) pairs grouped by local expert, each group in (source rank, source
+// token) order. Each is one launch in the call protocol of intranode_call.cuh (arrival barrier, the op's work,
+// release barrier), in both process models.
+//
+// Dispatch. A token crosses NVLink once to each rank that holds one of its experts and is written there into the
+// row of every pair it has on that rank (local HBM stores).
+//  1. Arrival: each rank publishes x (its payloads), topk_idx and topk_weights (copies in its workspace when the
+//     group spans processes).
+//  2. Counting. Each source's tokens are cut into G consecutive runs, G the grid's warps; warp w takes run w of
+//     every source. It reads the runs' top-k rows from the sources and counts per (source, local expert) the
+//     tokens naming that expert (once per token); the block's totals go to global scratch.
+//  3. A grid barrier of this rank's blocks. Every block reads every block's totals and derives the group sizes
+//     and offsets, and for each of its warps' runs the first row of each expert in it: the offset plus the pairs
+//     of that expert in the runs before, in (source, token) order.
+//  4. Placing. Each warp walks its runs again, 32 / K tokens a round (lane = top-k entry): warp matches find each
+//     token's distinct experts (its pairs; a pair's weight is its entries' weights added in top-k order) and rank
+//     the round's pairs of each expert; rows below the capacity are kept. The warp writes the handle's rows and
+//     copies each token once from its source into every kept pair row. Warps start at different sources, so every
+//     link carries traffic at once.
+//  5. Rows that pad a group to expert_alignment are zeroed. Rows past the last group are not written (only their
+//     4-byte weights and source indices): the work follows the pairs received, not the capacity.
+//
+// Cached dispatch: the same copies along a dispatch's pair_row, every item read once from its source.
+//
+// Combine: each rank computes the partial of every token it received from its pair rows of y, rounded to y's type,
+// and stores it into the token's home rank (slots of (R - 1) * T rows there, one region per sender; its own tokens'
+// partials into its result); after a barrier of the ranks each sums its tokens' partials in rank order. (A partial
+// exists only where its pairs are, so it is pushed, whatever Config.combine says.)
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+
+#include "api.h"
+#include "call_frame.cuh"
+#include "device_common.cuh"
+#include "float_rows.cuh"
+#include "intranode_call.cuh"
+#include "intranode_state.h"
+#include "normal_dispatch.cuh"
+
+namespace jax_ep {
+namespace {
+
+static_assert(kExpertMajorMaxExperts <= kThreads, "the dispatch's group arithmetic takes a thread per expert");
+
+__device__ __forceinline__ uint32_t lanes_below(int lane) { return (1u << lane) - 1u; }
+
+// The top-k entries lanes [first_lane, first_lane + num_topk) of a round hold (one token's).
+__device__ __forceinline__ uint32_t token_lanes(int first_lane, int num_topk) {
+  return (num_topk >= 32 ? kFullMask : (1u << num_topk) - 1u) << first_lane;
+}
+
+// ---- fan-out copies ----------------------------------------------------------------------------------------------
+
+// A warp copies row `src` of n units into row dst_row of `dst` (rows of row_units units) for every lane set in
+// `lanes`, where each such lane holds its dst_row: the source is read once. kUnroll loads in flight per lane, as
+// warp_copy_units. Every lane runs every round (the shuffles need the whole warp).
+template <int kUnroll, typename Unit>
+__device__ __forceinline__ void warp_fanout_units(Unit* dst, int64_t row_units, const Unit* src, int64_t n,
+                                                  uint32_t lanes, int32_t dst_row, int lane) {
+  const LoadNonCoherent load;
+  for (int64_t round = 0; round < n; round += 32 * kUnroll) {
+    const int64_t first = round + lane;
+    Unit v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = first + 32 * u < n ? load(src + first + 32 * u) : Unit{};
+    for (uint32_t todo = lanes; todo; todo &= todo - 1) {
+      Unit* row = dst + static_cast<int64_t>(__shfl_sync(kFullMask, dst_row, __ffs(todo) - 1)) * row_units;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (first + 32 * u < n) row[first + 32 * u] = v[u];
+    }
+  }
+}
+
+// warp_fanout_units with the widest unit the row size and both bases allow. Every lane of the warp calls it.
+__device__ __forceinline__ void warp_fanout_row(void* dst, const void* src, int64_t bytes, uint32_t lanes,
+                                                int32_t dst_row, int lane) {
+  switch (unit_bytes(reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | bytes)) {
+    case 16:
+      return warp_fanout_units<kCopyUnroll>(static_cast<uint4*>(dst), bytes / 16, static_cast<const uint4*>(src),
+                                            bytes / 16, lanes, dst_row, lane);
+    case 8:
+      return warp_fanout_units<kCopyUnroll>(static_cast<uint2*>(dst), bytes / 8, static_cast<const uint2*>(src),
+                                            bytes / 8, lanes, dst_row, lane);
+    case 4:
+      return warp_fanout_units<kCopyUnroll>(static_cast<uint32_t*>(dst), bytes / 4, static_cast<const uint32_t*>(src),
+                                            bytes / 4, lanes, dst_row, lane);
+    case 2:
+      return warp_fanout_units<kCopyUnroll>(static_cast<uint16_t*>(dst), bytes / 2, static_cast<const uint16_t*>(src),
+                                            bytes / 2, lanes, dst_row, lane);
+    default:
+      return warp_fanout_units<kCopyUnroll>(static_cast<uint8_t*>(dst), bytes, static_cast<const uint8_t*>(src),
+                                            bytes, lanes, dst_row, lane);
+  }
+}
+
+// ---- dispatch ----------------------------------------------------------------------------------------------------
+
+// Warp `warp` of G (the grid's) places the tokens [first, end) of every source.
+struct Run {
+  int64_t first, end;
+};
+
+__device__ __forceinline__ Run run_of(int64_t num_tokens, int64_t warp, int64_t num_warps) {
+  const int64_t per = (num_tokens + num_warps - 1) / num_warps;
+  const int64_t first = min(num_tokens, warp * per);
+  return {first, min(num_tokens, first + per)};
+}
+
+// Rounds of a run taken at once (their top-k loads in flight together).
+constexpr int kRoundsInFlight = 4;
+
+// One round of a run as the lanes see it: lane = top-k entry k of the round's token `token` (32 / K tokens a
+// round; lanes past them, and tokens past the run, hold no entry).
+struct Entry {
+  int64_t token;
+  int k;
+  bool valid;
+  int32_t local;    // the entry's local expert on this rank, -1 when it names none here (or is invalid)
+  uint32_t same;    // the lanes of the same token naming the same local expert (this lane alone when local < 0)
+  bool first;       // the lowest of `same` with local >= 0: the lane that stands for the (token, expert) pair
+};
+
+// The entries of one round (every lane calls it): ids is the lane's entry of topk_idx (-1 if none).
+__device__ __forceinline__ Entry entry_of(int64_t round_first, int64_t run_end, int num_topk, int32_t id, int me,
+                                          int32_t experts_per_rank, int lane) {
+  Entry e;
+  const int tokens_per_round = 32 / num_topk;
+  e.token = round_first + lane / num_topk;
+  e.k = lane % num_topk;
+  e.valid = lane < tokens_per_round * num_topk && e.token < run_end;
+  const int32_t first_local = me * experts_per_rank;
+  e.local = e.valid && id >= first_local && id < first_local + experts_per_rank ? id - first_local : -1;
+  const int32_t key = e.local >= 0 ? (lane / num_topk) * experts_per_rank + e.local : -1 - lane;
+  e.same = __match_any_sync(kFullMask, key);
+  e.first = e.local >= 0 && __ffs(e.same) - 1 == lane;
+  return e;
+}
+
+// Loads the lane's entry of rounds [round_first, round_first + kRoundsInFlight * 32 / K) of the run (-1 past it).
+template <typename T>
+__device__ __forceinline__ void load_round_entries(const T* src, int64_t round_first, int64_t run_end, int num_topk,
+                                                   T fill, int lane, T (&out)[kRoundsInFlight]) {
+  const int tokens_per_round = 32 / num_topk;
+#pragma unroll
+  for (int r = 0; r < kRoundsInFlight; ++r) {
+    const int64_t token = round_first + r * tokens_per_round + lane / num_topk;
+    const bool valid = lane < tokens_per_round * num_topk && token < run_end;
+    out[r] = valid ? LoadNonCoherent{}(src + token * num_topk + lane % num_topk) : fill;
+  }
+}
+
+struct DispatchShared {
+  // Phase 2: per (warp, source * L + local expert) the pairs of the warp's run; then the row of the warp's next pair.
+  int32_t next_row[kWarps][kExpertMajorMaxExperts];
+  int32_t grid_total[kExpertMajorMaxExperts];  // per (source, local expert): the pairs of every block
+  int32_t group_count[kExpertMajorMaxExperts], group_size[kExpertMajorMaxExperts];
+  int32_t group_offset[kExpertMajorMaxExperts];
+};
+
+// Block 0: this rank's own routing (is_token_in_rank, invalid_ids), as the rank-major dispatch's.
+__device__ __forceinline__ void route_own_tokens(const ExpertMajorDispatchArgs& a, int num_ranks) {
+  __shared__ int32_t invalid;
+  if (threadIdx.x == 0) invalid = 0;
+  __syncthreads();
+  const int32_t experts_per_rank = static_cast<int32_t>(a.num_experts / num_ranks);
+  int32_t own_invalid = 0;
+  for (int64_t t = threadIdx.x; t < a.num_tokens; t += kThreads) {
+    uint32_t ranks = 0;
+    add_token_ranks(a.topk_idx, t, a.num_tokens, static_cast<int>(a.num_topk), static_cast<int32_t>(a.num_experts),
+                    experts_per_rank, ranks, own_invalid);
+    for (int r = 0; r < num_ranks; ++r) a.is_token_in_rank[t * num_ranks + r] = (ranks >> r) & 1u;
+  }
+  if (own_invalid) atomicAdd(&invalid, own_invalid);
+  __syncthreads();
+  if (threadIdx.x == 0) *a.invalid_ids = invalid;
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+    expert_major_dispatch_kernel(const __grid_constant__ IntranodeRank g, const __grid_constant__ ExpertMajorDispatchArgs a,
+                                 const __grid_constant__ StagePlan plan, int64_t timeout_ns) {
+  __shared__ CallContext ctx;
+  __shared__ DispatchShared sh;
+  using BlockScan = cub::BlockScan<int32_t, kThreads>;
+  using BlockReduce = cub::BlockReduce<int32_t, kThreads>;
+  __shared__ union {
+    typename BlockScan::TempStorage scan;
+    typename BlockReduce::TempStorage reduce;
+  } cub_storage;
+  const int num_ranks = g.num_ranks, me = g.rank, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int num_topk = static_cast<int>(a.num_topk);
+  const int64_t num_tokens = a.num_tokens, capacity = a.capacity;
+  const int32_t experts = static_cast<int32_t>(a.num_experts), experts_per_rank = experts / num_ranks;
+  const int pair_columns = min(num_topk, static_cast<int>(experts_per_rank));
+  const int64_t num_items = num_ranks * num_tokens;
+  const int64_t grid_warp = global_warp(), grid_warps = num_global_warps();
+  const Run run = run_of(num_tokens, grid_warp, grid_warps);
+  const int tokens_per_round = 32 / num_topk;
+  const int64_t batch_tokens = static_cast<int64_t>(kRoundsInFlight) * tokens_per_round;
+
+  for (int i = threadIdx.x; i < kWarps * kExpertMajorMaxExperts; i += kThreads) (&sh.next_row[0][0])[i] = 0;
+  publish_inputs_and_wait(g, ctx, plan, IntranodeOp::kExpertMajorDispatch, timeout_ns);
+
+  // 2. Counting: the pairs of this warp's run of each source, per (source, local expert).
+  for (int step = 0; step < num_ranks; ++step) {
+    const int s = static_cast<int>((grid_warp + me + step) % num_ranks);
+    const int32_t* src_topk = static_cast<const int32_t*>(ctx.views[s].pointers[2]);
+    for (int64_t batch = run.first; batch < run.end; batch += batch_tokens) {
+      int32_t ids[kRoundsInFlight];
+      load_round_entries(src_topk, batch, run.end, num_topk, -1, lane, ids);
+#pragma unroll
+      for (int r = 0; r < kRoundsInFlight; ++r) {
+        const Entry e = entry_of(batch + r * tokens_per_round, run.end, num_topk, ids[r], me, experts_per_rank, lane);
+        if (e.first) atomicAdd(&sh.next_row[warp][s * experts_per_rank + e.local], 1);
+      }
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < experts) {
+    int32_t total = 0;
+    for (int w = 0; w < kWarps; ++w) total += sh.next_row[w][threadIdx.x];
+    a.block_counts[static_cast<int64_t>(blockIdx.x) * experts + threadIdx.x] = total;
+  }
+  sync_grid(g, ctx.call, 1, IntranodeOp::kExpertMajorDispatch, timeout_ns);
+
+  // 3. Groups, and the first row of each (warp, source, expert) run of this block.
+  int32_t before_block = 0;  // thread q = s * L + j: expert j's pairs of source s in the blocks before this one
+  if (threadIdx.x < experts) {
+    int32_t total = 0;
+    for (int b = 0; b < static_cast<int>(gridDim.x); ++b) {
+      const int32_t count = __ldcg(a.block_counts + static_cast<int64_t>(b) * experts + threadIdx.x);
+      total += count;
+      if (b < static_cast<int>(blockIdx.x)) before_block += count;
+    }
+    sh.grid_total[threadIdx.x] = total;
+  }
+  __syncthreads();
+  int32_t size = 0;
+  if (threadIdx.x < experts_per_rank) {
+    int32_t count = 0;
+    for (int s = 0; s < num_ranks; ++s) count += sh.grid_total[s * experts_per_rank + threadIdx.x];
+    size = static_cast<int32_t>((count + a.expert_alignment - 1) / a.expert_alignment * a.expert_alignment);
+    sh.group_count[threadIdx.x] = count;
+    sh.group_size[threadIdx.x] = size;
+  }
+  int32_t offset;
+  BlockScan(cub_storage.scan).ExclusiveSum(size, offset);
+  if (threadIdx.x < experts_per_rank) sh.group_offset[threadIdx.x] = offset;
+  __syncthreads();
+  if (threadIdx.x < experts) {
+    const int s = threadIdx.x / experts_per_rank, j = threadIdx.x % experts_per_rank;
+    int32_t next = sh.group_offset[j] + before_block;
+    for (int earlier = 0; earlier < s; ++earlier) next += sh.grid_total[earlier * experts_per_rank + j];
+    for (int w = 0; w < kWarps; ++w) {
+      const int32_t count = sh.next_row[w][threadIdx.x];
+      sh.next_row[w][threadIdx.x] = next;
+      next += count;
+    }
+  }
+  __syncthreads();
+  const int64_t groups_end = sh.group_offset[experts_per_rank - 1] + sh.group_size[experts_per_rank - 1];
+
+  if (blockIdx.x == 0) {
+    route_own_tokens(a, num_ranks);
+    int32_t kept = 0, needed = 0, total = 0;
+    for (int j = threadIdx.x; j < experts_per_rank; j += kThreads) {
+      const int64_t first = sh.group_offset[j], count = sh.group_count[j];
+      a.group_sizes[j] = sh.group_size[j];
+      a.group_offsets[j] = static_cast<int32_t>(first);
+      kept += static_cast<int32_t>(max(int64_t{0}, min(count, capacity - first)));
+      total += static_cast<int32_t>(count);
+      if (count > 0) needed = max(needed, static_cast<int32_t>(first + count));
+    }
+    kept = BlockReduce(cub_storage.reduce).Sum(kept);  // valid in thread 0
+    __syncthreads();
+    total = BlockReduce(cub_storage.reduce).Sum(total);
+    __syncthreads();
+    needed = BlockReduce(cub_storage.reduce).Reduce(needed, [](int32_t x, int32_t y) { return max(x, y); });
+    if (threadIdx.x == 0) {
+      *a.num_kept = kept;
+      *a.num_dropped = total - kept;
+      *a.rows_needed = needed;
+      *a.rows_end = static_cast<int32_t>(min(capacity, groups_end));
+    }
+  }
+
+  // 4. Placing: rows, handle and copies of this warp's runs, sources in the same order as the counting.
+  for (int step = 0; step < num_ranks; ++step) {
+    const int s = static_cast<int>((grid_warp + me + step) % num_ranks);
+    const IntranodeView& src = ctx.views[s];
+    const int32_t* src_topk = static_cast<const int32_t*>(src.pointers[2]);
+    const float* src_weights = static_cast<const float*>(src.pointers[3]);
+    int32_t* next_row = &sh.next_row[warp][s * experts_per_rank];
+    for (int64_t batch = run.first; batch < run.end; batch += batch_tokens) {
+      int32_t ids[kRoundsInFlight];
+      float weights[kRoundsInFlight] = {};
+      load_round_entries(src_topk, batch, run.end, num_topk, -1, lane, ids);
+      if (src_weights) load_round_entries(src_weights, batch, run.end, num_topk, 0.f, lane, weights);
+#pragma unroll 1
+      for (int r = 0; r < kRoundsInFlight; ++r) {
+        const int64_t round_first = batch + r * tokens_per_round;
+        if (round_first >= run.end) break;
+        const Entry e = entry_of(round_first, run.end, num_topk, ids[r], me, experts_per_rank, lane);
+        const int first_lane = (lane / num_topk) * num_topk;
+        // The round's pairs of each expert, in token order: this pair's rank among them.
+        const uint32_t same_expert = __match_any_sync(kFullMask, e.first ? e.local : -1 - lane);
+        const int32_t row = e.first ? next_row[e.local] + __popc(same_expert & lanes_below(lane)) : -1;
+        __syncwarp();
+        if (e.first && (same_expert & lanes_below(lane)) == 0) next_row[e.local] += __popc(same_expert);
+        __syncwarp();
+        const bool kept = e.first && row < capacity;
+        // The pair's weight: its entries' weights added in top-k order, from 0.
+        float pair_weight = 0.f;
+        uint32_t pairs_before = 0;  // this pair's position among its token's pairs, in ascending local expert
+        for (int k = 0; k < num_topk; ++k) {
+          const int other = (first_lane + k) & 31;
+          const float w = __shfl_sync(kFullMask, src_weights ? weights[r] : 0.f, other);
+          const int32_t other_pair = __shfl_sync(kFullMask, e.first ? e.local : INT_MAX, other);
+          if (e.first && ((e.same >> other) & 1u)) pair_weight = __fadd_rn(pair_weight, w);
+          pairs_before += e.first && other_pair < e.local;
+        }
+        const uint32_t pair_lanes = __ballot_sync(kFullMask, e.first);
+        const uint32_t kept_lanes = __ballot_sync(kFullMask, kept);
+        const int64_t item = s * num_tokens + e.token;
+        if (e.first) {
+          a.pair_row[item * pair_columns + pairs_before] = kept ? row : static_cast<int32_t>(capacity);
+          if (kept) {
+            a.recv_src_index[row] = static_cast<int32_t>(item);
+            if (a.recv_weights) a.recv_weights[row] = pair_weight;
+          }
+        }
+        // Past the token's pairs (a position no pair takes, whichever lane stands for a pair).
+        if (e.valid && e.k < pair_columns && e.k >= __popc(pair_lanes & token_lanes(first_lane, num_topk)))
+          a.pair_row[item * pair_columns + e.k] = -1;
+        const int pair_lane = __ffs(e.same) - 1;  // the lane of this entry's pair (itself when it names none here)
+        const int32_t pair_row = __shfl_sync(kFullMask, kept ? row : static_cast<int32_t>(capacity), pair_lane);
+        if (e.valid) a.topk_row[item * num_topk + e.k] = e.local >= 0 ? pair_row : static_cast<int32_t>(capacity);
+        // Each token with a kept pair: its rows read once from the source, written into every kept pair row.
+        for (int token = 0; token < tokens_per_round; ++token) {
+          const uint32_t lanes = kept_lanes & token_lanes(token * num_topk, num_topk);
+          if (!lanes) continue;
+          const int64_t t = round_first + token;
+          for (int p = 0; p < a.num_payloads; ++p)
+            warp_fanout_row(a.recv_x[p], row_of(src.pointers[p], t, a.x_row_bytes[p]), a.x_row_bytes[p], lanes, row,
+                            lane);
+        }
+      }
+    }
+  }
+
+  // 5. Rows that pad each group up to the alignment: zero rows, weight 0, no source. Past the groups, only the
+  // 4-byte fields.
+  for (int64_t j = grid_warp; j < experts_per_rank; j += grid_warps) {
+    const int64_t pad_end = min(capacity, static_cast<int64_t>(sh.group_offset[j]) + sh.group_size[j]);
+    for (int64_t row = sh.group_offset[j] + sh.group_count[j]; row < pad_end; ++row) {
+      for (int p = 0; p < a.num_payloads; ++p)
+        warp_zero_row(row_of(a.recv_x[p], row, a.x_row_bytes[p]), a.x_row_bytes[p], lane);
+      if (lane == 0) {
+        a.recv_src_index[row] = static_cast<int32_t>(num_items);
+        if (a.recv_weights) a.recv_weights[row] = 0.f;
+      }
+    }
+  }
+  for (int64_t row = min(capacity, groups_end) + blockIdx.x * kThreads + threadIdx.x; row < capacity;
+       row += static_cast<int64_t>(gridDim.x) * kThreads) {
+    a.recv_src_index[row] = static_cast<int32_t>(num_items);
+    if (a.recv_weights) a.recv_weights[row] = 0.f;
+  }
+  finish_call(g, ctx, IntranodeOp::kExpertMajorDispatch, timeout_ns, [] {});
+}
+
+// ---- cached dispatch -----------------------------------------------------------------------------------------------
+
+__global__ void __launch_bounds__(kThreads, 1) expert_major_cached_dispatch_kernel(
+    const __grid_constant__ IntranodeRank g, const __grid_constant__ ExpertMajorCachedDispatchArgs a,
+    const __grid_constant__ StagePlan plan, int64_t timeout_ns) {
+  __shared__ CallContext ctx;
+  const int num_ranks = g.num_ranks, lane = threadIdx.x % 32;
+  const int64_t num_tokens = a.num_tokens, capacity = a.capacity, columns = a.num_pair_columns;
+  publish_inputs_and_wait(g, ctx, plan, IntranodeOp::kExpertMajorCachedDispatch, timeout_ns);
+  // Items with a kept pair (its first pair row below the capacity), sources interleaved.
+  for_each_received_pair(
+      num_ranks, num_tokens, g.rank,
+      [&](int s, int64_t t) {
+        const int32_t first = a.pair_row[(s * num_tokens + t) * columns];
+        return first >= 0 && first < capacity ? first : -1;
+      },
+      [&](int s, int64_t t, int32_t) {
+        const int64_t item = s * num_tokens + t;
+        const int32_t row = lane < columns ? a.pair_row[item * columns + lane] : -1;
+        const uint32_t lanes = __ballot_sync(kFullMask, row >= 0 && row < capacity);
+        warp_fanout_row(a.recv_x, row_of(ctx.views[s].pointers[0], t, a.row_bytes), a.row_bytes, lanes, row, lane);
+      });
+  // Rows inside the groups that hold no pair (alignment padding).
+  const int64_t rows_end = min(capacity, static_cast<int64_t>(*a.rows_end));
+  for (int64_t row = global_warp(); row < rows_end; row += num_global_warps())
+    if (a.recv_src_index[row] == num_ranks * num_tokens) warp_zero_row(row_of(a.recv_x, row, a.row_bytes), a.row_bytes, lane);
+  finish_call(g, ctx, IntranodeOp::kExpertMajorCachedDispatch, timeout_ns, [] {});
+}
+
+// ---- combine -------------------------------------------------------------------------------------------------------
+// Two phases. (A) Every warp takes received items, sources interleaved so that consecutive items go to different home
+// ranks, and computes each one's partial from its pair rows: a partial of another rank's token is stored into that
+// rank's slots, one of this rank's own into `out` (which holds it exactly: y's type or float32). Then a grid barrier,
+// and each rank tells every rank that its partials are out (a flag per rank, release), and waits for theirs. (B) Every
+// warp sums this rank's tokens: the partials of the ranks that hold each, in rank order, then the bias, into `out`.
+
+// Pair rows and 16-byte vectors whose loads a lane keeps in flight together while summing a partial: 8 loads, as
+// many as the registers hold beside the sums for bfloat16 rows (more spill).
+constexpr int kPairsInFlight = 4;
+constexpr int kVecsInFlight = 2;
+
+// A token's kept pairs on this rank (item `item` of pair_row): lane q < count holds pair q's row and weight.
+struct Pairs {
+  int count;
+  int32_t row;
+  float weight;
+};
+
+__device__ __forceinline__ Pairs pairs_of(const ExpertMajorCombineArgs& a, int64_t item, int lane) {
+  Pairs p;
+  p.row = lane < a.num_pair_columns ? a.pair_row[item * a.num_pair_columns + lane] : -1;
+  const bool kept = p.row >= 0 && p.row < a.capacity;  // kept pairs come first
+  p.count = __popc(__ballot_sync(kFullMask, kept));
+  p.weight = kept && a.weights ? a.weights[p.row] : 1.f;
+  return p;
+}
+
+// Phase A for one item: its partial, the float32 sum from 0 of weight * y[row] over its pairs in order (each product
+// rounded on its own), rounded to In, stored as Dst (In, or Out for this rank's own tokens) into dst's row. The whole
+// warp calls it; lane l takes vectors l, l + 32, ... of the row, kVecsInFlight at a time.
+template <typename In, typename Dst, int kVec>
+__device__ __forceinline__ void store_partial(const ExpertMajorCombineArgs& a, const Pairs& pairs, Dst* dst,
+                                              int lane) {
+  const In* y = static_cast<const In*>(a.y);
+  const int64_t vecs = a.row_elements / kVec;
+  for (int64_t round = 0; round < vecs; round += 32 * kVecsInFlight) {  // every lane: the rounds shuffle
+    const int64_t first = round + lane;
+    float sum[kVecsInFlight][kVec];
+#pragma unroll
+    for (int u = 0; u < kVecsInFlight; ++u)
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) sum[u][e] = 0.f;
+    for (int q0 = 0; q0 < pairs.count; q0 += kPairsInFlight) {
+      Pack<In, kVec> packs[kPairsInFlight][kVecsInFlight];
+      float weight[kPairsInFlight];
+#pragma unroll
+      for (int p = 0; p < kPairsInFlight; ++p) {
+        const int q = min(q0 + p, 31);
+        const int64_t row = __shfl_sync(kFullMask, pairs.row, q);
+        weight[p] = __shfl_sync(kFullMask, pairs.weight, q);
+#pragma unroll
+        for (int u = 0; u < kVecsInFlight; ++u)
+          if (q0 + p < pairs.count && first + 32 * u < vecs)
+            packs[p][u] = LoadNonCoherent{}(reinterpret_cast<const Pack<In, kVec>*>(y + row * a.row_elements) +
+                                            first + 32 * u);
+      }
+#pragma unroll
+      for (int p = 0; p < kPairsInFlight; ++p) {
+        if (q0 + p >= pairs.count) break;
+#pragma unroll
+        for (int u = 0; u < kVecsInFlight; ++u)
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) {
+            const float x = to_float(packs[p][u].v[e]);
+            sum[u][e] = __fadd_rn(sum[u][e], a.weights ? __fmul_rn(weight[p], x) : x);
+          }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kVecsInFlight; ++u) {
+      if (first + 32 * u >= vecs) break;
+      Pack<Dst, kVec> pack;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) pack.v[e] = from_float<Dst>(to_float(from_float<In>(sum[u][e])));
+      reinterpret_cast<Pack<Dst, kVec>*>(dst + (first + 32 * u) * kVec)[0] = pack;
+    }
+  }
+}
+
+template <typename In, typename Out, int kVec>
+__device__ void make_partials(const IntranodeRank& g, const CallContext& ctx, const ExpertMajorCombineArgs& a) {
+  const int num_ranks = g.num_ranks, me = g.rank, lane = threadIdx.x % 32;
+  const int64_t num_tokens = a.num_tokens;
+  for (int64_t j = global_warp(); j < num_ranks * num_tokens; j += num_global_warps()) {
+    const int s = static_cast<int>((me + 1 + j % num_ranks) % num_ranks);  // home ranks interleaved
+    const int64_t t = j / num_ranks, item = s * num_tokens + t;
+    if (a.pair_row[item * a.num_pair_columns] == -1) continue;  // not received: its home adds nothing of ours
+    const Pairs pairs = pairs_of(a, item, lane);
+    if (s == me) {
+      store_partial<In, Out, kVec>(a, pairs, static_cast<Out*>(a.out) + t * a.row_elements, lane);
+    } else {
+      In* slots = static_cast<In*>(const_cast<void*>(ctx.views[s].pointers[0]));
+      store_partial<In, In, kVec>(a, pairs, slots + (slot_region(me, s) * num_tokens + t) * a.row_elements, lane);
+    }
+  }
+}
+
+// Between the phases (every block): this rank's partials are all stored (grid barrier), then a flag to every rank
+// that they are, then every rank's flag.
+__device__ __forceinline__ void exchange_partials(const IntranodeRank& g, const CallContext& ctx, int64_t timeout_ns) {
+  sync_grid(g, ctx.call, 1, IntranodeOp::kExpertMajorCombine, timeout_ns);
+  if (threadIdx.x < g.num_ranks) {
+    const int peer = threadIdx.x;
+    if (blockIdx.x == 0) {
+      __threadfence_system();
+      store_release_sys(&g.states[peer]->partials_stored[g.rank], ctx.call);
+    }
+    wait_for_flag(g, &g.states[g.rank]->partials_stored[peer], ctx.call, IntranodeOp::kExpertMajorCombine,
+                  IntranodeWait::kCombineRows, peer, timeout_ns);
+  }
+  __syncthreads();
+}
+
+// Phase B: out[t] = (acc = 0; acc += partial_r[t] for the ranks r that hold t, in rank order) + bias[t], cast; this
+// rank's own partial is out[t] itself. Each lane keeps kRanks * kUnroll = 8 16-byte loads in flight, as reduce_token
+// (intranode.cu).
+template <typename In, typename Bias, typename Out, int kVec, int kRanks>
+__device__ void sum_partials(const IntranodeRank& g, const CallContext& ctx, const ExpertMajorCombineArgs& a) {
+  constexpr int kUnroll = 8 / kRanks;
+  const int num_ranks = g.num_ranks, me = g.rank, lane = threadIdx.x % 32;
+  const int64_t num_tokens = a.num_tokens, vecs = a.row_elements / kVec;
+  const In* slots = static_cast<const In*>(ctx.views[me].pointers[0]);
+  const Bias* bias = static_cast<const Bias*>(a.bias);
+  Out* out = static_cast<Out*>(a.out);
+  for (int64_t t = global_warp(); t < num_tokens; t += num_global_warps()) {
+    const uint32_t ranks = __ballot_sync(kFullMask, lane < num_ranks && a.is_token_in_rank[t * num_ranks + lane]);
+    for (int64_t first = lane; first < vecs; first += 32 * kUnroll) {
+      Pack<In, kVec> packs[kUnroll][kRanks];
+      Pack<Out, kVec> own[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t v = first + 32 * u;
+        if (v >= vecs) break;
+#pragma unroll
+        for (int r = 0; r < kRanks; ++r) {
+          if (!((ranks >> r) & 1u)) continue;
+          if (r == me)  // written by this rank's warps before the grid barrier
+            own[u] = LoadL2{}(reinterpret_cast<const Pack<Out, kVec>*>(out + t * a.row_elements) + v);
+          else  // written by rank r before its flag
+            packs[u][r] = LoadL2{}(reinterpret_cast<const Pack<In, kVec>*>(
+                                       slots + (slot_region(r, me) * num_tokens + t) * a.row_elements) + v);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t v = first + 32 * u;
+        if (v >= vecs) break;
+        float acc[kVec];
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) acc[e] = 0.f;
+#pragma unroll
+        for (int r = 0; r < kRanks; ++r) {
+          if (!((ranks >> r) & 1u)) continue;
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) acc[e] += r == me ? to_float(own[u].v[e]) : to_float(packs[u][r].v[e]);
+        }
+        add_bias_and_store(acc, bias, out, a.row_elements, t, v);
+      }
+    }
+  }
+}
+
+template <typename In, typename Bias, typename Out, int kVec, int kRanks>
+__global__ void __launch_bounds__(kThreads, 1)
+    expert_major_combine_kernel(const __grid_constant__ IntranodeRank g, const __grid_constant__ ExpertMajorCombineArgs a,
+                                const __grid_constant__ StagePlan plan, int64_t timeout_ns) {
+  __shared__ CallContext ctx;
+  publish_inputs_and_wait(g, ctx, plan, IntranodeOp::kExpertMajorCombine, timeout_ns);
+  make_partials<In, Out, kVec>(g, ctx, a);
+  exchange_partials(g, ctx, timeout_ns);
+  sum_partials<In, Bias, Out, kVec, kRanks>(g, ctx, a);
+  finish_call(g, ctx, IntranodeOp::kExpertMajorCombine, timeout_ns, [] {});
+}
+
+// ---- launches ------------------------------------------------------------------------------------------------------
+
+template <typename In, typename Bias, typename Out, int kRanks>
+void launch_combine_for_ranks(const IntranodeCall& call, const ExpertMajorCombineArgs& args, const StagePlan& plan) {
+  constexpr int kVec = 16 / sizeof(In);  // 16-byte loads where the row allows (XLA buffers are 16-byte aligned)
+  if (args.row_elements % kVec == 0)
+    expert_major_combine_kernel<In, Bias, Out, kVec, kRanks>
+        <<<grid_size(call), kThreads, 0, call.stream>>>(call.group, args, plan, call.timeout_ns);
+  else
+    expert_major_combine_kernel<In, Bias, Out, 1, kRanks>
+        <<<grid_size(call), kThreads, 0, call.stream>>>(call.group, args, plan, call.timeout_ns);
+}
+
+template <typename In, typename Bias, typename Out>
+cudaError_t launch_combine(const IntranodeCall& call, const ExpertMajorCombineArgs& args) {
+  const int ranks = call.group.num_ranks;
+  const int64_t row_bytes = args.row_elements * static_cast<int64_t>(sizeof(In));
+  const CombineStaging staging(args.num_tokens, row_bytes, ranks, args.capacity, /*push=*/true);
+  StagePlanBuilder builder(call.group);
+  builder.publish_scratch(args.slots, staging.rows);  // view: where the peers store their partials for this rank
+  StagePlan plan;
+  if (!builder.finish(&plan, staging.end)) return cudaErrorMemoryAllocation;
+  if (ranks <= 2)
+    launch_combine_for_ranks<In, Bias, Out, 2>(call, args, plan);
+  else if (ranks <= 4)
+    launch_combine_for_ranks<In, Bias, Out, 4>(call, args, plan);
+  else
+    launch_combine_for_ranks<In, Bias, Out, 8>(call, args, plan);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t intranode_expert_major_dispatch(const IntranodeCall& call, const ExpertMajorDispatchArgs& args) {
+  const int ranks = call.group.num_ranks;
+  if (args.num_topk < 1 || args.num_topk > kNormalMaxTopk || args.num_payloads < 1 || args.num_payloads > 2 ||
+      args.num_experts < ranks || args.num_experts % ranks != 0 || args.num_experts > kExpertMajorMaxExperts ||
+      args.expert_alignment < 1 || args.block_count_rows < grid_size(call))
+    return cudaErrorInvalidValue;
+  const bool two_payloads = args.num_payloads == 2;
+  // The inputs peers read are the rank-major dispatch's (its send-offset region stays unused here).
+  const DispatchStaging staging(args.num_tokens, {args.x_row_bytes[0], two_payloads ? args.x_row_bytes[1] : 0},
+                                args.num_topk, args.topk_weights != nullptr, ranks);
+  StagePlanBuilder builder(call.group);  // view order: payloads, topk_idx, topk_weights
+  builder.publish(args.x[0], args.num_tokens, args.x_row_bytes[0], staging.payloads[0]);
+  builder.publish(two_payloads ? args.x[1] : nullptr, args.num_tokens, args.x_row_bytes[1], staging.payloads[1]);
+  builder.publish(args.topk_idx, args.num_tokens, args.num_topk * 4, staging.topk_idx);
+  builder.publish(args.topk_weights, args.num_tokens, args.num_topk * 4, staging.topk_weights);
+  StagePlan plan;
+  if (!builder.finish(&plan, staging.end)) return cudaErrorMemoryAllocation;
+  expert_major_dispatch_kernel<<<grid_size(call), kThreads, 0, call.stream>>>(call.group, args, plan,
+                                                                              call.timeout_ns);
+  return cudaGetLastError();
+}
+
+cudaError_t intranode_expert_major_cached_dispatch(const IntranodeCall& call,
+                                                   const ExpertMajorCachedDispatchArgs& args) {
+  if (args.num_pair_columns < 1 || args.num_pair_columns > 32) return cudaErrorInvalidValue;
+  const CachedDispatchStaging staging(args.num_tokens, args.row_bytes);
+  StagePlanBuilder builder(call.group);
+  builder.publish(args.x, args.num_tokens, args.row_bytes, staging.x);
+  StagePlan plan;
+  if (!builder.finish(&plan, staging.end)) return cudaErrorMemoryAllocation;
+  expert_major_cached_dispatch_kernel<<<grid_size(call), kThreads, 0, call.stream>>>(call.group, args, plan,
+                                                                                     call.timeout_ns);
+  return cudaGetLastError();
+}
+
+cudaError_t intranode_expert_major_combine(const IntranodeCall& call, const ExpertMajorCombineArgs& args) {
+  const bool ok = args.num_pair_columns >= 1 && args.num_pair_columns <= 32 &&
+                  (call.group.staged || call.group.num_ranks == 1 || args.slots);
+  if (!ok) return cudaErrorInvalidValue;
+  return with_combine_types(args, [&](auto in, auto bias, auto out) {
+    return launch_combine<typename decltype(in)::type, typename decltype(bias)::type, typename decltype(out)::type>(
+        call, args);
+  });
+}
+
+}  // namespace jax_ep
