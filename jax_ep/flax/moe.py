@@ -59,6 +59,13 @@ def _expert_init():
                                              batch_axis=(0,))
 
 
+def block_config(mesh: Mesh) -> jax_ep.Config:
+    """The Config of a block's own normal-mode Buffer: its kernels on every SM of the mesh's GPUs (the fewest any
+    has), as nothing runs beside them; elsewhere (no SM count: CPU) the default."""
+    counts = [getattr(device, "core_count", None) for device in mesh.devices.flat]
+    return jax_ep.Config(num_sms=min(counts)) if all(counts) else jax_ep.Config()
+
+
 class MoE(nnx.Module):
     """A mixture-of-experts block: router, SwiGLU experts (optionally plus shared experts), returning
     `(y, MoEAux)` with y shaped like x ([..., d_model]).
@@ -97,7 +104,9 @@ class MoE(nnx.Module):
     (E/R) * (expert_alignment - 1) rows, so that the alignment drops no pair; the pairs past the last row are
     dropped and counted in MoEAux.num_dropped. None: R * T * min(K, E/R) pairs and the padding, which never drops.
     buffer: an existing jax_ep.Buffer to use (share one among layers; pass one to the Linen wrapper, which
-    builds the module again at every apply); by default the block makes its own from mesh and axis_name.
+    builds the module again at every apply); by default the block makes its own from mesh and axis_name, whose
+    kernels take every SM of the GPU (`block_config`): the block runs its stages one after another, so no
+    computation runs beside its communication.
     dtype: computation dtype of the experts and of the tokens on the wire (None: that of x); the router runs
     in float32. param_dtype: dtype of the weights.
     """
@@ -146,7 +155,8 @@ class MoE(nnx.Module):
         if mesh is None:
             raise ValueError(f"jax_ep.flax.MoE: dispatcher={self.dispatcher!r} needs a mesh (or a buffer)")
         if self.dispatcher != "low_latency":
-            return jax_ep.Buffer(mesh, axis_name, backend="xla" if self.dispatcher == "xla" else backend)
+            return jax_ep.Buffer(mesh, axis_name, backend="xla" if self.dispatcher == "xla" else backend,
+                                 config=block_config(mesh))
         if max_tokens_per_rank is None:
             raise ValueError("jax_ep.flax.MoE: dispatcher='low_latency' needs max_tokens_per_rank (the most tokens "
                              "one rank sends per call; it sizes the receive buffers)")
