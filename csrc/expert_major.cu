@@ -504,6 +504,7 @@ __device__ void make_partials(const IntranodeRank& g, const CallContext& ctx, co
 // Between the phases (every block): this rank's partials are all stored (grid barrier), then a flag to every rank
 // that they are, then every rank's flag.
 __device__ __forceinline__ void exchange_partials(const IntranodeRank& g, const CallContext& ctx, int64_t timeout_ns) {
+  __threadfence_system();  // this thread's stores into peers' slots, before the flag that block 0 raises for all
   sync_grid(g, ctx.call, 1, IntranodeOp::kExpertMajorCombine, timeout_ns);
   if (threadIdx.x < g.num_ranks) {
     const int peer = threadIdx.x;
@@ -635,7 +636,7 @@ cudaError_t intranode_expert_major_dispatch(const IntranodeCall& call, const Exp
 
 cudaError_t intranode_expert_major_cached_dispatch(const IntranodeCall& call,
                                                    const ExpertMajorCachedDispatchArgs& args) {
-  if (args.num_pair_columns < 1 || args.num_pair_columns > 32) return cudaErrorInvalidValue;
+  if (args.num_pair_columns < 1 || args.num_pair_columns > kNormalMaxTopk) return cudaErrorInvalidValue;
   const CachedDispatchStaging staging(args.num_tokens, args.row_bytes);
   StagePlanBuilder builder(call.group);
   builder.publish(args.x, args.num_tokens, args.row_bytes, staging.x);
@@ -647,7 +648,7 @@ cudaError_t intranode_expert_major_cached_dispatch(const IntranodeCall& call,
 }
 
 cudaError_t intranode_expert_major_combine(const IntranodeCall& call, const ExpertMajorCombineArgs& args) {
-  const bool ok = args.num_pair_columns >= 1 && args.num_pair_columns <= 32 &&
+  const bool ok = args.num_pair_columns >= 1 && args.num_pair_columns <= kNormalMaxTopk &&
                   (call.group.staged || call.group.num_ranks == 1 || args.slots);
   if (!ok) return cudaErrorInvalidValue;
   return with_combine_types(args, [&](auto in, auto bias, auto out) {

@@ -340,7 +340,8 @@ def combine(buffer: Buffer, y, handle, topk_weights=None, bias=None, *, weights=
 
     With the handle of an expert-major dispatch, rows are (token, local expert) pairs: each rank first sums a
     token's pairs, weighted by `weights` float32 [C] (e.g. the dispatch's recv_weights; 1 when None), in float32 in
-    ascending local expert, and these partials are summed as above (docs/design.md, "Expert-major layout")."""
+    ascending local expert and rounds that partial to y's dtype, and these partials are summed as above
+    (docs/design.md, "Expert-major layout")."""
     _check_buffer("combine", buffer)
     _check_normal_handle("combine", handle)
     spec = _normal_spec("combine", buffer, None)

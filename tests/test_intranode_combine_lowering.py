@@ -145,13 +145,14 @@ def test_dispatch_staging_per_region():
 
 
 def test_normal_buffer_bytes_per_method(monkeypatch):
-    """The combine of float32 rows dominates at these sizes: (R-1)*T rows pushed, or C rows staged to pull."""
+    """The combine of float32 rows dominates at these sizes: (R-1)*T rows pushed, or C rows staged to pull; the
+    expert-major combine always pushes, so a small pull capacity still leaves room for its (R-1)*T rows."""
     Tb, Hb, Rb, Kb = 4096, 7168, 4, 8
     pushed = staged((Rb - 1) * Tb * 4 * Hb)
     pulled = staged(Rb * Tb * 4 * Hb)
     assert jax_ep.normal_buffer_bytes(Tb, Hb, Rb, Kb, combine="push") == pushed
     assert jax_ep.normal_buffer_bytes(Tb, Hb, Rb, Kb, combine="pull") == pulled
-    assert jax_ep.normal_buffer_bytes(Tb, Hb, Rb, Kb, combine="pull", capacity=Tb) == staged(Tb * 4 * Hb)
+    assert jax_ep.normal_buffer_bytes(Tb, Hb, Rb, Kb, combine="pull", capacity=Tb) == pushed
     monkeypatch.delenv(ENV, raising=False)  # a group spanning processes pushes by default
     assert jax_ep.normal_buffer_bytes(Tb, Hb, Rb, Kb) == pushed
     monkeypatch.setenv(ENV, "pull")
@@ -227,3 +228,20 @@ def test_expert_major_beyond_the_kernels_limit_is_composed():
     text = expert_major_program(cuda_standin(False), experts)
     assert not calls_of(text, intranode.EXPERT_MAJOR_DISPATCH_TARGET)
     assert calls_of(text, intranode.DISPATCH_TARGET) and calls_of(text, intranode.COMBINE_TARGET)
+
+
+def test_expert_major_combine_of_other_float_types_rounds_partials_first():
+    """y of a type the combine kernels do not read (float8 here): its partials are made in XLA and rounded to y's
+    type, then summed home by the kernel as float32 rows, one per received token."""
+    buf = cuda_standin(False)
+
+    def body(x, idx, w):
+        d = jax_ep.dispatch(buf, x, idx, w, num_experts=E, layout="expert_major")
+        return jax_ep.combine(buf, d.recv_x.astype(jnp.float8_e4m3fn), d.handle, weights=d.recv_weights).x
+
+    args = (jnp.zeros((R * T, H), jnp.bfloat16), jnp.zeros((R * T, K), jnp.int32), jnp.zeros((R * T, K), jnp.float32))
+    text = jax.jit(jax.shard_map(body, mesh=buf.mesh, in_specs=P("ep"), out_specs=P("ep"))).lower(*args).as_text()
+    (call,) = calls_of(text, intranode.EXPERT_MAJOR_COMBINE_TARGET)
+    assert f"tensor<{R * T}x{H}xf32>, tensor<{R * T}x1xi32>" in call, call  # a float32 partial per received token
+    assert re.search(r"weighted = 0", call), call
+    assert "f8E4M3FN" in text and "convert" in text  # the partials rounded to float8 in XLA

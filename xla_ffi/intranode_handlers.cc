@@ -62,6 +62,7 @@ ffi::Error Combine(const char* op, const IntranodeCall& call, ffi::AnyBuffer y, 
     return Invalid(op, "recv_src_index must be int32 [capacity]");
   a.send_row = DataOf<int32_t>(send_row);
   a.recv_src_index = DataOf<int32_t>(recv_src_index);
+  a.push_warps = static_cast<int32_t>(push_warps);
   if (with_slots) {
     const int64_t need = (call.group.num_ranks - 1) * a.num_tokens * RowBytes(y);
     if (static_cast<int64_t>((*slots)->size_bytes()) < need)
@@ -219,6 +220,8 @@ ffi::Error ExpertMajorCombine(const char* op, const IntranodeCall& call, ffi::An
       return Invalid(op, "the slots result must hold (num_ranks - 1) * num_tokens rows of y");
     a.slots = (*slots)->untyped_data();
   }
+  if (a.num_pair_columns < 1 || a.num_pair_columns > kNormalMaxTopk)
+    return Invalid(op, "pair_row must have 1 to " + std::to_string(kNormalMaxTopk) + " columns");
   const cudaError_t err = intranode_expert_major_combine(call, a);
   if (err == cudaErrorInvalidValue) return Invalid(op, "the result and bias must have y's dtype or float32");
   return Launched(op, err, WorkspaceTooSmall);

@@ -59,11 +59,20 @@ def _expert_init():
                                              batch_axis=(0,))
 
 
+# SMs a block's own Buffer leaves to kernels that XLA may run on other streams beside the block, those of its
+# asynchronous collectives (NCCL's take a few tens): a normal-mode kernel needs every one of its blocks resident at
+# once, so one that wanted SMs such a kernel holds would wait for it.
+SMS_LEFT_FOR_COLLECTIVES = 32
+
+
 def block_config(mesh: Mesh) -> jax_ep.Config:
-    """The Config of a block's own normal-mode Buffer: its kernels on every SM of the mesh's GPUs (the fewest any
-    has), as nothing runs beside them; elsewhere (no SM count: CPU) the default."""
+    """The Config of a block's own normal-mode Buffer: its kernels on the SMs of the mesh's GPUs (the fewest any has)
+    but SMS_LEFT_FOR_COLLECTIVES, at least the default's: the block's stages run one after another, so no
+    computation of the block runs beside its communication. Elsewhere (no SM count: CPU) the default."""
     counts = [getattr(device, "core_count", None) for device in mesh.devices.flat]
-    return jax_ep.Config(num_sms=min(counts)) if all(counts) else jax_ep.Config()
+    if not all(counts):
+        return jax_ep.Config()
+    return jax_ep.Config(num_sms=max(jax_ep.Config().num_sms, min(counts) - SMS_LEFT_FOR_COLLECTIVES))
 
 
 class MoE(nnx.Module):
@@ -105,8 +114,8 @@ class MoE(nnx.Module):
     dropped and counted in MoEAux.num_dropped. None: R * T * min(K, E/R) pairs and the padding, which never drops.
     buffer: an existing jax_ep.Buffer to use (share one among layers; pass one to the Linen wrapper, which
     builds the module again at every apply); by default the block makes its own from mesh and axis_name, whose
-    kernels take every SM of the GPU (`block_config`): the block runs its stages one after another, so no
-    computation runs beside its communication.
+    kernels take the GPU's SMs but 32 left to XLA's collectives (`block_config`): the block runs its stages one
+    after another, so none of its computation runs beside its communication.
     dtype: computation dtype of the experts and of the tokens on the wire (None: that of x); the router runs
     in float32. param_dtype: dtype of the weights.
     """

@@ -100,8 +100,8 @@ def internode_buffer_bytes(num_tokens: int, hidden: int, num_ranks: int, num_top
 
     Roughly N*T token rows for dispatch, and capacity + 2*N*T float32 rows for combine: at DeepEP's shape
     (T=4096, H=7168, R=16 on 2 nodes, default capacity) about 2.3 GB; a smaller `max_recv_tokens` shrinks the
-    combine part (not for the expert-major layout, which combines float32 partials at the routing dispatch's R*T
-    rows: leave capacity at its default for it)."""
+    combine part (not for the expert-major layout, which combines its partials, in y's dtype, at the routing
+    dispatch's R*T rows: leave capacity at its default for it)."""
     num_nodes = num_ranks // ranks_per_node
     capacity = num_ranks * num_tokens if capacity is None else capacity
     payload = hidden + hidden // FP8_GROUP * 4 if fp8 else 2 * hidden

@@ -113,9 +113,10 @@ def normal_buffer_bytes(num_tokens: int, hidden: int, num_ranks: int, num_topk: 
     bfloat16 [T, hidden] (or the FP8 pair with fp8=True) for dispatch and float32 for the combined weights;
     combine rows are taken at up to 4 bytes an element: the push combine receives (R-1)*T of them, the pull
     combine stages y [capacity, hidden] (capacity defaults to R*T). `combine` ("push" or "pull") defaults to
-    the method such a group runs with `Config.combine` None (push, or $JAX_EP_COMBINE). The expert-major layout
-    combines float32 partials at the routing dispatch's R*T rows whatever its max_recv_tokens: leave capacity
-    at its default for it."""
+    the method such a group runs with `Config.combine` None (push, or $JAX_EP_COMBINE). The expert-major layout's
+    combines always push ((R-1)*T rows, which this counts whatever `combine` says) and stage nothing of their
+    capacity; its composed path (more experts than the kernels take) combines partials at the routing
+    dispatch's R*T rows: leave capacity at its default for it."""
     if combine not in (None,) + COMBINE_METHODS:
         raise ValueError(f"jax_ep.normal_buffer_bytes: combine must be one of {COMBINE_METHODS} or None, "
                          f"got {combine!r}")
@@ -125,7 +126,8 @@ def normal_buffer_bytes(num_tokens: int, hidden: int, num_ranks: int, num_topk: 
     rows = (hidden, hidden // FP8_GROUP * 4) if fp8 else (2 * hidden,)
     return max(dispatch_staging_bytes(num_tokens, rows, num_topk, num_ranks, True),
                cached_dispatch_staging_bytes(num_tokens, 4 * hidden),  # of a float32 cotangent
-               combine_staging_bytes(num_tokens, 4 * hidden, num_ranks, capacity, push))  # float32 rows
+               combine_staging_bytes(num_tokens, 4 * hidden, num_ranks, capacity, push),  # float32 rows
+               combine_staging_bytes(num_tokens, 4 * hidden, num_ranks, capacity, True))  # expert-major kernels
 
 
 def _check_staging(op: str, staging_bytes: int | None, need: int) -> None:
@@ -333,6 +335,17 @@ class IntranodeBackend(low_latency.LowLatencyOps, Backend):
 
     def expert_major_combine(self, y, weights, pair_row, handle, *, bias=None, out_dtype=jnp.float32):
         """Partials are made where the pairs are and stored into their home ranks, whatever Config.combine says."""
+        if y.dtype not in normal.KERNEL_FLOAT_TYPES:
+            # The kernels read float32, bfloat16 and float16 rows. Other types' partials are made here, rounded to
+            # y's dtype, and go home as float32 rows (which hold them exactly), each received token's its one pair.
+            from jax_ep.expert_major import partial_sums
+
+            capacity = y.shape[0]
+            kept = jnp.where((pair_row >= 0) & (pair_row < capacity), pair_row, capacity)
+            partial = partial_sums(y, weights, kept).astype(y.dtype).astype(jnp.float32)
+            items = jnp.arange(pair_row.shape[0], dtype=int32)[:, None]
+            received = jnp.where(pair_row[:, :1] >= 0, items, -1)
+            return self.expert_major_combine(partial, None, received, handle, bias=bias, out_dtype=out_dtype)
         y, bias, kernel_out = normal.combine_kernel_types(y, bias, out_dtype)
         num_tokens, num_ranks = handle.rows.is_token_in_rank.shape
         row_bytes = normal.row_bytes(y)

@@ -14,7 +14,7 @@ from jax_ep.backends.xla import XlaHandle
 # Top-k entries per token of a normal-mode dispatch (csrc/kernel_limits.h): one warp lane each.
 MAX_TOPK = _native.limit("normal_max_topk")
 # Row types the combine kernels read directly.
-_FLOAT_TYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+KERNEL_FLOAT_TYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 int32 = jnp.int32
 
@@ -88,7 +88,7 @@ def combine_kernel_types(y, bias, out_dtype):
     """(y, bias, the kernel's output dtype) as the combine kernels take them: they read f32/bf16/f16 rows and
     write y's type or f32; other types widen to f32 first, exactly as the float32 sum would (the xla backend's
     semantics), and the caller casts the kernel's output to out_dtype."""
-    if y.dtype not in _FLOAT_TYPES:
+    if y.dtype not in KERNEL_FLOAT_TYPES:
         y = y.astype(jnp.float32)
     if bias is not None and bias.dtype not in (y.dtype, jnp.float32):
         bias = bias.astype(jnp.float32)
