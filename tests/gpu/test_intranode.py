@@ -306,6 +306,26 @@ def test_combine_push_and_pull(R, method, dtype, with_bias, C):
     check_combine(R, 77, 512, 5, 8 * R, dtype, with_bias, seed=7, C=C, method=method)
 
 
+@pytest.mark.skipif(not MULTI_PROCESS, reason="a group spanning processes stages what its peers read (one process "
+                    "pulls from XLA's buffers in place)")
+def test_push_combine_runs_in_a_buffer_sized_for_pushing():
+    """A Buffer of num_nvl_bytes = normal_buffer_bytes(..., combine="push") and Config(combine="push") combines: the
+    combine's push reaches the kernel (one that pulled would stage all R*T float32 rows of y, more than it holds)."""
+    R = jax.process_count()
+    T, H, K, E = 64, 512, 4, 8 * R
+    nbytes = jax_ep.normal_buffer_bytes(T, H, R, K, combine="push")
+    assert nbytes < jax_ep.normal_buffer_bytes(T, H, R, K, combine="pull"), "these sizes must tell push from pull"
+    x, idx, _ = make_case(R, T, H, K, E, seed=5, dtype=O.BF16)
+    y = O.make_x(np.random.default_rng(6), (R, R * T, H), np.float32)
+    with jax_ep.Buffer(mesh(R), "ep", backend="cuda", config=jax_ep.Config(combine="push"),
+                       num_nvl_bytes=nbytes) as buf:
+        def body(x, idx, y):
+            return jax_ep.combine(buf, y, jax_ep.dispatch(buf, x, idx, num_experts=E).handle).x
+
+        out = ranks(jax.device_get(spmd(R, body)(flat(x), flat(idx), flat(y))), R)
+    assert_bits(out, O.combine(y, O.dispatch(x, idx, None, E).routing)[0], "push combine vs oracle")
+
+
 @needs_nccl
 @pytest.mark.parametrize("R", RANKS)
 def test_handles_swap_between_backends(R):
