@@ -601,12 +601,9 @@ cudaError_t launch_combine(const IntranodeCall& call, const ExpertMajorCombineAr
   builder.publish_scratch(args.slots, staging.rows);  // view: where the peers store their partials for this rank
   StagePlan plan;
   if (!builder.finish(&plan, staging.end)) return cudaErrorMemoryAllocation;
-  if (ranks <= 2)
-    launch_combine_for_ranks<In, Bias, Out, 2>(call, args, plan);
-  else if (ranks <= 4)
-    launch_combine_for_ranks<In, Bias, Out, 4>(call, args, plan);
-  else
-    launch_combine_for_ranks<In, Bias, Out, 8>(call, args, plan);
+  with_rank_bound(ranks, [&](auto bound) {
+    launch_combine_for_ranks<In, Bias, Out, decltype(bound)::value>(call, args, plan);
+  });
   return cudaGetLastError();
 }
 
@@ -618,15 +615,9 @@ cudaError_t intranode_expert_major_dispatch(const IntranodeCall& call, const Exp
       args.num_experts < ranks || args.num_experts % ranks != 0 || args.num_experts > kExpertMajorMaxExperts ||
       args.expert_alignment < 1 || args.block_count_rows < grid_size(call))
     return cudaErrorInvalidValue;
-  const bool two_payloads = args.num_payloads == 2;
   // The inputs peers read are the rank-major dispatch's (its send-offset region stays unused here).
-  const DispatchStaging staging(args.num_tokens, {args.x_row_bytes[0], two_payloads ? args.x_row_bytes[1] : 0},
-                                args.num_topk, args.topk_weights != nullptr, ranks);
-  StagePlanBuilder builder(call.group);  // view order: payloads, topk_idx, topk_weights
-  builder.publish(args.x[0], args.num_tokens, args.x_row_bytes[0], staging.payloads[0]);
-  builder.publish(two_payloads ? args.x[1] : nullptr, args.num_tokens, args.x_row_bytes[1], staging.payloads[1]);
-  builder.publish(args.topk_idx, args.num_tokens, args.num_topk * 4, staging.topk_idx);
-  builder.publish(args.topk_weights, args.num_tokens, args.num_topk * 4, staging.topk_weights);
+  StagePlanBuilder builder(call.group);
+  const DispatchStaging staging = publish_dispatch_inputs(builder, args, ranks);
   StagePlan plan;
   if (!builder.finish(&plan, staging.end)) return cudaErrorMemoryAllocation;
   expert_major_dispatch_kernel<<<grid_size(call), kThreads, 0, call.stream>>>(call.group, args, plan,

@@ -278,6 +278,11 @@ __global__ void __launch_bounds__(kThreads, 1) combine_pull_kernel(const __grid_
 // release barrier (finish_call) then also means that no peer still stores into this rank's slots, so XLA may
 // reuse a scratch result, and a later call's pushes cannot overwrite slots still being reduced.
 
+// Rows per push unit: about kPushUnitBytes (a unit ends with a fence and a flag store; smaller units let the
+// reduction follow the pushes more closely) but at most kPushUnitRows (short rows, e.g. the combined top-k
+// weights, still make a unit for every pushing warp), and at most kMaxCombineUnits units in y.
+constexpr int64_t kPushUnitBytes = 48 << 10;
+constexpr int64_t kPushUnitRows = 64;
 // Rows shorter than this are pushed a lane per row (a warp per row would keep a few lanes busy and wait a
 // round trip per row), longer ones a warp per row.
 constexpr int64_t kPushWarpRowBytes = 32 * 16;
@@ -465,6 +470,13 @@ __global__ void __launch_bounds__(kThreads, 1) store_probe_kernel(const __grid_c
 
 // ---- launches ----------------------------------------------------------------------------------------------
 
+// Rows per push unit (see kPushUnitBytes); sender and receiver derive it from the same shapes.
+int64_t push_unit_rows(int64_t capacity, int64_t row_bytes) {
+  const int64_t for_bytes = std::min((kPushUnitBytes + row_bytes - 1) / std::max<int64_t>(row_bytes, 1), kPushUnitRows);
+  const int64_t for_flags = (capacity + kMaxCombineUnits - 1) / kMaxCombineUnits;
+  return std::max<int64_t>({for_bytes, for_flags, 1});
+}
+
 template <typename In, typename Bias, typename Out, int kVec, int kRanks>
 void launch_combine_kernel(const IntranodeCall& call, const CombineArgs& args, const StagePlan& plan) {
   if (args.push_warps > 0)
@@ -497,12 +509,9 @@ cudaError_t launch_combine(const IntranodeCall& call, const CombineArgs& args) {
     builder.publish(args.y, args.capacity, row_bytes, staging.rows, args.recv_src_index, ranks * args.num_tokens);
   StagePlan plan;
   if (!builder.finish(&plan, staging.end)) return cudaErrorMemoryAllocation;
-  if (ranks <= 2)
-    launch_combine_for_ranks<In, Bias, Out, 2>(call, args, plan);
-  else if (ranks <= 4)
-    launch_combine_for_ranks<In, Bias, Out, 4>(call, args, plan);
-  else
-    launch_combine_for_ranks<In, Bias, Out, 8>(call, args, plan);
+  with_rank_bound(ranks, [&](auto bound) {
+    launch_combine_for_ranks<In, Bias, Out, decltype(bound)::value>(call, args, plan);
+  });
   return cudaGetLastError();
 }
 
@@ -510,15 +519,9 @@ cudaError_t launch_combine(const IntranodeCall& call, const CombineArgs& args) {
 
 cudaError_t intranode_dispatch(const IntranodeCall& call, const DispatchArgs& args) {
   if (args.num_topk > kNormalMaxTopk || args.num_payloads < 1 || args.num_payloads > 2) return cudaErrorInvalidValue;
-  const bool two_payloads = args.num_payloads == 2;
-  const DispatchStaging staging(args.num_tokens, {args.x_row_bytes[0], two_payloads ? args.x_row_bytes[1] : 0},
-                                args.num_topk, args.topk_weights != nullptr, call.group.num_ranks);
   DispatchArgs staged_args = args;
-  StagePlanBuilder builder(call.group);  // view order: payloads, topk_idx, topk_weights, send_offset
-  builder.publish(args.x[0], args.num_tokens, args.x_row_bytes[0], staging.payloads[0]);
-  builder.publish(two_payloads ? args.x[1] : nullptr, args.num_tokens, args.x_row_bytes[1], staging.payloads[1]);
-  builder.publish(args.topk_idx, args.num_tokens, args.num_topk * 4, staging.topk_idx);
-  builder.publish(args.topk_weights, args.num_tokens, args.num_topk * 4, staging.topk_weights);
+  StagePlanBuilder builder(call.group);  // view order: the dispatch inputs, then send_offset at 4
+  const DispatchStaging staging = publish_dispatch_inputs(builder, args, call.group.num_ranks);
   staged_args.send_offset = builder.publish_scratch(args.send_offset, staging.send_offset);
   StagePlan plan;
   if (!builder.finish(&plan, staging.end)) return cudaErrorMemoryAllocation;

@@ -3,8 +3,8 @@
 // spanning processes, the arrival barrier that publishes each rank's view, a barrier of this rank's blocks, and the
 // release barrier that ends a call. Internal linkage, as device_common.cuh.
 #pragma once
-#include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "api.h"
 #include "call_frame.cuh"
@@ -239,18 +239,31 @@ class StagePlanBuilder {
 };
 
 
-// Push combines (intranode.cu's rank-major one, expert_major.cu's): rows go out in units of consecutive rows, each
-// ended by a fence and a readiness flag on the receiver. Rows per unit: about kPushUnitBytes (smaller units let the
-// reduction follow the pushes more closely) but at most kPushUnitRows (short rows, e.g. the combined top-k weights,
-// still make a unit for every pushing warp), and at most kMaxCombineUnits units in `rows` rows. Sender and receiver
-// derive it from the same shapes.
-constexpr int64_t kPushUnitBytes = 48 << 10;
-constexpr int64_t kPushUnitRows = 64;
+// The inputs every intranode dispatch publishes, in their view order: payloads 0 and 1 (null without a second),
+// topk_idx at 2, topk_weights at 3 (null without weights). Args: DispatchArgs or ExpertMajorDispatchArgs (the same
+// input fields). Returns their staging layout (the rank-major dispatch publishes its send offsets after them).
+template <typename Args>
+DispatchStaging publish_dispatch_inputs(StagePlanBuilder& builder, const Args& a, int num_ranks) {
+  const bool two_payloads = a.num_payloads == 2;
+  const DispatchStaging staging(a.num_tokens, {a.x_row_bytes[0], two_payloads ? a.x_row_bytes[1] : 0}, a.num_topk,
+                                a.topk_weights != nullptr, num_ranks);
+  builder.publish(a.x[0], a.num_tokens, a.x_row_bytes[0], staging.payloads[0]);
+  builder.publish(two_payloads ? a.x[1] : nullptr, a.num_tokens, a.x_row_bytes[1], staging.payloads[1]);
+  builder.publish(a.topk_idx, a.num_tokens, a.num_topk * 4, staging.topk_idx);
+  builder.publish(a.topk_weights, a.num_tokens, a.num_topk * 4, staging.topk_weights);
+  return staging;
+}
 
-int64_t push_unit_rows(int64_t rows, int64_t row_bytes) {
-  const int64_t for_bytes = std::min((kPushUnitBytes + row_bytes - 1) / std::max<int64_t>(row_bytes, 1), kPushUnitRows);
-  const int64_t for_flags = (rows + kMaxCombineUnits - 1) / kMaxCombineUnits;
-  return std::max<int64_t>({for_bytes, for_flags, 1});
+// launch(std::integral_constant<int, kRanks>{}) for the smallest of 2, 4, 8 ranks that holds the group: the combines'
+// per-rank arrays are sized by it.
+template <typename Launch>
+void with_rank_bound(int num_ranks, Launch launch) {
+  if (num_ranks <= 2)
+    launch(std::integral_constant<int, 2>{});
+  else if (num_ranks <= 4)
+    launch(std::integral_constant<int, 4>{});
+  else
+    launch(std::integral_constant<int, 8>{});
 }
 
 }  // namespace

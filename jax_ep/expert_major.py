@@ -195,15 +195,20 @@ def _bring_home(backend: Backend, rows, handle: ExpertMajorHandle, bias=None, ou
     return backend.combine(rows, handle.routing, bias=bias, out_dtype=out_dtype)
 
 
+def received_items(pair_row):
+    """int32 [R*T, 1] from a kernels' handle's pair_row: each token the rank received as its own one "pair", row i
+    of a table with a row per token (item), -1 for a token not received; the kernels' combine along it brings such
+    a table's rows home."""
+    items = jnp.arange(pair_row.shape[0], dtype=int32)[:, None]
+    return jnp.where(pair_row[:, :1] >= 0, items, -1)
+
+
 def _per_received_token(backend: Backend, rows, handle: ExpertMajorHandle):
     """float32 rows [R*T, ...], one per token the rank may receive (the handle's pair_row rows), summed home: each
     token's rows of the ranks that received it, in rank order (rows of a token no rank sent a pair of: 0)."""
     if not handle.by_kernels:
         return _bring_home(backend, rows, handle)
-    # Each received token's own row as its one "pair".
-    items = jnp.arange(rows.shape[0], dtype=int32)[:, None]
-    received = jnp.where(handle.pair_row[:, :1] >= 0, items, -1)
-    return backend.expert_major_combine(rows, None, received, handle, out_dtype=jnp.float32)
+    return backend.expert_major_combine(rows, None, received_items(handle.pair_row), handle, out_dtype=jnp.float32)
 
 
 def _dispatch_fwd(spec, x_leaves, topk_idx, topk_weights):

@@ -338,14 +338,13 @@ class IntranodeBackend(low_latency.LowLatencyOps, Backend):
         if y.dtype not in normal.KERNEL_FLOAT_TYPES:
             # The kernels read float32, bfloat16 and float16 rows. Other types' partials are made here, rounded to
             # y's dtype, and go home as float32 rows (which hold them exactly), each received token's its one pair.
-            from jax_ep.expert_major import partial_sums
+            from jax_ep.expert_major import partial_sums, received_items
 
             capacity = y.shape[0]
             kept = jnp.where((pair_row >= 0) & (pair_row < capacity), pair_row, capacity)
             partial = partial_sums(y, weights, kept).astype(y.dtype).astype(jnp.float32)
-            items = jnp.arange(pair_row.shape[0], dtype=int32)[:, None]
-            received = jnp.where(pair_row[:, :1] >= 0, items, -1)
-            return self.expert_major_combine(partial, None, received, handle, bias=bias, out_dtype=out_dtype)
+            return self.expert_major_combine(partial, None, received_items(pair_row), handle, bias=bias,
+                                             out_dtype=out_dtype)
         y, bias, kernel_out = normal.combine_kernel_types(y, bias, out_dtype)
         num_tokens, num_ranks = handle.rows.is_token_in_rank.shape
         row_bytes = normal.row_bytes(y)
