@@ -233,11 +233,25 @@ struct ExpertMajorCachedDispatchArgs {
 };
 cudaError_t intranode_expert_major_cached_dispatch(const IntranodeCall& call, const ExpertMajorCachedDispatchArgs& args);
 
+// Combine's backward along an expert-major handle, a cached dispatch of the cotangent d_out [num_tokens, row] (y's
+// type, rows of whole 16-byte vectors): on every row with a pair, d_y[row] = weights[row] * d_out[token] (the
+// float32 product rounded to y's type; d_out[token] itself without weights) and d_weights[row] = the float32 dot of
+// d_out[token] and y[row] (with weights); every other row of d_y and d_weights is zero. Each item's d_out row is
+// read once from its home rank.
+struct ExpertMajorCombineBackwardArgs {
+  ExpertMajorCachedDispatchArgs rows;  // x: d_out; recv_x: d_y
+  FloatType type = FloatType::kF32;    // of d_out, y and d_y
+  const void* y = nullptr;             // [capacity, row]
+  const float* weights = nullptr;      // [capacity] or null
+  float* d_weights = nullptr;          // [capacity] (with weights)
+};
+cudaError_t intranode_expert_major_combine_backward(const IntranodeCall& call,
+                                                    const ExpertMajorCombineBackwardArgs& args);
+
 // Combine: on each rank the partial of every item it received, p = sum over the item's kept pairs in order of
 // weights[row] * y[row] (float32 from 0, each product rounded on its own; weight 1 without weights), rounded to
 // y's type; each partial goes to the item's home rank (a store into its slots), which sums its tokens' partials
 // over the ranks in rank order in float32, adds the bias, casts. Rows of y that no pair_row names are never read.
-// `out` holds this rank's own partials between the two phases (its type holds y's values exactly).
 struct ExpertMajorCombineArgs : NormalCombineArgs {
   const float* weights = nullptr;           // [capacity] or null
   const int32_t* pair_row = nullptr;        // [R*T, num_pair_columns]

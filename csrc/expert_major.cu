@@ -21,12 +21,15 @@
 //  5. Rows that pad a group to expert_alignment are zeroed. Rows past the last group are not written (only their
 //     4-byte weights and source indices): the work follows the pairs received, not the capacity.
 //
-// Cached dispatch: the same copies along a dispatch's pair_row, every item read once from its source.
+// Cached dispatch: the same copies along a dispatch's pair_row, every item read once from its source. Combine's
+// backward is a cached dispatch of the cotangent that scales each copy by its pair's weight and computes the
+// weight's cotangent on the way.
 //
-// Combine: each rank computes the partial of every token it received from its pair rows of y, rounded to y's type,
-// and stores it into the token's home rank (slots of (R - 1) * T rows there, one region per sender; its own tokens'
-// partials into its result); after a barrier of the ranks each sums its tokens' partials in rank order. (A partial
-// exists only where its pairs are, so it is pushed, whatever Config.combine says.)
+// Combine: each rank computes the partial of every other rank's token it received from its pair rows of y, rounded
+// to y's type, and stores it into the token's home rank (slots of (R - 1) * T rows there, one region per sender);
+// after a barrier of the ranks each computes its own tokens' partials and adds them to the peers' in rank order.
+// (A partial exists only where its pairs are, so it is pushed, whatever Config.combine says.) Pair rows are read
+// through shared memory, many in flight per SM (see kCombineStages).
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
@@ -376,26 +379,35 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // ---- cached dispatch -----------------------------------------------------------------------------------------------
 
-__global__ void __launch_bounds__(kThreads, 1) expert_major_cached_dispatch_kernel(
-    const __grid_constant__ IntranodeRank g, const __grid_constant__ ExpertMajorCachedDispatchArgs a,
-    const __grid_constant__ StagePlan plan, int64_t timeout_ns) {
-  __shared__ CallContext ctx;
-  const int num_ranks = g.num_ranks, lane = threadIdx.x % 32;
+// Every item with a kept pair (its first pair row below the capacity), sources interleaved as in the rank-major
+// dispatch's receive: visit(s, t, row, lanes), every lane of a warp, `row` lane q's pair row of the item (-1 past
+// its pairs, C for a dropped one), `lanes` those holding a kept row.
+template <typename Visit>
+__device__ __forceinline__ void for_each_item_with_kept_pairs(const ExpertMajorCachedDispatchArgs& a, int num_ranks,
+                                                              int me, int lane, Visit visit) {
   const int64_t num_tokens = a.num_tokens, capacity = a.capacity, columns = a.num_pair_columns;
-  publish_inputs_and_wait(g, ctx, plan, IntranodeOp::kExpertMajorCachedDispatch, timeout_ns);
-  // Items with a kept pair (its first pair row below the capacity), sources interleaved.
   for_each_received_pair(
-      num_ranks, num_tokens, g.rank,
+      num_ranks, num_tokens, me,
       [&](int s, int64_t t) {
         const int32_t first = a.pair_row[(s * num_tokens + t) * columns];
         return first >= 0 && first < capacity ? first : -1;
       },
       [&](int s, int64_t t, int32_t) {
-        const int64_t item = s * num_tokens + t;
-        const int32_t row = lane < columns ? a.pair_row[item * columns + lane] : -1;
-        const uint32_t lanes = __ballot_sync(kFullMask, row >= 0 && row < capacity);
-        warp_fanout_row(a.recv_x, row_of(ctx.views[s].pointers[0], t, a.row_bytes), a.row_bytes, lanes, row, lane);
+        const int32_t row = lane < columns ? a.pair_row[(s * num_tokens + t) * columns + lane] : -1;
+        visit(s, t, row, __ballot_sync(kFullMask, row >= 0 && row < capacity));
       });
+}
+
+__global__ void __launch_bounds__(kThreads, 1) expert_major_cached_dispatch_kernel(
+    const __grid_constant__ IntranodeRank g, const __grid_constant__ ExpertMajorCachedDispatchArgs a,
+    const __grid_constant__ StagePlan plan, int64_t timeout_ns) {
+  __shared__ CallContext ctx;
+  const int num_ranks = g.num_ranks, lane = threadIdx.x % 32;
+  const int64_t num_tokens = a.num_tokens, capacity = a.capacity;
+  publish_inputs_and_wait(g, ctx, plan, IntranodeOp::kExpertMajorCachedDispatch, timeout_ns);
+  for_each_item_with_kept_pairs(a, num_ranks, g.rank, lane, [&](int s, int64_t t, int32_t row, uint32_t lanes) {
+    warp_fanout_row(a.recv_x, row_of(ctx.views[s].pointers[0], t, a.row_bytes), a.row_bytes, lanes, row, lane);
+  });
   // Rows inside the groups that hold no pair (alignment padding).
   const int64_t rows_end = min(capacity, static_cast<int64_t>(*a.rows_end));
   for (int64_t row = global_warp(); row < rows_end; row += num_global_warps())
@@ -403,105 +415,399 @@ __global__ void __launch_bounds__(kThreads, 1) expert_major_cached_dispatch_kern
   finish_call(g, ctx, IntranodeOp::kExpertMajorCachedDispatch, timeout_ns, [] {});
 }
 
+// ---- combine's backward ----------------------------------------------------------------------------------------
+// The cached dispatch of the cotangent d_out along the pairs, each copy scaled by its pair's weight, and each pair's
+// weight cotangent, the dot of d_out[token] and y[row], computed from the same registers: d_out crosses NVLink once
+// per item and nothing is materialised in between (in XLA the copies, the products and the dots would each be a
+// pass over all C rows).
+
+// Loads in flight per lane: kBackwardUnroll vectors of d_out and as many of the pair's row of y.
+constexpr int kBackwardUnroll = 5;
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(kFullMask, v, offset);
+  return v;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1) expert_major_combine_backward_kernel(
+    const __grid_constant__ IntranodeRank g, const __grid_constant__ ExpertMajorCombineBackwardArgs a,
+    const __grid_constant__ StagePlan plan, int64_t timeout_ns) {
+  constexpr int kVec = 16 / sizeof(T);
+  using Vec = Pack<T, kVec>;
+  __shared__ CallContext ctx;
+  const ExpertMajorCachedDispatchArgs& r = a.rows;
+  const int num_ranks = g.num_ranks, lane = threadIdx.x % 32;
+  const int64_t num_tokens = r.num_tokens, capacity = r.capacity;
+  const int64_t vecs = r.row_bytes / 16;
+  const bool weighted = a.weights != nullptr;
+  const Vec* y = static_cast<const Vec*>(a.y);
+  Vec* d_y = static_cast<Vec*>(r.recv_x);
+  publish_inputs_and_wait(g, ctx, plan, IntranodeOp::kExpertMajorCachedDispatch, timeout_ns);
+  for_each_item_with_kept_pairs(r, num_ranks, g.rank, lane, [&](int s, int64_t t, int32_t row, uint32_t lanes) {
+    const bool kept = (lanes >> lane) & 1u;
+    const float weight = kept && weighted ? a.weights[row] : 1.f;
+    float dot = 0.f;  // lane q: pair q's
+    const Vec* src = reinterpret_cast<const Vec*>(row_of(ctx.views[s].pointers[0], t, r.row_bytes));
+    for (int64_t round = 0; round < vecs; round += 32 * kBackwardUnroll) {  // every lane: the rounds shuffle
+      const int64_t first = round + lane;
+      Vec grad[kBackwardUnroll];
+#pragma unroll
+      for (int u = 0; u < kBackwardUnroll; ++u)
+        if (first + 32 * u < vecs) grad[u] = LoadNonCoherent{}(src + first + 32 * u);
+      for (uint32_t todo = lanes; todo; todo &= todo - 1) {
+        const int q = __ffs(todo) - 1;
+        const int64_t pair_row = __shfl_sync(kFullMask, row, q);
+        const float pair_weight = __shfl_sync(kFullMask, weight, q);
+        Vec value[kBackwardUnroll];
+        if (weighted) {
+#pragma unroll
+          for (int u = 0; u < kBackwardUnroll; ++u)
+            if (first + 32 * u < vecs) value[u] = LoadNonCoherent{}(y + pair_row * vecs + first + 32 * u);
+        }
+        float partial = 0.f;
+#pragma unroll
+        for (int u = 0; u < kBackwardUnroll; ++u) {
+          if (first + 32 * u >= vecs) break;
+          Vec out = grad[u];
+          if (weighted) {
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) {
+              const float x = to_float(grad[u].v[e]);
+              out.v[e] = from_float<T>(__fmul_rn(pair_weight, x));
+              partial += x * to_float(value[u].v[e]);
+            }
+          }
+          d_y[pair_row * vecs + first + 32 * u] = out;
+        }
+        if (weighted) {
+          const float total = warp_sum(partial);
+          if (lane == q) dot += total;
+        }
+      }
+    }
+    if (kept && weighted) a.d_weights[row] = dot;
+  });
+  // Rows of no pair: alignment padding inside the groups and every row past them.
+  const int64_t rows_end = min(capacity, static_cast<int64_t>(*r.rows_end));
+  for (int64_t row = global_warp(); row < capacity; row += num_global_warps()) {
+    if (row < rows_end && r.recv_src_index[row] != num_ranks * num_tokens) continue;
+    warp_zero_row(d_y + row * vecs, r.row_bytes, lane);
+    if (weighted && lane == 0) a.d_weights[row] = 0.f;
+  }
+  finish_call(g, ctx, IntranodeOp::kExpertMajorCachedDispatch, timeout_ns, [] {});
+}
+
 // ---- combine -------------------------------------------------------------------------------------------------------
-// Two phases. (A) Every warp takes received items, sources interleaved so that consecutive items go to different home
-// ranks, and computes each one's partial from its pair rows: a partial of another rank's token is stored into that
-// rank's slots, one of this rank's own into `out` (which holds it exactly: y's type or float32). Then a grid barrier,
-// and each rank tells every rank that its partials are out (a flag per rank, release), and waits for theirs. (B) Every
-// warp sums this rank's tokens: the partials of the ranks that hold each, in rank order, then the bias, into `out`.
+// Two passes over jobs, each a row this rank writes, made chunk by chunk from source rows. Pass 1, the partials of
+// other ranks' tokens: a job is an item (home rank s != this rank, token t) this rank received, its sources the
+// item's kept pair rows; the partial (weights * rows summed in float32 from 0, in pair order, rounded to y's type)
+// is stored into s's slots. Then every rank tells every rank that its partials are out and waits for theirs
+// (exchange_partials). Pass 2, this rank's tokens: a job is a token t, its sources t's kept pair rows here (when
+// this rank received t) and then the partials of the other ranks that hold t, from the slots; out[t] = the holders'
+// partials added in rank order from 0 (this rank's own, rounded to y's type, never leaves the registers) + bias,
+// cast. Warps take jobs of home ranks interleaved so that consecutive partials go to different ranks.
 
-// Pair rows and 16-byte vectors whose loads a lane keeps in flight together while summing a partial: 8 loads, as
-// many as the registers hold beside the sums for bfloat16 rows (more spill).
-constexpr int kPairsInFlight = 4;
-constexpr int kVecsInFlight = 2;
-
-// A token's kept pairs on this rank (item `item` of pair_row): lane q < count holds pair q's row and weight.
-struct Pairs {
-  int count;
-  int32_t row;
-  float weight;
+// Jobs of a pass, per warp: index = its global warp, then every num_global_warps()-th.
+struct CombineJob {
+  int64_t index;
+  bool valid;     // index < the pass's jobs
+  int home;       // s
+  int64_t token;  // t
+  int32_t pair;   // lane q < P: pair_row entry q of item (s, t) (a kept row, C, or -1); -1 on other lanes
+  bool held;      // pass 2, lane r < R: rank r received t (holds a partial of it)
 };
 
-__device__ __forceinline__ Pairs pairs_of(const ExpertMajorCombineArgs& a, int64_t item, int lane) {
-  Pairs p;
-  p.row = lane < a.num_pair_columns ? a.pair_row[item * a.num_pair_columns + lane] : -1;
-  const bool kept = p.row >= 0 && p.row < a.capacity;  // kept pairs come first
-  p.count = __popc(__ballot_sync(kFullMask, kept));
-  p.weight = kept && a.weights ? a.weights[p.row] : 1.f;
-  return p;
-}
-
-// Phase A for one item: its partial, the float32 sum from 0 of weight * y[row] over its pairs in order (each product
-// rounded on its own), rounded to In, stored as Dst (In, or Out for this rank's own tokens) into dst's row. The whole
-// warp calls it; lane l takes vectors l, l + 32, ... of the row, kVecsInFlight at a time.
-template <typename In, typename Dst, int kVec>
-__device__ __forceinline__ void store_partial(const ExpertMajorCombineArgs& a, const Pairs& pairs, Dst* dst,
-                                              int lane) {
-  const In* y = static_cast<const In*>(a.y);
-  const int64_t vecs = a.row_elements / kVec;
-  for (int64_t round = 0; round < vecs; round += 32 * kVecsInFlight) {  // every lane: the rounds shuffle
-    const int64_t first = round + lane;
-    float sum[kVecsInFlight][kVec];
-#pragma unroll
-    for (int u = 0; u < kVecsInFlight; ++u)
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) sum[u][e] = 0.f;
-    for (int q0 = 0; q0 < pairs.count; q0 += kPairsInFlight) {
-      Pack<In, kVec> packs[kPairsInFlight][kVecsInFlight];
-      float weight[kPairsInFlight];
-#pragma unroll
-      for (int p = 0; p < kPairsInFlight; ++p) {
-        const int q = min(q0 + p, 31);
-        const int64_t row = __shfl_sync(kFullMask, pairs.row, q);
-        weight[p] = __shfl_sync(kFullMask, pairs.weight, q);
-#pragma unroll
-        for (int u = 0; u < kVecsInFlight; ++u)
-          if (q0 + p < pairs.count && first + 32 * u < vecs)
-            packs[p][u] = LoadNonCoherent{}(reinterpret_cast<const Pack<In, kVec>*>(y + row * a.row_elements) +
-                                            first + 32 * u);
-      }
-#pragma unroll
-      for (int p = 0; p < kPairsInFlight; ++p) {
-        if (q0 + p >= pairs.count) break;
-#pragma unroll
-        for (int u = 0; u < kVecsInFlight; ++u)
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) {
-            const float x = to_float(packs[p][u].v[e]);
-            sum[u][e] = __fadd_rn(sum[u][e], a.weights ? __fmul_rn(weight[p], x) : x);
-          }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kVecsInFlight; ++u) {
-      if (first + 32 * u >= vecs) break;
-      Pack<Dst, kVec> pack;
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) pack.v[e] = from_float<Dst>(to_float(from_float<In>(sum[u][e])));
-      reinterpret_cast<Pack<Dst, kVec>*>(dst + (first + 32 * u) * kVec)[0] = pack;
-    }
-  }
-}
-
-template <typename In, typename Out, int kVec>
-__device__ void make_partials(const IntranodeRank& g, const CallContext& ctx, const ExpertMajorCombineArgs& a) {
-  const int num_ranks = g.num_ranks, me = g.rank, lane = threadIdx.x % 32;
+template <bool kOwnTokens>
+__device__ __forceinline__ CombineJob load_job(const ExpertMajorCombineArgs& a, int num_ranks, int me, int64_t index,
+                                               int lane) {
+  CombineJob j;
+  j.index = index;
   const int64_t num_tokens = a.num_tokens;
-  for (int64_t j = global_warp(); j < num_ranks * num_tokens; j += num_global_warps()) {
-    const int s = static_cast<int>((me + 1 + j % num_ranks) % num_ranks);  // home ranks interleaved
-    const int64_t t = j / num_ranks, item = s * num_tokens + t;
-    if (a.pair_row[item * a.num_pair_columns] == -1) continue;  // not received: its home adds nothing of ours
-    const Pairs pairs = pairs_of(a, item, lane);
-    if (s == me) {
-      store_partial<In, Out, kVec>(a, pairs, static_cast<Out*>(a.out) + t * a.row_elements, lane);
-    } else {
-      In* slots = static_cast<In*>(const_cast<void*>(ctx.views[s].pointers[0]));
-      store_partial<In, In, kVec>(a, pairs, slots + (slot_region(me, s) * num_tokens + t) * a.row_elements, lane);
+  if constexpr (kOwnTokens) {
+    j.valid = index < num_tokens;
+    j.home = me;
+    j.token = index;
+  } else {
+    j.valid = index < (num_ranks - 1) * num_tokens;
+    j.home = static_cast<int>((me + 1 + index % (num_ranks - 1)) % num_ranks);
+    j.token = index / (num_ranks - 1);
+  }
+  const int64_t item = j.home * num_tokens + j.token;
+  j.pair = j.valid && lane < a.num_pair_columns ? a.pair_row[item * a.num_pair_columns + lane] : -1;
+  j.held = kOwnTokens && j.valid && lane < num_ranks && a.is_token_in_rank[j.token * num_ranks + lane];
+  return j;
+}
+
+// What a job reads and writes (every lane calls it: ballots).
+struct JobShape {
+  int pairs;       // its kept pairs here (kept pairs come first in pair_row)
+  uint32_t peers;  // pass 2: the other ranks that hold a partial of the token
+  bool me_holds;   // pass 2: this rank received the token
+  bool writes;     // pass 1: this rank received the item; pass 2: a valid token
+  __device__ int sources() const { return pairs + __popc(peers); }
+};
+
+template <bool kOwnTokens>
+__device__ __forceinline__ JobShape shape_of(const CombineJob& j, const ExpertMajorCombineArgs& a, int me) {
+  JobShape shape;
+  shape.pairs = __popc(__ballot_sync(kFullMask, j.pair >= 0 && j.pair < a.capacity));
+  const uint32_t holders = __ballot_sync(kFullMask, j.held);
+  shape.peers = holders & ~(1u << me);
+  shape.me_holds = (holders >> me) & 1u;
+  shape.writes = kOwnTokens ? j.valid : j.valid && __shfl_sync(kFullMask, j.pair, 0) != -1;
+  return shape;
+}
+
+// The rank of the n-th set bit of `ranks`.
+__device__ __forceinline__ int nth_rank(uint32_t ranks, int n) {
+  for (; n > 0; --n) ranks &= ranks - 1;
+  return __ffs(ranks) - 1;
+}
+
+// Source rows are read through shared memory by cp.async: each warp keeps kCombineStages stages of one source row's
+// chunk (kChunkVecs 16-byte vectors per lane, 1 KB a warp) in flight, ~160 KB per SM, about what one SM needs to
+// read HBM at its full rate (one row per pair: the rank-major combine reads a quarter of these bytes at EP2 and
+// DeepSeek's shape). Registers would hold a tenth of that beside the sums. Each lane reads back only what it copied
+// itself (the chunk's vectors and the pair's weight), so the warp needs no barrier.
+constexpr int kChunkVecs = 2;
+constexpr int kChunkUnits = 32 * kChunkVecs;  // 16-byte units of a chunk
+constexpr int kCombineStages = 10;
+struct CombineStages {  // a warp's
+  uint4 rows[kCombineStages][kChunkUnits];
+  float weights[kCombineStages][32];
+};
+constexpr int kCombineSmemBytes = kWarps * static_cast<int>(sizeof(CombineStages));
+
+__device__ __forceinline__ void cp_async(void* smem, const void* global, bool copy) {
+  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.cg.shared.global [%0], [%1], 16;\n}\n" ::"r"(address),
+      "l"(global), "r"(static_cast<int>(copy))
+      : "memory");
+}
+__device__ __forceinline__ void cp_async_word(float* smem, const float* global) {
+  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(address), "l"(global) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// What a pass reads and where it writes, per rank.
+struct CombineRows {
+  const char* y;            // y's rows
+  const char* own_slots;    // the partials the peers stored here
+  int64_t row_bytes, vecs;  // of y's rows and of the partials (y's type)
+  int64_t chunks;           // of kChunkUnits vectors
+};
+
+// The warp's stream of copies, in the order the pass consumes them: per job with sources, per chunk, per source.
+// issue() copies the next one into a stage and commits a group of cp.async (empty past the end), so that a lane
+// always has kCombineStages groups committed ahead of the one it consumes. It keeps the next job's pair_row entries
+// loaded one job ahead, so that starting a job does not wait for memory.
+template <bool kOwnTokens>
+struct SourceStream {
+  const ExpertMajorCombineArgs& a;
+  const CombineRows& rows;
+  int num_ranks, me, lane;
+  CombineJob job, ahead;
+  JobShape shape;
+  int64_t chunk = 0;
+  int source = 0;
+  bool done = false;
+
+  __device__ SourceStream(const ExpertMajorCombineArgs& args, const CombineRows& r, int ranks, int rank, int lane_)
+      : a(args), rows(r), num_ranks(ranks), me(rank), lane(lane_) {
+    job = load_job<kOwnTokens>(a, num_ranks, me, global_warp(), lane);
+    ahead = load_job<kOwnTokens>(a, num_ranks, me, job.index + num_global_warps(), lane);
+    skip_jobs_without_sources();
+  }
+
+  __device__ void skip_jobs_without_sources() {
+    for (;;) {
+      if (!job.valid) {
+        done = true;
+        return;
+      }
+      shape = shape_of<kOwnTokens>(job, a, me);
+      if (shape.sources() > 0) return;
+      job = ahead;
+      ahead = load_job<kOwnTokens>(a, num_ranks, me, job.index + num_global_warps(), lane);
+    }
+  }
+
+  __device__ void issue(CombineStages& stages, int stage) {
+    if (!done) {
+      const char* src;
+      if (source < shape.pairs) {
+        const int32_t row = __shfl_sync(kFullMask, job.pair, source);
+        src = rows.y + row * rows.row_bytes;
+        if (a.weights) cp_async_word(&stages.weights[stage][lane], a.weights + row);
+      } else {  // a peer's partial (pass 2)
+        const int peer = nth_rank(shape.peers, source - shape.pairs);
+        src = rows.own_slots + (slot_region(peer, me) * a.num_tokens + job.token) * rows.row_bytes;
+      }
+#pragma unroll
+      for (int u = 0; u < kChunkVecs; ++u) {
+        const int64_t vec = chunk * kChunkUnits + u * 32 + lane;
+        cp_async(&stages.rows[stage][u * 32 + lane], src + vec * 16, vec < rows.vecs);
+      }
+      if (++source == shape.sources()) {
+        source = 0;
+        if (++chunk == rows.chunks) {
+          chunk = 0;
+          job = ahead;
+          ahead = load_job<kOwnTokens>(a, num_ranks, me, job.index + num_global_warps(), lane);
+          skip_jobs_without_sources();
+        }
+      }
+    }
+    cp_async_commit();
+  }
+};
+
+// sum += weight * value (each product rounded on its own; unweighted: the value), element by element.
+template <typename In, int kVec>
+__device__ __forceinline__ void add_pair(float (&sum)[kVec], const Pack<In, kVec>& pack, float weight, bool weighted) {
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) {
+    const float x = to_float(pack.v[e]);
+    sum[e] = __fadd_rn(sum[e], weighted ? __fmul_rn(weight, x) : x);
+  }
+}
+
+template <typename In>
+__device__ __forceinline__ float rounded_to(float v) {
+  return to_float(from_float<In>(v));
+}
+
+// One pass over rows of whole 16-byte vectors (kVec elements of In each).
+template <bool kOwnTokens, typename In, typename Bias, typename Out, int kVec>
+__device__ void combine_pass_staged(const IntranodeRank& g, const CallContext& ctx, const ExpertMajorCombineArgs& a,
+                                    const CombineRows& rows, CombineStages& stages) {
+  const int num_ranks = g.num_ranks, me = g.rank, lane = threadIdx.x % 32;
+  const bool weighted = a.weights != nullptr;
+  SourceStream<kOwnTokens> stream(a, rows, num_ranks, me, lane);
+#pragma unroll 1
+  for (int k = 0; k < kCombineStages; ++k) stream.issue(stages, k);
+  int stage = 0;  // where the next copy consumed is
+  // The next stage's data, read back by this lane (the copies it issued), after which the stage takes the stream's
+  // next copy.
+  auto consume = [&](Pack<In, kVec>(&packs)[kChunkVecs], float& weight) {
+    cp_async_wait<kCombineStages - 1>();
+#pragma unroll
+    for (int u = 0; u < kChunkVecs; ++u) {
+      const uint4 bits = stages.rows[stage][u * 32 + lane];
+      memcpy(&packs[u], &bits, 16);
+    }
+    weight = weighted ? stages.weights[stage][lane] : 1.f;
+    stream.issue(stages, stage);  // into the stage just read: its copies land after these reads
+    stage = stage + 1 == kCombineStages ? 0 : stage + 1;
+  };
+  CombineJob job = load_job<kOwnTokens>(a, num_ranks, me, global_warp(), lane);
+  CombineJob ahead = load_job<kOwnTokens>(a, num_ranks, me, job.index + num_global_warps(), lane);
+  for (; job.valid; job = ahead, ahead = load_job<kOwnTokens>(a, num_ranks, me, job.index + num_global_warps(), lane)) {
+    const JobShape shape = shape_of<kOwnTokens>(job, a, me);
+    if (!shape.writes) continue;
+    for (int64_t chunk = 0; chunk < rows.chunks; ++chunk) {
+      float own[kChunkVecs][kVec] = {};  // this rank's partial of the job's token
+      for (int q = 0; q < shape.pairs; ++q) {
+        Pack<In, kVec> packs[kChunkVecs];
+        float weight;
+        consume(packs, weight);
+#pragma unroll
+        for (int u = 0; u < kChunkVecs; ++u) add_pair<In, kVec>(own[u], packs[u], weight, weighted);
+      }
+      if constexpr (!kOwnTokens) {  // into the home rank's slot for this rank
+        In* slot = static_cast<In*>(const_cast<void*>(ctx.views[job.home].pointers[0])) +
+                   (slot_region(me, job.home) * a.num_tokens + job.token) * a.row_elements;
+#pragma unroll
+        for (int u = 0; u < kChunkVecs; ++u) {
+          const int64_t vec = chunk * kChunkUnits + u * 32 + lane;
+          if (vec >= rows.vecs) break;
+          Pack<In, kVec> pack;
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) pack.v[e] = from_float<In>(own[u][e]);
+          reinterpret_cast<Pack<In, kVec>*>(slot)[vec] = pack;
+        }
+      } else {  // the holders' partials in rank order
+        float acc[kChunkVecs][kVec] = {};
+        for (int r = 0; r < num_ranks; ++r) {
+          if (r == me) {
+            if (!shape.me_holds) continue;
+#pragma unroll
+            for (int u = 0; u < kChunkVecs; ++u)
+#pragma unroll
+              for (int e = 0; e < kVec; ++e) acc[u][e] += rounded_to<In>(own[u][e]);
+          } else if ((shape.peers >> r) & 1u) {
+            Pack<In, kVec> packs[kChunkVecs];
+            float unused;
+            consume(packs, unused);
+#pragma unroll
+            for (int u = 0; u < kChunkVecs; ++u)
+#pragma unroll
+              for (int e = 0; e < kVec; ++e) acc[u][e] += to_float(packs[u].v[e]);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kChunkVecs; ++u) {
+          const int64_t vec = chunk * kChunkUnits + u * 32 + lane;
+          if (vec >= rows.vecs) break;
+          add_bias_and_store(acc[u], static_cast<const Bias*>(a.bias), static_cast<Out*>(a.out), a.row_elements,
+                             job.token, vec);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+}
+
+// One pass over rows that are not whole 16-byte vectors (a hidden size no multiple of 16 bytes): the same sums, an
+// element per lane at a time, read directly.
+template <bool kOwnTokens, typename In, typename Bias, typename Out>
+__device__ void combine_pass_by_element(const IntranodeRank& g, const CallContext& ctx,
+                                        const ExpertMajorCombineArgs& a) {
+  const int num_ranks = g.num_ranks, me = g.rank, lane = threadIdx.x % 32;
+  const In* y = static_cast<const In*>(a.y);
+  const In* own_slots = static_cast<const In*>(ctx.views[me].pointers[0]);
+  for (int64_t index = global_warp();; index += num_global_warps()) {
+    const CombineJob job = load_job<kOwnTokens>(a, num_ranks, me, index, lane);
+    if (!job.valid) break;
+    const JobShape shape = shape_of<kOwnTokens>(job, a, me);
+    if (!shape.writes) continue;
+    for (int64_t first = 0; first < a.row_elements; first += 32) {  // every lane: the rounds shuffle
+      const int64_t e = first + lane;
+      float own[1] = {0.f};
+      for (int q = 0; q < shape.pairs; ++q) {
+        const int64_t row = __shfl_sync(kFullMask, job.pair, q);
+        if (e < a.row_elements)
+          add_pair<In, 1>(own, Pack<In, 1>{{LoadNonCoherent{}(y + row * a.row_elements + e)}},
+                          a.weights ? a.weights[row] : 1.f, a.weights);
+      }
+      if (e >= a.row_elements) continue;
+      if constexpr (!kOwnTokens) {
+        In* slot = static_cast<In*>(const_cast<void*>(ctx.views[job.home].pointers[0])) +
+                   (slot_region(me, job.home) * a.num_tokens + job.token) * a.row_elements;
+        slot[e] = from_float<In>(own[0]);
+      } else {
+        float acc[1] = {0.f};
+        for (int r = 0; r < num_ranks; ++r) {
+          if (r == me && shape.me_holds) acc[0] += rounded_to<In>(own[0]);
+          if (r != me && ((shape.peers >> r) & 1u))
+            acc[0] += to_float(LoadL2{}(own_slots + (slot_region(r, me) * a.num_tokens + job.token) * a.row_elements + e));
+        }
+        add_bias_and_store(acc, static_cast<const Bias*>(a.bias), static_cast<Out*>(a.out), a.row_elements,
+                           job.token, e);
+      }
     }
   }
 }
 
-// Between the phases (every block): this rank's partials are all stored (grid barrier), then a flag to every rank
+// Between the passes (every block): this rank's partials are all stored (grid barrier), then a flag to every rank
 // that they are, then every rank's flag.
 __device__ __forceinline__ void exchange_partials(const IntranodeRank& g, const CallContext& ctx, int64_t timeout_ns) {
   __threadfence_system();  // this thread's stores into peers' slots, before the flag that block 0 raises for all
@@ -518,92 +824,56 @@ __device__ __forceinline__ void exchange_partials(const IntranodeRank& g, const 
   __syncthreads();
 }
 
-// Phase B: out[t] = (acc = 0; acc += partial_r[t] for the ranks r that hold t, in rank order) + bias[t], cast; this
-// rank's own partial is out[t] itself. Each lane keeps kRanks * kUnroll = 8 16-byte loads in flight, as reduce_token
-// (intranode.cu).
-template <typename In, typename Bias, typename Out, int kVec, int kRanks>
-__device__ void sum_partials(const IntranodeRank& g, const CallContext& ctx, const ExpertMajorCombineArgs& a) {
-  constexpr int kUnroll = 8 / kRanks;
-  const int num_ranks = g.num_ranks, me = g.rank, lane = threadIdx.x % 32;
-  const int64_t num_tokens = a.num_tokens, vecs = a.row_elements / kVec;
-  const In* slots = static_cast<const In*>(ctx.views[me].pointers[0]);
-  const Bias* bias = static_cast<const Bias*>(a.bias);
-  Out* out = static_cast<Out*>(a.out);
-  for (int64_t t = global_warp(); t < num_tokens; t += num_global_warps()) {
-    const uint32_t ranks = __ballot_sync(kFullMask, lane < num_ranks && a.is_token_in_rank[t * num_ranks + lane]);
-    for (int64_t first = lane; first < vecs; first += 32 * kUnroll) {
-      Pack<In, kVec> packs[kUnroll][kRanks];
-      Pack<Out, kVec> own[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t v = first + 32 * u;
-        if (v >= vecs) break;
-#pragma unroll
-        for (int r = 0; r < kRanks; ++r) {
-          if (!((ranks >> r) & 1u)) continue;
-          if (r == me)  // written by this rank's warps before the grid barrier
-            own[u] = LoadL2{}(reinterpret_cast<const Pack<Out, kVec>*>(out + t * a.row_elements) + v);
-          else  // written by rank r before its flag
-            packs[u][r] = LoadL2{}(reinterpret_cast<const Pack<In, kVec>*>(
-                                       slots + (slot_region(r, me) * num_tokens + t) * a.row_elements) + v);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t v = first + 32 * u;
-        if (v >= vecs) break;
-        float acc[kVec];
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) acc[e] = 0.f;
-#pragma unroll
-        for (int r = 0; r < kRanks; ++r) {
-          if (!((ranks >> r) & 1u)) continue;
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) acc[e] += r == me ? to_float(own[u].v[e]) : to_float(packs[u][r].v[e]);
-        }
-        add_bias_and_store(acc, bias, out, a.row_elements, t, v);
-      }
-    }
-  }
-}
-
-template <typename In, typename Bias, typename Out, int kVec, int kRanks>
+// kStaged: rows of whole 16-byte vectors, read through kCombineSmemBytes of dynamic shared memory.
+template <typename In, typename Bias, typename Out, bool kStaged>
 __global__ void __launch_bounds__(kThreads, 1)
     expert_major_combine_kernel(const __grid_constant__ IntranodeRank g, const __grid_constant__ ExpertMajorCombineArgs a,
                                 const __grid_constant__ StagePlan plan, int64_t timeout_ns) {
   __shared__ CallContext ctx;
+  extern __shared__ CombineStages combine_stages[];  // a warp's each (kStaged)
   publish_inputs_and_wait(g, ctx, plan, IntranodeOp::kExpertMajorCombine, timeout_ns);
-  make_partials<In, Out, kVec>(g, ctx, a);
-  exchange_partials(g, ctx, timeout_ns);
-  sum_partials<In, Bias, Out, kVec, kRanks>(g, ctx, a);
+  if constexpr (kStaged) {
+    constexpr int kVec = 16 / sizeof(In);
+    CombineRows rows;
+    rows.y = static_cast<const char*>(a.y);
+    rows.own_slots = static_cast<const char*>(ctx.views[g.rank].pointers[0]);
+    rows.row_bytes = a.row_elements * static_cast<int64_t>(sizeof(In));
+    rows.vecs = rows.row_bytes / 16;
+    rows.chunks = (rows.vecs + kChunkUnits - 1) / kChunkUnits;
+    CombineStages& stages = combine_stages[threadIdx.x / 32];
+    combine_pass_staged<false, In, Bias, Out, kVec>(g, ctx, a, rows, stages);
+    exchange_partials(g, ctx, timeout_ns);
+    combine_pass_staged<true, In, Bias, Out, kVec>(g, ctx, a, rows, stages);
+  } else {
+    combine_pass_by_element<false, In, Bias, Out>(g, ctx, a);
+    exchange_partials(g, ctx, timeout_ns);
+    combine_pass_by_element<true, In, Bias, Out>(g, ctx, a);
+  }
   finish_call(g, ctx, IntranodeOp::kExpertMajorCombine, timeout_ns, [] {});
 }
 
 // ---- launches ------------------------------------------------------------------------------------------------------
 
-template <typename In, typename Bias, typename Out, int kRanks>
-void launch_combine_for_ranks(const IntranodeCall& call, const ExpertMajorCombineArgs& args, const StagePlan& plan) {
-  constexpr int kVec = 16 / sizeof(In);  // 16-byte loads where the row allows (XLA buffers are 16-byte aligned)
-  if (args.row_elements % kVec == 0)
-    expert_major_combine_kernel<In, Bias, Out, kVec, kRanks>
-        <<<grid_size(call), kThreads, 0, call.stream>>>(call.group, args, plan, call.timeout_ns);
-  else
-    expert_major_combine_kernel<In, Bias, Out, 1, kRanks>
-        <<<grid_size(call), kThreads, 0, call.stream>>>(call.group, args, plan, call.timeout_ns);
-}
-
 template <typename In, typename Bias, typename Out>
 cudaError_t launch_combine(const IntranodeCall& call, const ExpertMajorCombineArgs& args) {
-  const int ranks = call.group.num_ranks;
   const int64_t row_bytes = args.row_elements * static_cast<int64_t>(sizeof(In));
-  const CombineStaging staging(args.num_tokens, row_bytes, ranks, args.capacity, /*push=*/true);
+  const CombineStaging staging(args.num_tokens, row_bytes, call.group.num_ranks, args.capacity, /*push=*/true);
   StagePlanBuilder builder(call.group);
   builder.publish_scratch(args.slots, staging.rows);  // view: where the peers store their partials for this rank
   StagePlan plan;
   if (!builder.finish(&plan, staging.end)) return cudaErrorMemoryAllocation;
-  with_rank_bound(ranks, [&](auto bound) {
-    launch_combine_for_ranks<In, Bias, Out, decltype(bound)::value>(call, args, plan);
-  });
+  if (row_bytes % 16 != 0) {  // XLA's buffers are 16-byte aligned: so is every row where the size is
+    expert_major_combine_kernel<In, Bias, Out, false>
+        <<<grid_size(call), kThreads, 0, call.stream>>>(call.group, args, plan, call.timeout_ns);
+    return cudaGetLastError();
+  }
+  auto* kernel = expert_major_combine_kernel<In, Bias, Out, true>;
+  // Above the default 48 KB of dynamic shared memory. The attribute belongs to the current device's copy of the
+  // kernel (one process may drive several GPUs): set at every launch.
+  const cudaError_t attribute =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kCombineSmemBytes);
+  if (attribute != cudaSuccess) return attribute;
+  kernel<<<grid_size(call), kThreads, kCombineSmemBytes, call.stream>>>(call.group, args, plan, call.timeout_ns);
   return cudaGetLastError();
 }
 
@@ -636,6 +906,30 @@ cudaError_t intranode_expert_major_cached_dispatch(const IntranodeCall& call,
   expert_major_cached_dispatch_kernel<<<grid_size(call), kThreads, 0, call.stream>>>(call.group, args, plan,
                                                                                      call.timeout_ns);
   return cudaGetLastError();
+}
+
+cudaError_t intranode_expert_major_combine_backward(const IntranodeCall& call,
+                                                    const ExpertMajorCombineBackwardArgs& args) {
+  const ExpertMajorCachedDispatchArgs& rows = args.rows;
+  if (rows.num_pair_columns < 1 || rows.num_pair_columns > kNormalMaxTopk || rows.row_bytes % 16 != 0 ||
+      (args.weights != nullptr) != (args.d_weights != nullptr))
+    return cudaErrorInvalidValue;
+  const CachedDispatchStaging staging(rows.num_tokens, rows.row_bytes);
+  StagePlanBuilder builder(call.group);
+  builder.publish(rows.x, rows.num_tokens, rows.row_bytes, staging.x);
+  StagePlan plan;
+  if (!builder.finish(&plan, staging.end)) return cudaErrorMemoryAllocation;
+  auto launch = [&](auto type) {
+    expert_major_combine_backward_kernel<typename decltype(type)::type>
+        <<<grid_size(call), kThreads, 0, call.stream>>>(call.group, args, plan, call.timeout_ns);
+    return cudaGetLastError();
+  };
+  switch (args.type) {
+    case FloatType::kF32: return launch(TypeTag<float>{});
+    case FloatType::kBF16: return launch(TypeTag<__nv_bfloat16>{});
+    case FloatType::kF16: return launch(TypeTag<__half>{});
+  }
+  return cudaErrorInvalidValue;
 }
 
 cudaError_t intranode_expert_major_combine(const IntranodeCall& call, const ExpertMajorCombineArgs& args) {

@@ -266,11 +266,15 @@ def _combine_fwd(backend, y, handle, weights, bias):
 
 def _combine_bwd(backend, residual, d_out):
     y, handle, weights, bias = residual
-    # dout[t] on each of t's rows; rows of no pair 0 (the kernels leave rows past the groups unwritten).
-    has_pair = (handle.rows.recv_src_index < handle.rows.is_token_in_rank.size)[:, None]
-    d_rows = jnp.where(has_pair, _rows(backend, d_out, handle).astype(jnp.float32), 0.0)
-    d_y = d_rows if weights is None else weights[:, None] * d_rows
-    d_weights = None if weights is None else jnp.sum(d_rows * jnp.where(has_pair, y.astype(jnp.float32), 0.0), axis=1)
+    if handle.by_kernels:  # one kernel: d_out crosses once per received token, nothing materialised in between
+        d_y, d_weights = backend.expert_major_combine_backward(d_out, y, weights, handle)
+    else:
+        # dout[t] on each of t's rows; rows of no pair 0.
+        has_pair = (handle.rows.recv_src_index < handle.rows.is_token_in_rank.size)[:, None]
+        d_rows = jnp.where(has_pair, _rows(backend, d_out, handle).astype(jnp.float32), 0.0)
+        d_y = d_rows if weights is None else weights[:, None] * d_rows
+        d_weights = None if weights is None else jnp.sum(d_rows * jnp.where(has_pair, y.astype(jnp.float32), 0.0),
+                                                         axis=1)
     d_bias = None if bias is None else typed_like(d_out.astype(bias.dtype), bias)
     if d_weights is not None:
         d_weights = typed_like(d_weights, weights)

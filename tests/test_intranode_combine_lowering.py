@@ -206,12 +206,16 @@ def test_expert_major_ops_run_their_own_kernels(spans_processes):
     """With E within the kernels' limit the expert-major dispatch, cached dispatch, combine and their gradients are
     the expert-major kernels' calls (no routing dispatch, no rank-major call); the combines are weighted where
     weights are given (the combine: yes; the dispatch's d x and the d topk_weights rows: no) and carry the peers'
-    slots as a second result in one process only."""
+    slots as a second result in one process only; the combine's gradient is one weighted backward call with d y
+    and d weights as its results."""
     text = expert_major_program(cuda_standin(spans_processes), E)
     for target in (intranode.DISPATCH_TARGET, intranode.CACHED_DISPATCH_TARGET, intranode.COMBINE_TARGET):
         assert not calls_of(text, target), target
     assert len(calls_of(text, intranode.EXPERT_MAJOR_DISPATCH_TARGET)) == 1
-    assert len(calls_of(text, intranode.EXPERT_MAJOR_CACHED_DISPATCH_TARGET)) == 2  # the cached x2, d out's rows
+    assert len(calls_of(text, intranode.EXPERT_MAJOR_CACHED_DISPATCH_TARGET)) == 1  # the cached x2
+    backward = calls_of(text, intranode.EXPERT_MAJOR_COMBINE_BACKWARD_TARGET)
+    assert len(backward) == 1 and "weighted = 1" in backward[0], backward
+    assert re.search(r"->\s*\(tensor<[^>]*bf16>, tensor<[^>]*f32>\)", backward[0]), backward[0]  # d y, d weights
     combines = calls_of(text, intranode.EXPERT_MAJOR_COMBINE_TARGET)
     assert len(combines) == 3, combines  # forward, d x, d topk_weights
     weighted = sorted(int(re.search(r"weighted = (\d+)", c).group(1)) for c in combines)

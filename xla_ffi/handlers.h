@@ -251,6 +251,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(IntranodeCombine);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(IntranodeExpertMajorDispatch);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(IntranodeExpertMajorCachedDispatch);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(IntranodeExpertMajorCombine);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(IntranodeExpertMajorCombineBackward);
 #if defined(JAX_EP_INSTRUMENT)
 XLA_FFI_DECLARE_HANDLER_SYMBOL(IntranodeStoreProbe);
 #endif

@@ -157,11 +157,12 @@ ffi::Error ExpertMajorDispatch(const char* op, const IntranodeCall& call, ffi::R
   return Launched(op, err, WorkspaceTooSmall);
 }
 
-// args: x [T, ...], pair_row [R*T, P], recv_src_index [C], rows_end [1]; ret: recv_x [C, ...].
-ffi::Error ExpertMajorCachedDispatch(const char* op, const IntranodeCall& call, ffi::AnyBuffer x, ffi::AnyBuffer pair_row,
-                                     ffi::AnyBuffer recv_src_index, ffi::AnyBuffer rows_end,
-                                     ffi::Result<ffi::AnyBuffer> recv_x) {
-  ExpertMajorCachedDispatchArgs a;
+// args: x [T, ...], pair_row [R*T, P], recv_src_index [C], rows_end [1]; ret: recv_x [C, ...]. Decoded into *out.
+ffi::Error DecodeExpertMajorCachedDispatch(const char* op, const IntranodeCall& call, ffi::AnyBuffer x,
+                                           ffi::AnyBuffer pair_row, ffi::AnyBuffer recv_src_index,
+                                           ffi::AnyBuffer rows_end, ffi::Result<ffi::AnyBuffer> recv_x,
+                                           ExpertMajorCachedDispatchArgs* out) {
+  ExpertMajorCachedDispatchArgs& a = *out;
   a.x = x.untyped_data();
   a.row_bytes = RowBytes(x);
   a.num_tokens = LeadingDim(x);
@@ -179,7 +180,49 @@ ffi::Error ExpertMajorCachedDispatch(const char* op, const IntranodeCall& call, 
   a.recv_src_index = DataOf<int32_t>(recv_src_index);
   a.rows_end = DataOf<int32_t>(rows_end);
   a.recv_x = recv_x->untyped_data();
+  return ffi::Error::Success();
+}
+
+ffi::Error ExpertMajorCachedDispatch(const char* op, const IntranodeCall& call, ffi::AnyBuffer x, ffi::AnyBuffer pair_row,
+                                     ffi::AnyBuffer recv_src_index, ffi::AnyBuffer rows_end,
+                                     ffi::Result<ffi::AnyBuffer> recv_x) {
+  ExpertMajorCachedDispatchArgs a;
+  if (auto err = DecodeExpertMajorCachedDispatch(op, call, x, pair_row, recv_src_index, rows_end, recv_x, &a);
+      err.failure())
+    return err;
   return Launched(op, intranode_expert_major_cached_dispatch(call, a), WorkspaceTooSmall);
+}
+
+// args: d_out [T, ...], y [C, ...], pair_row [R*T, P], recv_src_index [C], rows_end [1], then weights float32 [C]
+// when `weighted`; rets: d_y [C, ...] of y's type, then d_weights float32 [C] when `weighted`.
+ffi::Error ExpertMajorCombineBackward(const char* op, const IntranodeCall& call, ffi::AnyBuffer d_out,
+                                      ffi::AnyBuffer y, ffi::AnyBuffer pair_row, ffi::AnyBuffer recv_src_index,
+                                      ffi::AnyBuffer rows_end, ffi::RemainingArgs optional_args,
+                                      ffi::Result<ffi::AnyBuffer> d_y,
+                                      std::optional<ffi::Result<ffi::AnyBuffer>> d_weights, int64_t weighted) {
+  std::vector<ffi::AnyBuffer> optional;
+  if (auto err = Collect(optional_args, &optional); err.failure()) return err;
+  if (weighted != 0 && weighted != 1) return Invalid(op, "weighted must be 0 or 1");
+  if (optional.size() != static_cast<size_t>(weighted) || d_weights.has_value() != (weighted == 1))
+    return Invalid(op, "expects d_out, y, pair_row, recv_src_index, rows_end, [weights]; d_y, [d_weights]");
+  ExpertMajorCombineBackwardArgs a;
+  if (auto err = DecodeExpertMajorCachedDispatch(op, call, d_out, pair_row, recv_src_index, rows_end, d_y, &a.rows);
+      err.failure())
+    return err;
+  if (!AsFloatType(d_out.element_type(), &a.type) || y.element_type() != d_out.element_type() ||
+      d_y->element_type() != d_out.element_type() || LeadingDim(y) != a.rows.capacity ||
+      RowBytes(y) != a.rows.row_bytes || a.rows.row_bytes % 16 != 0)
+    return Invalid(op, "d_out, y and d_y must be float32, bfloat16 or float16 rows of one type and width (whole "
+                       "16-byte vectors), y and d_y of capacity rows");
+  a.y = y.untyped_data();
+  if (weighted) {
+    if (!IsVector(optional[0], ffi::DataType::F32, a.rows.capacity) ||
+        !IsVector(**d_weights, ffi::DataType::F32, a.rows.capacity))
+      return Invalid(op, "weights and d_weights must be float32 [capacity]");
+    a.weights = DataOf<float>(optional[0]);
+    a.d_weights = MutableDataOf<float>(**d_weights);
+  }
+  return Launched(op, intranode_expert_major_combine_backward(call, a), WorkspaceTooSmall);
 }
 
 // args: y [C, ...], pair_row [R*T, P], is_token_in_rank [T, R], then weights float32 [C] when `weighted`, then the
@@ -282,6 +325,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(IntranodeExpertMajorCombine,
                                   .RemainingArgs()                  // [weights], [bias]
                                   .Ret<ffi::AnyBuffer>()
                                   .OptionalRet<ffi::AnyBuffer>()    // the slots in one process
+                                  .Attr<int64_t>("weighted"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(IntranodeExpertMajorCombineBackward,
+                              NormalHandler<IntranodeCall>("expert-major combine backward", ExpertMajorCombineBackward),
+                              AnyBufferArgs<5>(NormalBinding())  // d_out, y, pair_row, recv_src_index, rows_end
+                                  .RemainingArgs()                  // [weights]
+                                  .Ret<ffi::AnyBuffer>()            // d_y
+                                  .OptionalRet<ffi::AnyBuffer>()    // [d_weights]
                                   .Attr<int64_t>("weighted"),
                               {ffi::Traits::kCmdBufferCompatible});
 

@@ -53,6 +53,7 @@ nb::dict Registrations() {
   targets["jax_ep_expert_major_dispatch"] = cuda_only(Capsule(IntranodeExpertMajorDispatch));
   targets["jax_ep_expert_major_cached_dispatch"] = cuda_only(Capsule(IntranodeExpertMajorCachedDispatch));
   targets["jax_ep_expert_major_combine"] = cuda_only(Capsule(IntranodeExpertMajorCombine));
+  targets["jax_ep_expert_major_combine_backward"] = cuda_only(Capsule(IntranodeExpertMajorCombineBackward));
 #if defined(JAX_EP_INSTRUMENT)
   targets["jax_ep_store_probe"] = cuda_only(Capsule(IntranodeStoreProbe));
 #endif

@@ -123,6 +123,13 @@ class Backend(abc.ABC):
         in rank order, plus `bias`, cast once."""
         raise self._no_expert_major_kernels()
 
+    def expert_major_combine_backward(self, d_out, y, weights, handle) -> tuple:
+        """The VJP of the combine of y [C, ...] along a by_kernels handle, for its cotangent d_out [T, ...] (y's
+        dtype): (d_y [C, ...] of y's dtype, d_weights float32 [C] or None without weights). On a row with a pair
+        d_y = weights[row] * d_out[token] (the float32 product rounded) and d_weights = the float32 dot of
+        d_out[token] and y[row]; on every other row both are zero."""
+        raise self._no_expert_major_kernels()
+
     def _no_expert_major_kernels(self) -> TypeError:
         return TypeError("jax_ep: this expert-major handle comes from the cuda backend's kernels; pass it to ops of a "
                          f"Buffer of that backend (this Buffer's backend is {self.name!r})")

@@ -47,6 +47,7 @@ COMBINE_TARGET = "jax_ep_combine"
 EXPERT_MAJOR_DISPATCH_TARGET = "jax_ep_expert_major_dispatch"
 EXPERT_MAJOR_CACHED_DISPATCH_TARGET = "jax_ep_expert_major_cached_dispatch"
 EXPERT_MAJOR_COMBINE_TARGET = "jax_ep_expert_major_combine"
+EXPERT_MAJOR_COMBINE_BACKWARD_TARGET = "jax_ep_expert_major_combine_backward"
 STORE_PROBE_TARGET = "jax_ep_store_probe"
 
 # Ranks of an intranode group (one NVLink domain; csrc/kernel_limits.h).
@@ -359,6 +360,23 @@ class IntranodeBackend(low_latency.LowLatencyOps, Backend):
         out = jax.ffi.ffi_call(EXPERT_MAJOR_COMBINE_TARGET, result_types)(
             *operands, weighted=np.int64(weights is not None), **self._attributes())[0]
         return out.astype(out_dtype)
+
+    def expert_major_combine_backward(self, d_out, y, weights, handle):
+        if y.dtype not in normal.KERNEL_FLOAT_TYPES:  # the kernel reads float32, bfloat16 and float16 rows
+            d_y, d_weights = self.expert_major_combine_backward(d_out.astype(jnp.float32), y.astype(jnp.float32),
+                                                                weights, handle)
+            return d_y.astype(y.dtype), d_weights
+        _check_staging("combine backward", self.staging_bytes,
+                       cached_dispatch_staging_bytes(d_out.shape[0], normal.row_bytes(d_out)))
+        aval = jax.typeof(y)
+        result_types = [aval.update(shape=y.shape, dtype=y.dtype)]
+        if weights is not None:
+            result_types.append(aval.update(shape=(y.shape[0],), dtype=jnp.float32))
+        operands = (d_out.astype(y.dtype), y, handle.pair_row, handle.rows.recv_src_index, handle.rows_end) + \
+            (() if weights is None else (weights,))
+        outs = jax.ffi.ffi_call(EXPERT_MAJOR_COMBINE_BACKWARD_TARGET, result_types)(
+            *operands, weighted=np.int64(weights is not None), **self._attributes())
+        return outs[0], (None if weights is None else outs[1])
 
     # ---- lifetime -------------------------------------------------------------------------------------------
 
