@@ -1,4 +1,4 @@
-"""python -m jax_ep.bench {low_latency,intranode} --processes 2 on CPU, tiny: the launcher starts two
+"""python -m jax_ep.bench {low_latency,intranode,moe} --processes 2 on CPU, tiny: the launcher starts two
 jax.distributed processes (one CPU device each, gloo), both run the benchmark over the global 2-rank mesh,
 process 0 alone prints and writes the JSON, which records the process model; a failing worker makes the
 launcher exit non-zero with that worker's last lines. The internode mode refuses to run without one process per
@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ONE_PROCESS_PER_GPU = "one process per GPU"
@@ -52,6 +54,20 @@ def test_intranode_one_process_per_rank(tmp_path):
         assert r["process_model"] == ONE_PROCESS_PER_GPU and r["num_ranks"] == 2 and math.isfinite(r["t_us"]), r
         assert 0 < r["recv_rows"] <= 2 * 8, r
     assert stdout.count("[intranode] xla dispatch (BF16)") == 1, stdout
+
+
+def test_moe_one_process_per_rank(tmp_path):
+    pytest.importorskip("flax")
+    path = tmp_path / "moe.json"
+    run = bench("moe", "--shapes", "tiny", "--dispatchers", "xla", "--tokens", "16", "--runs", "1", "--calls", "1",
+                "--json", str(path))
+    assert run.returncode == 0, run.stdout + run.stderr
+    record = json.loads(path.read_text())
+    assert (record["setup"]["process_model"], record["setup"]["num_ranks"]) == (ONE_PROCESS_PER_GPU, 2)
+    [result] = record["results"]
+    assert (result["dispatcher"], result["experts_per_rank"]) == ("xla", 4), result
+    assert all(math.isfinite(ms) and ms > 0 for ms in (result["block_ms"], *result["breakdown_ms"].values())), result
+    assert run.stdout.count("[moe] tiny xla") == 1, run.stdout  # process 0 alone prints
 
 
 def test_failing_worker_fails_the_launcher(tmp_path):

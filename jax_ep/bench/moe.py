@@ -3,8 +3,9 @@ the same FLOPs measured in the same run, and where the block's time goes.
 
 Shapes (--shapes, whose help lists their D, F, E and K): "moe-a" (issue 20's), "v3" (DeepSeek-V3-like) and "tiny"
 (tests on CPU); --d-model, --d-ff, --experts and --topk replace those of every shape listed (then named "NAME,
-modified"). R ranks, the local devices or --ranks, each hold E/R of the experts (one GPU holds them all); --tokens
-is per rank. Dispatchers (--dispatchers): "normal" (jax_ep.dispatch / combine on a Buffer of the
+modified"). R ranks, the local devices or --ranks (one process driving them) or --processes R (one process per GPU),
+each hold E/R of the experts (one GPU holds them all); --tokens is per rank. With --processes each process times
+its own calls and process 0 prints. Dispatchers (--dispatchers): "normal" (jax_ep.dispatch / combine on a Buffer of the
 "auto" backend: the cuda kernels where they were built and the devices are GPUs, else the xla backend) and "xla".
 
 Per shape and dispatcher:
@@ -57,7 +58,7 @@ TARGET_RATIO = 1.5  # issue 20's acceptance: the block's forward + backward at m
 
 
 def add_arguments(parser) -> None:
-    harness.add_ranks_argument(parser)
+    harness.add_process_arguments(parser)
     parser.add_argument("--shapes", nargs="+", choices=SHAPES, default=["moe-a", "v3"],
                         help="; ".join(f"{name}: D={shape.d_model} F={shape.d_ff} E={shape.experts} K={shape.topk}"
                                        for name, shape in SHAPES.items()) + " (default: %(default)s)")
@@ -81,8 +82,18 @@ def _shapes(args) -> list[tuple[str, MoEShape]]:
     return shapes
 
 
+def _placed(value: jax.Array, sharding) -> jax.Array:
+    """`value` placed as `sharding` says. With one process per GPU a sharding spans devices of other processes: a
+    value on this process's devices alone (the whole array, the same in every process) goes there by each process
+    transferring its own devices' parts from a host copy."""
+    if sharding.is_fully_addressable or not value.is_fully_addressable:
+        return jax.device_put(value, sharding)
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
 def _random(key, shape, dtype, sharding) -> jax.Array:
-    return jax.device_put(jax.random.normal(key, shape, jnp.float32).astype(dtype), sharding)
+    return _placed(jax.random.normal(key, shape, jnp.float32).astype(dtype), sharding)
 
 
 REMAT_LAYERS = 4  # --remat's stack: remat keeps one layer's activations alive instead of every layer's
@@ -191,7 +202,7 @@ def _measure(mesh, shape: MoEShape, dispatcher: str, args) -> dict:
     moe = MoE(shape.d_model, shape.d_ff, shape.experts, shape.topk, mesh=mesh, dispatcher=dispatcher, dtype=DTYPE,
               param_dtype=DTYPE, rngs=nnx.Rngs(0))
     state = nnx.state(moe)  # experts sharded over the EP axis by their partition metadata, the rest replicated
-    nnx.update(moe, jax.device_put(state, nnx.get_named_sharding(state, mesh)))
+    nnx.update(moe, jax.tree.map(_placed, state, nnx.get_named_sharding(state, mesh)))
     x_key, cotangent_key = jax.random.split(jax.random.key(1))
     tokens = ((num_ranks * args.tokens, shape.d_model), DTYPE, NamedSharding(mesh, P("ep")))  # every rank's
     x, cotangent = _random(x_key, *tokens), _random(cotangent_key, *tokens)
@@ -207,9 +218,9 @@ def run(args) -> dict:
     mesh = harness.ep_mesh(args)
     num_ranks, device = mesh.devices.size, mesh.devices.flat[0]
     setup = dict(device=device.device_kind, platform=device.platform, jax=jax.__version__, num_ranks=num_ranks,
-                 tokens=args.tokens, dtype=jnp.dtype(DTYPE).name, runs=args.runs, calls=args.calls,
-                 target_ratio=TARGET_RATIO)
-    print(f"[moe] {num_ranks} ranks ({device.device_kind}), one process, {args.tokens} tokens per rank, "
+                 process_model=harness.process_model(args), tokens=args.tokens, dtype=jnp.dtype(DTYPE).name,
+                 runs=args.runs, calls=args.calls, target_ratio=TARGET_RATIO)
+    print(f"[moe] {num_ranks} ranks ({device.device_kind}), {setup['process_model']}, {args.tokens} tokens per rank, "
           f"{setup['dtype']}, forward + backward; median of {args.runs} runs of {args.calls} calls", flush=True)
     if not harness.on_gpu(mesh):
         setup["not_a_performance_figure"] = harness.NOT_ON_A_GPU
