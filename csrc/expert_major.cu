@@ -29,7 +29,7 @@
 // to y's type, and stores it into the token's home rank (slots of (R - 1) * T rows there, one region per sender);
 // after a barrier of the ranks each computes its own tokens' partials and adds them to the peers' in rank order.
 // (A partial exists only where its pairs are, so it is pushed, whatever Config.combine says.) Pair rows are read
-// through shared memory, many in flight per SM (see kCombineStages).
+// through shared memory, many in flight per SM (see kMostCombineStages).
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
@@ -530,9 +530,10 @@ __device__ __forceinline__ CombineJob load_job(const ExpertMajorCombineArgs& a, 
     j.home = me;
     j.token = index;
   } else {
+    const int others = max(1, num_ranks - 1);  // one rank: no job (and no division by 0)
     j.valid = index < (num_ranks - 1) * num_tokens;
-    j.home = static_cast<int>((me + 1 + index % (num_ranks - 1)) % num_ranks);
-    j.token = index / (num_ranks - 1);
+    j.home = static_cast<int>((me + 1 + index % others) % num_ranks);
+    j.token = index / others;
   }
   const int64_t item = j.home * num_tokens + j.token;
   j.pair = j.valid && lane < a.num_pair_columns ? a.pair_row[item * a.num_pair_columns + lane] : -1;
@@ -566,19 +567,23 @@ __device__ __forceinline__ int nth_rank(uint32_t ranks, int n) {
   return __ffs(ranks) - 1;
 }
 
-// Source rows are read through shared memory by cp.async: each warp keeps kCombineStages stages of one source row's
-// chunk (kChunkVecs 16-byte vectors per lane, 1 KB a warp) in flight, ~160 KB per SM, about what one SM needs to
-// read HBM at its full rate (one row per pair: the rank-major combine reads a quarter of these bytes at EP2 and
-// DeepSeek's shape). Registers would hold a tenth of that beside the sums. Each lane reads back only what it copied
-// itself (the chunk's vectors and the pair's weight), so the warp needs no barrier.
+// Source rows are read through shared memory by cp.async: each warp keeps kStages stages of one source row's chunk
+// (kChunkVecs 16-byte vectors per lane, 1 KB a warp) in flight. kMostCombineStages = 10 (160 KB of rows per SM, 180
+// KB with the weights) is about what one SM needs to read scattered rows at its full rate (one row per pair: the
+// rank-major combine reads a quarter of these bytes at EP2 and DeepSeek's shape); registers would hold a tenth of
+// that beside the sums. GPUs that give a block less shared memory (A100: 163 KB, sm_86/89: 99 KB) take
+// kFewestCombineStages. Each lane reads back only what it copied itself (the chunk's vectors and the pair's
+// weight), so the warp needs no barrier.
 constexpr int kChunkVecs = 2;
 constexpr int kChunkUnits = 32 * kChunkVecs;  // 16-byte units of a chunk
-constexpr int kCombineStages = 10;
+constexpr int kMostCombineStages = 10, kFewestCombineStages = 4;
+template <int kStages>
 struct CombineStages {  // a warp's
-  uint4 rows[kCombineStages][kChunkUnits];
-  float weights[kCombineStages][32];
+  uint4 rows[kStages][kChunkUnits];
+  float weights[kStages][32];
 };
-constexpr int kCombineSmemBytes = kWarps * static_cast<int>(sizeof(CombineStages));
+template <int kStages>
+constexpr int kCombineSmemBytes = kWarps * static_cast<int>(sizeof(CombineStages<kStages>));
 
 __device__ __forceinline__ void cp_async(void* smem, const void* global, bool copy) {
   const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
@@ -607,9 +612,9 @@ struct CombineRows {
 
 // The warp's stream of copies, in the order the pass consumes them: per job with sources, per chunk, per source.
 // issue() copies the next one into a stage and commits a group of cp.async (empty past the end), so that a lane
-// always has kCombineStages groups committed ahead of the one it consumes. It keeps the next job's pair_row entries
+// always has kStages groups committed ahead of the one it consumes. It keeps the next job's pair_row entries
 // loaded one job ahead, so that starting a job does not wait for memory.
-template <bool kOwnTokens>
+template <bool kOwnTokens, int kStages>
 struct SourceStream {
   const ExpertMajorCombineArgs& a;
   const CombineRows& rows;
@@ -640,7 +645,7 @@ struct SourceStream {
     }
   }
 
-  __device__ void issue(CombineStages& stages, int stage) {
+  __device__ void issue(CombineStages<kStages>& stages, int stage) {
     if (!done) {
       const char* src;
       if (source < shape.pairs) {
@@ -686,19 +691,19 @@ __device__ __forceinline__ float rounded_to(float v) {
 }
 
 // One pass over rows of whole 16-byte vectors (kVec elements of In each).
-template <bool kOwnTokens, typename In, typename Bias, typename Out, int kVec>
+template <bool kOwnTokens, typename In, typename Bias, typename Out, int kVec, int kStages>
 __device__ void combine_pass_staged(const IntranodeRank& g, const CallContext& ctx, const ExpertMajorCombineArgs& a,
-                                    const CombineRows& rows, CombineStages& stages) {
+                                    const CombineRows& rows, CombineStages<kStages>& stages) {
   const int num_ranks = g.num_ranks, me = g.rank, lane = threadIdx.x % 32;
   const bool weighted = a.weights != nullptr;
-  SourceStream<kOwnTokens> stream(a, rows, num_ranks, me, lane);
+  SourceStream<kOwnTokens, kStages> stream(a, rows, num_ranks, me, lane);
 #pragma unroll 1
-  for (int k = 0; k < kCombineStages; ++k) stream.issue(stages, k);
+  for (int k = 0; k < kStages; ++k) stream.issue(stages, k);
   int stage = 0;  // where the next copy consumed is
   // The next stage's data, read back by this lane (the copies it issued), after which the stage takes the stream's
   // next copy.
   auto consume = [&](Pack<In, kVec>(&packs)[kChunkVecs], float& weight) {
-    cp_async_wait<kCombineStages - 1>();
+    cp_async_wait<kStages - 1>();
 #pragma unroll
     for (int u = 0; u < kChunkVecs; ++u) {
       const uint4 bits = stages.rows[stage][u * 32 + lane];
@@ -706,7 +711,7 @@ __device__ void combine_pass_staged(const IntranodeRank& g, const CallContext& c
     }
     weight = weighted ? stages.weights[stage][lane] : 1.f;
     stream.issue(stages, stage);  // into the stage just read: its copies land after these reads
-    stage = stage + 1 == kCombineStages ? 0 : stage + 1;
+    stage = stage + 1 == kStages ? 0 : stage + 1;
   };
   CombineJob job = load_job<kOwnTokens>(a, num_ranks, me, global_warp(), lane);
   CombineJob ahead = load_job<kOwnTokens>(a, num_ranks, me, job.index + num_global_warps(), lane);
@@ -824,15 +829,16 @@ __device__ __forceinline__ void exchange_partials(const IntranodeRank& g, const 
   __syncthreads();
 }
 
-// kStaged: rows of whole 16-byte vectors, read through kCombineSmemBytes of dynamic shared memory.
-template <typename In, typename Bias, typename Out, bool kStaged>
+// kStages > 0: rows of whole 16-byte vectors, read through kCombineSmemBytes<kStages> of dynamic shared memory;
+// 0: rows read an element at a time.
+template <typename In, typename Bias, typename Out, int kStages>
 __global__ void __launch_bounds__(kThreads, 1)
     expert_major_combine_kernel(const __grid_constant__ IntranodeRank g, const __grid_constant__ ExpertMajorCombineArgs a,
                                 const __grid_constant__ StagePlan plan, int64_t timeout_ns) {
   __shared__ CallContext ctx;
-  extern __shared__ CombineStages combine_stages[];  // a warp's each (kStaged)
+  extern __shared__ uint4 combine_smem[];  // CombineStages<kStages> per warp
   publish_inputs_and_wait(g, ctx, plan, IntranodeOp::kExpertMajorCombine, timeout_ns);
-  if constexpr (kStaged) {
+  if constexpr (kStages > 0) {
     constexpr int kVec = 16 / sizeof(In);
     CombineRows rows;
     rows.y = static_cast<const char*>(a.y);
@@ -840,10 +846,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     rows.row_bytes = a.row_elements * static_cast<int64_t>(sizeof(In));
     rows.vecs = rows.row_bytes / 16;
     rows.chunks = (rows.vecs + kChunkUnits - 1) / kChunkUnits;
-    CombineStages& stages = combine_stages[threadIdx.x / 32];
-    combine_pass_staged<false, In, Bias, Out, kVec>(g, ctx, a, rows, stages);
+    CombineStages<kStages>& stages = reinterpret_cast<CombineStages<kStages>*>(combine_smem)[threadIdx.x / 32];
+    combine_pass_staged<false, In, Bias, Out, kVec, kStages>(g, ctx, a, rows, stages);
     exchange_partials(g, ctx, timeout_ns);
-    combine_pass_staged<true, In, Bias, Out, kVec>(g, ctx, a, rows, stages);
+    combine_pass_staged<true, In, Bias, Out, kVec, kStages>(g, ctx, a, rows, stages);
   } else {
     combine_pass_by_element<false, In, Bias, Out>(g, ctx, a);
     exchange_partials(g, ctx, timeout_ns);
@@ -863,18 +869,28 @@ cudaError_t launch_combine(const IntranodeCall& call, const ExpertMajorCombineAr
   StagePlan plan;
   if (!builder.finish(&plan, staging.end)) return cudaErrorMemoryAllocation;
   if (row_bytes % 16 != 0) {  // XLA's buffers are 16-byte aligned: so is every row where the size is
-    expert_major_combine_kernel<In, Bias, Out, false>
+    expert_major_combine_kernel<In, Bias, Out, 0>
         <<<grid_size(call), kThreads, 0, call.stream>>>(call.group, args, plan, call.timeout_ns);
     return cudaGetLastError();
   }
-  auto* kernel = expert_major_combine_kernel<In, Bias, Out, true>;
-  // Above the default 48 KB of dynamic shared memory. The attribute belongs to the current device's copy of the
-  // kernel (one process may drive several GPUs): set at every launch.
-  const cudaError_t attribute =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kCombineSmemBytes);
-  if (attribute != cudaSuccess) return attribute;
-  kernel<<<grid_size(call), kThreads, kCombineSmemBytes, call.stream>>>(call.group, args, plan, call.timeout_ns);
-  return cudaGetLastError();
+  auto launch = [&](auto* kernel, int smem_bytes) {
+    // Above the default 48 KB of dynamic shared memory. The attribute belongs to the current device's copy of the
+    // kernel (one process may drive several GPUs): set at every launch.
+    const cudaError_t attribute = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+    if (attribute != cudaSuccess) return attribute;
+    kernel<<<grid_size(call), kThreads, smem_bytes, call.stream>>>(call.group, args, plan, call.timeout_ns);
+    return cudaGetLastError();
+  };
+  int device = 0, block_smem = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&block_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (err != cudaSuccess) return err;
+  constexpr int kStaticSmemRoom = 1024;  // the kernel's own shared variables (the call context)
+  if (kCombineSmemBytes<kMostCombineStages> + kStaticSmemRoom <= block_smem)
+    return launch(expert_major_combine_kernel<In, Bias, Out, kMostCombineStages>,
+                  kCombineSmemBytes<kMostCombineStages>);
+  return launch(expert_major_combine_kernel<In, Bias, Out, kFewestCombineStages>,
+                kCombineSmemBytes<kFewestCombineStages>);
 }
 
 }  // namespace

@@ -366,13 +366,16 @@ class IntranodeBackend(low_latency.LowLatencyOps, Backend):
             d_y, d_weights = self.expert_major_combine_backward(d_out.astype(jnp.float32), y.astype(jnp.float32),
                                                                 weights, handle)
             return d_y.astype(y.dtype), d_weights
+        if normal.row_bytes(y) % 16:  # ops.combine takes hidden sizes that are multiples of 128: never here
+            raise ValueError(f"jax_ep combine backward: y's rows must be whole 16-byte vectors, got {y.shape} {y.dtype}")
+        d_out = d_out.astype(y.dtype)
         _check_staging("combine backward", self.staging_bytes,
                        cached_dispatch_staging_bytes(d_out.shape[0], normal.row_bytes(d_out)))
         aval = jax.typeof(y)
         result_types = [aval.update(shape=y.shape, dtype=y.dtype)]
         if weights is not None:
             result_types.append(aval.update(shape=(y.shape[0],), dtype=jnp.float32))
-        operands = (d_out.astype(y.dtype), y, handle.pair_row, handle.rows.recv_src_index, handle.rows_end) + \
+        operands = (d_out, y, handle.pair_row, handle.rows.recv_src_index, handle.rows_end) + \
             (() if weights is None else (weights,))
         outs = jax.ffi.ffi_call(EXPERT_MAJOR_COMBINE_BACKWARD_TARGET, result_types)(
             *operands, weighted=np.int64(weights is not None), **self._attributes())
