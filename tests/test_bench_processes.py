@@ -71,13 +71,13 @@ def test_moe_one_process_per_rank(tmp_path):
 
 
 def test_failing_worker_fails_the_launcher(tmp_path):
-    """The cuda backend on CPU: every worker raises while creating its Buffer."""
+    """The cuda kernels asked for on CPU: every worker stops with a message that says so."""
     path = tmp_path / "never.json"
     run = bench("intranode", "--sms", "24", "--no-baselines", "--tokens", "8", "--hidden", "128", "--experts", "4",
                 "--topk", "2", "--json", str(path))
     assert run.returncode == 1, run.stdout + run.stderr
     assert "[bench] process 1 of 2 exited with code 1; last lines:" in run.stderr, run.stderr
-    assert "backend='cuda' needs CUDA devices" in run.stderr.split("[bench] process 1 of 2")[1], run.stderr
+    assert "the cuda kernels (--sms 24) need NVIDIA GPUs" in run.stderr.split("[bench] process 1 of 2")[1], run.stderr
     assert not path.exists()
 
 

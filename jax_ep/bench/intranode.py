@@ -41,6 +41,10 @@ def add_arguments(parser) -> None:
 def run(args) -> list[dict]:
     mesh = harness.ep_mesh(args)
     devices, num_ranks = list(mesh.devices.flat), mesh.devices.size
+    if args.sms and not harness.on_gpu(mesh):
+        raise SystemExit(f"[intranode] the cuda kernels (--sms {' '.join(map(str, args.sms))}) need NVIDIA GPUs, "
+                         f"and this run's devices are {devices[0].platform}: pass --sms with no value and --xla to "
+                         "time the xla backend here")
     T, H, K, E = args.tokens, args.hidden, args.topk, args.experts
     topk_idx_host, topk_idx, x, x_fp8 = harness.routed_tokens(mesh, args)
     # Kernel times are per device of this process: with one process per GPU, process 0's GPU (which prints).
