@@ -65,6 +65,15 @@ def test_moe_bench_shape_overrides(tmp_path):
     assert set(r["breakdown_ms"]) == STAGES
 
 
+def test_moe_bench_num_chunks(tmp_path, capsys):
+    """--num-chunks: the block runs its tokens in that many chunks, and the record and header say so."""
+    record = moe_record(tmp_path, "--shapes", "tiny", "--dispatchers", "xla", "--ranks", "2", "--num-chunks", "2")
+    assert record["setup"]["num_chunks"] == 2
+    (r,) = record["results"]
+    assert math.isfinite(r["block_ms"]) and r["block_ms"] > 0
+    assert "16 tokens per rank in 2 chunks" in capsys.readouterr().out
+
+
 def test_moe_bench_remat_memory(tmp_path):
     """--remat records XLA's temporary memory of the block's step with and without jax.checkpoint, and
     recomputing does not cost memory beyond a margin. (That it keeps less alive is asserted on the GPU at a

@@ -1,6 +1,6 @@
 """jax_ep.flax.MoE: every dispatcher against the dense `none` reference (outputs, losses, counts and gradients),
 the router variants, the block inside the caller's shard_map, jit + grad + jax.checkpoint, the Linen wrapper,
-the swap-in of a plain Flax dense MoE block, capacity drops and the expert-bias update."""
+the swap-in of a plain Flax dense MoE block, capacity drops, the block in chunks and the expert-bias update."""
 from __future__ import annotations
 
 import os
@@ -112,6 +112,13 @@ def assert_matches_reference(result, expected, rtol: float):
 @pytest.mark.parametrize("dispatcher, rtol", [("xla", 1e-5), ("normal", 1e-5), ("low_latency", 2e-2)])
 def test_dispatcher_matches_dense_reference(dispatcher, rtol):
     assert_matches_reference(run(make_moe(dispatcher)), reference("softmax"), rtol)
+
+
+@pytest.mark.parametrize("dispatcher", ["xla", "normal"])
+def test_chunked_block_matches_dense_reference(dispatcher):
+    """num_chunks=2: each half of every rank's tokens dispatched, through the experts and combined on its own;
+    the same outputs, losses, counts and gradients."""
+    assert_matches_reference(run(make_moe(dispatcher, num_chunks=2)), reference("softmax"), 1e-5)
 
 
 @pytest.mark.parametrize("router", ["sigmoid_bias_grouped", "softmax_grouped_unnormalised"])
@@ -241,34 +248,37 @@ def test_swap_in_dense_flax_block():
     assert_close(y, expected, 1e-5, "swapped-in vs dense block")
 
 
-@pytest.mark.parametrize("expert_alignment", [1, 2])
-def test_capacity_drops_are_counted(expert_alignment):
-    check_capacity_drops("xla", expert_alignment)
+@pytest.mark.parametrize("expert_alignment, num_chunks", [(1, 1), (2, 1), (2, 2)])
+def test_capacity_drops_are_counted(expert_alignment, num_chunks):
+    check_capacity_drops("xla", expert_alignment, num_chunks=num_chunks)
 
 
-def check_capacity_drops(dispatcher: str, expert_alignment: int, **options):
+def check_capacity_drops(dispatcher: str, expert_alignment: int, num_chunks: int = 1, **options):
     """capacity_factor below the need: num_dropped counts the (token, expert) pairs that did not fit (each rank's
     rows hold its experts' pairs expert by expert, each expert's in (source rank, token) order and its group
     padded to a multiple of expert_alignment; the rows are ceil(c T K) plus (E/R) (expert_alignment - 1), and the
-    pairs in the first that many rows are kept), and tokens whose pairs were all kept still get the reference
-    output."""
+    pairs in the first that many rows are kept; with num_chunks, per chunk of T / num_chunks tokens of every
+    rank), and tokens whose pairs were all kept still get the reference output."""
     capacity_factor = 0.75  # drops on some rank, and tokens left whole, on 1 to 4 ranks
-    moe = make_moe(dispatcher, capacity_factor=capacity_factor, expert_alignment=expert_alignment, **options)
+    moe = make_moe(dispatcher, capacity_factor=capacity_factor, expert_alignment=expert_alignment,
+                   num_chunks=num_chunks, **options)
     x, _ = inputs()
     with jax.default_matmul_precision("highest"):
         y, aux = nnx.jit(lambda m, x: m(x))(moe, x)
     topk_idx = np.asarray(route(x, moe.router_kernel[...], None, moe.router_config).topk_idx)
-    local = EXPERTS // RANKS
-    capacity = int(np.ceil(capacity_factor * TOKENS * TOPK)) + local * (expert_alignment - 1)
+    local, chunk = EXPERTS // RANKS, TOKENS // num_chunks
+    capacity = int(np.ceil(capacity_factor * chunk * TOPK)) + local * (expert_alignment - 1)
     pairs = np.zeros((len(topk_idx), EXPERTS), bool)  # [RT, E]: token t chose expert e (once however often)
     pairs[np.arange(len(topk_idx))[:, None], topk_idx] = True
+    chunk_of = np.arange(len(topk_idx)) % TOKENS // chunk  # each token's chunk (rows are rank-major: r * T + t)
     kept = np.zeros_like(pairs)
-    for r in range(RANKS):
-        used = 0
-        for e in range(r * local, (r + 1) * local):
-            tokens = np.flatnonzero(pairs[:, e])
-            kept[tokens[:max(0, capacity - used)], e] = True
-            used += -(-len(tokens) // expert_alignment) * expert_alignment
+    for c in range(num_chunks):
+        for r in range(RANKS):
+            used = 0
+            for e in range(r * local, (r + 1) * local):
+                tokens = np.flatnonzero(pairs[:, e] & (chunk_of == c))
+                kept[tokens[:max(0, capacity - used)], e] = True
+                used += -(-len(tokens) // expert_alignment) * expert_alignment
     assert int(aux.num_dropped) == int((pairs & ~kept).sum()) > 0
     whole = (kept == pairs).all(axis=1)
     assert whole.any()
@@ -292,6 +302,9 @@ def test_update_expert_bias():
     (lambda: MoE(D_MODEL, D_FF, EXPERTS, TOPK, mesh=mesh(), dispatcher="low_latency", rngs=nnx.Rngs(0)),
      "needs max_tokens_per_rank"),
     (lambda: make_moe("xla", expert_alignment=0), "expert_alignment must be a positive integer, got 0"),
+    (lambda: make_moe("xla", num_chunks=0), "num_chunks must be a positive integer, got 0"),
+    (lambda: make_moe("low_latency", num_chunks=2), "num_chunks applies to the 'normal' and 'xla' dispatchers"),
+    (lambda: make_moe("xla", num_chunks=3)(inputs()[0]), "num_chunks=3 must divide the 8 tokens per rank"),
     (lambda: RouterConfig(EXPERTS, TOPK, n_groups=3), "n_groups=3 must divide"),
     (lambda: RouterConfig(EXPERTS, 3, n_groups=4, topk_groups=1), "num_experts_per_tok=3 must be in"),
     (lambda: from_dense(jnp.zeros((D_MODEL, EXPERTS + 1)), *dense_shaped_experts(), num_experts_per_tok=TOPK,

@@ -66,6 +66,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank (default %(default)s)")
     for field in MoEShape._fields:
         parser.add_argument(f"--{field.replace('_', '-')}", type=int, help="replaces the shapes' own")
+    parser.add_argument("--num-chunks", type=int, default=1,
+                        help="the block's num_chunks (its tokens through dispatch, experts and combine in chunks; the "
+                             "breakdown's stages take the whole batch)")
     parser.add_argument("--runs", type=int, default=10, help="timed runs per figure (the median is reported)")
     parser.add_argument("--calls", type=int, default=3, help="back-to-back calls per timed run")
     parser.add_argument("--remat", action="store_true",
@@ -200,7 +203,7 @@ def _measure(mesh, shape: MoEShape, dispatcher: str, args) -> dict:
     """The block and its breakdown at `shape` with `dispatcher`: the backend it ran on and the figures in ms."""
     num_ranks = mesh.devices.size
     moe = MoE(shape.d_model, shape.d_ff, shape.experts, shape.topk, mesh=mesh, dispatcher=dispatcher, dtype=DTYPE,
-              param_dtype=DTYPE, rngs=nnx.Rngs(0))
+              param_dtype=DTYPE, num_chunks=args.num_chunks, rngs=nnx.Rngs(0))
     state = nnx.state(moe)  # experts sharded over the EP axis by their partition metadata, the rest replicated
     nnx.update(moe, jax.tree.map(_placed, state, nnx.get_named_sharding(state, mesh)))
     x_key, cotangent_key = jax.random.split(jax.random.key(1))
@@ -218,9 +221,11 @@ def run(args) -> dict:
     mesh = harness.ep_mesh(args)
     num_ranks, device = mesh.devices.size, mesh.devices.flat[0]
     setup = dict(device=device.device_kind, platform=device.platform, jax=jax.__version__, num_ranks=num_ranks,
-                 process_model=harness.process_model(args), tokens=args.tokens, dtype=jnp.dtype(DTYPE).name,
+                 process_model=harness.process_model(args), tokens=args.tokens, num_chunks=args.num_chunks,
+                 dtype=jnp.dtype(DTYPE).name,
                  runs=args.runs, calls=args.calls, target_ratio=TARGET_RATIO)
-    print(f"[moe] {num_ranks} ranks ({device.device_kind}), {setup['process_model']}, {args.tokens} tokens per rank, "
+    print(f"[moe] {num_ranks} ranks ({device.device_kind}), {setup['process_model']}, {args.tokens} tokens per rank"
+          + (f" in {args.num_chunks} chunks" if args.num_chunks > 1 else "") + ", "
           f"{setup['dtype']}, forward + backward; median of {args.runs} runs of {args.calls} calls", flush=True)
     if not harness.on_gpu(mesh):
         setup["not_a_performance_figure"] = harness.NOT_ON_A_GPU

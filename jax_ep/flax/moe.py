@@ -108,6 +108,9 @@ class MoE(nnx.Module):
     with zero rows to a multiple of it (the expert-major dispatch's expert_alignment). The default, 8 rows
     (jax_ep.grouped_matmul.GROUP_ROW_ALIGNMENT), starts every group where the grouped-matmul kernels' loads
     start; 1 packs the rows without padding.
+    num_chunks n (normal / xla): the tokens go through dispatch, experts and combine in n chunks of T/n (n must
+    divide each rank's T), so that XLA may run one chunk's communication beside another's matmuls; the capacity
+    below is then per chunk (T/n in place of T). 1: the whole batch at once.
     capacity_factor c (normal / xla): each rank's rows hold ceil(c * T * K) (token, expert) pairs (the mean
     number a rank receives under uniform routing is T * K) plus the padding its experts' groups may need,
     (E/R) * (expert_alignment - 1) rows, so that the alignment drops no pair; the pairs past the last row are
@@ -126,11 +129,15 @@ class MoE(nnx.Module):
                  score_function: Literal["softmax", "sigmoid"] = "softmax", expert_bias: bool = False,
                  n_groups: int = 1, topk_groups: int = 1, norm_topk_prob: bool = True,
                  routed_scaling_factor: float = 1.0, shared_d_ff: int | None = None,
-                 capacity_factor: float | None = None, expert_alignment: int = GROUP_ROW_ALIGNMENT, dtype=None,
-                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 capacity_factor: float | None = None, expert_alignment: int = GROUP_ROW_ALIGNMENT,
+                 num_chunks: int = 1, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
         if dispatcher not in DISPATCHERS:
             raise ValueError(f"jax_ep.flax.MoE: dispatcher must be one of {DISPATCHERS}, got {dispatcher!r}")
         self.expert_alignment = _checks.positive("flax.MoE", "expert_alignment", expert_alignment)
+        self.num_chunks = _checks.positive("flax.MoE", "num_chunks", num_chunks)
+        if num_chunks > 1 and dispatcher not in ("normal", "xla"):
+            raise ValueError(f"jax_ep.flax.MoE: num_chunks applies to the 'normal' and 'xla' dispatchers, got "
+                             f"num_chunks={num_chunks} with dispatcher={dispatcher!r}")
         self.router_config = RouterConfig(num_experts, num_experts_per_tok, score_function, n_groups,
                                           topk_groups, norm_topk_prob, routed_scaling_factor)
         self.d_model, self.num_experts, self.dispatcher = d_model, num_experts, dispatcher
@@ -223,13 +230,26 @@ class MoE(nnx.Module):
                                            routing.topk_weights, ll.handle)
         else:
             # Rows are (token, local expert) pairs grouped by expert: the grouped matmuls take them as they come,
-            # and combine applies the gate weights while it sums each token's pairs.
-            d = jax_ep.dispatch(self.buffer, x, routing.topk_idx, routing.topk_weights, num_experts=self.num_experts,
-                                max_recv_tokens=self._capacity(x.shape[0], num_ranks),
-                                expert_alignment=self.expert_alignment, layout="expert_major")
-            expert_out = grouped_swiglu(d.recv_x, d.num_recv_tokens_per_expert, *experts)
-            y = jax_ep.combine(self.buffer, expert_out.astype(dtype), d.handle, weights=d.recv_weights).x
-            num_dropped = jax.lax.psum(d.num_dropped, axis_name)
+            # and combine applies the gate weights while it sums each token's pairs. With num_chunks > 1 each
+            # chunk of the tokens goes through on its own: one chunk's communication does not depend on another's
+            # matmuls, so XLA may run them at once (the xla backend's collectives are asynchronous).
+            num_tokens = x.shape[0]
+            if num_tokens % self.num_chunks:
+                raise ValueError(f"jax_ep.flax.MoE: num_chunks={self.num_chunks} must divide the {num_tokens} "
+                                 "tokens per rank")
+            chunk = num_tokens // self.num_chunks
+            outputs = []
+            for first in range(0, num_tokens, chunk):
+                part = slice(first, first + chunk)
+                d = jax_ep.dispatch(self.buffer, x[part], routing.topk_idx[part], routing.topk_weights[part],
+                                    num_experts=self.num_experts, max_recv_tokens=self._capacity(chunk, num_ranks),
+                                    expert_alignment=self.expert_alignment, layout="expert_major")
+                expert_out = grouped_swiglu(d.recv_x, d.num_recv_tokens_per_expert, *experts)
+                outputs.append(jax_ep.combine(self.buffer, expert_out.astype(dtype), d.handle,
+                                              weights=d.recv_weights).x)
+                num_dropped = num_dropped + d.num_dropped
+            y = jnp.concatenate(outputs) if len(outputs) > 1 else outputs[0]
+            num_dropped = jax.lax.psum(num_dropped, axis_name)
         if self.shared_d_ff:
             y = y + swiglu(x, *(weights[name].astype(dtype) for name in SHARED_WEIGHTS))
         statistics = router_statistics(routing, self.router_config, axis_name)

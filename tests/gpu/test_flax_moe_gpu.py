@@ -19,8 +19,13 @@ def test_cuda_block_matches_dense_reference(router):
     assert_matches_reference(run(moe), reference(router), 1e-5)
 
 
-def test_cuda_capacity_drops_are_counted():
-    check_capacity_drops("normal", 1, backend="cuda")
+def test_cuda_chunked_block_matches_dense_reference():
+    assert_matches_reference(run(make_moe("normal", backend="cuda", num_chunks=2)), reference("softmax"), 1e-5)
+
+
+@pytest.mark.parametrize("num_chunks", [1, 2])
+def test_cuda_capacity_drops_are_counted(num_chunks):
+    check_capacity_drops("normal", 1, num_chunks=num_chunks, backend="cuda")
 
 
 def test_training_with_cuda_tracks_xla():
