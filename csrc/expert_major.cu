@@ -569,10 +569,11 @@ __device__ __forceinline__ int nth_rank(uint32_t ranks, int n) {
 
 // Source rows are read through shared memory by cp.async: each warp keeps kStages stages of one source row's chunk
 // (kChunkVecs 16-byte vectors per lane, 1 KB a warp) in flight. kMostCombineStages = 10 (160 KB of rows per SM, 180
-// KB with the weights) is about what one SM needs to read scattered rows at its full rate (one row per pair: the
-// rank-major combine reads a quarter of these bytes at EP2 and DeepSeek's shape); registers would hold a tenth of
-// that beside the sums. GPUs that give a block less shared memory (A100: 163 KB, sm_86/89: 99 KB) take
-// kFewestCombineStages. Each lane reads back only what it copied itself (the chunk's vectors and the pair's
+// KB with the weights) is about what one SM needs to read at its full rate (one row per pair: the rank-major combine
+// reads a quarter of these bytes at EP2 and DeepSeek's shape); registers would hold a tenth of that beside the
+// sums. (On an H200 an SM reads consecutive chunks this way at ~93 GB/s, pair rows scattered over y at ~37 GB/s
+// whatever the depth: docs/perf-log.md.) GPUs that give a block less shared memory (A100: 163 KB, sm_86/89: 99 KB)
+// take kFewestCombineStages. Each lane reads back only what it copied itself (the chunk's vectors and the pair's
 // weight), so the warp needs no barrier.
 constexpr int kChunkVecs = 2;
 constexpr int kChunkUnits = 32 * kChunkVecs;  // 16-byte units of a chunk
