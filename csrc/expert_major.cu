@@ -915,11 +915,8 @@ cudaError_t intranode_expert_major_dispatch(const IntranodeCall& call, const Exp
 cudaError_t intranode_expert_major_cached_dispatch(const IntranodeCall& call,
                                                    const ExpertMajorCachedDispatchArgs& args) {
   if (args.num_pair_columns < 1 || args.num_pair_columns > kNormalMaxTopk) return cudaErrorInvalidValue;
-  const CachedDispatchStaging staging(args.num_tokens, args.row_bytes);
-  StagePlanBuilder builder(call.group);
-  builder.publish(args.x, args.num_tokens, args.row_bytes, staging.x);
   StagePlan plan;
-  if (!builder.finish(&plan, staging.end)) return cudaErrorMemoryAllocation;
+  if (!plan_cached_dispatch(call.group, args.x, args.num_tokens, args.row_bytes, &plan)) return cudaErrorMemoryAllocation;
   expert_major_cached_dispatch_kernel<<<grid_size(call), kThreads, 0, call.stream>>>(call.group, args, plan,
                                                                                      call.timeout_ns);
   return cudaGetLastError();
@@ -931,11 +928,8 @@ cudaError_t intranode_expert_major_combine_backward(const IntranodeCall& call,
   if (rows.num_pair_columns < 1 || rows.num_pair_columns > kNormalMaxTopk || rows.row_bytes % 16 != 0 ||
       (args.weights != nullptr) != (args.d_weights != nullptr))
     return cudaErrorInvalidValue;
-  const CachedDispatchStaging staging(rows.num_tokens, rows.row_bytes);
-  StagePlanBuilder builder(call.group);
-  builder.publish(rows.x, rows.num_tokens, rows.row_bytes, staging.x);
   StagePlan plan;
-  if (!builder.finish(&plan, staging.end)) return cudaErrorMemoryAllocation;
+  if (!plan_cached_dispatch(call.group, rows.x, rows.num_tokens, rows.row_bytes, &plan)) return cudaErrorMemoryAllocation;
   auto launch = [&](auto type) {
     expert_major_combine_backward_kernel<typename decltype(type)::type>
         <<<grid_size(call), kThreads, 0, call.stream>>>(call.group, args, plan, call.timeout_ns);

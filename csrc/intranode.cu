@@ -530,11 +530,8 @@ cudaError_t intranode_dispatch(const IntranodeCall& call, const DispatchArgs& ar
 }
 
 cudaError_t intranode_cached_dispatch(const IntranodeCall& call, const CachedDispatchArgs& args) {
-  const CachedDispatchStaging staging(args.num_tokens, args.row_bytes);
-  StagePlanBuilder builder(call.group);
-  builder.publish(args.x, args.num_tokens, args.row_bytes, staging.x);
   StagePlan plan;
-  if (!builder.finish(&plan, staging.end)) return cudaErrorMemoryAllocation;
+  if (!plan_cached_dispatch(call.group, args.x, args.num_tokens, args.row_bytes, &plan)) return cudaErrorMemoryAllocation;
   cached_dispatch_kernel<<<grid_size(call), kThreads, 0, call.stream>>>(call.group, args, plan, call.timeout_ns);
   return cudaGetLastError();
 }

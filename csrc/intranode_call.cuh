@@ -254,6 +254,16 @@ DispatchStaging publish_dispatch_inputs(StagePlanBuilder& builder, const Args& a
   return staging;
 }
 
+// The plan of every cached dispatch (rank-major, expert-major, the expert-major combine's backward): peers read x
+// [num_tokens, row_bytes]. False where a staged group's workspace is too small for its copy.
+inline bool plan_cached_dispatch(const IntranodeRank& group, const void* x, int64_t num_tokens, int64_t row_bytes,
+                                 StagePlan* plan) {
+  const CachedDispatchStaging staging(num_tokens, row_bytes);
+  StagePlanBuilder builder(group);
+  builder.publish(x, num_tokens, row_bytes, staging.x);
+  return builder.finish(plan, staging.end);
+}
+
 // launch(std::integral_constant<int, kRanks>{}) for the smallest of 2, 4, 8 ranks that holds the group: the combines'
 // per-rank arrays are sized by it.
 template <typename Launch>

@@ -222,8 +222,7 @@ def run(args) -> dict:
     num_ranks, device = mesh.devices.size, mesh.devices.flat[0]
     setup = dict(device=device.device_kind, platform=device.platform, jax=jax.__version__, num_ranks=num_ranks,
                  process_model=harness.process_model(args), tokens=args.tokens, num_chunks=args.num_chunks,
-                 dtype=jnp.dtype(DTYPE).name,
-                 runs=args.runs, calls=args.calls, target_ratio=TARGET_RATIO)
+                 dtype=jnp.dtype(DTYPE).name, runs=args.runs, calls=args.calls, target_ratio=TARGET_RATIO)
     print(f"[moe] {num_ranks} ranks ({device.device_kind}), {setup['process_model']}, {args.tokens} tokens per rank"
           + (f" in {args.num_chunks} chunks" if args.num_chunks > 1 else "") + ", "
           f"{setup['dtype']}, forward + backward; median of {args.runs} runs of {args.calls} calls", flush=True)

@@ -248,7 +248,7 @@ class MoE(nnx.Module):
                 outputs.append(jax_ep.combine(self.buffer, expert_out.astype(dtype), d.handle,
                                               weights=d.recv_weights).x)
                 num_dropped = num_dropped + d.num_dropped
-            y = jnp.concatenate(outputs) if len(outputs) > 1 else outputs[0]
+            y = jnp.concatenate(outputs)
             num_dropped = jax.lax.psum(num_dropped, axis_name)
         if self.shared_d_ff:
             y = y + swiglu(x, *(weights[name].astype(dtype) for name in SHARED_WEIGHTS))
