@@ -501,13 +501,14 @@ __global__ void __launch_bounds__(kThreads, 1) expert_major_combine_backward_ker
 
 // ---- combine -------------------------------------------------------------------------------------------------------
 // Two passes over jobs, each a row this rank writes, made chunk by chunk from source rows. Pass 1, the partials of
-// other ranks' tokens: a job is an item (home rank s != this rank, token t) this rank received, its sources the
-// item's kept pair rows; the partial (weights * rows summed in float32 from 0, in pair order, rounded to y's type)
-// is stored into s's slots. Then every rank tells every rank that its partials are out and waits for theirs
-// (exchange_partials). Pass 2, this rank's tokens: a job is a token t, its sources t's kept pair rows here (when
-// this rank received t) and then the partials of the other ranks that hold t, from the slots; out[t] = the holders'
-// partials added in rank order from 0 (this rank's own, rounded to y's type, never leaves the registers) + bias,
-// cast. Warps take jobs of home ranks interleaved so that consecutive partials go to different ranks.
+// every item (home rank s, token t) this rank received: its sources the item's kept pair rows; the partial (weights
+// * rows summed in float32 from 0, in pair order, rounded to y's type) is stored into s's slots, or for this rank's
+// own tokens into out[t] (y's type or float32: either holds it exactly). Own and peers' items interleave, so that
+// the local work runs while the stores to the peers cross NVLink. Then every rank tells every rank that its partials
+// are out and waits for theirs (exchange_partials). Pass 2, this rank's tokens: a job is a token t, its sources the
+// partials of the other ranks that hold t, from the slots; out[t] = the holders' partials (this rank's from out[t])
+// added in rank order from 0 + bias, cast. Warps take jobs of home ranks interleaved so that consecutive partials go
+// to different ranks.
 
 // Jobs of a pass, per warp: index = its global warp, then every num_global_warps()-th.
 struct CombineJob {
@@ -515,7 +516,7 @@ struct CombineJob {
   bool valid;     // index < the pass's jobs
   int home;       // s
   int64_t token;  // t
-  int32_t pair;   // lane q < P: pair_row entry q of item (s, t) (a kept row, C, or -1); -1 on other lanes
+  int32_t pair;   // pass 1, lane q < P: pair_row entry q of item (s, t) (a kept row, C, or -1); else -1
   bool held;      // pass 2, lane r < R: rank r received t (holds a partial of it)
 };
 
@@ -530,20 +531,19 @@ __device__ __forceinline__ CombineJob load_job(const ExpertMajorCombineArgs& a, 
     j.home = me;
     j.token = index;
   } else {
-    const int others = max(1, num_ranks - 1);  // one rank: no job (and no division by 0)
-    j.valid = index < (num_ranks - 1) * num_tokens;
-    j.home = static_cast<int>((me + 1 + index % others) % num_ranks);
-    j.token = index / others;
+    j.valid = index < num_ranks * num_tokens;
+    j.home = static_cast<int>((me + 1 + index % num_ranks) % num_ranks);
+    j.token = index / num_ranks;
   }
   const int64_t item = j.home * num_tokens + j.token;
-  j.pair = j.valid && lane < a.num_pair_columns ? a.pair_row[item * a.num_pair_columns + lane] : -1;
+  j.pair = !kOwnTokens && j.valid && lane < a.num_pair_columns ? a.pair_row[item * a.num_pair_columns + lane] : -1;
   j.held = kOwnTokens && j.valid && lane < num_ranks && a.is_token_in_rank[j.token * num_ranks + lane];
   return j;
 }
 
 // What a job reads and writes (every lane calls it: ballots).
 struct JobShape {
-  int pairs;       // its kept pairs here (kept pairs come first in pair_row)
+  int pairs;       // pass 1: its kept pairs here (kept pairs come first in pair_row)
   uint32_t peers;  // pass 2: the other ranks that hold a partial of the token
   bool me_holds;   // pass 2: this rank received the token
   bool writes;     // pass 1: this rank received the item; pass 2: a valid token
@@ -691,6 +691,16 @@ __device__ __forceinline__ float rounded_to(float v) {
   return to_float(from_float<In>(v));
 }
 
+// Vector `vec` (kVec elements) of a partial, rounded to In (the type it crosses NVLink in), stored into row as Out
+// (In or float32: exact either way).
+template <typename In, typename Out, int kVec>
+__device__ __forceinline__ void store_partial(const float (&partial)[kVec], Out* row, int64_t vec) {
+  Pack<Out, kVec> pack;
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) pack.v[e] = from_float<Out>(rounded_to<In>(partial[e]));
+  reinterpret_cast<Pack<Out, kVec>*>(row)[vec] = pack;
+}
+
 // One pass over rows of whole 16-byte vectors (kVec elements of In each).
 template <bool kOwnTokens, typename In, typename Bias, typename Out, int kVec, int kStages>
 __device__ void combine_pass_staged(const IntranodeRank& g, const CallContext& ctx, const ExpertMajorCombineArgs& a,
@@ -720,27 +730,38 @@ __device__ void combine_pass_staged(const IntranodeRank& g, const CallContext& c
     const JobShape shape = shape_of<kOwnTokens>(job, a, me);
     if (!shape.writes) continue;
     for (int64_t chunk = 0; chunk < rows.chunks; ++chunk) {
-      float own[kChunkVecs][kVec] = {};  // this rank's partial of the job's token
-      for (int q = 0; q < shape.pairs; ++q) {
-        Pack<In, kVec> packs[kChunkVecs];
-        float weight;
-        consume(packs, weight);
+      if constexpr (!kOwnTokens) {  // the item's partial: into its home rank's slot for this rank, or out[t]
+        float partial[kChunkVecs][kVec] = {};
+        for (int q = 0; q < shape.pairs; ++q) {
+          Pack<In, kVec> packs[kChunkVecs];
+          float weight;
+          consume(packs, weight);
 #pragma unroll
-        for (int u = 0; u < kChunkVecs; ++u) add_pair<In, kVec>(own[u], packs[u], weight, weighted);
-      }
-      if constexpr (!kOwnTokens) {  // into the home rank's slot for this rank
-        In* slot = static_cast<In*>(const_cast<void*>(ctx.views[job.home].pointers[0])) +
-                   (slot_region(me, job.home) * a.num_tokens + job.token) * a.row_elements;
+          for (int u = 0; u < kChunkVecs; ++u) add_pair<In, kVec>(partial[u], packs[u], weight, weighted);
+        }
 #pragma unroll
         for (int u = 0; u < kChunkVecs; ++u) {
           const int64_t vec = chunk * kChunkUnits + u * 32 + lane;
           if (vec >= rows.vecs) break;
-          Pack<In, kVec> pack;
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) pack.v[e] = from_float<In>(own[u][e]);
-          reinterpret_cast<Pack<In, kVec>*>(slot)[vec] = pack;
+          if (job.home == me) {
+            store_partial<In, Out, kVec>(partial[u], static_cast<Out*>(a.out) + job.token * a.row_elements, vec);
+          } else {
+            In* slot = static_cast<In*>(const_cast<void*>(ctx.views[job.home].pointers[0])) +
+                       (slot_region(me, job.home) * a.num_tokens + job.token) * a.row_elements;
+            store_partial<In, In, kVec>(partial[u], slot, vec);
+          }
         }
       } else {  // the holders' partials in rank order
+        Pack<Out, kVec> mine[kChunkVecs];  // this rank's partial, from pass 1
+        if (shape.me_holds) {
+#pragma unroll
+          for (int u = 0; u < kChunkVecs; ++u) {
+            const int64_t vec = chunk * kChunkUnits + u * 32 + lane;
+            if (vec < rows.vecs)
+              mine[u] = reinterpret_cast<const Pack<Out, kVec>*>(static_cast<const Out*>(a.out) +
+                                                                  job.token * a.row_elements)[vec];
+          }
+        }
         float acc[kChunkVecs][kVec] = {};
         for (int r = 0; r < num_ranks; ++r) {
           if (r == me) {
@@ -748,7 +769,7 @@ __device__ void combine_pass_staged(const IntranodeRank& g, const CallContext& c
 #pragma unroll
             for (int u = 0; u < kChunkVecs; ++u)
 #pragma unroll
-              for (int e = 0; e < kVec; ++e) acc[u][e] += rounded_to<In>(own[u][e]);
+              for (int e = 0; e < kVec; ++e) acc[u][e] += to_float(mine[u].v[e]);
           } else if ((shape.peers >> r) & 1u) {
             Pack<In, kVec> packs[kChunkVecs];
             float unused;
@@ -787,22 +808,27 @@ __device__ void combine_pass_by_element(const IntranodeRank& g, const CallContex
     if (!shape.writes) continue;
     for (int64_t first = 0; first < a.row_elements; first += 32) {  // every lane: the rounds shuffle
       const int64_t e = first + lane;
-      float own[1] = {0.f};
-      for (int q = 0; q < shape.pairs; ++q) {
-        const int64_t row = __shfl_sync(kFullMask, job.pair, q);
-        if (e < a.row_elements)
-          add_pair<In, 1>(own, Pack<In, 1>{{LoadNonCoherent{}(y + row * a.row_elements + e)}},
-                          a.weights ? a.weights[row] : 1.f, a.weights);
-      }
-      if (e >= a.row_elements) continue;
       if constexpr (!kOwnTokens) {
-        In* slot = static_cast<In*>(const_cast<void*>(ctx.views[job.home].pointers[0])) +
-                   (slot_region(me, job.home) * a.num_tokens + job.token) * a.row_elements;
-        slot[e] = from_float<In>(own[0]);
+        float partial[1] = {0.f};
+        for (int q = 0; q < shape.pairs; ++q) {
+          const int64_t row = __shfl_sync(kFullMask, job.pair, q);
+          if (e < a.row_elements)
+            add_pair<In, 1>(partial, Pack<In, 1>{{LoadNonCoherent{}(y + row * a.row_elements + e)}},
+                            a.weights ? a.weights[row] : 1.f, a.weights);
+        }
+        if (e >= a.row_elements) continue;
+        if (job.home == me) {
+          store_partial<In, Out, 1>(partial, static_cast<Out*>(a.out) + job.token * a.row_elements, e);
+        } else {
+          In* slot = static_cast<In*>(const_cast<void*>(ctx.views[job.home].pointers[0])) +
+                     (slot_region(me, job.home) * a.num_tokens + job.token) * a.row_elements;
+          store_partial<In, In, 1>(partial, slot, e);
+        }
       } else {
+        if (e >= a.row_elements) continue;
         float acc[1] = {0.f};
         for (int r = 0; r < num_ranks; ++r) {
-          if (r == me && shape.me_holds) acc[0] += rounded_to<In>(own[0]);
+          if (r == me && shape.me_holds) acc[0] += to_float(static_cast<const Out*>(a.out)[job.token * a.row_elements + e]);
           if (r != me && ((shape.peers >> r) & 1u))
             acc[0] += to_float(LoadL2{}(own_slots + (slot_region(r, me) * a.num_tokens + job.token) * a.row_elements + e));
         }
