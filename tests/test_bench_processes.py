@@ -81,6 +81,25 @@ def test_failing_worker_fails_the_launcher(tmp_path):
     assert not path.exists()
 
 
+def _bench_on_cpu(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jax_ep.bench", *argv], cwd=REPO_ROOT,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("mode", ["intranode", "low_latency", "moe", "grouped_matmul"])
+def test_default_sizes_need_a_gpu(mode):
+    """A GPU benchmark at its default sizes on a machine without GPUs: one line that says so, exit status 1, nothing
+    run (in this process, and as the launcher of --processes, which starts no worker)."""
+    for launcher in (False, True) if mode != "grouped_matmul" else (False,):  # grouped_matmul: one GPU
+        run = _bench_on_cpu(mode, *(["--processes", "2"] if launcher else []))
+        lines = [line for line in run.stderr.splitlines() if line.strip()]
+        assert run.returncode == 1 and lines[-1].startswith(f"python -m jax_ep.bench {mode}: needs NVIDIA GPUs"), \
+            run.stdout + run.stderr
+        assert sum("needs NVIDIA GPUs" in line for line in lines) == 1 and "[bench] process" not in run.stderr, \
+            run.stderr
+        assert f"[{mode}]" not in run.stdout, run.stdout
+
+
 def test_internode_needs_one_process_per_gpu():
     run = subprocess.run([sys.executable, "-m", "jax_ep.bench", "internode", "--tokens", "8", "--hidden", "128"],
                          cwd=REPO_ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,

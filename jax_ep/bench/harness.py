@@ -104,6 +104,10 @@ def add_process_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shared-gpu", action="store_true", help=argparse.SUPPRESS)
 
 
+# The options that size a communication mode's problem (its GPU_SIZES; see refuse_gpu_sizes_without_gpu).
+COMMUNICATION_SIZES = ("tokens", "hidden", "topk", "experts")
+
+
 def add_communication_arguments(parser: argparse.ArgumentParser, shape: tuple[int, int, int, int]) -> None:
     """The routing shape (default `shape`: tokens per rank, hidden, top-k, experts), the timed loops of
     `time_per_op` and the pure-JAX baselines, common to the intranode, internode and low_latency modes."""
@@ -418,6 +422,19 @@ def _write_outputs(mode, args, records) -> None:
 
 # ---- a mode's run ------------------------------------------------------------------------------------------------
 
+def refuse_gpu_sizes_without_gpu(mode, args, parser: argparse.ArgumentParser, has_gpu: bool) -> None:
+    """A mode whose default sizes are GPU figures (its GPU_SIZES: the options that size its problem) stops with one
+    line on a machine without GPUs when none of those options was changed: at those sizes the run would take
+    minutes to hours and tens of GB of host memory, and print no performance figure. Smaller sizes run anywhere
+    (the harness's own tests do)."""
+    sizes = getattr(mode, "GPU_SIZES", ())
+    if has_gpu or not sizes or any(getattr(args, name) != parser.get_default(name) for name in sizes):
+        return
+    options = " ".join("--" + name.replace("_", "-") for name in sizes)
+    raise SystemExit(f"{parser.prog}: needs NVIDIA GPUs (none found); its default sizes are GPU benchmark figures. "
+                     f"To try it on this machine, give smaller sizes ({options})")
+
+
 def run(mode, args, argv: list[str], parser: argparse.ArgumentParser) -> int:
     """Runs `mode` (a module with run(args) -> records and, where it takes --plot, plot(plt, records, path)) with
     its parsed `args`: in this process, or with --processes as the launcher of its workers (`argv`: this
@@ -427,6 +444,7 @@ def run(mode, args, argv: list[str], parser: argparse.ArgumentParser) -> int:
     if args.nodes < 1 or not 0 <= args.node_rank < args.nodes or (args.nodes > 1 and not args.coordinator):
         parser.error("--nodes M needs --node-rank in [0, M) and --coordinator HOST:PORT")
     if args.processes and args.process_id is None:
+        refuse_gpu_sizes_without_gpu(mode, args, parser, has_gpu=not environment.runs_on_cpu() and _cuda_device_count() > 0)
         gpus = args.gpus or (0 if environment.runs_on_cpu() else _cuda_device_count()) or args.processes
         if args.processes > gpus and not args.allow_shared_gpu:
             parser.error(f"--processes {args.processes} on {gpus} GPU(s): ranks would share GPUs, so no figure would "
@@ -434,6 +452,7 @@ def run(mode, args, argv: list[str], parser: argparse.ArgumentParser) -> int:
         return _launch(args, argv, gpus)
     if args.process_id is not None:
         _join(args)
+    refuse_gpu_sizes_without_gpu(mode, args, parser, has_gpu=jax.default_backend() == "gpu")
     if args.shared_gpu:
         sys.stdout = _LabelledLines(sys.stdout, SHARED_GPU_LABEL)
     try:

@@ -21,6 +21,10 @@ from jax_ep.config import FP8_GROUP
 SHAPE = (4096, 7168, 8, 256)
 
 
+# Options that size the problem: at their defaults the mode refuses to run without GPUs (harness).
+GPU_SIZES = harness.COMMUNICATION_SIZES
+
+
 def add_arguments(parser) -> None:
     harness.add_process_arguments(parser)
     parser.add_argument("--ranks-per-node", type=int, default=0,

@@ -57,6 +57,10 @@ STAGES = ("router", "dispatch", "expert FFN", "combine")
 TARGET_RATIO = 1.5  # issue 20's acceptance: the block's forward + backward at most 1.5x the dense proxy
 
 
+# Options that size the problem: at their defaults the mode refuses to run without GPUs (harness).
+GPU_SIZES = ("shapes", "tokens", "d_model", "d_ff", "experts", "topk")
+
+
 def add_arguments(parser) -> None:
     harness.add_process_arguments(parser)
     parser.add_argument("--shapes", nargs="+", choices=SHAPES, default=["moe-a", "v3"],
