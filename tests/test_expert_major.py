@@ -25,8 +25,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ep  # noqa: E402
 
-from test_ops_xla import SETTINGS, Case, as_f32, assert_same, buffer, flat, mesh, ranks, spmd  # noqa: E402
-from test_ops_xla import cases as ops_cases  # noqa: E402
+from xla_harness import SETTINGS, Case, as_f32, assert_same, buffer, flat, mesh, ranks, spmd  # noqa: E402
+from xla_harness import cases as ops_cases  # noqa: E402
 
 F32 = np.dtype(np.float32)
 

@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-from test_ops_xla import SETTINGS, Case, assert_same, buffer, capacity_for, cases, flat, mesh, ranks, spmd  # noqa: E402
+from xla_harness import SETTINGS, Case, assert_same, buffer, capacity_for, cases, flat, mesh, ranks, spmd  # noqa: E402
 
 import jax_ep  # noqa: E402
 

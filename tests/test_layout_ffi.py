@@ -11,7 +11,7 @@ import numpy as np  # noqa: E402
 import oracle as O  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
-from test_ops_xla import RANKS, SETTINGS, Case, assert_same, buffer, cases, ranks, spmd  # noqa: E402
+from xla_harness import RANKS, SETTINGS, Case, assert_same, buffer, cases, ranks, spmd  # noqa: E402
 
 import jax_ep  # noqa: E402
 

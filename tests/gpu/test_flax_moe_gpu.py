@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from test_flax_moe import ROUTERS, assert_matches_reference, check_capacity_drops, make_moe, reference, run
+from flax_moe_harness import ROUTERS, assert_matches_reference, check_capacity_drops, make_moe, reference, run
 
 from jax_ep.examples import train_moe
 
