@@ -1,6 +1,6 @@
 """Independent NumPy oracle of the semantics in docs/design.md ("Semantics"), plus test-input generators.
 
-Written from that text and its "Choices where the contract is silent", never from jax_ep code:
+Written from that text and its "Semantic choices", never from jax_ep code:
 - an id outside [-1, E) is treated as -1 and counted in `invalid_ids` (per rank);
 - a top-k row may repeat an expert: counts are per distinct (token, expert), recv_topk_idx keeps every entry;
 - normal dispatch below capacity keeps the first C rows in (source rank, source token) order, drops the rest;
