@@ -48,9 +48,13 @@ def test_moe_bench_record(tmp_path, capsys):
         assert math.isclose(r["block_tflops"], r["flops_per_rank"] / r["block_ms"] / 1e9)
         assert math.isclose(r["dense_proxy_tflops"], r["flops_per_rank"] / r["dense_proxy_ms"] / 1e9)
         assert math.isclose(r["breakdown_sum_ms"], sum(r["breakdown_ms"].values()))
+        compute = r["breakdown_ms"]["router"] + r["breakdown_ms"]["expert FFN"]
+        assert math.isclose(r["compute_stages_ms"], compute)
+        assert math.isclose(r["block_over_compute_stages"], r["block_ms"] / compute)
+        assert r["num_chunks"] == 1
     out = capsys.readouterr().out
     assert "[moe] not on a GPU" in out and "dense proxy" in out, out
-    assert out.count("[moe]   breakdown") == 2 and "(the block:" in out, out
+    assert out.count("[moe]   breakdown") == 2 and out.count("compute stages (router + expert FFN)") == 4, out
     assert plot.read_bytes().startswith(b"\x89PNG")
 
 
@@ -66,12 +70,17 @@ def test_moe_bench_shape_overrides(tmp_path):
 
 
 def test_moe_bench_num_chunks(tmp_path, capsys):
-    """--num-chunks: the block runs its tokens in that many chunks, and the record and header say so."""
-    record = moe_record(tmp_path, "--shapes", "tiny", "--dispatchers", "xla", "--ranks", "2", "--num-chunks", "2")
-    assert record["setup"]["num_chunks"] == 2
-    (r,) = record["results"]
-    assert math.isfinite(r["block_ms"]) and r["block_ms"] > 0
-    assert "16 tokens per rank in 2 chunks" in capsys.readouterr().out
+    """--num-chunks 1 2: the block timed with each num_chunks in the same run (a record each), one breakdown shared
+    by both, and the header says so."""
+    record = moe_record(tmp_path, "--shapes", "tiny", "--dispatchers", "xla", "--ranks", "2", "--num-chunks", "1", "2")
+    assert record["setup"]["num_chunks"] == [1, 2]
+    one, two = record["results"]
+    assert (one["num_chunks"], two["num_chunks"]) == (1, 2)
+    assert one["breakdown_ms"] == two["breakdown_ms"]
+    assert all(math.isfinite(r["block_ms"]) and r["block_ms"] > 0 for r in (one, two))
+    out = capsys.readouterr().out
+    assert "16 tokens per rank (the block in 1 and 2 chunks)" in out and "(xla backend, 2 chunks)" in out, out
+    assert out.count("[moe]   breakdown") == 1, out
 
 
 def test_moe_bench_remat_memory(tmp_path):

@@ -21,6 +21,11 @@ Per shape and dispatcher:
   shard_map of its own, on the inputs the stages before it produce from the block's x and weights, with random
   cotangents of its outputs' shapes. Their sum is printed beside the block; the difference is what the block does
   besides (router statistics, casts) and what XLA overlaps or fuses across the stages.
+- compute stages: router + expert FFN of the breakdown. The block over them says how much of the communication
+  the block hides: 1.0 would be all of it (each stage timed alone also pays its own launch, ~0.1 ms).
+- --num-chunks N [M ...]: the block with each num_chunks (its tokens through dispatch, experts and combine in
+  chunks, so that XLA may overlap one chunk's communication with another's matmuls), timed in the same run; the
+  breakdown is taken once, unchunked.
 Timing (harness.median_ms): median over --runs of --calls back-to-back calls, after a warm-up; the block's runs and
 its proxy's take turns (harness.alternating_median_ms), so that both are timed at the same GPU clock (which drifts
 by several per cent over a run as the GPU warms).
@@ -70,9 +75,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank (default %(default)s)")
     for field in MoEShape._fields:
         parser.add_argument(f"--{field.replace('_', '-')}", type=int, help="replaces the shapes' own")
-    parser.add_argument("--num-chunks", type=int, default=1,
-                        help="the block's num_chunks (its tokens through dispatch, experts and combine in chunks; the "
-                             "breakdown's stages take the whole batch)")
+    parser.add_argument("--num-chunks", type=int, nargs="+", default=[1],
+                        help="the block's num_chunks values, each timed in the same run (its tokens through dispatch, "
+                             "experts and combine in chunks; the breakdown's stages take the whole batch)")
     parser.add_argument("--runs", type=int, default=10, help="timed runs per figure (the median is reported)")
     parser.add_argument("--calls", type=int, default=3, help="back-to-back calls per timed run")
     parser.add_argument("--remat", action="store_true",
@@ -204,31 +209,36 @@ def _breakdown_ms(mesh, moe: MoE, x, args) -> dict[str, float]:
 
 
 def _measure(mesh, shape: MoEShape, dispatcher: str, args) -> dict:
-    """The block and its breakdown at `shape` with `dispatcher`: the backend it ran on and the figures in ms."""
-    num_ranks = mesh.devices.size
-    moe = MoE(shape.d_model, shape.d_ff, shape.experts, shape.topk, mesh=mesh, dispatcher=dispatcher, dtype=DTYPE,
-              param_dtype=DTYPE, num_chunks=args.num_chunks, rngs=nnx.Rngs(0))
-    state = nnx.state(moe)  # experts sharded over the EP axis by their partition metadata, the rest replicated
-    nnx.update(moe, jax.tree.map(_placed, state, nnx.get_named_sharding(state, mesh)))
+    """The block at `shape` with `dispatcher`, for each of --num-chunks, and the (unchunked) breakdown: the backend
+    it ran on, {num_chunks: {"block": ms, "proxy": ms}} and the breakdown in ms."""
     x_key, cotangent_key = jax.random.split(jax.random.key(1))
-    tokens = ((num_ranks * args.tokens, shape.d_model), DTYPE, NamedSharding(mesh, P("ep")))  # every rank's
+    tokens = ((mesh.devices.size * args.tokens, shape.d_model), DTYPE, NamedSharding(mesh, P("ep")))  # every rank's
     x, cotangent = _random(x_key, *tokens), _random(cotangent_key, *tokens)
-    with moe.buffer:  # a cuda Buffer's memory lies outside XLA's pool: freed before the next shape
-        figures = dict(backend=moe.buffer.backend, **_block_and_proxy_ms(moe, x, cotangent, shape, args),
-                       breakdown_ms=_breakdown_ms(mesh, moe, x, args))
-        if args.remat:
-            figures["temp_bytes"] = remat_temp_bytes(moe, x, cotangent)
-        return figures
+    figures = dict(blocks={})
+    for index, num_chunks in enumerate(args.num_chunks):
+        moe = MoE(shape.d_model, shape.d_ff, shape.experts, shape.topk, mesh=mesh, dispatcher=dispatcher, dtype=DTYPE,
+                  param_dtype=DTYPE, num_chunks=num_chunks, rngs=nnx.Rngs(0))
+        state = nnx.state(moe)  # experts sharded over the EP axis by their partition metadata, the rest replicated
+        nnx.update(moe, jax.tree.map(_placed, state, nnx.get_named_sharding(state, mesh)))
+        with moe.buffer:  # a cuda Buffer's memory lies outside XLA's pool: freed before the next block
+            figures["backend"] = moe.buffer.backend
+            figures["blocks"][num_chunks] = _block_and_proxy_ms(moe, x, cotangent, shape, args)
+            if index == 0:
+                figures["breakdown_ms"] = _breakdown_ms(mesh, moe, x, args)
+                if args.remat:
+                    figures["temp_bytes"] = remat_temp_bytes(moe, x, cotangent)
+    return figures
 
 
 def run(args) -> dict:
     mesh = harness.ep_mesh(args)
     num_ranks, device = mesh.devices.size, mesh.devices.flat[0]
     setup = dict(device=device.device_kind, platform=device.platform, jax=jax.__version__, num_ranks=num_ranks,
-                 process_model=harness.process_model(args), tokens=args.tokens, num_chunks=args.num_chunks,
+                 process_model=harness.process_model(args), tokens=args.tokens, num_chunks=list(args.num_chunks),
                  dtype=jnp.dtype(DTYPE).name, runs=args.runs, calls=args.calls, target_ratio=TARGET_RATIO)
     print(f"[moe] {num_ranks} ranks ({device.device_kind}), {setup['process_model']}, {args.tokens} tokens per rank"
-          + (f" in {args.num_chunks} chunks" if args.num_chunks > 1 else "") + ", "
+          + (f" (the block in {' and '.join(map(str, args.num_chunks))} chunks)" if args.num_chunks != [1] else "")
+          + ", "
           f"{setup['dtype']}, forward + backward; median of {args.runs} runs of {args.calls} calls", flush=True)
     if not harness.on_gpu(mesh):
         setup["not_a_performance_figure"] = harness.NOT_ON_A_GPU
@@ -244,26 +254,35 @@ def run(args) -> dict:
               f"rank", flush=True)
         for dispatcher in args.dispatchers:
             figures = _measure(mesh, shape, dispatcher, args)
-            block_ms, proxy_ms, breakdown = figures["block"], figures["proxy"], figures["breakdown_ms"]
-            record = dict(shape=name, **shape._asdict(), experts_per_rank=shape.experts // num_ranks,
-                          rows_per_rank=rows, flops_per_rank=flops, dispatcher=dispatcher, backend=figures["backend"],
-                          block_ms=block_ms, block_tflops=flops / block_ms / 1e9, dense_proxy_ms=proxy_ms,
-                          dense_proxy_tflops=flops / proxy_ms / 1e9, ratio=block_ms / proxy_ms,
-                          meets_target=block_ms / proxy_ms <= TARGET_RATIO, breakdown_ms=breakdown,
-                          breakdown_sum_ms=sum(breakdown.values()))
+            breakdown = figures["breakdown_ms"]
+            compute_ms = breakdown["router"] + breakdown["expert FFN"]
+            for num_chunks, block in figures["blocks"].items():
+                block_ms, proxy_ms = block["block"], block["proxy"]
+                record = dict(shape=name, **shape._asdict(), experts_per_rank=shape.experts // num_ranks,
+                              rows_per_rank=rows, flops_per_rank=flops, dispatcher=dispatcher, num_chunks=num_chunks,
+                              backend=figures["backend"], block_ms=block_ms, block_tflops=flops / block_ms / 1e9,
+                              dense_proxy_ms=proxy_ms, dense_proxy_tflops=flops / proxy_ms / 1e9,
+                              ratio=block_ms / proxy_ms, meets_target=block_ms / proxy_ms <= TARGET_RATIO,
+                              breakdown_ms=breakdown, breakdown_sum_ms=sum(breakdown.values()),
+                              compute_stages_ms=compute_ms, block_over_compute_stages=block_ms / compute_ms)
+                if "temp_bytes" in figures:
+                    record["temp_bytes"] = figures["temp_bytes"]
+                results.append(record)
+                chunks = f", {num_chunks} chunks" if num_chunks > 1 else ""
+                print(f"[moe] {name} {dispatcher} ({record['backend']} backend{chunks}): block {block_ms:.3f} ms = "
+                      f"{record['block_tflops']:.4g} TFLOP/s; dense proxy {proxy_ms:.3f} ms = "
+                      f"{record['dense_proxy_tflops']:.4g} TFLOP/s; {record['ratio']:.2f}x the dense proxy "
+                      f"(target <= {TARGET_RATIO}x: {'met' if record['meets_target'] else 'not met'}); "
+                      f"{record['block_over_compute_stages']:.2f}x its compute stages (router + expert FFN)",
+                      flush=True)
             if "temp_bytes" in figures:
-                record["temp_bytes"] = figures["temp_bytes"]
                 print(f"[moe]   temporary memory of {REMAT_LAYERS} blocks in a row, forward + backward: "
                       f"{figures['temp_bytes']['plain'] / 2**20:.1f} MiB; each under jax.checkpoint (nothing "
                       f"saveable): {figures['temp_bytes']['remat'] / 2**20:.1f} MiB", flush=True)
-            results.append(record)
-            print(f"[moe] {name} {dispatcher} ({record['backend']} backend): block {block_ms:.3f} ms = "
-                  f"{record['block_tflops']:.4g} TFLOP/s; dense proxy {proxy_ms:.3f} ms = "
-                  f"{record['dense_proxy_tflops']:.4g} TFLOP/s; {record['ratio']:.2f}x the dense proxy "
-                  f"(target <= {TARGET_RATIO}x: {'met' if record['meets_target'] else 'not met'})", flush=True)
             print("[moe]   breakdown, each stage forward + backward alone: "
                   + " + ".join(f"{stage} {breakdown[stage]:.3f}" for stage in STAGES)
-                  + f" = {record['breakdown_sum_ms']:.3f} ms (the block: {block_ms:.3f} ms)", flush=True)
+                  + f" = {sum(breakdown.values()):.3f} ms; compute stages (router + expert FFN) {compute_ms:.3f} ms",
+                  flush=True)
     return dict(mode="moe", setup=setup, results=results)
 
 
@@ -286,7 +305,8 @@ def plot(plt, figures: dict, path: str) -> None:
         ax.hlines(proxy, at - 0.45, at + 0.45, color="black", linestyle="--", linewidth=1, label="dense proxy")
         ax.hlines(TARGET_RATIO * proxy, at - 0.45, at + 0.45, color="black", linestyle=":", linewidth=1,
                   label=f"target ({TARGET_RATIO}x the proxy)")
-        ax.set_xticks(at, [f"{r['dispatcher']}\n{r['backend']} backend" for r in records], fontsize=8)
+        ax.set_xticks(at, [f"{r['dispatcher']}\n{r['backend']} backend"
+                           + (f"\n{r['num_chunks']} chunks" if r["num_chunks"] > 1 else "") for r in records], fontsize=8)
         first = records[0]
         ax.set(ylabel="ms, forward + backward",
                title=f"{shape}: D={first['d_model']} F={first['d_ff']} E={first['experts']} K={first['topk']}")
