@@ -110,7 +110,8 @@ class MoE(nnx.Module):
     start; 1 packs the rows without padding.
     num_chunks n (normal / xla): the tokens go through dispatch, experts and combine in n chunks of T/n (n must
     divide each rank's T), so that XLA may run one chunk's communication beside another's matmuls; the capacity
-    below is then per chunk (T/n in place of T). 1: the whole batch at once.
+    below is then per chunk (T/n in place of T). 1 (the default): the whole batch at once; more chunks measured
+    slower at EP2 (every chunk's grouped matmuls read all the experts' weights again; docs/perf-log.md).
     capacity_factor c (normal / xla): each rank's rows hold ceil(c * T * K) (token, expert) pairs (the mean
     number a rank receives under uniform routing is T * K) plus the padding its experts' groups may need,
     (E/R) * (expert_alignment - 1) rows, so that the alignment drops no pair; the pairs past the last row are
