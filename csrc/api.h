@@ -422,6 +422,9 @@ enum class LowLatencyWait : int32_t {
 // (the exponent bytes of power-of-two scales, four per int32).
 enum class LowLatencyPayload : int32_t { kBF16 = 0, kFP8 = 1, kFP8UE8M0 = 2 };
 
+// The row format of a low-latency combine's send: BF16 as given, or LogFMT-10 blocks (logfmt.cuh).
+enum class LowLatencyCompression : uint8_t { kNone = 0, kLogFmt = 1 };  // one byte: the args keep their layout
+
 // How the LL kernels reach other ranks' LL regions. kPeerStores: plain stores through peer pointers (NVLink
 // peer access in one process, CUDA IPC mappings across processes). kNvshmem: the regions are NVSHMEM
 // symmetric memory and rows travel as NVSHMEM puts, flags and credits as signals (one process per GPU).
@@ -489,7 +492,7 @@ struct LowLatencyCombineSendArgs {
   const int32_t* src_topk_index = nullptr;   // [L, R*M]
   const int32_t* layout_range = nullptr;     // [L, R, 2]
   uint32_t* token = nullptr;
-  bool compressed = false;  // send the rows LogFMT-encoded (kernel_limits.h, kLogFmt*)
+  LowLatencyCompression compression = LowLatencyCompression::kNone;  // the rows' format on the way
 };
 cudaError_t low_latency_combine_send(const LowLatencyCall& call, const LowLatencyCombineSendArgs& args);
 
@@ -500,7 +503,7 @@ struct LowLatencyCombineRecvArgs {
   const float* topk_weights = nullptr;    // [num_tokens, num_topk]
   int64_t num_tokens = 0, num_topk = 0;
   void* out = nullptr;                    // bf16 [num_tokens, H]
-  bool compressed = false;                // the send was compressed
+  LowLatencyCompression compression = LowLatencyCompression::kNone;  // the send's
 };
 cudaError_t low_latency_combine_recv(const LowLatencyCall& call, const LowLatencyCombineRecvArgs& args);
 

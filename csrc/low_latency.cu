@@ -1058,7 +1058,7 @@ cudaError_t low_latency_combine_send(const LowLatencyCall& call, const LowLatenc
   const size_t shared = sizeof(int64_t) * static_cast<size_t>(call.num_experts + 1);
   return with_transport(call, [&](auto transport) {
     using Transport = decltype(transport);
-    if (args.compressed)
+    if (args.compression == LowLatencyCompression::kLogFmt)
       combine_send_kernel<Transport, true><<<blocks, kCombineSendThreads, shared, call.stream>>>(call, args);
     else
       combine_send_kernel<Transport, false><<<blocks, kCombineSendThreads, shared, call.stream>>>(call, args);
@@ -1080,7 +1080,7 @@ cudaError_t low_latency_combine_recv(const LowLatencyCall& call, const LowLatenc
         combine_recv_kernel<Transport, kLowLatencyMaxTopk, kCompressed><<<blocks, kThreads, 0, call.stream>>>(
             call, args, split);
     };
-    if (args.compressed)
+    if (args.compression == LowLatencyCompression::kLogFmt)
       launch(std::true_type{});
     else
       launch(std::false_type{});

@@ -76,6 +76,25 @@ def limit(name: str) -> int | None:
     return _LIMITS[name]
 
 
+# FFI target names and the enums passed as FFI attributes, as the extension defines them (xla_ffi/module.cc).
+_TARGET_NAMES: dict[str, str] = {} if _C is None else dict(_C.target_names())
+_ENUMS: dict[str, dict[str, int]] = {} if _C is None else {name: dict(members) for name, members in _C.enums().items()}
+
+
+def target(key: str) -> str | None:
+    """The FFI target name of `key` (e.g. "dispatch" -> the name XLA knows the intranode dispatch by), or None
+    when the extension did not load (then no custom call is built)."""
+    if _C is None:
+        return None
+    return _TARGET_NAMES[key]
+
+
+def enum(name: str) -> dict[str, int]:
+    """{member: value} of the csrc enum `name` passed as an FFI attribute (e.g. "low_latency_payload"); empty
+    when the extension did not load."""
+    return _ENUMS.get(name, {}) if _C is not None else {}
+
+
 def extension(feature: str):
     """The extension module `_C`, or a clear error naming `feature` when it did not load."""
     if _C is None:

@@ -29,7 +29,7 @@ from jax_ep.types import (
     LowLatencyHandle,
 )
 
-LAYOUT_TARGET = "jax_ep_layout"
+LAYOUT_TARGET = _native.target("layout")
 
 
 def _is_fp8_pair(x) -> bool:

@@ -82,7 +82,15 @@ bool IsExpertRows(const ffi::AnyBuffer& buffer, ffi::DataType type, const LowLat
          dims[1] == ranks * call.num_max_tokens && dims[2] == width;
 }
 
-bool IsPayload(int64_t payload) { return payload >= 0 && payload <= 2; }
+bool IsPayload(int64_t payload) {
+  return payload == static_cast<int64_t>(LowLatencyPayload::kBF16) ||
+         payload == static_cast<int64_t>(LowLatencyPayload::kFP8) ||
+         payload == static_cast<int64_t>(LowLatencyPayload::kFP8UE8M0);
+}
+bool IsCompression(int64_t compression) {
+  return compression == static_cast<int64_t>(LowLatencyCompression::kNone) ||
+         compression == static_cast<int64_t>(LowLatencyCompression::kLogFmt);
+}
 
 ffi::Error DispatchSend(const char* op, const LowLatencyAttrs& attrs, ffi::AnyBuffer x, ffi::AnyBuffer topk_idx,
                         ffi::Result<ffi::AnyBuffer> token, ffi::Result<ffi::AnyBuffer> invalid_ids, int64_t payload,
@@ -171,8 +179,8 @@ ffi::Error CombineSend(const char* op, const LowLatencyAttrs& attrs, ffi::AnyBuf
   a.src_topk_index = DataOf<int32_t>(src_topk_index);
   a.layout_range = DataOf<int32_t>(layout_range);
   a.token = MutableDataOf<uint32_t>(*token);
-  if (compression != 0 && compression != 1) return Invalid(op, "compression must be 0 (none) or 1 (LogFMT)");
-  a.compressed = compression == 1;
+  if (!IsCompression(compression)) return Invalid(op, "unknown compression " + std::to_string(compression));
+  a.compression = static_cast<LowLatencyCompression>(compression);
   return Launched(op, low_latency_combine_send(call, a), NeverTooSmall);
 }
 
@@ -195,8 +203,8 @@ ffi::Error CombineRecv(const char* op, const LowLatencyAttrs& attrs, ffi::AnyBuf
   a.num_tokens = out_dims[0];
   a.num_topk = idx_dims[1];
   a.out = out->untyped_data();
-  if (compression != 0 && compression != 1) return Invalid(op, "compression must be 0 (none) or 1 (LogFMT)");
-  a.compressed = compression == 1;
+  if (!IsCompression(compression)) return Invalid(op, "unknown compression " + std::to_string(compression));
+  a.compression = static_cast<LowLatencyCompression>(compression);
   return Launched(op, low_latency_combine_recv(call, a), NeverTooSmall);
 }
 

@@ -32,6 +32,31 @@ nb::capsule Capsule(Fn* handler) {
   return nb::capsule(reinterpret_cast<void*>(handler));
 }
 
+// Every FFI target jax_ep defines, by the key Python looks it up with (jax_ep._native.target): XLA sees it as
+// kTargetPrefix + key. The names exist in every build (CPU tests lower the CUDA paths); Registrations() gives the
+// handlers of those this build has.
+constexpr const char* kTargetPrefix = "jax_ep_";
+constexpr const char* kTargetKeys[] = {
+    "layout",
+    "dispatch", "cached_dispatch", "combine",
+    "expert_major_dispatch", "expert_major_cached_dispatch", "expert_major_combine", "expert_major_combine_backward",
+    "store_probe",
+    "low_latency_dispatch_send", "low_latency_dispatch_recv", "low_latency_combine_send", "low_latency_combine_recv",
+    "internode_dispatch", "internode_cached_dispatch", "internode_combine",
+};
+
+std::string TargetName(const std::string& key) {
+  for (const char* known : kTargetKeys)
+    if (key == known) return kTargetPrefix + key;
+  throw std::logic_error("jax_ep._C: no FFI target key " + key);
+}
+
+nb::dict TargetNames() {
+  nb::dict names;
+  for (const char* key : kTargetKeys) names[key] = TargetName(key);
+  return names;
+}
+
 nb::dict Registrations() {
   using namespace jax_ep::ffi_handlers;
   nb::dict layout;
@@ -40,34 +65,52 @@ nb::dict Registrations() {
   layout["CUDA"] = Capsule(LayoutCuda);
 #endif
   nb::dict targets;
-  targets["jax_ep_layout"] = layout;
+  targets[TargetName("layout").c_str()] = layout;
 #if defined(JAX_EP_WITH_CUDA)
-  auto cuda_only = [](nb::capsule handler) {
+  auto cuda_only = [&](const char* key, nb::capsule handler) {
     nb::dict platforms;
     platforms["CUDA"] = handler;
-    return platforms;
+    targets[TargetName(key).c_str()] = platforms;
   };
-  targets["jax_ep_dispatch"] = cuda_only(Capsule(IntranodeDispatch));
-  targets["jax_ep_cached_dispatch"] = cuda_only(Capsule(IntranodeCachedDispatch));
-  targets["jax_ep_combine"] = cuda_only(Capsule(IntranodeCombine));
-  targets["jax_ep_expert_major_dispatch"] = cuda_only(Capsule(IntranodeExpertMajorDispatch));
-  targets["jax_ep_expert_major_cached_dispatch"] = cuda_only(Capsule(IntranodeExpertMajorCachedDispatch));
-  targets["jax_ep_expert_major_combine"] = cuda_only(Capsule(IntranodeExpertMajorCombine));
-  targets["jax_ep_expert_major_combine_backward"] = cuda_only(Capsule(IntranodeExpertMajorCombineBackward));
+  cuda_only("dispatch", Capsule(IntranodeDispatch));
+  cuda_only("cached_dispatch", Capsule(IntranodeCachedDispatch));
+  cuda_only("combine", Capsule(IntranodeCombine));
+  cuda_only("expert_major_dispatch", Capsule(IntranodeExpertMajorDispatch));
+  cuda_only("expert_major_cached_dispatch", Capsule(IntranodeExpertMajorCachedDispatch));
+  cuda_only("expert_major_combine", Capsule(IntranodeExpertMajorCombine));
+  cuda_only("expert_major_combine_backward", Capsule(IntranodeExpertMajorCombineBackward));
 #if defined(JAX_EP_INSTRUMENT)
-  targets["jax_ep_store_probe"] = cuda_only(Capsule(IntranodeStoreProbe));
+  cuda_only("store_probe", Capsule(IntranodeStoreProbe));
 #endif
-  targets["jax_ep_low_latency_dispatch_send"] = cuda_only(Capsule(LowLatencyDispatchSend));
-  targets["jax_ep_low_latency_dispatch_recv"] = cuda_only(Capsule(LowLatencyDispatchRecv));
-  targets["jax_ep_low_latency_combine_send"] = cuda_only(Capsule(LowLatencyCombineSend));
-  targets["jax_ep_low_latency_combine_recv"] = cuda_only(Capsule(LowLatencyCombineRecv));
-#endif
+  cuda_only("low_latency_dispatch_send", Capsule(LowLatencyDispatchSend));
+  cuda_only("low_latency_dispatch_recv", Capsule(LowLatencyDispatchRecv));
+  cuda_only("low_latency_combine_send", Capsule(LowLatencyCombineSend));
+  cuda_only("low_latency_combine_recv", Capsule(LowLatencyCombineRecv));
 #if defined(JAX_EP_WITH_NVSHMEM)
-  targets["jax_ep_internode_dispatch"] = cuda_only(Capsule(InternodeDispatch));
-  targets["jax_ep_internode_cached_dispatch"] = cuda_only(Capsule(InternodeCachedDispatch));
-  targets["jax_ep_internode_combine"] = cuda_only(Capsule(InternodeCombine));
+  cuda_only("internode_dispatch", Capsule(InternodeDispatch));
+  cuda_only("internode_cached_dispatch", Capsule(InternodeCachedDispatch));
+  cuda_only("internode_combine", Capsule(InternodeCombine));
+#endif
 #endif
   return targets;
+}
+
+// The enums whose values cross into Python as FFI attributes (csrc/api.h), by name: {enum: {member: value}}.
+nb::dict Enums() {
+  using jax_ep::LowLatencyCompression, jax_ep::LowLatencyPayload, jax_ep::LowLatencyTransport;
+  auto value = [](auto member) { return static_cast<int64_t>(member); };
+  nb::dict payload, transport, compression, enums;
+  payload["bf16"] = value(LowLatencyPayload::kBF16);
+  payload["fp8"] = value(LowLatencyPayload::kFP8);
+  payload["fp8_ue8m0"] = value(LowLatencyPayload::kFP8UE8M0);
+  transport["peer_stores"] = value(LowLatencyTransport::kPeerStores);
+  transport["nvshmem"] = value(LowLatencyTransport::kNvshmem);
+  compression["none"] = value(LowLatencyCompression::kNone);
+  compression["logfmt"] = value(LowLatencyCompression::kLogFmt);
+  enums["low_latency_payload"] = payload;
+  enums["low_latency_transport"] = transport;
+  enums["low_latency_compression"] = compression;
+  return enums;
 }
 
 // Every limit and fixed size of csrc/kernel_limits.h that jax_ep checks or sizes with, by name.
@@ -113,6 +156,8 @@ int64_t DispatchStagingBytes(int64_t num_tokens, const std::vector<int64_t>& pay
 NB_MODULE(_C, m) {
   m.doc() = "jax_ep native extension: XLA FFI handlers and the device runtime";
   m.def("registrations", &Registrations, "{target name: {platform: FFI handler capsule}}");
+  m.def("target_names", &TargetNames, "{key: FFI target name} of every target jax_ep defines, built or not");
+  m.def("enums", &Enums, "{enum: {member: value}} of the enums passed as FFI attributes (csrc/api.h)");
   // Whether the benchmark's instruments are compiled in (CMake option JAX_EP_INSTRUMENT): the kernel timers
   // (intranode_kernel_times, internode_kernel_times), the low-latency trace (low_latency_trace,
   // low_latency_trace_fields) and the FFI target jax_ep_store_probe. Without them those functions raise and the

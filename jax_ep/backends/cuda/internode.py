@@ -43,9 +43,9 @@ from jax_ep.backends import Backend
 from jax_ep.backends.cuda import low_latency, normal, runtime
 from jax_ep.config import FP8_GROUP, Config, low_latency_buffer_bytes
 
-DISPATCH_TARGET = "jax_ep_internode_dispatch"
-CACHED_DISPATCH_TARGET = "jax_ep_internode_cached_dispatch"
-COMBINE_TARGET = "jax_ep_internode_combine"
+DISPATCH_TARGET = _native.target("internode_dispatch")
+CACHED_DISPATCH_TARGET = _native.target("internode_cached_dispatch")
+COMBINE_TARGET = _native.target("internode_combine")
 
 # Limits and the region header of the internode kernels (csrc/kernel_limits.h): ranks of the EP axis, ranks per node
 # (one NVLink domain), and the header each rank's symmetric region holds before its num_rdma_bytes.

@@ -41,14 +41,14 @@ from jax_ep.config import (
     low_latency_buffer_bytes,
 )
 
-DISPATCH_TARGET = "jax_ep_dispatch"
-CACHED_DISPATCH_TARGET = "jax_ep_cached_dispatch"
-COMBINE_TARGET = "jax_ep_combine"
-EXPERT_MAJOR_DISPATCH_TARGET = "jax_ep_expert_major_dispatch"
-EXPERT_MAJOR_CACHED_DISPATCH_TARGET = "jax_ep_expert_major_cached_dispatch"
-EXPERT_MAJOR_COMBINE_TARGET = "jax_ep_expert_major_combine"
-EXPERT_MAJOR_COMBINE_BACKWARD_TARGET = "jax_ep_expert_major_combine_backward"
-STORE_PROBE_TARGET = "jax_ep_store_probe"
+DISPATCH_TARGET = _native.target("dispatch")
+CACHED_DISPATCH_TARGET = _native.target("cached_dispatch")
+COMBINE_TARGET = _native.target("combine")
+EXPERT_MAJOR_DISPATCH_TARGET = _native.target("expert_major_dispatch")
+EXPERT_MAJOR_CACHED_DISPATCH_TARGET = _native.target("expert_major_cached_dispatch")
+EXPERT_MAJOR_COMBINE_TARGET = _native.target("expert_major_combine")
+EXPERT_MAJOR_COMBINE_BACKWARD_TARGET = _native.target("expert_major_combine_backward")
+STORE_PROBE_TARGET = _native.target("store_probe")
 
 # Ranks of an intranode group (one NVLink domain; csrc/kernel_limits.h).
 MAX_RANKS = _native.limit("max_intranode_ranks")

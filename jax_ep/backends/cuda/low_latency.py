@@ -34,10 +34,10 @@ from jax_ep.backends import LowLatencyCast, xla, zero_cotangent
 from jax_ep.backends.cuda import runtime
 from jax_ep.config import FP8_GROUP, LOW_LATENCY_MAX_TOPK
 
-DISPATCH_SEND_TARGET = "jax_ep_low_latency_dispatch_send"
-DISPATCH_RECV_TARGET = "jax_ep_low_latency_dispatch_recv"
-COMBINE_SEND_TARGET = "jax_ep_low_latency_combine_send"
-COMBINE_RECV_TARGET = "jax_ep_low_latency_combine_recv"
+DISPATCH_SEND_TARGET = _native.target("low_latency_dispatch_send")
+DISPATCH_RECV_TARGET = _native.target("low_latency_dispatch_recv")
+COMBINE_SEND_TARGET = _native.target("low_latency_combine_send")
+COMBINE_RECV_TARGET = _native.target("low_latency_combine_recv")
 
 # Limits of the low-latency kernels (csrc/kernel_limits.h): ranks of a group, experts of a Buffer (ids travel as
 # int16), and top-k entries of one dispatch, tokens * top-k (the send keeps the routing in shared memory);
@@ -45,8 +45,11 @@ COMBINE_RECV_TARGET = "jax_ep_low_latency_combine_recv"
 MAX_RANKS = _native.limit("max_low_latency_ranks")
 MAX_EXPERTS = _native.limit("low_latency_max_experts")
 MAX_ENTRIES = _native.limit("low_latency_max_entries")
-_PAYLOAD_BF16, _PAYLOAD_FP8, _PAYLOAD_FP8_UE8M0 = 0, 1, 2  # csrc LowLatencyPayload
-TRANSPORTS = {"peer_stores": 0, "nvshmem": 1}  # Buffer.low_latency_transport -> csrc LowLatencyTransport
+# The FFI attributes' enums (csrc/api.h, through _C): what the dispatch rows carry, how the LL region is reached
+# (Buffer.low_latency_transport), the combine's row format (compression=, None for "none").
+PAYLOADS = _native.enum("low_latency_payload")
+TRANSPORTS = _native.enum("low_latency_transport")
+COMPRESSIONS = _native.enum("low_latency_compression")
 
 int32 = jnp.int32
 
@@ -106,7 +109,7 @@ def check_topk(op: str, num_topk: int) -> None:
 
 
 def _payload(use_fp8: bool, use_ue8m0: bool) -> int:
-    return _PAYLOAD_BF16 if not use_fp8 else _PAYLOAD_FP8_UE8M0 if use_ue8m0 else _PAYLOAD_FP8
+    return PAYLOADS["bf16" if not use_fp8 else "fp8_ue8m0" if use_ue8m0 else "fp8"]
 
 
 # ---- dispatch -------------------------------------------------------------------------------------------------
@@ -177,10 +180,6 @@ _dispatch_recv.defvjp(_dispatch_recv_fwd, _dispatch_recv_bwd)
 
 # ---- combine --------------------------------------------------------------------------------------------------
 
-# compression= of the combine -> the kernels' "compression" attribute (csrc LowLatencyCombineSendArgs.compressed)
-COMPRESSIONS = {None: 0, "logfmt": 1}
-
-
 def combine_send(y, handle, topk_idx, topk_weights, *, params: LowLatencyParams, compression=None):
     """Returns every valid row of y [L, R*M, H] to its source rank (LogFMT-encoded with compression="logfmt").
     Returns the state `combine_recv` takes."""
@@ -192,7 +191,7 @@ def combine_send(y, handle, topk_idx, topk_weights, *, params: LowLatencyParams,
     result_type = jax.typeof(y).update(shape=(), dtype=jnp.uint32)
     token = jax.ffi.ffi_call(COMBINE_SEND_TARGET, result_type)(
         sent_y, sent_handle.src_token_index, sent_handle.src_topk_index, sent_handle.layout_range,
-        **params.attributes(), compression=np.int64(COMPRESSIONS[compression]))
+        **params.attributes(), compression=np.int64(COMPRESSIONS[compression or "none"]))
     return token, y, handle, topk_idx, topk_weights
 
 
@@ -207,7 +206,7 @@ def _combine_recv(params: LowLatencyParams, compression, token, y, handle, topk_
     check_topk("low_latency_combine", topk_idx.shape[1])
     result_type = jax.typeof(topk_weights).update(shape=(topk_idx.shape[0], y.shape[-1]), dtype=jnp.bfloat16)
     return jax.ffi.ffi_call(COMBINE_RECV_TARGET, result_type)(token, topk_idx, topk_weights, **params.attributes(),
-                                                              compression=np.int64(COMPRESSIONS[compression]))
+                                                              compression=np.int64(COMPRESSIONS[compression or "none"]))
 
 
 def _combine_recv_fwd(params, compression, token, y, handle, topk_idx, topk_weights):
