@@ -880,8 +880,8 @@ constexpr int kCombineRecvBlocksPerSm = 2;  // blocks resident per SM (launch bo
 // for each of kRowLoadsInFlight / kEntries chunks, what the register budget of two blocks per SM holds. ptxas
 // follows each predicated load with a predicated move that waits for it, so the SASS keeps at most 2 in flight;
 // the K <= 8 kernel (fewer shuffles and tests per chunk) still measured 52.6 against 54.0 us for the 16-entry one
-// at DeepEP's decode shape. Unconditional loads from in-range addresses (15 in flight) measured 50.8 us but were
-// not yet correct for a half last chunk (docs/perf-log.md).
+// at DeepEP's decode shape. (Unconditional loads from in-range addresses would keep 15 in flight; docs/perf-log.md
+// has the figure and why that version was not kept.)
 constexpr int kRowLoadsInFlight = kLowLatencyMaxTopk;
 
 // kCompressed: the rows arrive LogFMT-encoded (combine_send_kernel) and are decoded as they are loaded.

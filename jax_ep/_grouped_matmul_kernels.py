@@ -53,9 +53,9 @@ BLOCK_ROWS = ROWS_PER_WARPGROUP * NUM_COMPUTE_WARPGROUPS
 ROW_ALIGNMENT = 8
 # A warpgroup stores its part of an output tile through shared memory in pieces of 64 rows x
 # gcd(block_n, STORE_COLS) columns, in two buffers where a tile has an even count of pieces and they fit beside
-# the stages (one piece is written while the one before is stored), else in one. Measured on an H200 at the MoE
-# block's gate and up projection (256-column tiles, 3 stages): a whole-tile buffer 497 us, one 128-column piece
-# buffer 470 us (the stores start earlier); with the per-SM pipeline, two piece buffers brought dW 500 -> 487 us.
+# the stages (one piece is written while the one before is stored), else in one: pieces start the stores earlier
+# than a whole-tile buffer, and two let the next piece's writes overlap the store (faster on an H200 at the MoE
+# block's gate and up projection; docs/perf-log.md).
 STORE_COLS = 128
 # Shared memory a CTA may use on sm_90 (227 KiB), less 1 KiB for the barriers and Mosaic GPU's own.
 SMEM_BYTES = 227 * 1024 - 1024

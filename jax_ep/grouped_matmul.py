@@ -94,22 +94,19 @@ class BlockConfigRule:
 # column block, more traffic than the matmul's time allows at these shapes.
 DEFAULT_BLOCK_CONFIG = BlockConfig(block_m=128, block_n=128, block_k=64, num_stages=4, grid_tile_width=4)
 
-# The tuned block configurations: the first rule that matches and fits the shape wins. Measured on one H200
+# The tuned block configurations: the first rule that matches and fits the shape wins. Chosen on one H200
 # (jax 0.11.2) at the MoE block's expert projections, M=24576 rows in 64 groups of random sizes, x @ [2048,
-# 2816] (gate and up) and [1408, 2048] (down) weights, each kernel alone: 256-column tiles (a warpgroup's
-# wgmma 64 x 256, half the shared-memory reads of the lhs per FLOP of two 128-column tiles) where they divide
-# the output's columns: fwd 515 -> 470 and 266 -> 237 us, dx 527 -> 468 us; dw 589 -> 531 (K=2048) and
-# 298 -> 271 us (K=1408), dw's short tiles (a group's rows / block_k steps each) gaining from the fewer,
-# larger tiles too. Where 256 columns do not divide: 256 rows of dw[g], else deeper prefetch; fwd and dx 128
-# columns in wider stripes, dx with 5 stages (the down projection's, 1408 columns: 277 -> 259 us). Three
-# stages beat four with 256-column tiles (and two are 15 % slower), before and after the kernels' pipeline
-# ran across tiles. Other shapes keep the default until measured.
+# 2816] (gate and up) and [1408, 2048] (down) weights, each kernel timed alone (docs/perf-log.md has the
+# figures): 256-column tiles (a warpgroup's wgmma 64 x 256, half the shared-memory reads of the lhs per FLOP of
+# two 128-column tiles) where they divide the output's columns, for fwd, dx and dw alike (dw's short tiles, a
+# group's rows / block_k steps each, gain from fewer, larger tiles too). Where 256 columns do not divide: 256
+# rows of dw[g], else deeper prefetch; fwd and dx 128 columns in wider stripes, dx with 5 stages. Three stages
+# are fastest with 256-column tiles (two are 15 % slower). Other shapes keep the default until measured.
 _MANY_GROUPS = dict(m=(16384, 32768), groups=(32, 128))
 _EXPERT_PROJECTIONS = dict(k=(1024, 4096), n=(1024, 4096), **_MANY_GROUPS)
-# A DeepSeek-V3-like rank holding many experts (256 at D=7168, F=2048; M=32768): 256-column tiles for dw
-# (gate and up 10.0 -> 6.4 ms, down 4.8 -> 3.1 ms), fwd (6.22 -> 6.17, 2.93 -> 2.80 ms) and the down
-# projection's dx (3.04 -> 2.92 ms); the gate and up projections' dx (K=7168, past the dx rule's K range) keeps
-# 128 columns (6.38 against 6.57 ms).
+# A DeepSeek-V3-like rank holding many experts (256 at D=7168, F=2048; M=32768): 256-column tiles for dw (a
+# third faster), fwd and the down projection's dx (a few per cent); the gate and up projections' dx (K=7168, past
+# the dx rule's K range) keeps 128 columns, which measured faster there (docs/perf-log.md).
 _MANY_EXPERTS = dict(m=(16384, 65536), groups=(129, 512), k=(1024, 8192), n=(1024, 8192))
 _WIDE_DW = BlockConfig(block_n=256, num_stages=3, grid_tile_width=8)
 _WIDE_ROWS = BlockConfig(block_n=256, num_stages=3, grid_tile_width=16)  # fwd and dx
