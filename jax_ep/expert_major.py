@@ -138,19 +138,21 @@ def partial_sums(y, weights, pair_row):
 # ---- the ops ------------------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class Spec:
-    """Static parameters of one expert-major dispatch (hashable: a nondiff argument of the custom_vjp)."""
+class NormalSpec:
+    """Static parameters of one normal-mode call, either layout (hashable: a nondiff argument of the custom_vjps
+    here and in jax_ep.ops, which imports this module)."""
 
-    backend: Backend
+    backend: Backend  # the Buffer's
     num_ranks: int
     num_experts: int
     capacity: int
     expert_alignment: int
-    by_kernels: bool  # the backend's kernels run it (Backend.runs_expert_major_kernels), else the composed path
+    # Expert-major only: the backend's kernels run it (Backend.runs_expert_major_kernels), else the composed path.
+    by_kernels: bool = False
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def dispatch(spec: Spec, x_leaves, topk_idx, topk_weights):
+def dispatch(spec: NormalSpec, x_leaves, topk_idx, topk_weights):
     """Returns (recv leaves, pair weights or None, group sizes, offsets, kept pairs, dropped pairs, invalid ids,
     ExpertMajorHandle, the capacity that would keep every pair)."""
     if spec.by_kernels:

@@ -141,17 +141,6 @@ def get_dispatch_layout(buffer: Buffer, topk_idx, num_experts: int | None = None
 
 # ---- normal dispatch / combine ---------------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class _NormalSpec:
-    """Static parameters of one normal-mode call (hashable: a nondiff argument of the custom_vjp)."""
-
-    backend: Backend  # the Buffer's
-    num_ranks: int
-    num_experts: int
-    capacity: int
-    expert_alignment: int
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _dispatch(spec, x, topk_idx, topk_weights):
     recv, recv_idx, recv_w, num_recv, per_expert, dropped, invalid, handle = spec.backend.dispatch(
@@ -220,10 +209,11 @@ _combine.defvjp(_combine_fwd, _combine_bwd)
 LAYOUTS = ("rank_major", "expert_major")
 
 
-def _normal_spec(op: str, buffer: Buffer, num_experts, capacity=None, expert_alignment=1) -> _NormalSpec:
+def _normal_spec(op: str, buffer: Buffer, num_experts, capacity=None,
+                 expert_alignment=1) -> expert_major.NormalSpec:
     buffer.check_alive()
     num_ranks = _checks.num_ranks(op, buffer.axis_name, buffer.num_ranks)
-    return _NormalSpec(
+    return expert_major.NormalSpec(
         backend=buffer.backend_impl, num_ranks=num_ranks,
         num_experts=0 if num_experts is None else _checks.num_experts(op, num_experts, num_ranks),
         capacity=0 if capacity is None else _checks.positive(op, "max_recv_tokens", capacity),
@@ -302,8 +292,8 @@ def dispatch(
     spec = dataclasses.replace(spec, capacity=capacity)
     if layout == "expert_major":
         recv, weights, sizes, offsets, kept, dropped, invalid, em_handle, rows_needed = expert_major.dispatch(
-            expert_major.Spec(spec.backend, spec.num_ranks, spec.num_experts, capacity, spec.expert_alignment,
-                              spec.backend.runs_expert_major_kernels(spec.num_experts, topk_idx.shape[1])),
+            dataclasses.replace(spec, by_kernels=spec.backend.runs_expert_major_kernels(spec.num_experts,
+                                                                                       topk_idx.shape[1])),
             _leaves(x), topk_idx, topk_weights)
         out = ExpertMajorDispatchResult(_like(x, recv), weights, kept, sizes, offsets, dropped, invalid, em_handle)
         what = "received (token, expert) pairs"
