@@ -422,6 +422,10 @@ def _write_outputs(mode, args, records) -> None:
 
 # ---- a mode's run ------------------------------------------------------------------------------------------------
 
+# Seconds a failed process 0 stays up (hosting the coordination service) before it exits: see run.
+WORKER_EXIT_GRACE_S = 3.0
+
+
 def refuse_gpu_sizes_without_gpu(mode, args, parser: argparse.ArgumentParser, has_gpu: bool) -> None:
     """A mode whose default sizes are GPU figures (its GPU_SIZES: the options that size its problem) stops with one
     line on a machine without GPUs when none of those options was changed: at those sizes the run would take
@@ -444,15 +448,17 @@ def run(mode, args, argv: list[str], parser: argparse.ArgumentParser) -> int:
     if args.nodes < 1 or not 0 <= args.node_rank < args.nodes or (args.nodes > 1 and not args.coordinator):
         parser.error("--nodes M needs --node-rank in [0, M) and --coordinator HOST:PORT")
     if args.processes and args.process_id is None:
-        refuse_gpu_sizes_without_gpu(mode, args, parser, has_gpu=not environment.runs_on_cpu() and _cuda_device_count() > 0)
-        gpus = args.gpus or (0 if environment.runs_on_cpu() else _cuda_device_count()) or args.processes
+        cuda_gpus = 0 if environment.runs_on_cpu() else _cuda_device_count()
+        refuse_gpu_sizes_without_gpu(mode, args, parser, has_gpu=cuda_gpus > 0)
+        gpus = args.gpus or cuda_gpus or args.processes
         if args.processes > gpus and not args.allow_shared_gpu:
             parser.error(f"--processes {args.processes} on {gpus} GPU(s): ranks would share GPUs, so no figure would "
                          "be a performance figure; pass --allow-shared-gpu to run anyway (correctness, smoke tests)")
         return _launch(args, argv, gpus)
     if args.process_id is not None:
-        _join(args)
-    refuse_gpu_sizes_without_gpu(mode, args, parser, has_gpu=jax.default_backend() == "gpu")
+        _join(args)  # a worker: its launcher has checked the sizes
+    else:
+        refuse_gpu_sizes_without_gpu(mode, args, parser, has_gpu=jax.default_backend() == "gpu")
     if args.shared_gpu:
         sys.stdout = _LabelledLines(sys.stdout, SHARED_GPU_LABEL)
     try:
@@ -464,8 +470,12 @@ def run(mode, args, argv: list[str], parser: argparse.ArgumentParser) -> int:
     except BaseException:
         if args.process_id is None:
             raise
-        # A failed worker exits at once: jax.distributed's shutdown would wait for peers stuck in collectives.
+        # A failed worker exits without jax.distributed's shutdown, which would wait for peers stuck in
+        # collectives. Process 0 hosts the coordination service: it first gives its peers a moment, so that one
+        # still joining reports its own error instead of aborting on a lost coordinator.
         traceback.print_exc()
         sys.stderr.flush()
+        if args.process_id == 0:
+            time.sleep(WORKER_EXIT_GRACE_S)
         os._exit(1)
     return 0
