@@ -153,10 +153,13 @@ def test_normal_buffer_bytes_per_method(monkeypatch):
     assert jax_ep.normal_buffer_bytes(Tb, Hb, Rb, Kb, combine="push") == pushed
     assert jax_ep.normal_buffer_bytes(Tb, Hb, Rb, Kb, combine="pull") == pulled
     assert jax_ep.normal_buffer_bytes(Tb, Hb, Rb, Kb, combine="pull", capacity=Tb) == pushed
-    monkeypatch.delenv(ENV, raising=False)  # a group spanning processes pushes by default
-    assert jax_ep.normal_buffer_bytes(Tb, Hb, Rb, Kb) == pushed
-    monkeypatch.setenv(ENV, "pull")
-    assert jax_ep.normal_buffer_bytes(Tb, Hb, Rb, Kb) == pulled
+    # No method named: enough for either, whatever the environment says.
+    for method in (None, "push", "pull"):
+        if method is None:
+            monkeypatch.delenv(ENV, raising=False)
+        else:
+            monkeypatch.setenv(ENV, method)
+        assert jax_ep.normal_buffer_bytes(Tb, Hb, Rb, Kb) == max(pushed, pulled)
     with pytest.raises(ValueError, match="combine must be one of"):
         jax_ep.normal_buffer_bytes(Tb, Hb, Rb, Kb, combine="staged")
 

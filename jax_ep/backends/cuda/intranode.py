@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jax_ep import _native, environment
+from jax_ep import _native
 from jax_ep.backends import Backend
 from jax_ep.backends.cuda import low_latency, normal, runtime
 from jax_ep.backends.xla import XlaHandle
@@ -113,8 +113,9 @@ def normal_buffer_bytes(num_tokens: int, hidden: int, num_ranks: int, num_topk: 
     gradients) of these sizes run in a group spanning processes: the most workspace any op uses. Rows are
     bfloat16 [T, hidden] (or the FP8 pair with fp8=True) for dispatch and float32 for the combined weights;
     combine rows are taken at up to 4 bytes an element: the push combine receives (R-1)*T of them, the pull
-    combine stages y [capacity, hidden] (capacity defaults to R*T). `combine` ("push" or "pull") defaults to
-    the method such a group runs with `Config.combine` None (push, or $JAX_EP_COMBINE). The expert-major layout's
+    combine stages y [capacity, hidden] (capacity defaults to R*T). `combine` ("push" or "pull") sizes for that
+    method; None (the default) for either, so that the size holds whatever Config.combine or $JAX_EP_COMBINE
+    chooses (the figure depends on the arguments only, never on the environment). The expert-major layout's
     combines always push ((R-1)*T rows, which this counts whatever `combine` says) and stage nothing of their
     capacity; its composed path (more experts than the kernels take) combines partials at the routing
     dispatch's R*T rows: leave capacity at its default for it."""
@@ -122,12 +123,12 @@ def normal_buffer_bytes(num_tokens: int, hidden: int, num_ranks: int, num_topk: 
         raise ValueError(f"jax_ep.normal_buffer_bytes: combine must be one of {COMBINE_METHODS} or None, "
                          f"got {combine!r}")
     capacity = num_ranks * num_tokens if capacity is None else capacity
-    default = Config().with_overrides(environment.overrides().combine, None)
-    push = (combine or combine_method(default, spans_processes=True)) == "push"
+    methods = (combine,) if combine else COMBINE_METHODS
     rows = (hidden, hidden // FP8_GROUP * 4) if fp8 else (2 * hidden,)
     return max(dispatch_staging_bytes(num_tokens, rows, num_topk, num_ranks, True),
                cached_dispatch_staging_bytes(num_tokens, 4 * hidden),  # of a float32 cotangent
-               combine_staging_bytes(num_tokens, 4 * hidden, num_ranks, capacity, push),  # float32 rows
+               *(combine_staging_bytes(num_tokens, 4 * hidden, num_ranks, capacity, method == "push")  # float32 rows
+                 for method in methods),
                combine_staging_bytes(num_tokens, 4 * hidden, num_ranks, capacity, True))  # expert-major kernels
 
 
