@@ -16,3 +16,11 @@ def mesh_of(num_ranks: int, axis_name: str = "ep") -> Mesh:
     if len(devices) < num_ranks:
         pytest.skip(f"needs {num_ranks} devices, {len(devices)} present")
     return Mesh(np.array(devices[:num_ranks]), (axis_name,))
+
+
+def with_standin_backend(buffer, backend_type, *args, **kwargs):
+    """`buffer` (an xla Buffer) holding instead a backend object of `backend_type` built from its facts (id, mesh,
+    axis, config) and `args`, which allocated nothing: enough to lower that backend's ops on a machine without
+    GPUs, where nothing of it runs. The one place tests swap a Buffer's backend."""
+    buffer.backend_impl = backend_type(buffer.buffer_id, buffer.mesh, buffer.axis_name, buffer.config, *args, **kwargs)
+    return buffer

@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from conftest import mesh_of
+from conftest import mesh_of, with_standin_backend
 from jax_ep import _native
 from jax_ep.backends.cuda import internode, low_latency
 
@@ -147,8 +147,8 @@ def standin(num_rdma_bytes=64 << 20, low_latency=False):
     sizes = dict(num_max_dispatch_tokens_per_rank=T, hidden=H, num_experts=E) if low_latency else {}
     buf = jax_ep.Buffer(mesh_of(R), "ep", backend="xla", ranks_per_node=PER_NODE, num_rdma_bytes=num_rdma_bytes,
                         **sizes)
-    buf.backend_impl = internode.InternodeBackend(buf.buffer_id, buf.mesh, buf.axis_name, buf.config, R, PER_NODE,
-                                                  num_rdma_bytes, "standin", *(("nvshmem", 0) if low_latency else ()))
+    with_standin_backend(buf, internode.InternodeBackend, R, PER_NODE, num_rdma_bytes, "standin",
+                         *(("nvshmem", 0) if low_latency else ()))
     assert (buf.backend, buf.internode) == ("cuda", True)
     return buf
 

@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from conftest import mesh_of
+from conftest import mesh_of, with_standin_backend
 from jax_ep import _native
 from jax_ep.backends.cuda import intranode
 
@@ -26,9 +26,8 @@ def cuda_standin(spans_processes: bool, num_nvl_bytes: int = 1 << 30, config: ja
     if not _native.has_target(intranode.COMBINE_TARGET, "cuda"):
         pytest.skip("this build has no CUDA normal-mode kernels")
     buf = jax_ep.Buffer(mesh_of(R), "ep", backend="xla", config=config)
-    buf.backend_impl = intranode.IntranodeBackend(buf.buffer_id, buf.mesh, buf.axis_name, buf.config,
-                                                  staging_bytes=num_nvl_bytes if spans_processes else None)
-    return buf
+    return with_standin_backend(buf, intranode.IntranodeBackend,
+                                staging_bytes=num_nvl_bytes if spans_processes else None)
 
 
 def combine_calls(buf, y_dtype=jnp.float32) -> list[str]:

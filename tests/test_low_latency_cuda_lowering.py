@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from conftest import mesh_of
+from conftest import mesh_of, with_standin_backend
 from jax_ep import _native
 from jax_ep.backends.cuda import intranode, low_latency
 from jax_ep.config import LOW_LATENCY_MAX_TOPK
@@ -27,11 +27,9 @@ def cuda_standin(low_latency_offset=0, num_max_tokens=M):
         pytest.skip("this build has no CUDA low-latency kernels")
     buf = jax_ep.Buffer(mesh_of(R), "ep", backend="xla", num_max_dispatch_tokens_per_rank=num_max_tokens, hidden=H,
                         num_experts=E)
-    buf.backend_impl = intranode.IntranodeBackend(
-        buf.buffer_id, buf.mesh, buf.axis_name, buf.config,
-        low_latency_transport=None if low_latency_offset is None else "peer_stores",
-        low_latency_offset=low_latency_offset)
-    return buf
+    return with_standin_backend(buf, intranode.IntranodeBackend,
+                                low_latency_transport=None if low_latency_offset is None else "peer_stores",
+                                low_latency_offset=low_latency_offset)
 
 
 def lower(buf, body, *shapes):
@@ -128,8 +126,7 @@ def test_compressed_combine_lowers_with_the_attribute():
         return fn
 
     for transport in ("peer_stores", "nvshmem"):
-        buf.backend_impl = intranode.IntranodeBackend(buf.buffer_id, buf.mesh, buf.axis_name, buf.config,
-                                                      low_latency_transport=transport, low_latency_offset=0)
+        with_standin_backend(buf, intranode.IntranodeBackend, low_latency_transport=transport, low_latency_offset=0)
         for compression, attribute in ((None, 0), ("logfmt", 1)):
             text = lower(buf, body(compression), X, IDX, W)
             calls = re.findall(r"custom_call @(jax_ep_low_latency_combine_\w+)\([^\n]*compression = (\d)", text)

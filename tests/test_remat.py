@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import mesh_of
+from conftest import mesh_of, with_standin_backend
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
@@ -110,8 +110,7 @@ def cuda_standin(kind: str, num_ranks: int = 4):
         pytest.skip("this build has no CUDA kernels")
     buf = xla_buffer(kind, num_ranks)
     extra = {} if kind != "low_latency" else dict(low_latency_transport="peer_stores", low_latency_offset=0)
-    buf.backend_impl = intranode.IntranodeBackend(buf.buffer_id, buf.mesh, buf.axis_name, buf.config, **extra)
-    return buf
+    return with_standin_backend(buf, intranode.IntranodeBackend, **extra)
 
 
 FORWARD_TARGETS = {"normal": intranode.DISPATCH_TARGET, "expert_major": intranode.EXPERT_MAJOR_DISPATCH_TARGET,
