@@ -92,7 +92,9 @@ def target(key: str) -> str | None:
 def enum(name: str) -> dict[str, int]:
     """{member: value} of the csrc enum `name` passed as an FFI attribute (e.g. "low_latency_payload"); empty
     when the extension did not load."""
-    return _ENUMS.get(name, {}) if _C is not None else {}
+    if _C is None:
+        return {}
+    return _ENUMS[name]
 
 
 def extension(feature: str):
