@@ -5,88 +5,21 @@ import itertools
 import warnings
 from typing import Literal
 
-import jax
 from jax.sharding import Mesh
 
-from jax_ep import _native, environment
+from jax_ep import environment
 from jax_ep._checks import is_int
 from jax_ep.backends import Backend
-from jax_ep.backends.cuda import internode, intranode
-from jax_ep.backends.xla import XlaBackend
-from jax_ep.config import HIDDEN_ALIGNMENT, LOW_LATENCY_TRANSPORTS, Config
+from jax_ep.backends.cuda import internode
+from jax_ep.backends.selection import BackendSpec, create_backend, platform_of
+from jax_ep.config import HIDDEN_ALIGNMENT, Config
 
 BackendName = Literal["auto", "cuda", "xla"]
-_BACKENDS = ("auto", "cuda", "xla")
-
 LowLatencyTransport = Literal["auto", "nvshmem"]
 
 _buffer_ids = itertools.count(1)
 # Staging room per GPU for normal-mode ops in EP groups spanning processes (see Buffer).
 DEFAULT_NUM_NVL_BYTES = 1 << 30
-
-
-def _platform_of(mesh: Mesh) -> str:
-    platforms = {d.platform for d in mesh.devices.flat}
-    if len(platforms) != 1:
-        raise ValueError(f"jax_ep.Buffer: the mesh mixes device platforms {sorted(platforms)}")
-    return platforms.pop()
-
-
-def resolve_backend(requested: str, platform: str) -> str:
-    """`auto` takes the CUDA kernels on CUDA devices when they were built, else the portable `xla` backend."""
-    if requested not in _BACKENDS:
-        raise ValueError(f"jax_ep: backend must be one of {_BACKENDS}, got {requested!r}")
-    cuda_kernels = _native.has_target(intranode.DISPATCH_TARGET, "cuda")  # the CUDA normal-mode kernels were built
-    if requested == "xla":
-        return "xla"
-    if requested == "cuda":
-        if platform != "gpu":
-            raise ValueError(f"jax_ep: backend='cuda' needs CUDA devices, the mesh is on {platform!r}")
-        if not cuda_kernels:
-            raise RuntimeError(
-                "jax_ep: backend='cuda' asked for, but this build has no CUDA dispatch/combine kernels "
-                "(see the feature table in README.md); use backend='xla' or 'auto'"
-            )
-        return "cuda"
-    return "cuda" if platform == "gpu" and cuda_kernels else "xla"
-
-
-def one_process_per_gpu(mesh: Mesh) -> bool:
-    """Whether every process of the job owns exactly one device of `mesh` (NVSHMEM's process model: one PE per
-    process, and its symmetric allocations are collective over every process)."""
-    processes = [d.process_index for d in mesh.devices.flat]
-    return len(set(processes)) == len(processes) == jax.process_count()
-
-
-def resolve_low_latency_transport(requested: str, *, backend: str, low_latency: bool, one_process_per_gpu: bool,
-                                  forced: str | None = None) -> str | None:
-    """How a Buffer's low-latency kernels reach their peers: "peer_stores" (plain stores through peer pointers
-    inside the NVLink domain), "nvshmem" (NVSHMEM puts into symmetric memory), or None where no low-latency
-    kernels run (the xla backend, or a Buffer without low-latency sizes).
-
-    `requested` is the Buffer argument: "auto" takes `forced` (the $JAX_EP_LL_TRANSPORT override) when set, else
-    peer stores. "nvshmem" needs one process per GPU over every process of the job, and a build with NVSHMEM.
-    (An internode Buffer, whose peers are not all in one NVLink domain, takes "nvshmem" whatever this says.)"""
-    if requested not in LOW_LATENCY_TRANSPORTS:
-        raise ValueError(f"jax_ep.Buffer: low_latency_transport must be one of {LOW_LATENCY_TRANSPORTS}, "
-                         f"got {requested!r}")
-    if backend != "cuda" or not low_latency:
-        if requested == "nvshmem":
-            why = (f"this Buffer has the {backend!r} backend" if backend != "cuda" else
-                   "this Buffer has no low-latency sizes (num_max_dispatch_tokens_per_rank, hidden, num_experts)")
-            raise ValueError(f"jax_ep.Buffer: low_latency_transport='nvshmem' is for the cuda low-latency kernels; {why}")
-        return None  # the environment's choice applies only to the Buffers it can apply to
-    chosen = (forced or "auto") if requested == "auto" else requested
-    if chosen != "nvshmem":
-        return "peer_stores"
-    source = "low_latency_transport='nvshmem'" if requested == "nvshmem" else f"${environment.LOW_LATENCY_TRANSPORT}=nvshmem"
-    if not one_process_per_gpu:
-        raise ValueError(f"jax_ep.Buffer: {source} needs one process per GPU over every process of the job "
-                         "(jax.distributed.initialize with one local device each, and a mesh holding every process's "
-                         "device): NVSHMEM has one PE per process. One process driving several GPUs uses peer "
-                         "stores (low_latency_transport='auto')")
-    _native.require_nvshmem(source)
-    return "nvshmem"
 
 
 class Buffer:
@@ -154,8 +87,7 @@ class Buffer:
                             ("num_rdma_bytes", num_rdma_bytes)):
             if value is not None and not is_int(value):
                 raise TypeError(f"jax_ep.Buffer: {name} must be an integer, got {value!r}")
-        self.platform = _platform_of(mesh)
-        resolved = resolve_backend(backend, self.platform)
+        self.platform = platform_of(mesh)
         if hidden is not None and (hidden <= 0 or hidden % HIDDEN_ALIGNMENT):
             raise ValueError(f"jax_ep.Buffer: hidden must be a positive multiple of {HIDDEN_ALIGNMENT}, got {hidden}")
         if num_experts is not None and (num_experts <= 0 or num_experts % self.num_ranks):
@@ -173,51 +105,19 @@ class Buffer:
             raise ValueError(f"jax_ep.Buffer: num_rdma_bytes must be >= 0, got {num_rdma_bytes}")
         if ranks_per_node is not None:
             ranks_per_node = internode.ranks_per_node_of(mesh, axis_name, ranks_per_node)  # checks it
-        self.ranks_per_node = ranks_per_node  # set below when the cuda backend finds the nodes itself
-        self.num_rdma_bytes = internode.DEFAULT_NUM_RDMA_BYTES if num_rdma_bytes is None else int(num_rdma_bytes)
         self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank
         self.hidden = hidden
         self.num_experts = num_experts
         self.num_nvl_bytes = DEFAULT_NUM_NVL_BYTES if num_nvl_bytes is None else int(num_nvl_bytes)
+        self.num_rdma_bytes = internode.DEFAULT_NUM_RDMA_BYTES if num_rdma_bytes is None else int(num_rdma_bytes)
         self.buffer_id = next(_buffer_ids)  # this process's name of the Buffer in jax_ep._C
-        has_low_latency_sizes = None not in (num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        transport = resolve_low_latency_transport(
-            low_latency_transport, backend=resolved, low_latency=has_low_latency_sizes,
-            one_process_per_gpu=one_process_per_gpu(mesh), forced=overrides.low_latency_transport)
-        cuda = self._create_cuda(transport, auto=backend == "auto") if resolved == "cuda" else None
-        self.backend_impl: Backend = XlaBackend(axis_name, self.num_ranks) if cuda is None else cuda
+        spec = BackendSpec(self.buffer_id, mesh, axis_name, self.config, self.num_nvl_bytes, self.num_rdma_bytes,
+                           ranks_per_node, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        self.backend_impl: Backend = create_backend(spec, backend, low_latency_transport,
+                                                    overrides.low_latency_transport)
+        # GPUs per node: the internode backend's (given or found from the hosts), else as given (or None).
+        self.ranks_per_node = getattr(self.backend_impl, "ranks_per_node", ranks_per_node)
         self._alive = True
-
-    def _create_cuda(self, low_latency_transport: str | None, auto: bool) -> Backend | None:
-        """The cuda backend's device state: the internode kernels when the EP axis spans several nodes, else the
-        intranode ones (with the low-latency region of `low_latency_transport`). None: with backend='auto' a mesh
-        the kernels cannot serve falls back to the xla backend (every process sees the same mesh and hosts, so all
-        fall back together)."""
-        try:
-            per_node = internode.ranks_per_node_of(self.mesh, self.axis_name, self.ranks_per_node)
-        except internode.IrregularNodesError:
-            if not auto:
-                raise
-            return None
-        if per_node < self.num_ranks:
-            self.ranks_per_node = per_node
-            reason = internode.unsupported_reason(self)
-            if reason:
-                if not auto:
-                    raise NotImplementedError(f"jax_ep.Buffer: {reason}")
-                warnings.warn(f"jax_ep.Buffer: the EP axis spans {self.num_ranks // per_node} nodes of {per_node} "
-                              f"ranks, but {reason}; backend='auto' uses the xla backend", RuntimeWarning, stacklevel=3)
-                return None
-            # Its low-latency ops (with low-latency sizes) reach other nodes through NVSHMEM whatever was asked.
-            return internode.InternodeBackend.create(self, per_node, low_latency=low_latency_transport is not None)
-        if auto and intranode.unsupported_reason(self.mesh, self.axis_name):
-            return None  # e.g. more ranks than the kernels support: the portable backend serves it
-        try:
-            return intranode.IntranodeBackend.create(self, low_latency_transport)
-        except intranode.SpansHostsError:
-            if not auto:
-                raise
-            return None
 
     @property
     def backend(self) -> str:

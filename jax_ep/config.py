@@ -20,6 +20,8 @@ MAX_PUSH_WARPS = _native.limit("combine_max_push_warps")
 # Warps of each push-combine block that push at the start: half of them, since pushing is bound by the SM's NVLink
 # stores, which a few warps keep busy, and reducing by each warp's local read latency.
 DEFAULT_PUSH_WARPS = 8
+# Config.host_timeout_s's default: processes reach a Buffer's creation up to minutes apart (start-up, compilation).
+DEFAULT_HOST_TIMEOUT_S = 120.0
 # Buffer(low_latency_transport=...): "auto" (peer stores inside the NVLink domain) or "nvshmem".
 LOW_LATENCY_TRANSPORTS = ("auto", "nvshmem")
 
@@ -37,7 +39,9 @@ class Config:
 
     num_sms: SMs (thread blocks, one per SM) each op's kernel occupies, as DeepEP's `Config.num_sms`. Every
         block both reads peers' rows and writes this rank's outputs, so any count works.
-    timeout_s: bound on every spin-wait; a stalled peer raises an error naming the op and rank.
+    timeout_s: the kernels' bound on every spin-wait; a stalled peer raises an error naming the op and rank.
+    host_timeout_s: the host's bound on each wait for the other processes of a group while a Buffer is created
+        or destroyed (they arrive at different times, after start-up and compilation, so it is longer).
     combine: "push", "pull", or None: pull where one process drives the whole EP group (peers read `y` in
         place), push where the group spans processes (pulling would first stage every row of `y`); both give
         the same sums bit for bit. $JAX_EP_COMBINE overrides None (jax_ep.environment).
@@ -47,14 +51,16 @@ class Config:
 
     num_sms: int = 24
     timeout_s: float = 30.0
+    host_timeout_s: float = DEFAULT_HOST_TIMEOUT_S
     combine: str | None = None
     push_warps: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.num_sms, int) or self.num_sms < 1:
             raise ValueError(f"Config.num_sms must be a positive integer, got {self.num_sms}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"Config.timeout_s must be positive, got {self.timeout_s}")
+        for name in ("timeout_s", "host_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"Config.{name} must be positive, got {getattr(self, name)}")
         if self.combine not in (None,) + COMBINE_METHODS:
             raise ValueError(f"Config.combine must be one of {COMBINE_METHODS} or None, got {self.combine!r}")
         if self.push_warps is not None and not is_push_warps(self.push_warps):

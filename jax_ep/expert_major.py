@@ -26,7 +26,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_ep.backends import Backend, typed_like, zero_cotangent
+from jax_ep._cotangents import typed_like, zero_cotangent
+from jax_ep.backends import Backend
 from jax_ep.backends.xla import XlaHandle, gather_rows, sanitize_ids
 
 int32 = jnp.int32

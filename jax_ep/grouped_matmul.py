@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ep.backends import typed_like
+from jax_ep._cotangents import typed_like
 
 IMPLEMENTATIONS = ("auto", "pallas", "jax_pallas", "ragged_dot")
 PALLAS_KERNELS = ("pallas", "jax_pallas")

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ep import _checks, _native, expert_major
-from jax_ep.backends import Backend, LowLatencyCast, xla, zero_cotangent
+from jax_ep._cotangents import zero_cotangent
+from jax_ep.backends import Backend, LowLatencyCast, xla
 from jax_ep.buffer import Buffer
 from jax_ep.types import (
     CombineResult,

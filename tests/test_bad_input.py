@@ -570,8 +570,9 @@ def test_forced_nvshmem_transport_is_ignored_where_no_kernels_run(mesh, monkeypa
 
 def resolve(requested, *, environ=None, low_latency=True, one_process_per_gpu=False):
     forced = jax_ep.environment.overrides(environ or {}).low_latency_transport
-    return jax_ep.buffer.resolve_low_latency_transport(requested, backend="cuda", low_latency=low_latency,
-                                                        one_process_per_gpu=one_process_per_gpu, forced=forced)
+    return jax_ep.backends.selection.resolve_low_latency_transport(requested, backend="cuda", low_latency=low_latency,
+                                                                     one_process_per_gpu=one_process_per_gpu,
+                                                                     forced=forced)
 
 
 def test_transport_resolution_of_a_cuda_buffer():
@@ -598,8 +599,8 @@ def test_nvshmem_transport_with_one_process_driving_several_gpus(forced_by):
 def test_one_process_per_gpu_of_a_mesh(mesh):
     """This CPU run is one process with 8 devices: a mesh of several of them is not one process per device, a
     mesh of one device is (the process owns exactly that device of the mesh)."""
-    assert not jax_ep.buffer.one_process_per_gpu(mesh)
-    assert jax_ep.buffer.one_process_per_gpu(Mesh(np.array(jax.devices()[:1]), ("ep",)))
+    assert not jax_ep.backends.selection.one_process_per_gpu(mesh)
+    assert jax_ep.backends.selection.one_process_per_gpu(Mesh(np.array(jax.devices()[:1]), ("ep",)))
 
 
 def test_nvshmem_transport_needs_an_nvshmem_build(monkeypatch):

@@ -310,7 +310,7 @@ def test_cotangents_are_typed_like_their_primals_inside_shard_map(varying):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jax_ep.backends import typed_like, varying_axes
+    from jax_ep._cotangents import typed_like, varying_axes
     mesh = jax.make_mesh((2,), ("ep",), devices=jax.devices()[:2])
 
     def body(sharded, replicated):

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_ep import fp8, logfmt
-from jax_ep.backends import Backend, LowLatencyCast, zero_cotangent
+from jax_ep._cotangents import zero_cotangent
+from jax_ep.backends import Backend, LowLatencyCast
 from jax_ep.types import DispatchLayout, LowLatencyHandle
 
 int32 = jnp.int32

@@ -157,9 +157,10 @@ def ranks_per_host(hosts: list[str], axis_name: str = "ep") -> int:
     return size
 
 
-def unsupported_reason(buffer) -> str | None:
-    """Why the internode kernels cannot serve `buffer` (its mesh, sizes and this build), or None."""
-    num_ranks, per_node = buffer.num_ranks, buffer.ranks_per_node
+def unsupported_reason(mesh, axis_name: str, per_node: int) -> str | None:
+    """Why the internode kernels cannot serve an EP axis of `mesh` in nodes of `per_node` ranks (with this build),
+    or None."""
+    num_ranks = int(mesh.shape[axis_name])
     if num_ranks > MAX_RANKS:  # (the low-latency kernels' limit too)
         return f"internode mode supports up to {MAX_RANKS} ranks per EP axis, the axis has {num_ranks}"
     if per_node > MAX_RANKS_PER_NODE:
@@ -167,7 +168,7 @@ def unsupported_reason(buffer) -> str | None:
     if not available():
         return ("this jax_ep build has no internode kernels (they need NVSHMEM: install the cuda12/cuda13 extra and "
                 "rebuild jax_ep with nvcc on the PATH)")
-    processes = [d.process_index for d in buffer.mesh.devices.flat]
+    processes = [d.process_index for d in mesh.devices.flat]
     if len(set(processes)) != len(processes):
         return ("internode mode needs one process per GPU (jax.distributed.initialize(..., local_device_ids=[i])); "
                 "some process drives several GPUs of the mesh")
@@ -196,53 +197,51 @@ class InternodeBackend(low_latency.LowLatencyOps, Backend):
     low_latency_offset: int | None = None  # 0: the region is a symmetric allocation of its own
 
     @classmethod
-    def create(cls, buffer, ranks_per_node: int, low_latency: bool) -> InternodeBackend:
+    def create(cls, spec, ranks_per_node: int, low_latency: bool) -> InternodeBackend:
         """Collective over every process: checks that every process passed the same sizes, initialises NVSHMEM
         (once per process) and allocates this process's rank's region, and with `low_latency` its low-latency
-        region, for `buffer` (the Buffer being created: its settings) over nodes of `ranks_per_node` ranks."""
-        backend = cls(buffer.buffer_id, buffer.mesh, buffer.axis_name, buffer.config, buffer.num_ranks, ranks_per_node,
-                      buffer.num_rdma_bytes, runtime.collective_name(buffer.mesh),
+        region, for `spec` (a BackendSpec: the Buffer's settings) over nodes of `ranks_per_node` ranks."""
+        backend = cls(spec.buffer_id, spec.mesh, spec.axis_name, spec.config, spec.num_ranks, ranks_per_node,
+                      spec.num_rdma_bytes, runtime.collective_name(spec.mesh),
                       *(("nvshmem", 0) if low_latency else ()))
         me = jax.process_index()
-        group = next(g for g in runtime.ep_groups(buffer.mesh, buffer.axis_name)
+        group = next(g for g in runtime.ep_groups(spec.mesh, spec.axis_name)
                      if any(d.process_index == me for d in g))
         rank = next(i for i, d in enumerate(group) if d.process_index == me)
-        timeout_s = max(buffer.config.timeout_s, runtime.CREATION_TIMEOUT_S)
-        low_latency_bytes = low_latency_buffer_bytes(buffer.num_max_dispatch_tokens_per_rank, buffer.hidden,
-                                                     buffer.num_ranks, buffer.num_experts,
+        timeout_s = spec.config.host_timeout_s
+        low_latency_bytes = low_latency_buffer_bytes(spec.num_max_dispatch_tokens_per_rank, spec.hidden,
+                                                     spec.num_ranks, spec.num_experts,
                                                      transport="nvshmem") if low_latency else 0
-        backend._check_same_sizes(low_latency_bytes, timeout_s)
-        nvshmem.initialize(timeout_s, symmetric_bytes=HEADER_BYTES + buffer.num_rdma_bytes + low_latency_bytes)
-        _native._C.create_internode(buffer.buffer_id, int(group[rank].local_hardware_id), rank, ranks_per_node,
-                                    [int(d.process_index) for d in group], buffer.num_rdma_bytes)
+        backend._check_same_sizes(low_latency_bytes)
+        nvshmem.initialize(timeout_s, symmetric_bytes=HEADER_BYTES + spec.num_rdma_bytes + low_latency_bytes)
+        _native._C.create_internode(spec.buffer_id, int(group[rank].local_hardware_id), rank, ranks_per_node,
+                                    [int(d.process_index) for d in group], spec.num_rdma_bytes)
         if low_latency:
             try:
-                runtime.create_symmetric_region(buffer.buffer_id, buffer.mesh, buffer.axis_name, timeout_s,
+                runtime.create_symmetric_region(spec.buffer_id, spec.mesh, spec.axis_name, timeout_s,
                                                 low_latency_bytes, ranks_per_node=ranks_per_node)
             except BaseException:  # every process met the same problem: all free the internode region together
-                _native._C.destroy_internode(buffer.buffer_id, True)
+                _native._C.destroy_internode(spec.buffer_id, True)
                 raise
         return backend
 
-    def _check_same_sizes(self, low_latency_bytes: int, timeout_s: float) -> None:
+    def _check_same_sizes(self, low_latency_bytes: int) -> None:
         """Every process publishes its Buffer sizes and reads everyone's, so that all raise together on a mismatch
         (before the collective allocation, which would otherwise wait forever)."""
         if jax.process_count() == 1:
             return
-        client = runtime.kv_client()
         sizes = dict(num_ranks=self.num_ranks, ranks_per_node=self.ranks_per_node, num_rdma_bytes=self.num_rdma_bytes,
                      low_latency_bytes=low_latency_bytes)
         key = f"{self.collective_name}/internode/{{}}".format
-        client.key_value_set(key(jax.process_index()), json.dumps(sizes))
-        for process in range(jax.process_count()):
-            try:
-                theirs = json.loads(client.blocking_key_value_get(key(process), int(timeout_s * 1000)))
-            except Exception as e:  # the client raises a runtime error on its deadline
+        timeout_s = self.config.host_timeout_s
+        processes = range(jax.process_count())
+        published = runtime.exchange({key(jax.process_index()): json.dumps(sizes)}, [key(p) for p in processes],
+                                     timeout_s)
+        for process, record in zip(processes, published):
+            if record is None:
                 raise RuntimeError(f"jax_ep.Buffer: process {process} did not create internode Buffer "
-                                   f"#{self.buffer_id} within {timeout_s} s: {e}") from e
-            if theirs != sizes:
-                raise ValueError(f"jax_ep.Buffer: process {process} created internode Buffer #{self.buffer_id} with "
-                                 f"{theirs}, this process with {sizes}; every process must pass the same sizes")
+                                   f"#{self.buffer_id} within {timeout_s} s")
+            runtime.require_same_sizes(sizes, record, f"process {process}", f"internode Buffer #{self.buffer_id}")
 
     @property
     def num_nodes(self) -> int:
@@ -300,7 +299,7 @@ class InternodeBackend(low_latency.LowLatencyOps, Backend):
         """Collective: frees this process's regions after its GPU finished, when every process can take part (none
         has a kernel that timed out: runtime.agree_to_free), else forgets them."""
         processes = sorted({d.process_index for d in self.mesh.devices.flat})
-        release, problems = runtime.agree_to_free(self.collective_name, processes, self.config.timeout_s,
+        release, problems = runtime.agree_to_free(self.collective_name, processes, self.config.host_timeout_s,
                                                   healthy=not self.errors(),
                                                   what=f"the NVSHMEM regions of Buffer #{self.buffer_id}")
         if self.low_latency_transport:

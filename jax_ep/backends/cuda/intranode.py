@@ -175,28 +175,27 @@ class IntranodeBackend(low_latency.LowLatencyOps, Backend):
     low_latency_offset: int | None = None  # byte offset of the low-latency region in its allocation
 
     @classmethod
-    def create(cls, buffer, low_latency_transport: str | None) -> IntranodeBackend:
-        """Allocates every EP group of `buffer` (the Buffer being created: its settings) with this process's
-        devices in it (one group per combination of the other mesh axes): directly when the group is local to
-        this process, else collectively with the group's other processes through the jax.distributed key-value
-        store.
+    def create(cls, spec, low_latency_transport: str | None) -> IntranodeBackend:
+        """Allocates every EP group of `spec` (a BackendSpec: the Buffer's settings) with this process's devices in
+        it (one group per combination of the other mesh axes): directly when the group is local to this process,
+        else collectively with the group's other processes through the jax.distributed key-value store.
 
         Workspace of each rank: the staging region first (`num_nvl_bytes`, when any EP group of the Buffer spans
         processes, also if only low-latency ops are used), then the low-latency region (when `low_latency_transport`
         is peer stores). Under the NVSHMEM transport the low-latency region is NVSHMEM symmetric memory of its own,
         allocated collectively by every process once the groups exist."""
-        reason = unsupported_reason(buffer.mesh, buffer.axis_name)
+        reason = unsupported_reason(spec.mesh, spec.axis_name)
         if reason:
             raise NotImplementedError(f"jax_ep.Buffer: {reason}")
-        spans_processes = runtime.spans_processes(buffer.mesh, buffer.axis_name)
+        spans_processes = runtime.spans_processes(spec.mesh, spec.axis_name)
         align = _native.limit("low_latency_align")  # the LL region follows the staging room, aligned
-        staging = -(-buffer.num_nvl_bytes // align) * align if spans_processes else 0
+        staging = -(-spec.num_nvl_bytes // align) * align if spans_processes else 0
         workspace_bytes = staging
         low_latency_bytes = 0
         low_latency_offset = None
         if low_latency_transport is not None:
-            low_latency_bytes = low_latency_buffer_bytes(buffer.num_max_dispatch_tokens_per_rank, buffer.hidden,
-                                                         buffer.num_ranks, buffer.num_experts,
+            low_latency_bytes = low_latency_buffer_bytes(spec.num_max_dispatch_tokens_per_rank, spec.hidden,
+                                                         spec.num_ranks, spec.num_experts,
                                                          transport=low_latency_transport)
             if low_latency_transport == "peer_stores":
                 low_latency_offset = staging
@@ -204,27 +203,27 @@ class IntranodeBackend(low_latency.LowLatencyOps, Backend):
             else:
                 low_latency_offset = 0  # the start of the symmetric region
         me = jax.process_index()
-        groups = list(enumerate(runtime.ep_groups(buffer.mesh, buffer.axis_name)))
+        groups = list(enumerate(runtime.ep_groups(spec.mesh, spec.axis_name)))
         collective_name = None
         try:
             for _, group in groups:
                 # local_hardware_id is the CUDA ordinal XLA hands the FFI handler as DeviceOrdinal.
                 if all(d.process_index == me for d in group):
-                    _native._C.create_intranode(buffer.buffer_id, [int(d.local_hardware_id) for d in group],
+                    _native._C.create_intranode(spec.buffer_id, [int(d.local_hardware_id) for d in group],
                                                 workspace_bytes, staging)
             shared = [(i, g) for i, g in groups if any(d.process_index == me for d in g) and
                       any(d.process_index != me for d in g)]
             if shared:
-                collective_name = _create_across_processes(buffer, shared, workspace_bytes, staging)
+                collective_name = _create_across_processes(spec, shared, workspace_bytes, staging)
             if low_latency_transport == "nvshmem":
                 # Every peer through puts: plain stores reach a rank's own region only (one rank per "node").
-                runtime.create_symmetric_region(buffer.buffer_id, buffer.mesh, buffer.axis_name,
-                                                buffer.config.timeout_s, low_latency_bytes, ranks_per_node=1)
+                runtime.create_symmetric_region(spec.buffer_id, spec.mesh, spec.axis_name,
+                                                spec.config.host_timeout_s, low_latency_bytes, ranks_per_node=1)
         except BaseException:
-            _native._C.destroy_intranode(buffer.buffer_id)
+            _native._C.destroy_intranode(spec.buffer_id)
             raise
-        return cls(buffer.buffer_id, buffer.mesh, buffer.axis_name, buffer.config,
-                   buffer.num_nvl_bytes if spans_processes else None, collective_name, low_latency_transport,
+        return cls(spec.buffer_id, spec.mesh, spec.axis_name, spec.config,
+                   spec.num_nvl_bytes if spans_processes else None, collective_name, low_latency_transport,
                    low_latency_offset)
 
     @property
@@ -390,7 +389,7 @@ class IntranodeBackend(low_latency.LowLatencyOps, Backend):
         memory: nobody frees what another process still maps. An NVSHMEM region is freed collectively, and only
         when every process says its GPU is healthy (runtime.destroy_symmetric_region)."""
         problems = []
-        timeout_s = self.config.timeout_s
+        timeout_s = self.config.host_timeout_s
         if self.spans_processes:
             processes = sorted({d.process_index for d in self.mesh.devices.flat})
             unmapped = _native._C.unmap_intranode(self.buffer_id)  # this process reads no peer memory from here on
@@ -438,71 +437,66 @@ class IntranodeBackend(low_latency.LowLatencyOps, Backend):
 
 # ---- creation across processes ---------------------------------------------------------------------------------
 
-def _create_across_processes(buffer, groups, workspace_bytes: int, staging_bytes: int) -> str:
+def _create_across_processes(spec, groups, workspace_bytes: int, staging_bytes: int) -> str:
     """Two collective steps per group: every process exports its ranks' CUDA IPC handles with the Buffer's
     sizes to the key-value store, then maps every other rank's memory, after checking the sizes agree. Returns
     the Buffer's name in the key-value store."""
-    client = runtime.kv_client()
-    name = runtime.collective_name(buffer.mesh)
+    name = runtime.collective_name(spec.mesh)
     me = jax.process_index()
-    timeout_ms = int(buffer.config.timeout_s * 1000)
-    sizes = dict(num_ranks=buffer.num_ranks, workspace_bytes=workspace_bytes, num_nvl_bytes=buffer.num_nvl_bytes,
-                 num_max_dispatch_tokens_per_rank=buffer.num_max_dispatch_tokens_per_rank, hidden=buffer.hidden,
-                 num_experts=buffer.num_experts)
+    timeout_s = spec.config.host_timeout_s
+    sizes = dict(num_ranks=spec.num_ranks, workspace_bytes=workspace_bytes, num_nvl_bytes=spec.num_nvl_bytes,
+                 num_max_dispatch_tokens_per_rank=spec.num_max_dispatch_tokens_per_rank, hidden=spec.hidden,
+                 num_experts=spec.num_experts)
     key = "{}/group/{}/rank/{}".format
+    exported = {}
     for index, group in groups:
         for rank, device in enumerate(group):
             if device.process_index == me:
-                handle = _native._C.export_intranode(buffer.buffer_id, int(device.local_hardware_id), rank,
+                handle = _native._C.export_intranode(spec.buffer_id, int(device.local_hardware_id), rank,
                                                      len(group), workspace_bytes, staging_bytes)
-                record = dict(sizes, process=me, host=socket.gethostname(), ordinal=int(device.local_hardware_id),
-                              handle=handle.hex())
-                client.key_value_set(key(name, index, rank), json.dumps(record))
+                exported[key(name, index, rank)] = json.dumps(dict(
+                    sizes, process=me, host=socket.gethostname(), ordinal=int(device.local_hardware_id),
+                    handle=handle.hex()))
+    runtime.exchange(exported, [], timeout_s)
     for index, group in groups:
-        records = []
-        for rank, device in enumerate(group):
-            try:
-                record = client.blocking_key_value_get(key(name, index, rank), timeout_ms)
-                records.append(json.loads(record))
-            except Exception as e:  # the client raises a runtime error on its deadline
+        published = runtime.exchange({}, [key(name, index, rank) for rank in range(len(group))], timeout_s)
+        for rank, record in enumerate(published):
+            if record is None:
                 raise RuntimeError(
-                    f"jax_ep.Buffer: rank {rank} of EP group {index} (process {device.process_index}) did not create "
-                    f"Buffer #{buffer.buffer_id} within {buffer.config.timeout_s} s: {e}") from e
+                    f"jax_ep.Buffer: rank {rank} of EP group {index} (process {group[rank].process_index}) did not "
+                    f"create Buffer #{spec.buffer_id} within {timeout_s} s")
+        records = [json.loads(record) for record in published]
         hosts = sorted({r["host"] for r in records})
         if len(hosts) > 1:
             raise SpansHostsError(f"jax_ep.Buffer: EP group {index} spans the hosts {hosts}; the intranode cuda "
                                   "backend needs every rank's GPU on one host (use backend='xla')")
-        for rank, record in enumerate(records):
-            theirs = {k: record[k] for k in sizes}
-            if theirs != sizes:
-                raise ValueError(
-                    f"jax_ep.Buffer: rank {rank} of EP group {index} created Buffer #{buffer.buffer_id} with {theirs}, "
-                    f"this process with {sizes}; every rank must pass the same sizes")
+        for rank, record in enumerate(published):
+            runtime.require_same_sizes(sizes, record, f"rank {rank} of EP group {index}", f"Buffer #{spec.buffer_id}")
         handles = [bytes.fromhex(r["handle"]) for r in records]
         local = [r["ordinal"] if r["process"] == me else -1 for r in records]
         outcome = "ok"
         try:
             for device in group:
                 if device.process_index == me:
-                    _native._C.connect_intranode(buffer.buffer_id, int(device.local_hardware_id), handles, local)
+                    _native._C.connect_intranode(spec.buffer_id, int(device.local_hardware_id), handles, local)
         except Exception as e:  # told to the other processes first, so that none of them waits on us at run time
             outcome = f"{type(e).__name__}: {e}"
-        _confirm_connected(client, buffer, name, index, group, outcome, timeout_ms)
+        _confirm_connected(spec, name, index, group, outcome)
     return name
 
 
-def _confirm_connected(client, buffer, name: str, index: int, group, outcome: str, timeout_ms: int) -> None:
+def _confirm_connected(spec, name: str, index: int, group, outcome: str) -> None:
     """Every process of the group publishes whether it mapped its peers and reads the others': a Buffer is
     created everywhere or nowhere (else a rank that failed would leave the others to time out at the first op)."""
     key = "{}/group/{}/connected/{}".format
-    me = jax.process_index()
-    client.key_value_set(key(name, index, me), outcome)
-    for process in sorted({d.process_index for d in group}):
-        try:
-            theirs = client.blocking_key_value_get(key(name, index, process), timeout_ms)
-        except Exception as e:  # the client raises a runtime error on its deadline
-            raise RuntimeError(f"jax_ep.Buffer: process {process} did not finish creating Buffer #{buffer.buffer_id} "
-                               f"within {buffer.config.timeout_s} s: {e}") from e
-        if theirs != "ok":
+    processes = sorted({d.process_index for d in group})
+    timeout_s = spec.config.host_timeout_s
+    answers = runtime.exchange({key(name, index, jax.process_index()): outcome},
+                               [key(name, index, p) for p in processes], timeout_s)
+    for process, answer in zip(processes, answers):
+        if answer is None:
+            raise RuntimeError(f"jax_ep.Buffer: process {process} did not finish creating Buffer #{spec.buffer_id} "
+                               f"within {timeout_s} s")
+        if answer != "ok":
             raise RuntimeError(f"jax_ep.Buffer: process {process} could not map its peers' memory for Buffer "
-                               f"#{buffer.buffer_id} (EP group {index}): {theirs}")
+                               f"#{spec.buffer_id} (EP group {index}): {answer}")

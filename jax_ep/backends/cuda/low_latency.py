@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ep import _native
-from jax_ep.backends import LowLatencyCast, xla, zero_cotangent
+from jax_ep._cotangents import zero_cotangent
+from jax_ep.backends import LowLatencyCast, xla
 from jax_ep.backends.cuda import runtime
 from jax_ep.config import FP8_GROUP, LOW_LATENCY_MAX_TOPK
 

@@ -4,18 +4,16 @@ Buffer has there, the hosts of the processes, and the NVSHMEM symmetric region o
 from __future__ import annotations
 
 import functools
+import json
 import socket
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
 from jax._src import distributed
 
 from jax_ep import _native, nvshmem
-
-# Bound on the waits for the other processes while creating a Buffer: they reach it at different times
-# (start-up, compilation), so longer than the kernels' bound on a stalled peer.
-CREATION_TIMEOUT_S = 120.0
-
+from jax_ep.config import DEFAULT_HOST_TIMEOUT_S
 
 def timeout_ns(config) -> int:
     """The kernels' bound on every spin-wait, from `Config.timeout_s`."""
@@ -27,6 +25,31 @@ def kv_client():
     if client is None:
         raise RuntimeError("jax_ep.Buffer: the EP axis spans processes but jax.distributed is not initialized")
     return client
+
+
+def exchange(publish: Mapping[str, str], read: Sequence[str], timeout_s: float) -> list[str | None]:
+    """One step of a collective through the jax.distributed key-value store: publishes every key of `publish`,
+    then reads every key of `read` in order, each wait bounded by `timeout_s`. A key that was not published in
+    time reads as None: the caller says what that means (an error naming the process, or a vote against)."""
+    client = kv_client()
+    for key, value in publish.items():
+        client.key_value_set(key, value)
+    values = []
+    for key in read:
+        try:
+            values.append(client.blocking_key_value_get(key, int(timeout_s * 1000)))
+        except Exception:  # the client raises a runtime error on its deadline
+            values.append(None)
+    return values
+
+
+def require_same_sizes(mine: dict, published: str, who: str, what: str) -> None:
+    """Raises naming `who` when the sizes it published (JSON) differ from `mine`: every rank of a Buffer must
+    create it with the same sizes, and all raise together before any collective allocation would wait forever."""
+    theirs = {key: value for key, value in json.loads(published).items() if key in mine}
+    if theirs != mine:
+        raise ValueError(f"jax_ep.Buffer: {who} created {what} with {theirs}, this process with {mine}; every rank "
+                         "must pass the same sizes")
 
 
 def ep_groups(mesh, axis_name: str) -> np.ndarray:
@@ -63,13 +86,18 @@ def collective_name(mesh) -> str:
 @functools.cache
 def process_hosts() -> tuple[str, ...]:
     """The host name of every jax process, by process index (collective the first time: every process publishes
-    its own in the jax.distributed key-value store)."""
+    its own in the jax.distributed key-value store, before any Buffer's Config is at hand: the default bound)."""
+    timeout_s = DEFAULT_HOST_TIMEOUT_S
     if jax.process_count() == 1:
         return (socket.gethostname(),)
-    client = kv_client()
-    client.key_value_set(f"jax_ep/host/{jax.process_index()}", socket.gethostname())
-    timeout_ms = int(CREATION_TIMEOUT_S * 1000)
-    return tuple(client.blocking_key_value_get(f"jax_ep/host/{p}", timeout_ms) for p in range(jax.process_count()))
+    key = "jax_ep/host/{}".format
+    hosts = exchange({key(jax.process_index()): socket.gethostname()}, [key(p) for p in range(jax.process_count())],
+                     timeout_s)
+    missing = [p for p, host in enumerate(hosts) if host is None]
+    if missing:
+        raise RuntimeError(f"jax_ep.Buffer: processes {missing} did not publish their hosts within "
+                           f"{timeout_s} s (finding the nodes of the EP axis is collective)")
+    return tuple(hosts)
 
 
 # ---- the NVSHMEM symmetric region of the low-latency ops ---------------------------------------------------------
@@ -96,14 +124,10 @@ def agree_to_free(collective_name: str | None, processes, timeout_s: float, heal
     process ends. Returns (free, the problems met)."""
     answers = {jax.process_index(): "ok" if healthy else "unhealthy"}
     if len(processes) > 1:
-        client, timeout_ms = kv_client(), int(timeout_s * 1000)
         key = f"{collective_name}/nvshmem_free/{{}}".format
-        client.key_value_set(key(jax.process_index()), answers[jax.process_index()])
-        for process in processes:
-            try:
-                answers[process] = client.blocking_key_value_get(key(process), timeout_ms)
-            except Exception:  # the client raises a runtime error on its deadline
-                answers[process] = "absent"
+        published = exchange({key(jax.process_index()): answers[jax.process_index()]},
+                             [key(p) for p in processes], timeout_s)
+        answers.update((p, "absent" if answer is None else answer) for p, answer in zip(processes, published))
     release = all(answer == "ok" for answer in answers.values())
     return release, [] if release else [f"{what} was not freed (processes: {answers})"]
 
