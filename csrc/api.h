@@ -97,7 +97,7 @@ struct NormalCombineArgs {
 // its workspace) and the release barrier then means that no peer still writes there.
 
 struct IntranodeState;  // device memory of one rank (intranode_state.h)
-struct IntranodeError;  // host-mapped timeout record of one rank (intranode_state.h)
+struct TimeoutRecord;  // host-mapped timeout record of one rank (intranode_state.h)
 
 // One rank of an intranode group, as a kernel launch needs it (copied into the kernel's parameters).
 struct IntranodeRank {
@@ -109,10 +109,10 @@ struct IntranodeRank {
   char* workspaces[kMaxIntranodeRanks] = {};           // every rank's workspace by rank, mapped here
   int64_t workspace_bytes = 0;
   int64_t staging_bytes = 0;                           // the workspace's first bytes, where staged ops copy inputs
-  IntranodeError* error = nullptr;                     // this rank's record (pinned host memory, mapped)
+  TimeoutRecord* error = nullptr;                      // this rank's record (pinned host memory, mapped)
 };
 
-// Runtime (runtime.cu). Failures throw std::runtime_error / std::invalid_argument naming the CUDA call and
+// Runtime (intranode_runtime.cu). Failures throw std::runtime_error / std::invalid_argument naming the CUDA call and
 // device. A device holds at most one rank per buffer_id; several groups (one per EP axis row of a larger
 // mesh) may share a buffer_id.
 //
@@ -170,15 +170,17 @@ cudaError_t intranode_cached_dispatch(const IntranodeCall& call, const CachedDis
 // Two ways to move the rows, with bit-identical results: pull (each rank reads its tokens' rows from the peers'
 // y; a staged group first copies its valid rows of y into its workspace) or push (each rank stores its rows of
 // y into the token's home rank, which reduces them locally; no copy in a staged group).
+enum class CombineMethod : uint8_t { kPull = 0, kPush = 1 };  // one byte: it sits in CombineArgs' padding
 struct CombineArgs : NormalCombineArgs {
   const int32_t* send_row = nullptr;  // [num_tokens, num_ranks] from this rank's dispatch handle
   const int32_t* recv_src_index = nullptr;  // [capacity] from the handle: which rows are valid, and whose
   const void* bias = nullptr;
   FloatType bias_type = FloatType::kF32;
+  CombineMethod method = CombineMethod::kPull;
   void* out = nullptr;  // [num_tokens, row_elements]
   FloatType out_type = FloatType::kF32;  // y's type or f32
-  // 0: pull. 1 to kCombineMaxPushWarps: push, with this many warps of each block pushing at the start (the others
-  // reduce from the start; the pushing warps join them once their rows are out).
+  // Push: 1 to kCombineMaxPushWarps warps of each block push at the start (the others reduce from the start; the
+  // pushing warps join them once their rows are out). Pull: 0 (no warp pushes).
   int32_t push_warps = 0;
   // Push with one process driving the group: scratch of (num_ranks - 1) * num_tokens rows where the peers
   // store their rows (peers write into it during the call). Staged groups use their workspace (null here).
@@ -306,7 +308,7 @@ struct SymmetricRegion {
   int32_t pes[kMaxLowLatencyRanks] = {};
   // Rank r's region mapped here (nvshmem_ptr) when r is on this rank's node, else null (reached by puts).
   char* node_regions[kMaxLowLatencyRanks] = {};
-  IntranodeError* error = nullptr;  // the Buffer's timeout record on this device (registry.h)
+  TimeoutRecord* error = nullptr;   // the Buffer's timeout record on this device (registry.h)
 };
 // Collective over every PE (each calls it once per Buffer, in the same order, with the same size):
 // allocates and zeroes `bytes` of symmetric memory for (buffer_id, device_ordinal); pes[r] is the PE of EP
@@ -332,7 +334,7 @@ namespace jax_ep {
 // out for its shapes. Network traffic goes through NVSHMEM puts and signals, between the ranks of one local
 // index ("rails"); NVLink traffic inside a node reads the node peers' regions through nvshmem_ptr mappings.
 
-struct IntranodeError;  // the timeout record, shared with the intranode mode (intranode_state.h)
+struct TimeoutRecord;  // the timeout record, shared with the intranode mode (intranode_state.h)
 
 // One rank as a kernel launch needs it (copied into the kernel's parameters).
 struct InternodeRank {
@@ -344,7 +346,7 @@ struct InternodeRank {
   char* region = nullptr;                        // this rank's symmetric region (header first)
   char* node_regions[kMaxRanksPerNode] = {};     // the regions of this node's ranks by local index, mapped here
   int64_t region_bytes = 0;                      // bytes after the header
-  IntranodeError* error = nullptr;               // this rank's record (pinned host memory, mapped)
+  TimeoutRecord* error = nullptr;                // this rank's record (pinned host memory, mapped)
 };
 
 // Runtime (internode_runtime.cu). Collective over every NVSHMEM PE (nvshmem_malloc/free), in the same order on
@@ -405,13 +407,13 @@ cudaError_t internode_combine(const InternodeCall& call, const InternodeCombineA
 #if defined(JAX_EP_WITH_CUDA)
 namespace jax_ep {
 
-// ---- Low-latency mode (low_latency.cu; region layout in low_latency_state.h) ---------------------------------
+// ---- Low-latency mode (low_latency_*.cu; region layout in low_latency_state.h) ---------------------------------
 // Dispatch and combine, each a send and a receive launch joined by a token (the device-side call number).
 // Senders write rows into the receivers' LL regions (peer stores or NVSHMEM puts) and raise per-(expert,
 // source) flags tagged with the call number; two buffer sets alternate per call and credits bound the skew
-// between ranks. See low_latency.cu for the protocol.
+// between ranks. See low_latency_protocol.cuh for the protocol.
 
-// Error-record values of the LL kernels (IntranodeError.op / .wait); the intranode normal mode uses 1..7 and 1..5.
+// Error-record values of the LL kernels (TimeoutRecord.op / .wait); the intranode normal mode uses 1..7 and 1..5.
 enum class LowLatencyOp : int32_t { kDispatchSend = 10, kDispatchRecv = 11, kCombineSend = 12, kCombineRecv = 13 };
 enum class LowLatencyWait : int32_t {
   kCredit = 10,  // a send waited for a peer to finish receiving call - 2 of the same buffer set
@@ -424,6 +426,9 @@ enum class LowLatencyPayload : int32_t { kBF16 = 0, kFP8 = 1, kFP8UE8M0 = 2 };
 
 // The row format of a low-latency combine's send: BF16 as given, or LogFMT-10 blocks (logfmt.cuh).
 enum class LowLatencyCompression : uint8_t { kNone = 0, kLogFmt = 1 };  // one byte: the args keep their layout
+// Its members' names as Python spells them (`compression=`), by value: _C.enums() exports these and the handlers
+// accept exactly these values, so a new member is added here and in the kernels only.
+inline constexpr const char* kLowLatencyCompressionNames[] = {"none", "logfmt"};
 
 // How the LL kernels reach other ranks' LL regions. kPeerStores: plain stores through peer pointers (NVLink
 // peer access in one process, CUDA IPC mappings across processes). kNvshmem: the regions are NVSHMEM
@@ -434,7 +439,7 @@ enum class LowLatencyTransport : int32_t { kPeerStores = 0, kNvshmem = 1 };
 struct LowLatencyRank {
   int32_t rank = 0, num_ranks = 0;
   int32_t device_sms = 0;             // multiprocessors of this rank's device
-  IntranodeError* error = nullptr;    // this rank's timeout record (pinned host memory, mapped)
+  TimeoutRecord* error = nullptr;     // this rank's timeout record (pinned host memory, mapped)
 };
 
 // Per launch. The LL region sizes follow (num_max_tokens, hidden, num_experts).

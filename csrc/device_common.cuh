@@ -1,4 +1,4 @@
-// Device helpers shared by the NVLink kernels (intranode.cu, low_latency.cu): flag loads and stores at system
+// Device helpers shared by the NVLink kernels (intranode.cu, the low-latency kernels): flag loads and stores at system
 // scope, the clock, the timeout record, and warp row copies with many loads in flight. Everything here has
 // internal linkage (each kernel file gets its own copy; the device link sees no duplicate symbols).
 #pragma once
@@ -39,10 +39,10 @@ __device__ __forceinline__ uint64_t now_ns() {
 // Fills this rank's host-mapped error record (first failing thread only) and traps. Kept out of line (it is
 // cold); takes scalars so the caller's kernel parameters stay in constant memory. `op` is written last:
 // nonzero marks the record complete.
-__device__ __noinline__ void fail_on_timeout(unsigned* error_claimed, IntranodeError* error, int rank, int32_t op,
+__device__ __noinline__ void fail_on_timeout(unsigned* error_claimed, TimeoutRecord* error, int rank, int32_t op,
                                              int32_t wait, int peer, uint64_t call, uint64_t seen, int64_t waited_ns) {
   if (atomicCAS(error_claimed, 0u, 1u) == 0u) {
-    volatile IntranodeError* record = error;
+    volatile TimeoutRecord* record = error;
     record->wait = wait;
     record->rank = rank;
     record->peer = peer;

@@ -59,7 +59,7 @@ static_assert(kMaxRanksPerNode * sizeof(int32_t) <= InternodeDispatchLayout::kOf
 //   sending   [N][T] x partial_bytes    partials this rank reduced for the tokens of rank (s, local), put from here
 // (InternodeCombineLayout in kernel_limits.h computes these offsets.)
 
-// Error-record values (IntranodeError.op / .wait) of the internode kernels; the intranode and low-latency
+// Error-record values (TimeoutRecord.op / .wait) of the internode kernels; the intranode and low-latency
 // modes use 1..7 and 10..13.
 enum class InternodeOp : int32_t { kDispatch = 20, kCachedDispatch = 21, kCombine = 22 };
 enum class InternodeWait : int32_t {

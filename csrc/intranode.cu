@@ -479,7 +479,7 @@ int64_t push_unit_rows(int64_t capacity, int64_t row_bytes) {
 
 template <typename In, typename Bias, typename Out, int kVec, int kRanks>
 void launch_combine_kernel(const IntranodeCall& call, const CombineArgs& args, const StagePlan& plan) {
-  if (args.push_warps > 0)
+  if (args.method == CombineMethod::kPush)
     combine_push_kernel<In, Bias, Out, kVec, kRanks><<<grid_size(call), kThreads, 0, call.stream>>>(
         call.group, args, plan, push_unit_rows(args.capacity, args.row_elements * static_cast<int64_t>(sizeof(In))),
         call.timeout_ns);
@@ -501,9 +501,10 @@ template <typename In, typename Bias, typename Out>
 cudaError_t launch_combine(const IntranodeCall& call, const CombineArgs& args) {
   const int ranks = call.group.num_ranks;
   const int64_t row_bytes = args.row_elements * static_cast<int64_t>(sizeof(In));
-  const CombineStaging staging(args.num_tokens, row_bytes, ranks, args.capacity, args.push_warps > 0);
+  const bool push = args.method == CombineMethod::kPush;
+  const CombineStaging staging(args.num_tokens, row_bytes, ranks, args.capacity, push);
   StagePlanBuilder builder(call.group);
-  if (args.push_warps > 0)  // view: the slots where peers store their rows for this rank
+  if (push)  // view: the slots where peers store their rows for this rank
     builder.publish_scratch(args.slots, staging.rows);
   else  // view: y (a staged group copies the valid rows: source index below R * T)
     builder.publish(args.y, args.capacity, row_bytes, staging.rows, args.recv_src_index, ranks * args.num_tokens);
@@ -550,9 +551,12 @@ cudaError_t intranode_store_probe(const IntranodeCall& call, const StoreProbeArg
 cudaError_t intranode_combine(const IntranodeCall& call, const CombineArgs& args) {
   static_assert(kCombineMaxPushWarps == kWarps, "a block's warps may all push");
   // A push in one process stores into the scratch result (the handler checks that it came).
-  const bool push_ok = args.push_warps >= 0 && args.push_warps <= kCombineMaxPushWarps &&
-                       (args.push_warps == 0 || call.group.staged || call.group.num_ranks == 1 || args.slots);
-  if (!push_ok) return cudaErrorInvalidValue;
+  const bool method_ok =
+      args.method == CombineMethod::kPull
+          ? args.push_warps == 0
+          : args.method == CombineMethod::kPush && args.push_warps >= 1 && args.push_warps <= kCombineMaxPushWarps &&
+                (call.group.staged || call.group.num_ranks == 1 || args.slots);
+  if (!method_ok) return cudaErrorInvalidValue;
   return with_combine_types(args, [&](auto in, auto bias, auto out) {
     return launch_combine<typename decltype(in)::type, typename decltype(bias)::type, typename decltype(out)::type>(
         call, args);

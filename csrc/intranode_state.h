@@ -1,5 +1,5 @@
 // Device-resident state of one rank of an intranode group and its timeout record: the layout shared by the
-// runtime (runtime.cu allocates and zeroes it) and the kernels (intranode.cu).
+// runtime (intranode_runtime.cu allocates and zeroes it) and the kernels (intranode.cu).
 #pragma once
 #include <cstdint>
 
@@ -58,9 +58,11 @@ enum class IntranodeOp : int32_t {
 };
 enum class IntranodeWait : int32_t { kArrival = 1, kRelease = 2, kStaging = 3, kCombineRows = 4, kGrid = 5 };
 
-// Written by a kernel just before it traps; lives in pinned host memory so the host can read it after the
-// trap destroyed the CUDA context. `op` is written last: nonzero means the record is complete.
-struct IntranodeError {
+// A rank's record of a bounded wait that ran out, shared by every mode's kernels (intranode, internode, low
+// latency: `op` and `wait` take their enums' values). Written by a kernel just before it traps; lives in pinned
+// host memory so the host can read it after the trap destroyed the CUDA context. `op` is written last: nonzero
+// means the record is complete.
+struct TimeoutRecord {
   int32_t op;     // IntranodeOp
   int32_t wait;   // IntranodeWait
   int32_t rank;   // the rank that waited

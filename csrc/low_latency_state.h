@@ -1,5 +1,5 @@
 // The low-latency (LL) region of a rank: where it lies and what it holds. The sizes and offsets (LowLatencyLayout) and
-// the limits live in kernel_limits.h, which the kernels (low_latency.cu), the handlers' size check and jax_ep._C (for
+// the limits live in kernel_limits.h, which the kernels (low_latency_*.cu), the handlers' size check and jax_ep._C (for
 // jax_ep.low_latency_buffer_bytes) share; the structs here are tied to them by static_asserts.
 //
 // The region lives at byte `ll_offset` of the rank's intranode workspace (peer-store transport) or of its
@@ -9,10 +9,10 @@
 //   trace [kernel][kLowLatencyTraceCalls]    LowLatencyTrace: %globaltimer instants of each LL kernel's recent
 //                                            calls on this rank (the benchmark's breakdown; kLowLatencyTraceBytes,
 //                                            0 unless the build is instrumented)
-//   dispatch_counters [E] uint64             the send's progress per expert, this rank's own (low_latency.cu,
+//   dispatch_counters [E] uint64             the send's progress per expert, this rank's own (dispatch send,
 //                                            count_toward_flag); zero between calls
 //   combine_counters [E] uint32              the combine send's row pieces written per (local expert,
-//                                            source rank), this rank's own (low_latency.cu, combine_piece_sent); zero
+//                                            source rank), this rank's own (combine_piece_sent); zero
 //                                            between calls
 //   dispatch_staging [M] x dispatch slot     this rank's rows as sent (cast, with their header): the source of
 //                                            the NVSHMEM puts into the receivers' slots (with peer stores only

@@ -1,5 +1,5 @@
 // How the low-latency kernels write into other ranks' LL regions (docs/design.md, "Transports"): the few remote-write
-// sites of low_latency.cu go through one of these policies, a template parameter of each kernel that writes
+// sites of the LL kernels go through one of these policies, a template parameter of each kernel that writes
 // remotely, so there is one kernel source for both transports. Every remote word is named by (rank, byte
 // offset in the LL region); the layout (low_latency_state.h) is the same on every rank.
 //
@@ -20,7 +20,7 @@
 //                   after every memory access this thread has observed (its own, or other threads' seen through a
 //                   barrier or an atomic with fences: a credit after the reads of the set it frees); the receiver
 //                   reads it with an acquire load on its own memory.
-// Receivers only ever read their own region: waits stay local and bounded (low_latency.cu, wait_until).
+// Receivers only ever read their own region: waits stay local and bounded (low_latency_protocol.cuh, wait_until).
 #pragma once
 #include <cstdint>
 

@@ -27,9 +27,9 @@ DeviceEntry& Registry::find_or_create(int64_t buffer_id, int device) {
   DeviceEntry entry;
   entry.device = device;
   check_cuda(cudaSetDevice(device), "cudaSetDevice", device, "jax_ep runtime");
-  check_cuda(cudaHostAlloc(&entry.error_host, sizeof(IntranodeError), cudaHostAllocMapped | cudaHostAllocPortable),
+  check_cuda(cudaHostAlloc(&entry.error_host, sizeof(TimeoutRecord), cudaHostAllocMapped | cudaHostAllocPortable),
              "cudaHostAlloc (timeout record)", device, "jax_ep runtime");
-  std::memset(entry.error_host, 0, sizeof(IntranodeError));
+  std::memset(entry.error_host, 0, sizeof(TimeoutRecord));
   // With unified addressing the mapped host pointer is valid on the device.
   const cudaError_t err = cudaHostGetDevicePointer(reinterpret_cast<void**>(&entry.error_device), entry.error_host, 0);
   if (err != cudaSuccess) {
@@ -135,7 +135,7 @@ bool is_low_latency(int32_t op) {
          op <= static_cast<int32_t>(LowLatencyOp::kCombineRecv);
 }
 
-std::string describe(const volatile IntranodeError& e, int device) {
+std::string describe(const volatile TimeoutRecord& e, int device) {
   std::string line = "jax_ep " + std::string(words_of(kOps, e.op)) + " timed out on rank " + std::to_string(e.rank) +
                      " (CUDA device " + std::to_string(device) + ") after " + std::to_string(e.waited_ns / 1000000) +
                      " ms waiting for rank " + std::to_string(e.peer);
@@ -159,7 +159,7 @@ std::vector<std::string> timeout_errors(int64_t buffer_id, int32_t first_op, int
   for (const DeviceEntry* entry : entries.entries_of(buffer_id)) {
     if (devices && std::find(devices->begin(), devices->end(), entry->device) == devices->end()) continue;
     // Written by a kernel before its trap, `op` last: a code in range means a complete record.
-    const volatile IntranodeError& e = *entry->error_host;
+    const volatile TimeoutRecord& e = *entry->error_host;
     if (e.op >= first_op && e.op <= last_op) lines.push_back(describe(e, entry->device));
   }
   return lines;

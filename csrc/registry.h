@@ -1,6 +1,6 @@
-// The process's one registry of device memory, by (Buffer id, CUDA ordinal): what the intranode runtime
-// (runtime.cu), the internode runtime (internode_runtime.cu) and the NVSHMEM runtime (nvshmem_runtime.cu) hold of a
-// Buffer on one device, and the timeout record that every kernel of that Buffer on that device fills. The FFI
+// The process's one registry of device memory, by (Buffer id, CUDA ordinal): what the intranode, internode and
+// NVSHMEM runtimes (intranode_runtime.cu, internode_runtime.cu, nvshmem_runtime.cu) hold of a Buffer on one device,
+// and the timeout record that every kernel of that Buffer on that device fills. The FFI
 // handlers find their launch views here (the *_lookup functions of api.h). Handlers of different devices run
 // concurrently on different threads, so every access holds the registry's mutex. Host code only.
 #pragma once
@@ -19,10 +19,10 @@
 
 namespace jax_ep {
 
-struct IntranodeError;  // the timeout record (intranode_state.h)
+struct TimeoutRecord;  // the timeout record (intranode_state.h)
 
-// One rank of an intranode group held by this process (runtime.cu): its own allocation and the peers' memory it
-// mapped.
+// One rank of an intranode group held by this process (intranode_runtime.cu): its own allocation and the peers'
+// memory it mapped.
 struct IntranodeMemory {
   int rank = 0;
   int num_ranks = 0;
@@ -40,8 +40,8 @@ struct DeviceEntry {
   // The timeout record of every kernel of this Buffer on this device (pinned host memory, mapped: readable after
   // a trap destroyed the CUDA context). The kernels tell their op apart by its codes (IntranodeOp, LowLatencyOp,
   // InternodeOp).
-  IntranodeError* error_host = nullptr;
-  IntranodeError* error_device = nullptr;  // the same record as the device sees it
+  TimeoutRecord* error_host = nullptr;
+  TimeoutRecord* error_device = nullptr;  // the same record as the device sees it
   std::unique_ptr<IntranodeMemory> intranode;
 #if defined(JAX_EP_WITH_NVSHMEM)
   std::unique_ptr<InternodeRank> internode;    // the launch view of an internode rank (its region is symmetric)

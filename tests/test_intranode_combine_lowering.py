@@ -1,6 +1,6 @@
 """The cuda backend's intranode combine on CPU, what can be checked without a GPU: how the process model,
-Config.combine and its override $JAX_EP_COMBINE pick the push or the pull combine (the custom call's push_warps
-attribute, 0 for pull, and the scratch result of a push in one process), Config.push_warps and
+Config.combine and its override $JAX_EP_COMBINE pick the push or the pull combine (the custom call's method and
+push_warps attributes, push_warps 0 for pull, and the scratch result of a push in one process), Config.push_warps and
 $JAX_EP_COMBINE_PUSH_WARPS, the workspace a group spanning processes needs, and the error for a Buffer too small
 for it. Lowering compiles and runs nothing, so a Buffer made for the xla backend, holding an intranode backend that
 allocated nothing, stands in for a cuda one."""
@@ -57,6 +57,8 @@ def test_process_model_and_environment_pick_the_method(monkeypatch, spans_proces
     else:
         monkeypatch.setenv(ENV, forced)
     (call,) = combine_calls(cuda_standin(spans_processes))
+    method = intranode.COMBINE_METHOD_VALUES["push" if push else "pull"]  # csrc/api.h's CombineMethod, via _C
+    assert f"method = {method} : i64" in call, call
     assert f"push_warps = {8 if push else 0} : i64" in call, call  # half of each block's 16 warps push
     results = re.search(r"-> (.*)$", call).group(1)
     # One process pushing: the peers store into a scratch result of the call; staged groups use the workspace.

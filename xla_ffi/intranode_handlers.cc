@@ -43,14 +43,17 @@ ffi::Error CachedDispatch(const char* op, const IntranodeCall& call, ffi::AnyBuf
 
 // args: y [C, ...], send_row [T, R], recv_src_index [C], [bias [T, ...]]; rets: out [T, ...] of y's type or
 // float32, and when pushing in a group of one process the slots ((R - 1) * T rows of y's row bytes, any type):
-// scratch where the peers store their rows. push_warps: 0 pulls, 1 to kCombineMaxPushWarps push
-// (CombineArgs::push_warps).
+// scratch where the peers store their rows. method: a CombineMethod; push_warps: 1 to kCombineMaxPushWarps for a
+// push, 0 for a pull (CombineArgs::push_warps).
 ffi::Error Combine(const char* op, const IntranodeCall& call, ffi::AnyBuffer y, ffi::AnyBuffer send_row,
                    ffi::AnyBuffer recv_src_index, std::optional<ffi::AnyBuffer> bias, ffi::Result<ffi::AnyBuffer> out,
-                   std::optional<ffi::Result<ffi::AnyBuffer>> slots, int64_t push_warps) {
-  if (push_warps < 0 || push_warps > kCombineMaxPushWarps)
-    return Invalid(op, "push_warps must be 0 (pull) or 1 to " + std::to_string(kCombineMaxPushWarps) + " (push)");
-  const bool with_slots = push_warps > 0 && !call.group.staged;
+                   std::optional<ffi::Result<ffi::AnyBuffer>> slots, int64_t method, int64_t push_warps) {
+  const bool push = method == static_cast<int64_t>(CombineMethod::kPush);
+  if (!push && method != static_cast<int64_t>(CombineMethod::kPull))
+    return Invalid(op, "unknown combine method " + std::to_string(method));
+  if (push ? push_warps < 1 || push_warps > kCombineMaxPushWarps : push_warps != 0)
+    return Invalid(op, "push_warps must be 1 to " + std::to_string(kCombineMaxPushWarps) + " for a push, 0 for a pull");
+  const bool with_slots = push && !call.group.staged;
   if (slots.has_value() != with_slots)
     return Invalid(op, with_slots ? "the push combine in one process expects the result and the slots"
                                    : "expects one result");
@@ -62,6 +65,7 @@ ffi::Error Combine(const char* op, const IntranodeCall& call, ffi::AnyBuffer y, 
     return Invalid(op, "recv_src_index must be int32 [capacity]");
   a.send_row = DataOf<int32_t>(send_row);
   a.recv_src_index = DataOf<int32_t>(recv_src_index);
+  a.method = static_cast<CombineMethod>(method);
   a.push_warps = static_cast<int32_t>(push_warps);
   if (with_slots) {
     const int64_t need = (call.group.num_ranks - 1) * a.num_tokens * RowBytes(y);
@@ -304,6 +308,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(IntranodeCombine, NormalHandler<IntranodeCall>("co
                                   .OptionalArg<ffi::AnyBuffer>()    // bias
                                   .Ret<ffi::AnyBuffer>()
                                   .OptionalRet<ffi::AnyBuffer>()    // the slots of a push in one process
+                                  .Attr<int64_t>("method")
                                   .Attr<int64_t>("push_warps"),
                               {ffi::Traits::kCmdBufferCompatible});
 

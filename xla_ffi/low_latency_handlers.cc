@@ -1,6 +1,7 @@
 // CUDA XLA FFI handlers of the low-latency mode: decode buffers and attributes, find this device's rank and LL
 // region by (buffer_id, DeviceOrdinal, transport), check that the region is large enough, call csrc/api.h.
 // Command-buffer compatible: the kernels keep their call numbers on the device and the handlers never sync.
+#include <iterator>
 #include <string>
 #include <utility>
 #include <vector>
@@ -88,8 +89,7 @@ bool IsPayload(int64_t payload) {
          payload == static_cast<int64_t>(LowLatencyPayload::kFP8UE8M0);
 }
 bool IsCompression(int64_t compression) {
-  return compression == static_cast<int64_t>(LowLatencyCompression::kNone) ||
-         compression == static_cast<int64_t>(LowLatencyCompression::kLogFmt);
+  return compression >= 0 && compression < static_cast<int64_t>(std::size(kLowLatencyCompressionNames));
 }
 
 ffi::Error DispatchSend(const char* op, const LowLatencyAttrs& attrs, ffi::AnyBuffer x, ffi::AnyBuffer topk_idx,

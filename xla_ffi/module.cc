@@ -6,6 +6,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <iterator>
 #include <stdexcept>
 #include <string>
 
@@ -97,16 +98,19 @@ nb::dict Registrations() {
 
 // The enums whose values cross into Python as FFI attributes (csrc/api.h), by name: {enum: {member: value}}.
 nb::dict Enums() {
-  using jax_ep::LowLatencyCompression, jax_ep::LowLatencyPayload, jax_ep::LowLatencyTransport;
+  using jax_ep::CombineMethod, jax_ep::LowLatencyPayload, jax_ep::LowLatencyTransport;
   auto value = [](auto member) { return static_cast<int64_t>(member); };
-  nb::dict payload, transport, compression, enums;
+  nb::dict combine_method, payload, transport, compression, enums;
+  combine_method["pull"] = value(CombineMethod::kPull);
+  combine_method["push"] = value(CombineMethod::kPush);
   payload["bf16"] = value(LowLatencyPayload::kBF16);
   payload["fp8"] = value(LowLatencyPayload::kFP8);
   payload["fp8_ue8m0"] = value(LowLatencyPayload::kFP8UE8M0);
   transport["peer_stores"] = value(LowLatencyTransport::kPeerStores);
   transport["nvshmem"] = value(LowLatencyTransport::kNvshmem);
-  compression["none"] = value(LowLatencyCompression::kNone);
-  compression["logfmt"] = value(LowLatencyCompression::kLogFmt);
+  for (int64_t member = 0; member < static_cast<int64_t>(std::size(jax_ep::kLowLatencyCompressionNames)); ++member)
+    compression[jax_ep::kLowLatencyCompressionNames[member]] = member;
+  enums["combine_method"] = combine_method;
   enums["low_latency_payload"] = payload;
   enums["low_latency_transport"] = transport;
   enums["low_latency_compression"] = compression;

@@ -57,7 +57,7 @@ def _independent_compute(a):
 
 # ---- the low-latency kernels' own clocks (Buffer.backend_impl.low_latency_trace) ---------------------------------------------
 
-# What each kernel's phase times are summed over (csrc/low_latency.cu, the kernels' clock_mark calls).
+# What each kernel's phase times are summed over (csrc/low_latency_*.cu, the kernels' clock_mark calls).
 _TRACE_UNITS = {"dispatch send": "block", "dispatch recv": "block", "combine send": "block",
                 "combine recv": "(token, part)"}
 

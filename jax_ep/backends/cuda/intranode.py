@@ -54,6 +54,8 @@ STORE_PROBE_TARGET = _native.target("store_probe")
 MAX_RANKS = _native.limit("max_intranode_ranks")
 # Experts of an expert-major dispatch that the expert-major kernels take (more: the composed path).
 MAX_EXPERT_MAJOR_EXPERTS = _native.limit("expert_major_max_experts")
+# The combine kernel's `method` attribute: {"pull": value, "push": value} (csrc/api.h, CombineMethod).
+COMBINE_METHOD_VALUES = _native.enum("combine_method")
 
 int32 = jnp.int32
 
@@ -75,7 +77,7 @@ def combine_method(config: Config, spans_processes: bool) -> str:
 
 
 def combine_push_warps(config: Config, spans_processes: bool) -> int:
-    """0 where combine pulls, else the warps of each block that push."""
+    """The warps of each block that push, where combine pushes; 0 where it pulls (no warp pushes)."""
     if combine_method(config, spans_processes) == "pull":
         return 0
     return config.push_warps or DEFAULT_PUSH_WARPS
@@ -235,9 +237,9 @@ class IntranodeBackend(low_latency.LowLatencyOps, Backend):
         return self.staging_bytes is not None
 
     @property
-    def combine_push_warps(self) -> int:
-        """0: the pull combine; else the push combine with this many pushing warps per block."""
-        return combine_push_warps(self.config, self.spans_processes)
+    def combine_method(self) -> str:
+        """How this Buffer's combine moves rows: "pull" or "push"."""
+        return combine_method(self.config, self.spans_processes)
 
     def _attributes(self) -> dict:
         return normal.kernel_attributes(self.buffer_id, self.config)
@@ -276,16 +278,17 @@ class IntranodeBackend(low_latency.LowLatencyOps, Backend):
         y, bias, kernel_out = normal.combine_kernel_types(y, bias, out_dtype)
         num_tokens, num_ranks = handle.send_row.shape
         row_bytes = normal.row_bytes(y)
-        push_warps = self.combine_push_warps
+        method = self.combine_method
         _check_staging("combine", self.staging_bytes,
-                       combine_staging_bytes(num_tokens, row_bytes, num_ranks, y.shape[0], push_warps > 0))
+                       combine_staging_bytes(num_tokens, row_bytes, num_ranks, y.shape[0], method == "push"))
         aval = jax.typeof(y)
         result_types = [aval.update(shape=(num_tokens, *y.shape[1:]), dtype=kernel_out)]
-        if push_warps and not self.spans_processes:  # one process: the peers push into a scratch result
+        if method == "push" and not self.spans_processes:  # one process: the peers push into a scratch result
             result_types.append(aval.update(shape=((num_ranks - 1) * num_tokens * row_bytes,), dtype=jnp.uint8))
         operands = (y, handle.send_row, handle.recv_src_index) + (() if bias is None else (bias,))
         out = jax.ffi.ffi_call(COMBINE_TARGET, result_types)(
-            *operands, push_warps=np.int64(push_warps), **self._attributes())[0]
+            *operands, method=np.int64(COMBINE_METHOD_VALUES[method]),
+            push_warps=np.int64(combine_push_warps(self.config, self.spans_processes)), **self._attributes())[0]
         return out.astype(out_dtype)
 
     # ---- the expert-major layout (csrc/expert_major.cu) -------------------------------------------------------

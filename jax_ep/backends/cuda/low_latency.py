@@ -1,4 +1,4 @@
-"""The `cuda` backend's low-latency mode: the kernels of csrc/low_latency.cu through `jax.ffi.ffi_call`
+"""The `cuda` backend's low-latency mode: the kernels of csrc/low_latency_*.cu through `jax.ffi.ffi_call`
 (docs/design.md, "Low-latency dispatch", "Low-latency combine", "Low-latency kernels").
 
 Per-rank functions (inside `shard_map` over the EP axis), one FFI call per half. A send returns a `token`
