@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_ep._checks import is_int
 from jax_ep._cotangents import typed_like
 
 IMPLEMENTATIONS = ("auto", "pallas", "jax_pallas", "ragged_dot")
@@ -228,12 +229,14 @@ def pallas_unsupported_reason(x_shape, w_shape, dtype, kernels: str = "pallas") 
     return None
 
 
-def _num_sms() -> int:
-    return jax.devices()[0].core_count
+def _num_sms(budget: int | None = None) -> int:
+    """CTAs of a persistent kernel: one per SM of the device, or `budget` of them where it is lower."""
+    device_sms = jax.devices()[0].core_count
+    return device_sms if budget is None else min(budget, device_sms)
 
 
 def pallas_grouped_op(op: str, kernels: str, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
-                      config: BlockConfig) -> jax.Array:
+                      config: BlockConfig, num_sms: int | None = None) -> jax.Array:
     """One grouped product on the Pallas `kernels`, with `config`, for group_sizes already clamped
     (non-negative, summing to at most M):
 
@@ -241,11 +244,12 @@ def pallas_grouped_op(op: str, kernels: str, lhs: jax.Array, rhs: jax.Array, gro
     * "dx":  lhs dy [M, N], rhs w [G, K, N] -> [M, K] (dy_g @ w[g]^T)
     * "dw":  lhs x [M, K], rhs dy [M, N] -> [G, K, N] (x_g^T @ dy_g)
 
-    Rows past sum(group_sizes) of the fwd and dx outputs are zero. The benchmark's sweep calls this."""
+    Rows past sum(group_sizes) of the fwd and dx outputs are zero. `num_sms`: the SM budget of jax_ep's
+    kernels (grouped_matmul's). The benchmark's sweep calls this."""
     modules = _pallas_modules()
     if kernels == "pallas":
         kernel_args = dict(block_n=config.block_n, block_k=config.block_k, num_stages=config.num_stages,
-                           grid_tile_width=config.grid_tile_width, num_sms=_num_sms())
+                           grid_tile_width=config.grid_tile_width, num_sms=_num_sms(num_sms))
         if op == "dw":
             return modules.ours.ragged_contraction_matmul(lhs, rhs, group_sizes, block_rows=config.block_m,
                                                           **kernel_args)
@@ -280,7 +284,8 @@ _DW_DIMENSIONS = lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
 
 
-def _grouped_op(op: str, implementation: str, lhs, rhs, group_sizes, problem_shape) -> jax.Array:
+def _grouped_op(op: str, implementation: str, lhs, rhs, group_sizes, problem_shape,
+                num_sms: int | None) -> jax.Array:
     """`op` of `pallas_grouped_op`, on `implementation`, for the forward problem (M, K, N, G)."""
     if implementation == "ragged_dot":
         # XLA may expand ragged_dot into masked dense products, where a non-finite row past the groups (the cuda
@@ -295,24 +300,24 @@ def _grouped_op(op: str, implementation: str, lhs, rhs, group_sizes, problem_sha
             out = lax.ragged_dot_general(lhs, rhs, group_sizes, dimensions, preferred_element_type=jnp.float32)
         return out.astype(lhs.dtype)
     return pallas_grouped_op(op, implementation, lhs, rhs, group_sizes,
-                             block_config(implementation, op, *problem_shape))
+                             block_config(implementation, op, *problem_shape), num_sms)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _grouped_matmul(x, w, group_sizes, implementation):
-    y = _grouped_op("fwd", implementation, x, w, group_sizes, _problem_shape(x, w))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _grouped_matmul(x, w, group_sizes, implementation, num_sms):
+    y = _grouped_op("fwd", implementation, x, w, group_sizes, _problem_shape(x, w), num_sms)
     return typed_like(y, x, w, group_sizes)
 
 
-def _grouped_matmul_fwd(x, w, group_sizes, implementation):
-    return _grouped_matmul(x, w, group_sizes, implementation), (x, w, group_sizes)
+def _grouped_matmul_fwd(x, w, group_sizes, implementation, num_sms):
+    return _grouped_matmul(x, w, group_sizes, implementation, num_sms), (x, w, group_sizes)
 
 
-def _grouped_matmul_bwd(implementation, residuals, dy):
+def _grouped_matmul_bwd(implementation, num_sms, residuals, dy):
     x, w, group_sizes = residuals
     shape = _problem_shape(x, w)
-    dx = typed_like(_grouped_op("dx", implementation, dy, w, group_sizes, shape), x)
-    dw = typed_like(_grouped_op("dw", implementation, x, dy, group_sizes, shape), w)
+    dx = typed_like(_grouped_op("dx", implementation, dy, w, group_sizes, shape, num_sms), x)
+    dw = typed_like(_grouped_op("dw", implementation, x, dy, group_sizes, shape, num_sms), w)
     return dx, dw, None  # group_sizes is integer-valued: no cotangent
 
 
@@ -324,10 +329,12 @@ def _problem_shape(x, w) -> tuple[int, int, int, int]:
     return m, k, n, groups
 
 
-def _validate(x, w, group_sizes, implementation: str):
+def _validate(x, w, group_sizes, implementation: str, num_sms):
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"jax_ep.grouped_matmul: implementation must be one of {IMPLEMENTATIONS}, "
                          f"got {implementation!r}")
+    if num_sms is not None and not (is_int(num_sms) and num_sms >= 1):
+        raise ValueError(f"jax_ep.grouped_matmul: num_sms must be a positive integer or None, got {num_sms!r}")
     if x.ndim != 2:
         raise ValueError(f"jax_ep.grouped_matmul: x must be 2-D [M, K], got shape {x.shape}")
     if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -363,7 +370,7 @@ def resolve_implementation(x, w, implementation: str = "auto") -> str:
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
-                   implementation: str = "auto") -> jax.Array:
+                   implementation: str = "auto", num_sms: int | None = None) -> jax.Array:
     """y[r] = x[r] @ w[g] for each row r of group g; zeros past sum(group_sizes). See the module docstring.
 
     Args:
@@ -371,10 +378,15 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
       w: [G, K, N], x's dtype.
       group_sizes: int32 [G], the rows of each group, in order from row 0.
       implementation: "auto", "pallas", "jax_pallas" or "ragged_dot".
+      num_sms: the SMs jax_ep's persistent kernels ("pallas") may occupy, forward and backward (None: every SM
+        of the device; more than the device has: every SM). Fewer leave SMs to a kernel running at the same
+        time on another stream, such as a dispatch or combine. The other implementations have no SM budget
+        and run as they would without it.
 
     Returns:
       [M, N] in x's dtype (float32 accumulation). Differentiable in x and w.
     """
-    _validate(x, w, group_sizes, implementation)
+    _validate(x, w, group_sizes, implementation, num_sms)
     chosen = resolve_implementation(x, w, implementation)
-    return _grouped_matmul(x, w, _clamp_group_sizes(group_sizes, x.shape[0]), chosen)
+    return _grouped_matmul(x, w, _clamp_group_sizes(group_sizes, x.shape[0]), chosen,
+                           None if num_sms is None else int(num_sms))

@@ -164,6 +164,31 @@ def test_unknown_implementation():
         grouped_matmul(x, w, jnp.array([8], jnp.int32), implementation="cuda")
 
 
+@pytest.mark.parametrize("num_sms", [0, -3, 2.0, "8", True])
+def test_bad_sm_budget(num_sms):
+    x, w, _ = random_operands(np.random.default_rng(4), 8, 2, 2, 1, jnp.float32)
+    with pytest.raises(ValueError, match=r"num_sms must be a positive integer or None, got"):
+        grouped_matmul(x, w, jnp.array([8], jnp.int32), num_sms=num_sms)
+
+
+def test_sm_budget_leaves_ragged_dot_as_it_is():
+    """ragged_dot has no SM budget: with one it matches the oracle and its own result without one, bit for bit,
+    forward and gradients."""
+    rng = np.random.default_rng(11)
+    x, w, dy = random_operands(rng, 64, 16, 8, 3, jnp.float32)
+    sizes = jnp.array([20, 0, 30], jnp.int32)
+
+    def forward_and_grads(num_sms):
+        y, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, sizes, implementation="ragged_dot", num_sms=num_sms), x, w)
+        return (y, *vjp(dy))
+
+    budgeted = forward_and_grads(4)
+    for name, ours, unbudgeted, expected in zip(("y", "dx", "dw"), budgeted, forward_and_grads(None),
+                                                oracle(x, w, dy, sizes)):
+        np.testing.assert_allclose(np.asarray(ours, np.float64), expected, rtol=1e-5, atol=1e-5, err_msg=name)
+        assert jnp.array_equal(ours, unbudgeted), name
+
+
 @cpu_only
 def test_auto_falls_back_to_ragged_dot_on_cpu():
     x, w, dy = random_operands(np.random.default_rng(5), 256, 128, 128, 4, jnp.bfloat16)

@@ -106,6 +106,30 @@ def test_pallas_matches_oracle_and_lax(implementation, m, k, n, groups, capsys):
               f"{' '.join(identical)}")
 
 
+@needs_hopper
+@pytest.mark.parametrize("num_sms", [1, 7, 10_000])
+def test_sm_budget_matches_oracle(num_sms):
+    """jax_ep's kernels on a budget of SMs (one, an odd few, more than the device has) compute the same
+    products: each CTA of the persistent grid takes more work items."""
+    m, k, n, groups = SHAPES[1]
+    rng = np.random.default_rng(num_sms)
+    x, w, dy = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+                for shape in ((m, k), (groups, k, n), (m, n)))
+    sizes = random_group_sizes(rng, m, groups)
+
+    @jax.jit
+    def budgeted(x, w, dy, group_sizes):
+        y, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, group_sizes, implementation="pallas", num_sms=num_sms),
+                         x, w)
+        return (y, *vjp(dy))
+
+    y, dx, dw = budgeted(x, w, dy, jnp.asarray(sizes))
+    for name, actual, expected in zip(("y", "dx", "dw"), (y, dx, dw), oracle(x, w, dy, sizes)):
+        assert relative_error(actual, expected) <= BF16_TOLERANCE, name
+    total = int(sizes.sum())
+    assert not np.any(np.asarray(y[total:], np.float32)), "rows past the last group must be zero"
+
+
 TILE_TEST_SHAPE = (2048, 768, 768, 16)  # (M, K, N, G): every tile shape below fits it (768 = 3 x 256 = 4 x 192)
 # Each tile configuration the table gives an op of jax_ep's kernels, and the default, with that op; and 192-column
 # tiles, whose stores go in three 64-column pieces.
