@@ -28,13 +28,9 @@ ROUTERS = {
 }
 
 
-def mesh():
-    return mesh_of(RANKS)
-
-
 def make_moe(dispatcher: str, router: str = "softmax", **options) -> MoE:
     """The same weights for every dispatcher (seeded init; a nonzero expert bias where there is one)."""
-    moe = MoE(D_MODEL, D_FF, EXPERTS, TOPK, mesh=mesh(), dispatcher=dispatcher, shared_d_ff=SHARED_D_FF,
+    moe = MoE(D_MODEL, D_FF, EXPERTS, TOPK, mesh=mesh_of(RANKS), dispatcher=dispatcher, shared_d_ff=SHARED_D_FF,
               max_tokens_per_rank=TOKENS, **ROUTERS[router], **options, rngs=nnx.Rngs(0))
     if moe.expert_bias is not None:
         moe.expert_bias[...] = jnp.linspace(-0.05, 0.05, EXPERTS)

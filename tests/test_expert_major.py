@@ -25,7 +25,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ep  # noqa: E402
 
-from xla_harness import SETTINGS, Case, as_f32, assert_same, buffer, flat, mesh, ranks, spmd  # noqa: E402
+from conftest import buffer, flat, mesh_of, ranks, spmd  # noqa: E402
+from xla_harness import SETTINGS, Case, as_f32, assert_same  # noqa: E402
 from xla_harness import cases as ops_cases  # noqa: E402
 
 F32 = np.dtype(np.float32)
@@ -162,7 +163,7 @@ def test_oracle_worked_example():
 # ----------------------------------------------------------------------------------------------------------------
 @functools.cache
 def forward_fn(R: int, E: int, C, alignment: int, with_weights: bool, with_bias: bool):
-    buf = buffer(R)
+    buf = buffer(R, "xla")
 
     def body(x, idx, w, x2, y, wc, bias):
         res = jax_ep.dispatch(buf, x, idx, w if with_weights else None, num_experts=E, max_recv_tokens=C,
@@ -285,7 +286,7 @@ def test_edges(R):
 # ----------------------------------------------------------------------------------------------------------------
 @functools.cache
 def moe_fn(R: int, E: int, C, alignment: int):
-    buf = buffer(R)
+    buf = buffer(R, "xla")
 
     def body(x, idx, w):
         res = jax_ep.dispatch(buf, x, idx, w, num_experts=E, max_recv_tokens=C, expert_alignment=alignment,
@@ -293,7 +294,7 @@ def moe_fn(R: int, E: int, C, alignment: int):
         y = res.recv_x * res.recv_x  # an "expert": elementwise square
         return jax_ep.combine(buf, y, res.handle, weights=res.recv_weights).x
 
-    return jax.shard_map(body, mesh=mesh(R), in_specs=P("ep"), out_specs=P("ep"))
+    return jax.shard_map(body, mesh=mesh_of(R), in_specs=P("ep"), out_specs=P("ep"))
 
 
 @settings(max_examples=6, **SETTINGS)
@@ -341,7 +342,7 @@ def test_grad(c, cap, alignment):
 # ----------------------------------------------------------------------------------------------------------------
 @functools.cache
 def vjp_fn(R: int, E: int, C, with_bias: bool):
-    buf = buffer(R)
+    buf = buffer(R, "xla")
 
     def body(x, idx, w, x2, y, wc, bias, g_x, g_w, g_x2, g_out):
         def fwd(x, w, x2):
@@ -404,7 +405,7 @@ def test_strict():
     """strict=True: silent when every pair fits and every id is valid; a RuntimeError naming the dropped pairs
     (and the capacity needed) otherwise, on every rank."""
     R, E, T, H, K = 2, 4, 8, 128, 2
-    buf = buffer(R)
+    buf = buffer(R, "xla")
     c = Case(R, T, H, K, E, "distinct", 0.0, 0.0, seed=3)
     idx, x = c.topk_idx(), O.make_x(c.rng(3), (R, T, H), np.float32)
 
@@ -442,7 +443,7 @@ def lower(R: int, body, *args):
 
 def test_bad_input():
     R, E, T, H, K = 2, 4, 4, 128, 2
-    buf = buffer(R)
+    buf = buffer(R, "xla")
     x = np.zeros((R * T, H), np.float32)
     idx = np.tile(np.array([[0, 3]], np.int32), (R * T, 1))
     w = np.ones((R * T, K), np.float32)

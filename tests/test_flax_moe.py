@@ -19,8 +19,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jax_ep  # noqa: E402
 from jax_ep.flax import MoE, RouterConfig, from_dense, moe_linen  # noqa: E402
 from jax_ep.flax.routing import route  # noqa: E402
-from flax_moe_harness import (D_FF, D_MODEL, EXPERTS, SHARED_D_FF, TOPK, assert_close,  # noqa: E402
-                              assert_matches_reference, check_capacity_drops, inputs, make_moe, mesh, objective,
+from conftest import mesh_of  # noqa: E402
+from flax_moe_harness import (D_FF, D_MODEL, EXPERTS, RANKS, SHARED_D_FF, TOPK, assert_close,  # noqa: E402
+                              assert_matches_reference, check_capacity_drops, inputs, make_moe, objective,
                               reference, run)
 
 
@@ -68,8 +69,9 @@ def test_inside_callers_shard_map():
     x, cotangent = inputs()
 
     def sharded(in_specs):
-        return jax.shard_map(lambda s, x, c: objective(nnx.merge(graphdef, s), x, c, axis_name="ep"), mesh=mesh(),
-                             in_specs=(in_specs, P("ep"), P("ep")), out_specs=(P(), (P("ep"), P())))
+        return jax.shard_map(lambda s, x, c: objective(nnx.merge(graphdef, s), x, c, axis_name="ep"),
+                             mesh=mesh_of(RANKS), in_specs=(in_specs, P("ep"), P("ep")),
+                             out_specs=(P(), (P("ep"), P())))
 
     step = jax.jit(jax.value_and_grad(sharded(nnx.get_partition_spec(state)), argnums=(0, 1), has_aux=True))
     with jax.default_matmul_precision("highest"):
@@ -98,7 +100,7 @@ def test_jit_grad_checkpoint():
 
 def test_linen_wrapper():
     """moe_linen: init and apply under jit; the result equals the dense reference built from its params."""
-    buffer = jax_ep.Buffer(mesh(), "ep", backend="xla")
+    buffer = jax_ep.Buffer(mesh_of(RANKS), "ep", backend="xla")
     block = moe_linen(D_MODEL, D_FF, EXPERTS, TOPK, buffer=buffer, shared_d_ff=SHARED_D_FF)
     x, cotangent = inputs()
     variables = jax.jit(block.init)(jax.random.key(3), x)
@@ -154,7 +156,7 @@ def test_swap_in_dense_flax_block():
     shared = dense.shared_expert
     moe = from_dense(dense.router.kernel[...], stacked("gate"), stacked("up"), stacked("down"),
                      num_experts_per_tok=TOPK, shared_w_gate=shared.gate.kernel[...], shared_w_up=shared.up.kernel[...],
-                     shared_w_down=shared.down.kernel[...], mesh=mesh(), dispatcher="normal")
+                     shared_w_down=shared.down.kernel[...], mesh=mesh_of(RANKS), dispatcher="normal")
     assert moe.w_gate_up[...].sharding.spec == P("ep", None, None)
     x, _ = inputs()
     with jax.default_matmul_precision("highest"):
@@ -182,7 +184,7 @@ def test_update_expert_bias():
 @pytest.mark.parametrize("build, message", [
     (lambda: make_moe("ragged"), "dispatcher must be one of"),
     (lambda: MoE(D_MODEL, D_FF, EXPERTS, TOPK, dispatcher="xla", rngs=nnx.Rngs(0)), "needs a mesh"),
-    (lambda: MoE(D_MODEL, D_FF, EXPERTS, TOPK, mesh=mesh(), dispatcher="low_latency", rngs=nnx.Rngs(0)),
+    (lambda: MoE(D_MODEL, D_FF, EXPERTS, TOPK, mesh=mesh_of(RANKS), dispatcher="low_latency", rngs=nnx.Rngs(0)),
      "needs max_tokens_per_rank"),
     (lambda: make_moe("xla", expert_alignment=0), "expert_alignment must be a positive integer, got 0"),
     (lambda: make_moe("xla", num_chunks=0), "num_chunks must be a positive integer, got 0"),

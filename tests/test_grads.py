@@ -20,7 +20,8 @@ import pytest  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-from xla_harness import SETTINGS, Case, assert_same, buffer, capacity_for, cases, flat, mesh, ranks, spmd  # noqa: E402
+from conftest import buffer, flat, mesh_of, ranks, spmd  # noqa: E402
+from xla_harness import SETTINGS, Case, assert_same, capacity_for, cases  # noqa: E402
 
 import jax_ep  # noqa: E402
 
@@ -34,7 +35,7 @@ def _dtype(name: str) -> np.dtype:
 # ----------------------------------------------------------------------------------------------------------------
 @functools.cache
 def dispatch_vjp_fn(R: int, E: int, C):
-    buf = buffer(R)
+    buf = buffer(R, "xla")
 
     def body(x, idx, w, x2, g_x, g_w, g_x2):
         def f(x, w, x2):
@@ -75,7 +76,7 @@ def test_dispatch_vjp(c, dtype, cap):
 # ----------------------------------------------------------------------------------------------------------------
 @functools.cache
 def combine_vjp_fn(R: int, E: int, C, with_w: bool, with_bias: bool):
-    buf = buffer(R)
+    buf = buffer(R, "xla")
 
     def body(x, idx, y, wc, bias, g_out, g_w):
         handle = jax_ep.dispatch(buf, x, idx, None, num_experts=E, max_recv_tokens=C).handle
@@ -122,7 +123,7 @@ def test_combine_vjp(c, dtype, with_w, bias, cap):
 # jax.grad from outside shard_map through a composed dispatch -> elementwise -> combine
 # ----------------------------------------------------------------------------------------------------------------
 def _moe_fn(R: int, E: int):
-    buf = buffer(R)
+    buf = buffer(R, "xla")
 
     def body(x, idx, w):
         res = jax_ep.dispatch(buf, x, idx, w, num_experts=E)
@@ -130,7 +131,7 @@ def _moe_fn(R: int, E: int):
         out = jax_ep.combine(buf, h, res.handle, topk_weights=3.0 * res.recv_topk_weights)
         return out.x, out.topk_weights
 
-    return jax.shard_map(body, mesh=mesh(R), in_specs=P("ep"), out_specs=P("ep"))
+    return jax.shard_map(body, mesh=mesh_of(R), in_specs=P("ep"), out_specs=P("ep"))
 
 
 @pytest.mark.parametrize("R", [1, 4, 8])

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from grouped_matmul_harness import forward_and_grads, oracle, oracle_group_ranges, relative_error
 from jax.test_util import check_grads
 
 from jax_ep import grouped_matmul
@@ -24,38 +25,6 @@ cpu_only = pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="checks
 def full_float32():
     """float32 products in float32 (a GPU would otherwise use TF32), for the float32 tolerances below."""
     return jax.default_matmul_precision("highest")
-
-
-def oracle_group_ranges(group_sizes, num_rows):
-    """[start, end) of each group: rows handed out in order, a negative size counting as 0, cut at num_rows."""
-    ranges, start = [], 0
-    for size in group_sizes:
-        end = min(start + max(int(size), 0), num_rows)
-        ranges.append((start, end))
-        start = end
-    return ranges
-
-
-def oracle(x, w, dy, group_sizes):
-    """y, dx, dw of grouped_matmul in float64."""
-    x, w, dy = (np.asarray(a, np.float64) for a in (x, w, dy))
-    y, dx, dw = np.zeros((x.shape[0], w.shape[2])), np.zeros_like(x), np.zeros_like(w)
-    for g, (start, end) in enumerate(oracle_group_ranges(group_sizes, x.shape[0])):
-        y[start:end] = x[start:end] @ w[g]
-        dx[start:end] = dy[start:end] @ w[g].T
-        dw[g] = x[start:end].T @ dy[start:end]
-    return y, dx, dw
-
-
-@functools.partial(jax.jit, static_argnames="implementation")
-def forward_and_grads(x, w, dy, group_sizes, implementation="ragged_dot"):
-    y, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, group_sizes, implementation=implementation), x, w)
-    return (y, *vjp(dy))
-
-
-def relative_error(actual, expected):
-    actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
-    return np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-30)
 
 
 def random_operands(rng, m, k, n, groups, dtype):

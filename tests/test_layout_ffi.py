@@ -11,7 +11,8 @@ import numpy as np  # noqa: E402
 import oracle as O  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
-from xla_harness import RANKS, SETTINGS, Case, assert_same, buffer, cases, ranks, spmd  # noqa: E402
+from conftest import buffer, ranks, spmd  # noqa: E402
+from xla_harness import RANKS, SETTINGS, Case, assert_same, cases  # noqa: E402
 
 import jax_ep  # noqa: E402
 
@@ -25,7 +26,7 @@ def test_layout_target_registered():
 
 @functools.cache
 def layout_fn(R: int, E: int):
-    buf = buffer(R)
+    buf = buffer(R, "xla")
 
     def body(idx):
         lay = jax_ep.get_dispatch_layout(buf, idx, num_experts=E)

@@ -22,8 +22,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 import jax_ep  # noqa: E402
 from jax_ep import logfmt  # noqa: E402
-from xla_harness import (RANKS, SETTINGS, Case, assert_same, buffer, capacity_for, cases, flat,  # noqa: E402
-                         ll_buffer, ranks, spmd)
+from conftest import buffer, flat, ll_buffer, ranks, spmd  # noqa: E402
+from xla_harness import RANKS, SETTINGS, Case, assert_same, capacity_for, cases  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -77,7 +77,7 @@ def test_oracle_worked_example():
 # ----------------------------------------------------------------------------------------------------------------
 @functools.cache
 def dispatch_fn(R: int, E: int, C, alignment: int, fp8: bool, with_weights: bool):
-    buf = buffer(R)
+    buf = buffer(R, "xla")
 
     def body(x, idx, w):
         res = jax_ep.dispatch(buf, x, idx, w if with_weights else None, num_experts=E, max_recv_tokens=C,
@@ -179,7 +179,7 @@ def test_dispatch_fp8_pair_passthrough(c, cap):
 def test_dispatch_strict():
     """strict=True: silent when nothing is dropped and every id is valid, an error when tokens are dropped."""
     R, E, T, H, K = 2, 4, 8, 128, 2
-    buf = buffer(R)
+    buf = buffer(R, "xla")
     c = Case(R, T, H, K, E, "distinct", 0.0, 0.0, seed=3)
     idx, x = c.topk_idx(), O.make_x(c.rng(3), (R, T, H), np.float32)
 
@@ -201,7 +201,7 @@ def test_dispatch_strict():
 # ----------------------------------------------------------------------------------------------------------------
 @functools.cache
 def combine_fn(R: int, E: int, C, with_wc: bool, with_bias: bool):
-    buf = buffer(R)
+    buf = buffer(R, "xla")
 
     def body(x, idx, x2, y, wc, bias):
         res = jax_ep.dispatch(buf, x, idx, None, num_experts=E, max_recv_tokens=C)
@@ -247,7 +247,7 @@ def test_combine_of_dispatch_roundtrip(R):
     c = Case(R, T, H, K, E, "uniform", 0.2, 0.0, seed=5)
     idx, w = c.topk_idx(), c.topk_weights()
     x = O.make_x(c.rng(3), (R, T, H), O.BF16)
-    buf = buffer(R)
+    buf = buffer(R, "xla")
 
     def body(x, idx, w):
         res = jax_ep.dispatch(buf, x, idx, w, num_experts=E)
@@ -268,7 +268,7 @@ def test_combine_of_dispatch_roundtrip(R):
 @functools.cache
 def ll_fn(R: int, M: int, H: int, E: int, use_fp8: bool, round_scale: bool, ue8m0: bool, with_stats: bool, split: bool,
           compression: str | None = None):
-    buf = ll_buffer(R, M, H, E)
+    buf = ll_buffer(R, M, H, E, "xla")
     kw = dict(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=ue8m0)
 
     def body(x, idx, stats, y, w):
@@ -458,7 +458,7 @@ def test_low_latency_combine_logfmt(cm, split, scale):
 def small_ll_case(seed: int, R: int = 2, T: int = 8, H: int = 256, K: int = 2, E: int = 4):
     """(R, H, an xla Buffer, then idx, w, x, y per rank) of a small uniform low-latency case."""
     idx, w, x, y, _ = ll_inputs(Case(R, T, H, K, E, "uniform", 0.0, 0.0, seed=seed), T, False)
-    return R, H, ll_buffer(R, T, H, E), idx, w, x, y
+    return R, H, ll_buffer(R, T, H, E, "xla"), idx, w, x, y
 
 
 def test_low_latency_combine_logfmt_sends_encoded_rows():
@@ -526,8 +526,8 @@ def test_bad_input_errors():
     x = np.zeros((R * 4, 128), np.float32)
     idx = np.zeros((R * 4, 2), np.int32)
     with pytest.raises((ValueError, TypeError)):  # E % R != 0
-        spmd(R, lambda x, idx: jax_ep.dispatch(buffer(R), x, idx, None, num_experts=3).recv_x)(x, idx)
-    buf = ll_buffer(R, 4, 128, 4)
+        spmd(R, lambda x, idx: jax_ep.dispatch(buffer(R, "xla"), x, idx, None, num_experts=3).recv_x)(x, idx)
+    buf = ll_buffer(R, 4, 128, 4, "xla")
     with pytest.raises(ValueError):  # T > M
         xb = np.zeros((R * 5, 128), O.BF16)
         spmd(R, lambda x, idx: jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=False).recv_count)(

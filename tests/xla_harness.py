@@ -1,60 +1,17 @@
 """What the property tests of the public ops on the `xla` backend share (test_ops_xla, test_expert_major, test_grads,
-test_layout_ffi): the mesh and Buffers per rank count, jit(shard_map) of a body, reshaping between global and
-per-rank arrays, exact comparison, and the random routing cases of hypothesis."""
+test_layout_ffi): the rank counts, exact comparison and the random routing cases of hypothesis (the mesh, Buffers
+and jit(shard_map) of a body are every suite's: conftest.py)."""
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
-import jax
 import numpy as np
 import oracle as O
-from conftest import mesh_of
 from hypothesis import HealthCheck
 from hypothesis import strategies as st
-from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
-
-import jax_ep
 
 SETTINGS = dict(deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 RANKS = [1, 2, 4, 8]
-
-
-@functools.cache
-def mesh(R: int) -> Mesh:
-    return mesh_of(R)
-
-
-@functools.cache
-def buffer(R: int) -> jax_ep.Buffer:
-    return jax_ep.Buffer(mesh(R), "ep", backend="xla")
-
-
-@functools.cache
-def ll_buffer(R: int, M: int, H: int, E: int) -> jax_ep.Buffer:
-    return jax_ep.Buffer(mesh(R), "ep", backend="xla", num_max_dispatch_tokens_per_rank=M, hidden=H, num_experts=E)
-
-
-def spmd(R: int, body):
-    """jit(shard_map(body)): every argument and result split along its leading axis over the R ranks."""
-    return jax.jit(jax.shard_map(body, mesh=mesh(R), in_specs=P("ep"), out_specs=P("ep")))
-
-
-def flat(a):
-    """Global [R*N, ...] input from a per-rank [R, N, ...] array (None and tuples pass through)."""
-    if a is None:
-        return None
-    if isinstance(a, tuple):
-        return tuple(flat(c) for c in a)
-    a = np.asarray(a)
-    return a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:])
-
-
-def ranks(a, R: int):
-    """Per-rank [R, N, ...] numpy view of a global [R*N, ...] output."""
-    a = np.asarray(a)
-    return a.reshape((R, a.shape[0] // R) + a.shape[1:])
 
 
 def as_f32(a):

@@ -12,9 +12,9 @@ if jax.devices()[0].platform != "gpu":
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from grouped_matmul_harness import forward_and_grads, oracle, relative_error  # noqa: E402
 from jax import lax  # noqa: E402
 
-from jax_ep import grouped_matmul  # noqa: E402
 from jax_ep.grouped_matmul import (  # noqa: E402
     BLOCK_CONFIG_TABLE,
     DEFAULT_BLOCK_CONFIG,
@@ -41,29 +41,6 @@ def random_group_sizes(rng, num_rows, groups):
     weights[rng.random(groups) < 0.1] = 0
     weights[rng.integers(groups)] += 1e-3  # at least one non-empty group
     return rng.multinomial(used_rows, weights / weights.sum()).astype(np.int32)
-
-
-def oracle(x, w, dy, sizes):
-    """y, dx, dw in float64."""
-    x, w, dy = (np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in (x, w, dy))
-    y, dx, dw = np.zeros((x.shape[0], w.shape[2])), np.zeros_like(x), np.zeros_like(w)
-    ends = np.cumsum(sizes)
-    for g, (start, end) in enumerate(zip(ends - sizes, ends)):
-        y[start:end] = x[start:end] @ w[g]
-        dx[start:end] = dy[start:end] @ w[g].T
-        dw[g] = x[start:end].T @ dy[start:end]
-    return y, dx, dw
-
-
-def relative_error(actual, expected):
-    actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
-    return np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-30)
-
-
-@functools.partial(jax.jit, static_argnames="implementation")
-def forward_and_grads(x, w, dy, group_sizes, implementation):
-    y, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, group_sizes, implementation=implementation), x, w)
-    return (y, *vjp(dy))
 
 
 @jax.jit

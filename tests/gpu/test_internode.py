@@ -19,17 +19,15 @@ import jax.numpy as jnp
 import numpy as np
 import oracle as O
 import pytest
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from conftest import flat, mesh_of, ranks, spmd
 
 import jax_ep
-from gpu.conftest import gather_to_every_process, needs_nccl
-from gpu.test_intranode import (EM_E, EM_H, EM_T, assert_bits, assert_dispatch_matches_oracle,
-                                assert_em_dispatch_equal, check_em_combine, check_em_drops, check_em_grads,
-                                check_em_repeated_runs, combine_body, dispatch_body, dispatch_results, em_case,
-                                em_combine_body, em_combine_inputs,
-                                em_dispatch_body, em_dispatch_results, em_grad_body, flat, make_case, ranks,
-                                repeats_an_expert)
+from gpu.conftest import needs_nccl
+from gpu.gpu_harness import (EM_E, EM_H, EM_T, assert_bits, assert_dispatch_matches_oracle, assert_em_dispatch_equal,
+                             check_dispatch_drops, check_em_combine, check_em_drops, check_em_grads,
+                             check_em_repeated_runs, check_handles_swap, check_strict_raises_on_drops, combine_body,
+                             dispatch_body, dispatch_results, em_case, em_combine_body, em_combine_inputs,
+                             em_dispatch_body, em_dispatch_results, em_grad_body, make_case, repeats_an_expert)
 from jax_ep.backends.cuda import internode
 
 R = jax.process_count()
@@ -47,36 +45,17 @@ os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str((len(LAYOUTS) + 1) * NUM_RDM
 # Harness
 # ----------------------------------------------------------------------------------------------------------------
 @functools.cache
-def mesh() -> Mesh:
-    return Mesh(np.array(jax.devices()), ("ep",))
-
-
-@functools.cache
-def buffer(per_node: int | None) -> jax_ep.Buffer:
+def internode_buffer(per_node: int | None) -> jax_ep.Buffer:
     """The internode cuda Buffer for `per_node` ranks per node; None: the xla backend."""
     if per_node is None:
-        return jax_ep.Buffer(mesh(), "ep", backend="xla")
-    buf = jax_ep.Buffer(mesh(), "ep", backend="cuda", ranks_per_node=per_node, num_rdma_bytes=NUM_RDMA_BYTES)
+        return jax_ep.Buffer(mesh_of(R), "ep", backend="xla")
+    buf = jax_ep.Buffer(mesh_of(R), "ep", backend="cuda", ranks_per_node=per_node, num_rdma_bytes=NUM_RDMA_BYTES)
     assert buf.internode and buf.ranks_per_node == per_node, buf
     return buf
 
 
-def spmd(body):
-    """jit(shard_map(body)) over every process's GPU: host inputs become global arrays split along their leading
-    axis, results are gathered to every process."""
-    fn = jax.jit(jax.shard_map(body, mesh=mesh(), in_specs=P("ep"), out_specs=P("ep")))
-    sharding = NamedSharding(mesh(), P("ep"))
-
-    def run(*args):
-        args = jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, sharding, lambda i: a[i], dtype=a.dtype),
-                            args)
-        return gather_to_every_process(fn(*args))
-
-    return run
-
-
 def no_timeouts(per_node: int):
-    assert buffer(per_node).errors() == []
+    assert internode_buffer(per_node).errors() == []
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -84,7 +63,7 @@ def no_timeouts(per_node: int):
 # ----------------------------------------------------------------------------------------------------------------
 @functools.cache
 def dispatch_fn(per_node, E: int, C, alignment: int):
-    return spmd(dispatch_body(buffer(per_node), E, C, alignment))
+    return spmd(R, dispatch_body(internode_buffer(per_node), E, C, alignment))
 
 
 def run_dispatch(per_node, x, idx, w, E, C=None, alignment=1):
@@ -170,24 +149,11 @@ def test_results_equal_the_xla_backend():
 
 @pytest.mark.parametrize("C", [1, 7, 50])
 def test_capacity_below_need_drops(C):
-    T, H, K, E = 64, 128, 4, 16
-    x, idx, w = make_case(R, T, H, K, E, seed=C)
-    got, _ = check_dispatch(MAIN, x, idx, w, E, C=C)
-    assert got["num_dropped"].sum() > 0, "the case should drop tokens"
-    need = O.routing(idx, E)[1]
-    assert_bits(got["num_dropped"], np.maximum(need - C, 0).astype(np.int32), "num_dropped = need - C")
+    check_dispatch_drops(R, C, functools.partial(check_dispatch, MAIN))
 
 
 def test_strict_raises_on_drops():
-    T, H, K, E = 32, 128, 4, 16
-    x, idx, _ = make_case(R, T, H, K, E, seed=1, p_neg=0.0)
-    buf = buffer(MAIN)
-    body = lambda x, idx: jax_ep.dispatch(buf, x, idx, num_experts=E, max_recv_tokens=1, strict=True).recv_x
-    with pytest.raises(Exception, match="(?i)drop|fit|max_recv_tokens"):
-        jax.block_until_ready(spmd(body)(flat(x), flat(idx)))
-    ok = lambda x, idx: jax_ep.dispatch(buf, x, idx, num_experts=E, strict=True).recv_x
-    jax.block_until_ready(spmd(ok)(flat(x), flat(idx)))
-    jax.effects_barrier()
+    check_strict_raises_on_drops(R, internode_buffer(MAIN))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -195,7 +161,7 @@ def test_strict_raises_on_drops():
 # ----------------------------------------------------------------------------------------------------------------
 @functools.cache
 def combine_fn(per_node, E: int, C, with_bias: bool):
-    return spmd(combine_body(buffer(per_node), E, C, with_bias))
+    return spmd(R, combine_body(internode_buffer(per_node), E, C, with_bias))
 
 
 def check_combine(per_node, T, H, K, E, dtype, with_bias, seed=0, C=None):
@@ -248,20 +214,7 @@ def test_deepep_hidden_sizes(H):
 @needs_nccl
 def test_handles_swap_with_the_xla_backend():
     """Cached dispatch here follows an xla handle; the xla combine (flat rank order) follows an internode handle."""
-    T, H, K, E = 40, 256, 4, 16
-    x, idx, w = make_case(R, T, H, K, E, seed=11, dtype=np.float32)
-    y = O.make_x(np.random.default_rng(2), (R, R * T, H), np.float32)
-    cuda, xla = buffer(MAIN), buffer(None)
-
-    def body(x, idx, y):
-        cuda_handle = jax_ep.dispatch(cuda, x, idx, num_experts=E).handle
-        xla_handle = jax_ep.dispatch(xla, x, idx, num_experts=E).handle
-        return jax_ep.combine(xla, y, cuda_handle).x, jax_ep.dispatch(cuda, x, handle=xla_handle).recv_x
-
-    out, cached = (ranks(a, R) for a in jax.device_get(spmd(body)(flat(x), flat(idx), flat(y))))
-    ref = O.dispatch(x, idx, None, E)
-    assert_bits(out, O.combine(y, ref.routing)[0], "xla combine along the internode handle")
-    assert_bits(cached, ref.recv_x[0], "internode cached dispatch along the xla handle")
+    check_handles_swap(R, internode_buffer(MAIN), internode_buffer(None), "internode")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -269,7 +222,7 @@ def test_handles_swap_with_the_xla_backend():
 # ----------------------------------------------------------------------------------------------------------------
 @functools.cache
 def em_dispatch_fn(per_node, E: int, C, alignment: int):
-    return spmd(em_dispatch_body(buffer(per_node), E, C, alignment))
+    return spmd(R, em_dispatch_body(internode_buffer(per_node), E, C, alignment))
 
 
 def check_em_dispatch(per_node, x, idx, w, E, C=None, alignment=1):
@@ -298,7 +251,7 @@ def test_expert_major_dispatch_drops():
 
 @functools.cache
 def em_combine_fn(per_node, E: int, C, alignment: int):
-    return spmd(em_combine_body(buffer(per_node), E, C, alignment))
+    return spmd(R, em_combine_body(internode_buffer(per_node), E, C, alignment))
 
 
 @pytest.mark.parametrize("dtype,C,alignment", [(O.BF16, None, 1), (np.float32, 100, 8)],
@@ -317,7 +270,7 @@ def test_expert_major_gradients_match_oracle():
     """d x: the internode combine of the rows' cotangents; d topk_weights: each pair's cotangent on its entries."""
     x, idx, w = em_case(R, np.float32, seed=3)
     g_out = O.make_x(np.random.default_rng(4), (R, EM_T, EM_H), np.float32)
-    got = spmd(em_grad_body(buffer(MAIN), EM_E))(flat(x), flat(w), flat(idx), flat(g_out))
+    got = spmd(R, em_grad_body(internode_buffer(MAIN), EM_E))(flat(x), flat(w), flat(idx), flat(g_out))
     d_x, d_w = (ranks(a, R) for a in jax.device_get(got))
     check_em_grads(d_x, d_w, x, w, idx, g_out, EM_E, ranks_per_node=MAIN)
     no_timeouts(MAIN)
@@ -334,7 +287,7 @@ def test_expert_major_repeated_runs_identical():
 # ----------------------------------------------------------------------------------------------------------------
 @functools.cache
 def grad_fn(per_node, E: int):
-    buf = buffer(per_node)
+    buf = internode_buffer(per_node)
 
     def loss(x, w, bias, idx, g_out, g_w):
         d = jax_ep.dispatch(buf, x, idx, w, num_experts=E)
@@ -344,7 +297,7 @@ def grad_fn(per_node, E: int):
     def body(x, w, bias, idx, g_out, g_w):
         return jax.grad(loss, argnums=(0, 1, 2))(x, w, bias, idx, g_out, g_w)
 
-    return spmd(body)
+    return spmd(R, body)
 
 
 @pytest.mark.parametrize("dtype", [O.BF16, np.float32], ids=["bf16", "f32"])
@@ -387,7 +340,7 @@ def test_jitted_loop():
     back calls reuse every rank's region, paced by the credits."""
     T, H, K, E, steps = 64, 256, 4, 16, 20
     x, idx, w = make_case(R, T, H, K, E, seed=21, dtype=np.float32, p_neg=0.3)
-    buf = buffer(MAIN)
+    buf = internode_buffer(MAIN)
 
     def body(x, idx, w):
         def step(_, x):
@@ -396,7 +349,7 @@ def test_jitted_loop():
 
         return jax.lax.fori_loop(0, steps, step, x)
 
-    got = jax.device_get(spmd(body)(flat(x), flat(idx), flat(w)))
+    got = jax.device_get(spmd(R, body)(flat(x), flat(idx), flat(w)))
     expected = x
     for _ in range(steps):
         ref = O.dispatch(expected, idx, w, E)

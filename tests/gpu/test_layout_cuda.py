@@ -2,12 +2,12 @@
 one process (one rank per GPU; the kernel is local to each rank, so one GPU covers it with R=1)."""
 import jax
 import numpy as np
+import oracle
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
+from conftest import mesh_of
+from jax.sharding import PartitionSpec as P
 
 import jax_ep
-import oracle
-from gpu.conftest import one_process_gpus
 
 
 @pytest.mark.parametrize("num_ranks", [1, 2, 4])
@@ -16,9 +16,8 @@ from gpu.conftest import one_process_gpus
     (300, 8, 32, "skewed"), (513, 4, 16, "one_rank"),
 ])
 def test_cuda_layout_matches_oracle(num_ranks, num_tokens, num_topk, num_experts, mode):
-    devices = one_process_gpus(num_ranks)
+    mesh = mesh_of(num_ranks)
     assert jax_ep._native.has_target("jax_ep_layout", "cuda"), "extension built without the CUDA layout kernel"
-    mesh = Mesh(np.array(devices), ("ep",))
     buffer = jax_ep.Buffer(mesh, "ep")
     rng = np.random.default_rng(num_tokens * 31 + num_experts)
     idx = oracle.make_topk_idx(rng, num_ranks, num_tokens, num_topk, num_experts, mode, p_invalid=0.02)

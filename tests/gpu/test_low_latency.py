@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 import warnings
 
 import jax
@@ -20,42 +19,21 @@ import jax.numpy as jnp
 import numpy as np
 import oracle as O
 import pytest
+from conftest import LL_RANKS_PER_NODE, flat, ll_buffer, new_ll_buffer, ranks, spmd
+from process_harness import run_in_fresh_process
 
 import jax_ep
+from gpu.conftest import RANKS_SHARE_GPUS, needs_nccl
+from gpu.gpu_harness import (RANKS, assert_bits, check_jitted_loop_with_forced_command_buffers, make_ll_inputs,
+                             needs_one_process)
 from jax_ep.backends.cuda import low_latency
-from gpu.conftest import RANKS_SHARE_GPUS, bounded_wait_timeout_s, needs_nccl
-from gpu.test_intranode import (FORCED_COMMAND_BUFFER_FLAGS, RANKS, assert_bits, flat, mesh, needs_one_process, ranks,
-                                report_timeout, run_worker, spmd)
-# Set by test_multiprocess_gpu.py for its internode runs: the suite's cuda Buffers are internode Buffers of this
-# many ranks per node (their low-latency ops take the NVSHMEM transport).
-RANKS_PER_NODE = int(os.environ.get("JAX_EP_TEST_RANKS_PER_NODE", "0")) or None
+
 MODES = {
     "bf16": dict(use_fp8=False),
     "fp8": dict(use_fp8=True),
     "fp8_round": dict(use_fp8=True, round_scale=True),
     "fp8_ue8m0": dict(use_fp8=True, round_scale=True, use_ue8m0=True),
 }
-
-
-def new_ll_buffer(R: int, M: int, H: int, E: int, backend: str = "cuda", timeout_s: float = 30.0) -> jax_ep.Buffer:
-    # No normal-mode staging (num_nvl_bytes=0, num_rdma_bytes=0): these Buffers serve low-latency ops only, and with
-    # processes sharing a GPU a gigabyte for each of the suite's Buffers would not fit.
-    nodes = dict(ranks_per_node=RANKS_PER_NODE, num_rdma_bytes=0) if RANKS_PER_NODE and backend == "cuda" else {}
-    return jax_ep.Buffer(mesh(R), "ep", backend=backend, num_max_dispatch_tokens_per_rank=M, hidden=H,
-                         num_experts=E, config=jax_ep.Config(timeout_s=timeout_s), num_nvl_bytes=0, **nodes)
-
-
-ll_buffer = functools.cache(new_ll_buffer)  # the suite's Buffers, alive until the process ends
-
-
-def make_inputs(R, T, H, K, E, M, seed=0, mode="distinct", p_neg=0.1, p_invalid=0.0):
-    rng = np.random.default_rng(seed)
-    idx = O.make_topk_idx(rng, R, T, K, E, mode, p_neg=p_neg, p_invalid=p_invalid)
-    x = O.make_x(rng, (R, T, H), O.BF16)
-    w = rng.uniform(-1, 1, size=(R, T, K)).astype(np.float32)
-    y = O.make_x(rng, (R, E // R, R * M, H), O.BF16)  # rows past recv_count are garbage the combine ignores
-    stats = rng.integers(0, 1000, size=(R, E // R)).astype(np.int32)
-    return x, idx, w, y, stats
 
 
 def outputs(d, out):
@@ -127,7 +105,7 @@ def check_oracle(got, exp, out, mode, what=""):
 @pytest.mark.parametrize("mode", list(MODES))
 def test_matches_oracle_and_xla(R, mode):
     T, H, K, E, M = 40, 512, 6, 4 * R, 48
-    x, idx, w, y, stats = make_inputs(R, T, H, K, E, M, seed=R, p_invalid=0.03)
+    x, idx, w, y, stats = make_ll_inputs(R, T, H, K, E, M, seed=R, p_invalid=0.03)
     exp, out = expected(x, idx, w, y, stats, E, M, mode)
     assert exp.invalid_ids.sum() > 0, "the case should hold invalid ids"
     got = run_ll(R, M, "cuda", mode, x, idx, w, y, stats)
@@ -148,11 +126,11 @@ def test_small_shapes_every_mode(R):
     """Every dispatch mode and the BF16 and compressed combines at shapes small enough for many ranks
     (test_multiprocess_gpu.py runs this with 64 processes on one GPU)."""
     T, H, K, E, M = 8, 512, 4, 2 * R, 8
-    x, idx, w, y, stats = make_inputs(R, T, H, K, E, M, seed=R + 1, p_invalid=0.05)
+    x, idx, w, y, stats = make_ll_inputs(R, T, H, K, E, M, seed=R + 1, p_invalid=0.05)
     for mode in MODES:
         exp, out = expected(x, idx, w, y, stats, E, M, mode)
         check_oracle(run_ll(R, M, "cuda", mode, x, idx, w, y, stats), exp, out, mode, f"{mode}: ")
-    buf = ll_buffer(R, M, H, E)
+    buf = ll_buffer(R, M, H, E, "cuda")
 
     def body(x, idx, w, y):
         d = jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=False)
@@ -168,10 +146,10 @@ def test_buffer_destroyed_and_made_again(R):
     """A Buffer destroyed after its ops (collectively, across processes; an internode Buffer's symmetric regions
     freed by every process together) and a new one of the same sizes: both give the oracle's results."""
     T, H, K, E, M = 8, 256, 4, 2 * R, 8
-    x, idx, w, y, _ = make_inputs(R, T, H, K, E, M, seed=R + 3)
+    x, idx, w, y, _ = make_ll_inputs(R, T, H, K, E, M, seed=R + 3)
     exp, out = expected(x, idx, w, y, None, E, M, "bf16")
     for attempt in range(2):
-        buf = new_ll_buffer(R, M, H, E)
+        buf = new_ll_buffer(R, M, H, E, "cuda")
 
         def body(x, idx, w, y):
             d = jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=False)
@@ -191,7 +169,7 @@ def test_buffer_destroyed_and_made_again(R):
 def test_routing_modes(R, routing):
     """Repeated experts in a row, every token to one expert or one rank, nothing sent at all."""
     T, H, K, E, M = 33, 256, 4, 2 * R, 33
-    x, idx, w, y, stats = make_inputs(R, T, H, K, E, M, seed=7, mode=routing)
+    x, idx, w, y, stats = make_ll_inputs(R, T, H, K, E, M, seed=7, mode=routing)
     exp, out = expected(x, idx, w, y, stats, E, M, "bf16")
     check_oracle(run_ll(R, M, "cuda", "bf16", x, idx, w, y, stats), exp, out, "bf16")
 
@@ -206,7 +184,7 @@ def test_few_tokens_many_experts(R, experts_per_rank):
     pairs (1024 per rank; 4096 experts, the most the kernels take, at R=4)."""
     T, H, K, M = 5, 512, 8, 8  # UE8M0 packs four 128-channel scales per int32: H % 512 == 0
     E = min(experts_per_rank * R, low_latency.MAX_EXPERTS)
-    x, idx, w, y, stats = make_inputs(R, T, H, K, E, M, seed=13, p_invalid=0.05)
+    x, idx, w, y, stats = make_ll_inputs(R, T, H, K, E, M, seed=13, p_invalid=0.05)
     for mode in ("bf16", "fp8_ue8m0"):
         exp, out = expected(x, idx, w, y, stats, E, M, mode)
         check_oracle(run_ll(R, M, "cuda", mode, x, idx, w, y, stats), exp, out, mode, f"{mode}: ")
@@ -216,7 +194,7 @@ def test_few_tokens_many_experts(R, experts_per_rank):
 def test_deepep_hidden_sizes(H):
     R = RANKS[-1] if len(jax.devices()) >= RANKS[-1] else 2
     T, K, E, M = 24, 8, 4 * R, 32
-    x, idx, w, y, stats = make_inputs(R, T, H, K, E, M, seed=H)
+    x, idx, w, y, stats = make_ll_inputs(R, T, H, K, E, M, seed=H)
     for mode in ("bf16", "fp8_ue8m0"):
         exp, out = expected(x, idx, w, y, stats, E, M, mode)
         check_oracle(run_ll(R, M, "cuda", mode, x, idx, w, y, stats), exp, out, mode, f"H={H} {mode}: ")
@@ -225,7 +203,7 @@ def test_deepep_hidden_sizes(H):
 @pytest.mark.parametrize("R", RANKS)
 def test_max_tokens_512_and_topk_11(R):
     T, H, K, E, M = 512, 2048, 11, 4 * R, 512
-    x, idx, w, y, stats = make_inputs(R, T, H, K, E, M, seed=11, mode="uniform", p_invalid=0.01)
+    x, idx, w, y, stats = make_ll_inputs(R, T, H, K, E, M, seed=11, mode="uniform", p_invalid=0.01)
     for mode in ("bf16", "fp8"):
         exp, out = expected(x, idx, w, y, stats, E, M, mode)
         check_oracle(run_ll(R, M, "cuda", mode, x, idx, w, y, stats), exp, out, mode, f"{mode}: ")
@@ -239,9 +217,9 @@ def test_logfmt_combine_within_the_bound(R, H, scale):
     into its staging row, then put), the receive decodes as it sums; every output within sum_k |w_k| * (LogFMT's
     bound on row k, tests/oracle.py) of the float32 k-order sum, plus its bfloat16 rounding."""
     T, K, E, M = 40, 8, 4 * R, 48
-    x, idx, w, y, _ = make_inputs(R, T, H, K, E, M, seed=R + H, p_invalid=0.03)
+    x, idx, w, y, _ = make_ll_inputs(R, T, H, K, E, M, seed=R + H, p_invalid=0.03)
     y = (y.astype(np.float32) * scale).astype(O.BF16)
-    buf = ll_buffer(R, M, H, E)
+    buf = ll_buffer(R, M, H, E, "cuda")
 
     def body(x, idx, w, y):
         d = jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=False)
@@ -260,17 +238,17 @@ def test_buffer_transport_follows_the_setting():
     """The Buffers of this suite use the transport the environment asks for (test_multiprocess_gpu.py runs the
     suite with JAX_EP_LL_TRANSPORT=nvshmem, and on internode Buffers): the suite cannot pass on peer stores when
     NVSHMEM was asked for."""
-    nvshmem = os.environ.get("JAX_EP_LL_TRANSPORT") == "nvshmem" or RANKS_PER_NODE is not None
-    buf = ll_buffer(RANKS[0], 8, 128, 2 * RANKS[0])
+    nvshmem = os.environ.get("JAX_EP_LL_TRANSPORT") == "nvshmem" or LL_RANKS_PER_NODE is not None
+    buf = ll_buffer(RANKS[0], 8, 128, 2 * RANKS[0], "cuda")
     assert (buf.low_latency_transport, buf.internode) == ("nvshmem" if nvshmem else "peer_stores",
-                                                          RANKS_PER_NODE is not None)
-    if RANKS_PER_NODE:
-        assert buf.ranks_per_node == RANKS_PER_NODE
+                                                          LL_RANKS_PER_NODE is not None)
+    if LL_RANKS_PER_NODE:
+        assert buf.ranks_per_node == LL_RANKS_PER_NODE
 
 
 def test_topk_beyond_kernel_limit_rejected():
     R, M, H, E = RANKS[0], 8, 128, 2 * RANKS[0]
-    buf = ll_buffer(R, M, H, E)
+    buf = ll_buffer(R, M, H, E, "cuda")
     x = np.zeros((R * M, H), O.BF16)
     idx = np.zeros((R * M, 17), np.int32)
     with pytest.raises(ValueError, match="at most 16 top-k entries per token, got 17"):
@@ -284,8 +262,8 @@ def test_topk_beyond_kernel_limit_rejected():
 @pytest.mark.parametrize("R", RANKS)
 def test_xla_combine_accepts_cuda_handle(R):
     T, H, K, E, M = 20, 256, 4, 2 * R, 24
-    x, idx, w, y, stats = make_inputs(R, T, H, K, E, M, seed=3)
-    cuda, xla = ll_buffer(R, M, H, E), ll_buffer(R, M, H, E, "xla")
+    x, idx, w, y, stats = make_ll_inputs(R, T, H, K, E, M, seed=3)
+    cuda, xla = ll_buffer(R, M, H, E, "cuda"), ll_buffer(R, M, H, E, "xla")
 
     def body(x, idx, w, y):
         return jax_ep.low_latency_combine(xla, y, idx, w, jax_ep.low_latency_dispatch(cuda, x, idx, use_fp8=False).handle)
@@ -299,7 +277,7 @@ def test_xla_combine_accepts_cuda_handle(R):
 @pytest.mark.parametrize("R", RANKS)
 def test_gradients_match_xla(R):
     T, H, K, E, M = 16, 256, 4, 2 * R, 16
-    x, idx, w, _, _ = make_inputs(R, T, H, K, E, M, seed=5, p_neg=0.0)
+    x, idx, w, _, _ = make_ll_inputs(R, T, H, K, E, M, seed=5, p_neg=0.0)
 
     def grads(backend):
         buf = ll_buffer(R, M, H, E, backend)
@@ -322,7 +300,7 @@ def test_gradients_match_xla(R):
 @pytest.mark.parametrize("R", RANKS)
 def test_repeated_runs_identical(R):
     T, H, K, E, M = 64, 1024, 8, 8 * R, 64
-    x, idx, w, y, stats = make_inputs(R, T, H, K, E, M, seed=9)
+    x, idx, w, y, stats = make_ll_inputs(R, T, H, K, E, M, seed=9)
     exp, _ = expected(x, idx, w, y, stats, E, M, "bf16")
     for mode in ("bf16", "fp8_round"):
         first = run_ll(R, M, "cuda", mode, x, idx, w, y, stats)
@@ -332,7 +310,7 @@ def test_repeated_runs_identical(R):
                 assert_bits(again[name], first[name], f"{mode} run {i}: {name}")
             for a, b in zip(again["recv"], first["recv"]):
                 assert_bits(a[exp.valid], b[exp.valid], f"{mode} run {i}: recv_x")
-    assert ll_buffer(R, M, H, E).errors() == []
+    assert ll_buffer(R, M, H, E, "cuda").errors() == []
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -347,9 +325,9 @@ def test_calls_in_a_row_and_two_in_flight(R):
     the chain also keeps XLA from moving a send ahead of an earlier receive), alternating BF16 and FP8 and
     the routing, then two split dispatches in flight received in reverse order, and two combines in flight."""
     T, H, K, E, M = 24, 256, 4, 2 * R, 24
-    x, idx, w, y, stats = make_inputs(R, T, H, K, E, M, seed=17)
+    x, idx, w, y, stats = make_ll_inputs(R, T, H, K, E, M, seed=17)
     w = np.abs(w) / K  # keeps the chained values in range
-    buf = ll_buffer(R, M, H, E)
+    buf = ll_buffer(R, M, H, E, "cuda")
 
     def body(x, idx, w, y, stats):
         results = []
@@ -383,7 +361,7 @@ def test_calls_in_a_row_and_two_in_flight(R):
 def loop_fn(R: int, steps: int):
     """`steps` low-latency dispatch + combine rounds in one jitted lax.fori_loop (the output feeds the next)."""
     T, H, K, E, M = 32, 256, 4, 2 * R, 32
-    buf = ll_buffer(R, M, H, E)
+    buf = ll_buffer(R, M, H, E, "cuda")
 
     def body(x, idx, w):
         def step(_, x):
@@ -397,7 +375,7 @@ def loop_fn(R: int, steps: int):
 
 def check_loop(R: int, steps: int = 7):
     fn, (T, H, K, E, M) = loop_fn(R, steps)
-    x, idx, w, _, _ = make_inputs(R, T, H, K, E, M, seed=21, p_neg=0.3)
+    x, idx, w, _, _ = make_ll_inputs(R, T, H, K, E, M, seed=21, p_neg=0.3)
     w = np.abs(w) / K  # keeps the values in range over the steps
     got = ranks(jax.device_get(fn(*map(flat, (x, idx, w)))), R)
     want = x
@@ -405,7 +383,7 @@ def check_loop(R: int, steps: int = 7):
         exp = O.low_latency_dispatch(want, idx, E, M)
         want = O.low_latency_combine(exp.recv_x, idx, w, E, exp)[0].astype(O.BF16)
     assert_bits(got, want, f"{steps} jitted low-latency rounds vs oracle")
-    assert ll_buffer(R, M, H, E).errors() == []
+    assert ll_buffer(R, M, H, E, "cuda").errors() == []
 
 
 @pytest.mark.parametrize("R", RANKS)
@@ -416,17 +394,18 @@ def test_jitted_loop_default_flags(R):
 @needs_one_process
 @pytest.mark.parametrize("R", RANKS)
 def test_jitted_loop_forced_command_buffers(R):
-    proc = run_worker("loop", R, FORCED_COMMAND_BUFFER_FLAGS, script=__file__)
-    assert proc.returncode == 0 and "LOOP OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    """test_jitted_loop_default_flags with every op captured into CUDA graphs, in a fresh process (the flags apply
+    at backend start)."""
+    check_jitted_loop_with_forced_command_buffers(__file__, R)
 
 
 @pytest.mark.parametrize("R", RANKS)
 def test_two_micro_batches_overlap_computation(R):
     """DeepEP's two-micro-batch overlap: both dispatches in flight while a matmul runs, then both combines."""
     T, H, K, E, M = 32, 512, 6, 4 * R, 32
-    xa, idx_a, wa, ya, _ = make_inputs(R, T, H, K, E, M, seed=31)
-    xb, idx_b, wb, yb, _ = make_inputs(R, T, H, K, E, M, seed=32)
-    buf = ll_buffer(R, M, H, E)
+    xa, idx_a, wa, ya, _ = make_ll_inputs(R, T, H, K, E, M, seed=31)
+    xb, idx_b, wb, yb, _ = make_ll_inputs(R, T, H, K, E, M, seed=32)
+    buf = ll_buffer(R, M, H, E, "cuda")
     z = np.random.default_rng(0).standard_normal((R * 256, 256)).astype(np.float32)
 
     def body(xa, idx_a, wa, ya, xb, idx_b, wb, yb, z):
@@ -451,37 +430,14 @@ def test_two_micro_batches_overlap_computation(R):
 # Misuse: a third send in flight
 # ----------------------------------------------------------------------------------------------------------------
 @needs_one_process
+@pytest.mark.bounded_wait
 @pytest.mark.parametrize("R", [2])
 def test_third_send_in_flight_times_out(R):
-    """Three dispatch sends before the first receive: the third waits for a credit that only that receive
-    gives, times out, records the op and the credit wait, and traps; the error reaches Python. (With one process
-    per GPU, test_multiprocess_gpu.py runs third_send_worker in every process, on both transports.)"""
-    proc = run_worker("third_send", R, script=__file__)
+    """Three dispatch sends before the first receive (tests/worker.py, mode third_send): the third waits for a
+    credit that only that receive gives, times out, records the op and the credit wait, and traps; the error
+    reaches Python. (With one process per GPU, test_multiprocess_gpu.py runs it in every process, on both
+    transports.)"""
+    proc = run_in_fresh_process("third_send", R)
     assert "RAISED" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     record = [line for line in proc.stdout.splitlines() if line.startswith("RECORD")]
     assert record and "low_latency_dispatch (send) timed out" in record[0] and "credit" in record[0], proc.stdout
-
-
-def third_send_worker(R: int):
-    # The ops refuse a third send while tracing; this worker tests what the kernels do if one comes anyway.
-    jax_ep.ops.MAX_LOW_LATENCY_IN_FLIGHT = 3
-    T, H, K, E, M = 8, 128, 2, 2 * R, 8
-    buf = ll_buffer(R, M, H, E, timeout_s=bounded_wait_timeout_s())
-    x, idx, _, _, _ = make_inputs(R, T, H, K, E, M)
-
-    def body(x, idx):
-        sends = [jax_ep.low_latency_dispatch_send(buf, jnp.roll(x, i, axis=0), idx, use_fp8=False) for i in range(3)]
-        # Ties the first receive's input to the third send, so XLA cannot run that receive earlier.
-        first, _ = jax.lax.optimization_barrier((sends[0], sends[2]))
-        return sum(jax_ep.low_latency_dispatch_recv(buf, p).recv_count for p in (first, sends[1], sends[2]))
-
-    report_timeout(lambda: spmd(R, body, gather=False)(flat(x), flat(idx)), buf)
-
-
-if __name__ == "__main__":  # run_worker's subprocess
-    worker_mode, num_ranks = sys.argv[1], int(sys.argv[2])
-    if worker_mode == "loop":
-        check_loop(num_ranks)
-        print("LOOP OK")
-    else:
-        third_send_worker(num_ranks)

@@ -3,7 +3,7 @@ localhost, process p owning GPU p mod n of the n present, one global EP mesh; th
 through CUDA IPC handles exchanged in the key-value store. With fewer GPUs than ranks the processes share GPUs
 (CUDA IPC and NVSHMEM work within one device): every suite here runs on a one-GPU machine, for correctness (the
 timings of shared GPUs mean nothing). Each process runs tests/gpu/test_intranode.py and test_low_latency.py
-(through mp_worker.py), so the whole oracle/xla/gradient/determinism suites hold in this process model too,
+(tests/worker.py, mode pytest), so the whole oracle/xla/gradient/determinism suites hold in this process model too,
 test_low_latency.py once more with the NVSHMEM low-latency transport forced (JAX_EP_LL_TRANSPORT=nvshmem: the
 low-latency regions are NVSHMEM symmetric memory, rows travel as NVSHMEM puts), and both files' jitted loops with
 every op captured into CUDA graphs. Bounded waits: one test leaves one process out of a dispatch and checks that
@@ -23,20 +23,16 @@ from __future__ import annotations
 
 import os
 import re
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from process_harness import launch_processes, report
 
-from gpu.conftest import GATHER_DIR_ENV, cuda_devices
-from gpu.test_intranode import FORCED_COMMAND_BUFFER_FLAGS
+from gpu.conftest import cuda_devices
+from gpu.gpu_harness import FORCED_COMMAND_BUFFER_FLAGS
 from jax_ep import environment
 
-WORKER = Path(__file__).resolve().parent / "mp_worker.py"
-REPO_ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.processes
 RANKS = [int(r) for r in os.environ.get("JAX_EP_TEST_RANKS", "2 4").split()]
 SUITE_TIMEOUT_S = 420
 # GPU memory one test process may take (XLA allocating on demand, its Buffers, NVSHMEM's symmetric heap): bounds
@@ -69,62 +65,17 @@ def needs_nvshmem(transport: str) -> None:
         pytest.skip("built without NVSHMEM")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def launch(mode: str, R: int, extra: list[str], timeout_s: float, tmp_path, env_extra: dict | None = None,
+def launch(mode: str, R: int, args: list[str], timeout_s: float, tmp_path, env_extra: dict | None = None,
            process_gpu_bytes: int = PROCESS_GPU_BYTES) -> tuple[list[int | None], list[str]]:
-    """Runs R worker processes, process p owning GPU p mod n (with `env_extra` added to their environment), each
-    taking up to `process_gpu_bytes` of its GPU; returns their exit codes (None: killed at the deadline) and
-    outputs."""
+    """tests/worker.py MODE as R processes on the GPUs (process_harness.launch_processes), each taking up to
+    `process_gpu_bytes` of its GPU: skips where they would not fit in the GPUs' memory."""
     gpus = cuda_devices()
     per_gpu = -(-R // len(gpus))
     memory = (gpus[0].memory_stats() or {}).get("bytes_limit")
     if memory and per_gpu * process_gpu_bytes > memory:
         pytest.skip(f"{R} processes on {len(gpus)} GPUs: {per_gpu} per GPU of {memory / 2**30:.0f} GiB, each may "
                     f"take {process_gpu_bytes / 2**30:.1f} GiB")
-    port = _free_port()
-    gather_dir = tmp_path / "gather"
-    gather_dir.mkdir(exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), *sys.path]), PYTHONUNBUFFERED="1",
-               JAX_EP_TEST_SHARED_GPU=str(int(R > len(gpus))), **{GATHER_DIR_ENV: str(gather_dir)},
-               **(env_extra or {}))
-    env.pop("CUDA_VISIBLE_DEVICES", None)  # every process sees every GPU (CUDA IPC between them) and owns one
-    # stdout and stderr go to separate files, so that a library's log line on stderr never splits a line the
-    # worker prints (the tests parse its RECORD and RAISED lines).
-    procs, logs = [], []
-    for pid in range(R):
-        out = open(tmp_path / f"{mode}{R}_{pid}.out", "w+")
-        err = open(tmp_path / f"{mode}{R}_{pid}.err", "w+")
-        logs.append((out, err))
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), mode, str(pid), str(R), str(port),
-                                       str(pid % len(gpus)), *extra],
-                                      cwd=REPO_ROOT, env=env, stdout=out, stderr=err))
-    deadline = time.monotonic() + timeout_s
-    codes = []
-    for proc in procs:
-        try:
-            codes.append(proc.wait(timeout=max(deadline - time.monotonic(), 0.1)))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            codes.append(None)
-    outputs = []
-    for out, err in logs:
-        text = []
-        for log in (err, out):  # stdout last: the report shows the tail
-            log.seek(0)
-            text.append(log.read())
-            log.close()
-        outputs.append("\n".join(text))
-    return codes, outputs
-
-
-def report(codes, outputs) -> str:
-    return "\n".join(f"--- process {p} (exit {c}) ---\n{o[-4000:]}" for p, (c, o) in enumerate(zip(codes, outputs)))
+    return launch_processes(mode, R, tmp_path, timeout_s, args, env_extra, gpus=len(gpus))
 
 
 def suite_summaries(name: str, R: int, codes, outputs) -> list[re.Match | None]:
@@ -178,6 +129,7 @@ def test_jitted_loops_with_forced_command_buffers(method, R, tmp_path):
                         max_skipped=0)
 
 
+@pytest.mark.bounded_wait
 @pytest.mark.parametrize("R", RANKS)
 def test_process_that_never_joins_times_out(R, tmp_path):
     """The last process never runs the dispatch: every other one raises within a bounded time, and its record
@@ -193,6 +145,7 @@ def test_process_that_never_joins_times_out(R, tmp_path):
         assert f"waiting for rank {R - 1} to publish its inputs" in records[0], records[0]
 
 
+@pytest.mark.bounded_wait
 @pytest.mark.parametrize("R", RANKS)
 @pytest.mark.parametrize("transport", [*TRANSPORT_ENV, "internode"])
 def test_low_latency_third_send_times_out(transport, R, tmp_path):
@@ -202,7 +155,7 @@ def test_low_latency_third_send_times_out(transport, R, tmp_path):
     Buffer, and on an internode Buffer of 2 nodes."""
     needs_nvshmem("nvshmem" if transport == "internode" else transport)
     env = internode_env(max(R // 2, 1)) if transport == "internode" else TRANSPORT_ENV[transport]
-    codes, outputs = launch("ll_third_send", R, [], 150, tmp_path, env)
+    codes, outputs = launch("third_send", R, [], 150, tmp_path, env)
     assert None not in codes, report(codes, outputs)
     for rank, out in enumerate(outputs):
         raised = [line for line in out.splitlines() if line.startswith("RAISED after")]
@@ -224,6 +177,7 @@ def test_low_latency_internode_suite(R, ranks_per_node, tmp_path):
                         min_passed=25, max_skipped=4)
 
 
+@pytest.mark.many_ranks
 @pytest.mark.parametrize("R", [32, 48, 64])
 def test_low_latency_internode_many_ranks(R, tmp_path):
     """Up to the most ranks the low-latency kernels take (low_latency.MAX_RANKS, 64), as nodes of 8: dispatch
@@ -274,6 +228,7 @@ def test_internode_suite(R, tmp_path):
     assert_suite_passed("test_internode.py", R, codes, outputs, min_passed=28, max_skipped=2 if shared else 0)
 
 
+@pytest.mark.bounded_wait
 @pytest.mark.parametrize("R", RANKS)
 def test_internode_process_that_never_joins_times_out(R, tmp_path):
     """The last process creates the internode Buffer (R/2 ranks per node) but never runs the dispatch: every
