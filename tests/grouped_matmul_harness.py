@@ -31,9 +31,10 @@ def oracle(x, w, dy, group_sizes):
     return y, dx, dw
 
 
-@functools.partial(jax.jit, static_argnames="implementation")
-def forward_and_grads(x, w, dy, group_sizes, implementation="ragged_dot"):
-    y, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, group_sizes, implementation=implementation), x, w)
+@functools.partial(jax.jit, static_argnames=("implementation", "num_sms"))
+def forward_and_grads(x, w, dy, group_sizes, implementation="ragged_dot", num_sms=None):
+    y, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, group_sizes, implementation=implementation, num_sms=num_sms),
+                     x, w)
     return (y, *vjp(dy))
 
 

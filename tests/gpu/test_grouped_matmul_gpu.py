@@ -93,14 +93,7 @@ def test_sm_budget_matches_oracle(num_sms):
     x, w, dy = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
                 for shape in ((m, k), (groups, k, n), (m, n)))
     sizes = random_group_sizes(rng, m, groups)
-
-    @jax.jit
-    def budgeted(x, w, dy, group_sizes):
-        y, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, group_sizes, implementation="pallas", num_sms=num_sms),
-                         x, w)
-        return (y, *vjp(dy))
-
-    y, dx, dw = budgeted(x, w, dy, jnp.asarray(sizes))
+    y, dx, dw = forward_and_grads(x, w, dy, jnp.asarray(sizes), implementation="pallas", num_sms=num_sms)
     for name, actual, expected in zip(("y", "dx", "dw"), (y, dx, dw), oracle(x, w, dy, sizes)):
         assert relative_error(actual, expected) <= BF16_TOLERANCE, name
     total = int(sizes.sum())
