@@ -1,5 +1,6 @@
 """grouped_matmul: `jax_ep.grouped_matmul` in an expert SwiGLU. `python -m jax_ep.bench grouped_matmul [--groups 16 64]
-[--m 24576 --d 2048 --f 1408] [--sweep] [--json PATH]`.
+[--m 24576 --d 2048 --f 1408] [--sweep] [--json PATH]`, or at MoE shapes by name: `--shapes moe-a v3 [--tokens 4096]
+[--experts N ...]`.
 
 Times the forward and backward pass of an expert SwiGLU block over M rows sorted by expert,
 
@@ -12,6 +13,10 @@ multinomial split of M with Dirichlet(1) weights, seeded) and with "aligned" siz
 of 128 rows). A dense chain of the same matmuls ([M, D] x [D, 2F], [M, F] x [F, D], same backward) is the
 roofline proxy (jax_ep.bench.swiglu). FLOPs: 3 x 2·M·(D·2F + F·D) (forward, dx and dw of both matmuls; useful
 work only).
+
+The sizes come from --m, --d, --f and --groups (each G timed), or from --shapes (jax_ep.bench.swiglu.SHAPES, as
+`bench moe` takes them): M = --tokens × K, the rows one rank gets at R=1, and G = E, or each of --experts instead.
+
 Each figure is the median over --runs timed runs of --calls back-to-back calls each (after a warm-up),
 rotating through --input-sets input sets so that consecutive calls never read the same data.
 
@@ -19,7 +24,8 @@ rotating through --input-sets input sets so that consecutive calls never read th
 configuration of a small grid (`SWEEP_GRID`) and prints the best per shape as `BlockConfigRule`s to paste
 into `jax_ep.grouped_matmul.BLOCK_CONFIG_TABLE`.
 
-On a machine without a Hopper GPU only "ragged_dot" and the dense chain run (try --m 256 --d 128 --f 128).
+On a machine without a Hopper GPU only "ragged_dot" and the dense chain run (try --m 256 --d 128 --f 128, or
+--shapes tiny --tokens 64).
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ import dataclasses
 import functools
 import itertools
 import sys
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,9 +42,12 @@ import numpy as np
 from jax_ep.bench import harness
 from jax_ep.bench.swiglu import (
     DTYPE,
+    SHAPES,
+    SHAPES_TOKENS,
     dense_swiglu_ms,
     make_inputs,
     normal,
+    shapes_help,
     swiglu_flops,
     swiglu_loss,
 )
@@ -54,6 +64,8 @@ from jax_ep.grouped_matmul import (
 )
 
 ALIGNMENT = 128  # rows: the "aligned" case's group sizes are multiples of this
+# The problem without --shapes, where --m, --d, --f and --groups are not given.
+DEFAULT_SIZES = dict(m=24576, d=2048, f=1408, groups=[16, 64])
 # --sweep's block configurations per kernel family (those that do not fit a shape are skipped).
 SWEEP_GRID = {
     "pallas": dict(block_m=(128,), block_n=(128, 256), block_k=(64,), num_stages=(3, 4, 5),
@@ -61,6 +73,32 @@ SWEEP_GRID = {
     "jax_pallas": dict(block_m=(64, 128), block_n=(128, 256), block_k=(64,), num_stages=(4,),
                        grid_tile_width=(1, 4, 8)),
 }
+
+
+class Problem(NamedTuple):
+    """A SwiGLU to time at each of `groups`: M rows of D, hidden size F; `shape` names the SHAPES entry it comes
+    from (None: --m/--d/--f/--groups)."""
+    shape: str | None
+    m: int
+    d: int
+    f: int
+    groups: tuple[int, ...]
+
+
+def problems(args) -> list[Problem]:
+    """The problems that --shapes (with --tokens and --experts) or --m/--d/--f/--groups describe."""
+    sizes = {name: getattr(args, name) for name in DEFAULT_SIZES if getattr(args, name) is not None}
+    if args.shapes:
+        if sizes:
+            raise SystemExit(f"grouped_matmul: --shapes gives M, D, F and G; leave out "
+                             f"{', '.join('--' + name for name in sizes)}")
+        tokens = args.tokens or SHAPES_TOKENS
+        return [Problem(name, tokens * SHAPES[name].topk, SHAPES[name].d_model, SHAPES[name].d_ff,
+                        tuple(args.experts or [SHAPES[name].experts])) for name in args.shapes]
+    if args.tokens is not None or args.experts:
+        raise SystemExit("grouped_matmul: --tokens and --experts go with --shapes")
+    sizes = {**DEFAULT_SIZES, **sizes}
+    return [Problem(None, sizes["m"], sizes["d"], sizes["f"], tuple(sizes["groups"]))]
 
 
 def random_group_sizes(rng: np.random.Generator, num_rows: int, groups: int, aligned: bool) -> np.ndarray:
@@ -90,13 +128,14 @@ def unsupported_reason(implementation: str, m: int, d: int, f: int, groups: int)
     return None
 
 
-def run_block_benchmark(args, report) -> None:
-    m, d, f = args.m, args.d, args.f
+def run_block_benchmark(problem: Problem, args, report) -> None:
+    m, d, f = problem.m, problem.d, problem.f
+    at = dict(shape=problem.shape, m=m, d=d, f=f)  # every record's
     flops = swiglu_flops(m, d, f)
     dense_ms = dense_swiglu_ms(m, d, f, runs=args.runs, calls=args.calls, input_sets=args.input_sets, seed=args.seed)
-    report(dict(case="dense", implementation="dense chain", groups=None, ms=dense_ms,
+    report(dict(at, case="dense", implementation="dense chain", groups=None, ms=dense_ms,
                 tflops=flops / dense_ms / 1e9, ratio_to_dense=1.0))
-    for groups in args.groups:
+    for groups in problem.groups:
         input_sets = [make_inputs(args.seed + i, m, d, f, groups) for i in range(args.input_sets)]
         rng = np.random.default_rng(args.seed + groups)
         for case in ("random", "aligned"):
@@ -106,12 +145,12 @@ def run_block_benchmark(args, report) -> None:
                 if implementation == "ragged_dot" and (case == "aligned" or (groups > 16 and not args.ragged_dot)):
                     continue
                 if reason := unsupported_reason(implementation, m, d, f, groups):
-                    report(dict(case=case, implementation=implementation, groups=groups, skipped=reason))
+                    report(dict(at, case=case, implementation=implementation, groups=groups, skipped=reason))
                     continue
                 fn = functools.partial(grouped_swiglu_grads, implementation=implementation)
                 ms = harness.median_ms(fn, [(*inputs, s) for inputs, s in zip(input_sets, sizes)], args.runs,
                                        args.calls)
-                report(dict(case=case, implementation=implementation, groups=groups, ms=ms,
+                report(dict(at, case=case, implementation=implementation, groups=groups, ms=ms,
                             tflops=flops / ms / 1e9, ratio_to_dense=dense_ms / ms))
         del input_sets
 
@@ -126,11 +165,11 @@ def op_operands(op: str, x, w, dy):
     return {"fwd": (x, w), "dx": (dy, w), "dw": (x, dy)}[op]
 
 
-def run_sweep(args, report) -> list[str]:
+def run_sweep(problem: Problem, args, report) -> list[str]:
     """Times every fitting config of SWEEP_GRID for each grouped product; returns the best as rules."""
-    m, d, f = args.m, args.d, args.f
+    m, d, f = problem.m, problem.d, problem.f
     rules = []
-    for groups, (k, n), kernels in itertools.product(args.groups, ((d, 2 * f), (f, d)), args.sweep_kernels):
+    for groups, (k, n), kernels in itertools.product(problem.groups, ((d, 2 * f), (f, d)), args.sweep_kernels):
         if reason := pallas_unsupported_reason((m, k), (groups, k, n), DTYPE, kernels):
             report(dict(sweep=True, kernels=kernels, groups=groups, k=k, n=n, skipped=reason))
             continue
@@ -182,14 +221,22 @@ def _print_record(record) -> None:
 
 
 # Options that size the problem: at their defaults the mode refuses to run without GPUs (harness).
-GPU_SIZES = ("m", "d", "f", "groups")
+GPU_SIZES = ("m", "d", "f", "groups", "shapes", "tokens", "experts")
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--groups", type=int, nargs="+", default=[16, 64])
-    parser.add_argument("--m", type=int, default=24576, help="rows (tokens x top-k routed to this rank)")
-    parser.add_argument("--d", type=int, default=2048, help="model dimension")
-    parser.add_argument("--f", type=int, default=1408, help="expert hidden dimension")
+    # Their defaults are DEFAULT_SIZES, taken where --shapes is not given (None here tells a given option apart).
+    parser.add_argument("--groups", type=int, nargs="+", help=f"default {' '.join(map(str, DEFAULT_SIZES['groups']))}")
+    parser.add_argument("--m", type=int,
+                        help=f"rows (tokens x top-k routed to this rank; default {DEFAULT_SIZES['m']})")
+    parser.add_argument("--d", type=int, help=f"model dimension (default {DEFAULT_SIZES['d']})")
+    parser.add_argument("--f", type=int, help=f"expert hidden dimension (default {DEFAULT_SIZES['f']})")
+    parser.add_argument("--shapes", nargs="+", choices=SHAPES,
+                        help=f"MoE shapes by name, instead of --m/--d/--f/--groups: {shapes_help()}")
+    parser.add_argument("--tokens", type=int,
+                        help=f"with --shapes: tokens per rank (default {SHAPES_TOKENS}); M = tokens x K")
+    parser.add_argument("--experts", type=int, nargs="+",
+                        help="with --shapes: the group counts to time instead of each shape's E")
     parser.add_argument("--sweep", action="store_true", help="time block configurations instead (see above)")
     parser.add_argument("--sweep-kernels", nargs="+", choices=PALLAS_KERNELS, default=["pallas"],
                         help="with --sweep: the kernel families to sweep")
@@ -203,9 +250,8 @@ def add_arguments(parser) -> None:
 
 def run(args) -> dict:
     device = jax.devices()[0]
-    print(f"{device.device_kind} ({device.platform}), jax {jax.__version__}; M={args.m} D={args.d} F={args.f} "
-          f"{jnp.dtype(DTYPE).name}; SwiGLU forward+backward = {swiglu_flops(args.m, args.d, args.f) / 1e12:.3f} "
-          f"TFLOP" + ("; --sweep: each grouped product alone" if args.sweep else ""))
+    print(f"{device.device_kind} ({device.platform}), jax {jax.__version__}, {jnp.dtype(DTYPE).name}"
+          + ("; --sweep: each grouped product alone" if args.sweep else ""))
     records = []
 
     def report(record):
@@ -213,13 +259,18 @@ def run(args) -> dict:
         _print_record(record)
         sys.stdout.flush()
 
-    if args.sweep:
-        rules = run_sweep(args, report)
-        if rules:
-            print("\n# Best configurations, for jax_ep.grouped_matmul.BLOCK_CONFIG_TABLE:")
-            print("\n".join(rules))
-    else:
-        run_block_benchmark(args, report)
-    header = dict(device=device.device_kind, jax=jax.__version__, m=args.m, d=args.d, f=args.f,
-                  dtype=jnp.dtype(DTYPE).name, runs=args.runs, calls=args.calls)
+    rules = []
+    for problem in problems(args):
+        print(("" if problem.shape is None else f"{problem.shape}: ") + f"M={problem.m} D={problem.d} F={problem.f} "
+              f"G={' '.join(map(str, problem.groups))}; SwiGLU forward+backward = "
+              f"{swiglu_flops(problem.m, problem.d, problem.f) / 1e12:.3f} TFLOP")
+        if args.sweep:
+            rules += run_sweep(problem, args, report)
+        else:
+            run_block_benchmark(problem, args, report)
+    if rules:
+        print("\n# Best configurations, for jax_ep.grouped_matmul.BLOCK_CONFIG_TABLE:")
+        print("\n".join(rules))
+    header = dict(device=device.device_kind, jax=jax.__version__, dtype=jnp.dtype(DTYPE).name, runs=args.runs,
+                  calls=args.calls)
     return dict(header, records=records)

@@ -32,8 +32,6 @@ by several per cent over a run as the GPU warms).
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,20 +41,12 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from jax_ep.bench import harness
-from jax_ep.bench.swiglu import DTYPE, dense_swiglu_step, swiglu_flops
+from jax_ep.bench.swiglu import DTYPE, SHAPES, SHAPES_TOKENS, MoEShape, dense_swiglu_step, shapes_help, swiglu_flops
 from jax_ep.flax import MoE
 from jax_ep.flax.experts import grouped_swiglu
 from jax_ep.flax.routing import route
 
 
-class MoEShape(NamedTuple):  # field names are those of the overriding options (--d-model, ...)
-    d_model: int
-    d_ff: int
-    experts: int
-    topk: int
-
-
-SHAPES = {"moe-a": MoEShape(2048, 1408, 64, 6), "v3": MoEShape(7168, 2048, 256, 8), "tiny": MoEShape(128, 64, 8, 2)}
 DISPATCHERS = ("normal", "xla")
 STAGES = ("router", "dispatch", "expert FFN", "combine")
 TARGET_RATIO = 1.5  # issue 20's acceptance: the block's forward + backward at most 1.5x the dense proxy
@@ -69,10 +59,9 @@ GPU_SIZES = ("shapes", "tokens", "d_model", "d_ff", "experts", "topk")
 def add_arguments(parser) -> None:
     harness.add_process_arguments(parser)
     parser.add_argument("--shapes", nargs="+", choices=SHAPES, default=["moe-a", "v3"],
-                        help="; ".join(f"{name}: D={shape.d_model} F={shape.d_ff} E={shape.experts} K={shape.topk}"
-                                       for name, shape in SHAPES.items()) + " (default: %(default)s)")
+                        help=shapes_help() + " (default: %(default)s)")
     parser.add_argument("--dispatchers", nargs="+", choices=DISPATCHERS, default=list(DISPATCHERS))
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank (default %(default)s)")
+    parser.add_argument("--tokens", type=int, default=SHAPES_TOKENS, help="tokens per rank (default %(default)s)")
     for field in MoEShape._fields:
         parser.add_argument(f"--{field.replace('_', '-')}", type=int, help="replaces the shapes' own")
     parser.add_argument("--num-chunks", type=int, nargs="+", default=[1],

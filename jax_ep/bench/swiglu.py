@@ -1,5 +1,6 @@
-"""The expert SwiGLU as the grouped_matmul and moe modes time it: its FLOP count, its inputs, its loss, and the
-dense matmul chain of the same FLOPs that both print as the roofline proxy beside their figures.
+"""The expert SwiGLU as the grouped_matmul and moe modes time it: the MoE shapes both take by name (SHAPES), its
+FLOP count, its inputs, its loss, and the dense matmul chain of the same FLOPs that both print as the roofline
+proxy beside their figures.
 
     gate, up = split(x @ W_gate_up); h = silu(gate) * up; y = h @ W_down
     forward + backward: the gradients of sum(y * cotangent) with respect to x, W_gate_up [D, 2F] and W_down [F, D]
@@ -8,12 +9,31 @@ The cotangent is an input (random), not ones: the gradient of a plain sum would 
 broadcast of ones into a reduction, flattering the proxy."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
 from jax_ep.bench.harness import median_ms
 
 DTYPE = jnp.bfloat16
+
+
+class MoEShape(NamedTuple):  # field names are those of moe's overriding options (--d-model, ...)
+    d_model: int
+    d_ff: int
+    experts: int
+    topk: int
+
+
+# "moe-a": issue 20's; "v3": DeepSeek-V3-like; "tiny": tests on CPU.
+SHAPES = {"moe-a": MoEShape(2048, 1408, 64, 6), "v3": MoEShape(7168, 2048, 256, 8), "tiny": MoEShape(128, 64, 8, 2)}
+SHAPES_TOKENS = 4096  # tokens per rank at which the shapes are timed by default
+
+
+def shapes_help() -> str:
+    return "; ".join(f"{name}: D={shape.d_model} F={shape.d_ff} E={shape.experts} K={shape.topk}"
+                     for name, shape in SHAPES.items())
 
 
 def swiglu_flops(rows: int, d_model: int, d_ff: int) -> int:
