@@ -1,6 +1,7 @@
 """python -m jax_ep.bench grouped_matmul on CPU, tiny: ragged_dot and the dense chain of the same FLOPs run (the
-Pallas kernels are skipped, saying why), and the JSON holds each figure with its ratio to the dense chain; the
-problems that --shapes and --m/--d/--f/--groups describe."""
+Pallas kernels are skipped, saying why), and the JSON holds each figure with its ratio to the dense chain and to
+its roofline; the problems that --shapes and --m/--d/--f/--groups describe; the roofline (jax_ep.bench.swiglu)
+against figures worked out by hand."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,7 @@ import math
 import pytest
 
 from jax_ep import bench
-from jax_ep.bench import grouped_matmul, harness
+from jax_ep.bench import grouped_matmul, harness, swiglu
 
 
 def parse(*argv: str):
@@ -38,17 +39,56 @@ def test_problems_conflicting_options(argv):
         grouped_matmul.problems(parse(*argv))
 
 
-def test_grouped_matmul_bench_record(tmp_path):
+def test_expert_weight_bytes():
+    """W_gate_up [G, D, 2F] and W_down [G, F, D] read by the forward, read by dx and written by dW, 2 bytes each."""
+    # v3, 256 experts: 256·7168·4096 + 256·2048·7168 = 7,516,192,768 + 3,758,096,384 elements, x 3 x 2 bytes.
+    assert swiglu.expert_weight_bytes(256, 7168, 2048) == 67_645_734_912
+    # moe-a, 64 experts: 64·2048·2816 + 64·1408·2048 = 369,098,752 + 184,549,376 elements, x 3 x 2 bytes.
+    assert swiglu.expert_weight_bytes(64, 2048, 1408) == 3_321_888_768
+
+
+def test_roofline_is_the_larger_term():
+    # v3 at 4096 tokens, M = 32768 rows: 18·M·D·F = 8,658,654,068,736 FLOPs at 640 TFLOP/s = 13.529 ms; its weights,
+    # 67,645,734,912 bytes at 4000 GB/s = 16.911 ms: bound by memory.
+    v3 = swiglu.roofline(18 * 32768 * 7168 * 2048, 640, 67_645_734_912, 4000)
+    assert v3.compute_ms == pytest.approx(13.529, abs=1e-3) and v3.memory_ms == pytest.approx(16.911, abs=1e-3)
+    assert (v3.ms, v3.bound) == (v3.memory_ms, "memory")
+    # moe-a, M = 24576: 1,275,605,286,912 FLOPs at 640 TFLOP/s = 1.993 ms; 3,321,888,768 bytes at 4000 GB/s =
+    # 0.830 ms: bound by compute.
+    moe_a = swiglu.roofline(18 * 24576 * 2048 * 1408, 640, 3_321_888_768, 4000)
+    assert moe_a.compute_ms == pytest.approx(1.993, abs=1e-3) and moe_a.memory_ms == pytest.approx(0.830, abs=1e-3)
+    assert (moe_a.ms, moe_a.bound) == (moe_a.compute_ms, "compute")
+    fields = swiglu.roofline_fields(3.0, moe_a, 3_321_888_768, 4000)
+    assert fields["ratio_to_roofline"] == pytest.approx(3.0 / 1.993, rel=1e-3)
+    assert (fields["roofline_ms"], fields["weight_bytes"], fields["hbm_gbps"]) == (moe_a.ms, 3_321_888_768, 4000)
+
+
+# (options, (shape, M, D, F), the timed group counts); the tiny shape: D=128 F=64 K=2.
+RUNS = [(("--m", "256", "--d", "128", "--f", "128", "--groups", "4"), (None, 256, 128, 128), {4}),
+        (("--shapes", "tiny", "--tokens", "32", "--experts", "4", "8"), ("tiny", 64, 128, 64), {4, 8})]
+
+
+@pytest.mark.parametrize("options, problem, groups", RUNS)
+def test_grouped_matmul_bench_record(tmp_path, options, problem, groups):
     path = tmp_path / "gm.json"
-    assert bench.main(["grouped_matmul", "--m", "256", "--d", "128", "--f", "128", "--groups", "4", "--runs", "1",
-                       "--calls", "1", "--input-sets", "1", "--json", str(path)]) == 0
+    assert bench.main(["grouped_matmul", *options, "--runs", "1", "--calls", "1", "--input-sets", "1",
+                       "--json", str(path)]) == 0
     record = json.loads(path.read_text())
-    assert record["dtype"] == "bfloat16"
-    assert all((r["shape"], r["m"], r["d"], r["f"]) == (None, 256, 128, 128) for r in record["records"])
-    timed = {(r["case"], r["implementation"]) for r in record["records"] if "ms" in r}
-    assert {("dense", "dense chain"), ("random", "ragged_dot")} <= timed
+    assert record["dtype"] == "bfloat16" and record["hbm_gbps"] > 0
+    assert all((r["shape"], r["m"], r["d"], r["f"]) == problem for r in record["records"])
+    _, m, d, f = problem
+    timed = {(r["case"], r["implementation"], r["groups"]) for r in record["records"] if "ms" in r}
+    assert {("dense", "dense chain", None)} | {("random", "ragged_dot", g) for g in groups} <= timed
     assert all(r["skipped"] for r in record["records"] if "ms" not in r)
+    dense_ms = next(r["ms"] for r in record["records"] if r["case"] == "dense")
     for r in record["records"]:
-        if "ms" in r:
-            assert math.isfinite(r["ms"]) and r["ms"] > 0, r
-            assert math.isclose(r["tflops"], 3 * 3 * 2 * 256 * 128 * 128 / r["ms"] / 1e9), r
+        if "ms" not in r:
+            continue
+        assert math.isfinite(r["ms"]) and r["ms"] > 0, r
+        assert math.isclose(r["tflops"], 3 * 3 * 2 * m * d * f / r["ms"] / 1e9), r
+        # The weights' bytes: 3 x (G·D·2F + G·F·D) x 2, the dense chain's one group.
+        assert r["weight_bytes"] == 3 * (r["groups"] or 1) * 3 * d * f * 2, r
+        assert r["hbm_gbps"] == record["hbm_gbps"]
+        # The dense chain has these FLOPs: its rate puts the compute term at its time.
+        assert math.isclose(r["roofline_ms"], max(dense_ms, r["weight_bytes"] / (r["hbm_gbps"] * 1e6))), r
+        assert math.isclose(r["ratio_to_roofline"], r["ms"] / r["roofline_ms"]), r

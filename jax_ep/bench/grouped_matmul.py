@@ -12,7 +12,9 @@ fewer, or everywhere with --ragged-dot, since it is slow with many groups), with
 multinomial split of M with Dirichlet(1) weights, seeded) and with "aligned" sizes (every group a multiple
 of 128 rows). A dense chain of the same matmuls ([M, D] x [D, 2F], [M, F] x [F, D], same backward) is the
 roofline proxy (jax_ep.bench.swiglu). FLOPs: 3 x 2·M·(D·2F + F·D) (forward, dx and dw of both matmuls; useful
-work only).
+work only). Beside each figure, its roofline (jax_ep.bench.swiglu): the larger of the FLOPs at the dense chain's
+rate and the expert weights' bytes, 3 x (G·D·2F + G·F·D) x 2 (read by the forward and by dx, written by dW), at the
+HBM bandwidth of a copy timed first in the same run; the dense chain's own is that of one group.
 
 The sizes come from --m, --d, --f and --groups (each G timed), or from --shapes (jax_ep.bench.swiglu.SHAPES, as
 `bench moe` takes them): M = --tokens × K, the rows one rank gets at R=1, and G = E, or each of --experts instead.
@@ -44,9 +46,16 @@ from jax_ep.bench.swiglu import (
     DTYPE,
     SHAPES,
     SHAPES_TOKENS,
+    Roofline,
     dense_swiglu_ms,
+    expert_weight_bytes,
+    hbm_gbps,
+    hbm_text,
     make_inputs,
     normal,
+    roofline,
+    roofline_fields,
+    roofline_text,
     shapes_help,
     swiglu_flops,
     swiglu_loss,
@@ -128,13 +137,20 @@ def unsupported_reason(implementation: str, m: int, d: int, f: int, groups: int)
     return None
 
 
-def run_block_benchmark(problem: Problem, args, report) -> None:
+def run_block_benchmark(problem: Problem, args, report, gbps: float) -> None:
+    """Every figure of `problem`, each with its roofline at `gbps` GB/s of HBM bandwidth."""
     m, d, f = problem.m, problem.d, problem.f
     at = dict(shape=problem.shape, m=m, d=d, f=f)  # every record's
     flops = swiglu_flops(m, d, f)
     dense_ms = dense_swiglu_ms(m, d, f, runs=args.runs, calls=args.calls, input_sets=args.input_sets, seed=args.seed)
-    report(dict(at, case="dense", implementation="dense chain", groups=None, ms=dense_ms,
-                tflops=flops / dense_ms / 1e9, ratio_to_dense=1.0))
+    dense_tflops = flops / dense_ms / 1e9
+
+    def figure(ms: float, groups: int) -> dict:
+        weight_bytes = expert_weight_bytes(groups, d, f)
+        return dict(ms=ms, tflops=flops / ms / 1e9, ratio_to_dense=dense_ms / ms,
+                    **roofline_fields(ms, roofline(flops, dense_tflops, weight_bytes, gbps), weight_bytes, gbps))
+
+    report(dict(at, case="dense", implementation="dense chain", groups=None, **figure(dense_ms, 1)))
     for groups in problem.groups:
         input_sets = [make_inputs(args.seed + i, m, d, f, groups) for i in range(args.input_sets)]
         rng = np.random.default_rng(args.seed + groups)
@@ -150,8 +166,7 @@ def run_block_benchmark(problem: Problem, args, report) -> None:
                 fn = functools.partial(grouped_swiglu_grads, implementation=implementation)
                 ms = harness.median_ms(fn, [(*inputs, s) for inputs, s in zip(input_sets, sizes)], args.runs,
                                        args.calls)
-                report(dict(at, case=case, implementation=implementation, groups=groups, ms=ms,
-                            tflops=flops / ms / 1e9, ratio_to_dense=dense_ms / ms))
+                report(dict(at, case=case, implementation=implementation, groups=groups, **figure(ms, groups)))
         del input_sets
 
 
@@ -216,8 +231,10 @@ def _print_record(record) -> None:
         print(f"G={record['groups']:<3} {record['case']:8s} {record['implementation']:11s} skipped: {record['skipped']}")
     else:
         groups = "" if record["groups"] is None else f"G={record['groups']}"
+        bound = Roofline(record["roofline_compute_ms"], record["roofline_memory_ms"])
         print(f"{groups:5s} {record['case']:8s} {record['implementation']:11s} {record['ms']:9.3f} ms "
-              f"{record['tflops']:7.1f} TFLOP/s  {record['ratio_to_dense']:.2f}x dense")
+              f"{record['tflops']:7.1f} TFLOP/s  {record['ratio_to_dense']:.2f}x dense's speed; "
+              f"{record['ratio_to_roofline']:.2f}x the {roofline_text(bound)}")
 
 
 # Options that size the problem: at their defaults the mode refuses to run without GPUs (harness).
@@ -259,6 +276,11 @@ def run(args) -> dict:
         _print_record(record)
         sys.stdout.flush()
 
+    header = dict(device=device.device_kind, jax=jax.__version__, dtype=jnp.dtype(DTYPE).name, runs=args.runs,
+                  calls=args.calls)
+    if not args.sweep:
+        header["hbm_gbps"], header["hbm_copy_bytes"] = hbm_gbps(args.runs, args.calls)
+        print(hbm_text(header["hbm_gbps"], header["hbm_copy_bytes"]))
     rules = []
     for problem in problems(args):
         print(("" if problem.shape is None else f"{problem.shape}: ") + f"M={problem.m} D={problem.d} F={problem.f} "
@@ -267,10 +289,8 @@ def run(args) -> dict:
         if args.sweep:
             rules += run_sweep(problem, args, report)
         else:
-            run_block_benchmark(problem, args, report)
+            run_block_benchmark(problem, args, report, header["hbm_gbps"])
     if rules:
         print("\n# Best configurations, for jax_ep.grouped_matmul.BLOCK_CONFIG_TABLE:")
         print("\n".join(rules))
-    header = dict(device=device.device_kind, jax=jax.__version__, dtype=jnp.dtype(DTYPE).name, runs=args.runs,
-                  calls=args.calls)
     return dict(header, records=records)

@@ -16,6 +16,11 @@ Per shape and dispatcher:
   roofline printed beside the block. ratio = block / proxy; the target is at most TARGET_RATIO.
 - FLOPs per rank (swiglu_flops): T·K rows through the SwiGLU; forward 3 matmuls of 2·rows·D·F, backward twice
   the forward, so 18·T·K·D·F; TFLOP/s = FLOPs / time, for the block and the proxy.
+- roofline (jax_ep.bench.swiglu), of the block and of its expert FFN stage: the larger of the FLOPs per rank at the
+  dense proxy's rate (the proxy's time) and the bytes of one rank's E/R experts' weights that forward + backward
+  moves, 3 x (G·D·2F + G·F·D) x 2 with G = E/R (read by the forward and by dx, written by dW), at the HBM bandwidth
+  of a copy timed at the start of the run (each process its own GPU's; process 0's printed). With many experts
+  (v3) the weights bind, and the dense proxy, which reads D×F weights once, is no bound there.
 - breakdown: router (jax_ep.flax.routing.route), dispatch (jax_ep.dispatch, expert-major), expert FFN
   (jax_ep.flax.experts.grouped_swiglu) and combine (jax_ep.combine, weighted), each forward + backward alone in a jitted
   shard_map of its own, on the inputs the stages before it produce from the block's x and weights, with random
@@ -41,7 +46,21 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from jax_ep.bench import harness
-from jax_ep.bench.swiglu import DTYPE, SHAPES, SHAPES_TOKENS, MoEShape, dense_swiglu_step, shapes_help, swiglu_flops
+from jax_ep.bench.swiglu import (
+    DTYPE,
+    SHAPES,
+    SHAPES_TOKENS,
+    MoEShape,
+    dense_swiglu_step,
+    expert_weight_bytes,
+    hbm_gbps,
+    hbm_text,
+    roofline,
+    roofline_fields,
+    roofline_text,
+    shapes_help,
+    swiglu_flops,
+)
 from jax_ep.flax import MoE
 from jax_ep.flax.experts import grouped_swiglu
 from jax_ep.flax.routing import route
@@ -232,12 +251,16 @@ def run(args) -> dict:
     if not harness.on_gpu(mesh):
         setup["not_a_performance_figure"] = harness.NOT_ON_A_GPU
         print(f"[moe] {harness.NOT_ON_A_GPU}", flush=True)
+    gbps, setup["hbm_copy_bytes"] = hbm_gbps(args.runs, args.calls)
+    setup["hbm_gbps"] = gbps
+    print(f"[moe] {hbm_text(gbps, setup['hbm_copy_bytes'])}", flush=True)
     results = []
     for name, shape in _shapes(args):
         if shape.experts % num_ranks:
             raise SystemExit(f"[moe] {name}: {shape.experts} experts do not split over {num_ranks} ranks")
         rows = args.tokens * shape.topk
         flops = swiglu_flops(rows, shape.d_model, shape.d_ff)
+        weight_bytes = expert_weight_bytes(shape.experts // num_ranks, shape.d_model, shape.d_ff)
         print(f"[moe] {name}: D={shape.d_model} F={shape.d_ff} E={shape.experts} K={shape.topk}, "
               f"{shape.experts // num_ranks} experts per rank, {rows} rows per rank, {flops / 1e12:.4g} TFLOP per "
               f"rank", flush=True)
@@ -247,13 +270,16 @@ def run(args) -> dict:
             compute_ms = breakdown["router"] + breakdown["expert FFN"]
             for num_chunks, block in figures["blocks"].items():
                 block_ms, proxy_ms = block["block"], block["proxy"]
+                bound = roofline(flops, flops / proxy_ms / 1e9, weight_bytes, gbps)
                 record = dict(shape=name, **shape._asdict(), experts_per_rank=shape.experts // num_ranks,
                               rows_per_rank=rows, flops_per_rank=flops, dispatcher=dispatcher, num_chunks=num_chunks,
                               backend=figures["backend"], block_ms=block_ms, block_tflops=flops / block_ms / 1e9,
                               dense_proxy_ms=proxy_ms, dense_proxy_tflops=flops / proxy_ms / 1e9,
                               ratio=block_ms / proxy_ms, meets_target=block_ms / proxy_ms <= TARGET_RATIO,
                               breakdown_ms=breakdown, breakdown_sum_ms=sum(breakdown.values()),
-                              compute_stages_ms=compute_ms, block_over_compute_stages=block_ms / compute_ms)
+                              compute_stages_ms=compute_ms, block_over_compute_stages=block_ms / compute_ms,
+                              **roofline_fields(block_ms, bound, weight_bytes, gbps),
+                              expert_ffn_ratio_to_roofline=breakdown["expert FFN"] / bound.ms)
                 if "temp_bytes" in figures:
                     record["temp_bytes"] = figures["temp_bytes"]
                 results.append(record)
@@ -264,6 +290,9 @@ def run(args) -> dict:
                       f"(target <= {TARGET_RATIO}x: {'met' if record['meets_target'] else 'not met'}); "
                       f"{record['block_over_compute_stages']:.2f}x its compute stages (router + expert FFN)",
                       flush=True)
+                print(f"[moe]   {roofline_text(bound)}: block {record['ratio_to_roofline']:.2f}x, expert FFN stage "
+                      f"{record['expert_ffn_ratio_to_roofline']:.2f}x; {weight_bytes / 1e9:.3g} GB of expert weights "
+                      f"moved per rank", flush=True)
             if "temp_bytes" in figures:
                 print(f"[moe]   temporary memory of {REMAT_LAYERS} blocks in a row, forward + backward: "
                       f"{figures['temp_bytes']['plain'] / 2**20:.1f} MiB; each under jax.checkpoint (nothing "
