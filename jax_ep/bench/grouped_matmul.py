@@ -20,7 +20,13 @@ The sizes come from --m, --d, --f and --groups (each G timed), or from --shapes 
 `bench moe` takes them): M = --tokens × K, the rows one rank gets at R=1, and G = E, or each of --experts instead.
 
 Each figure is the median over --runs timed runs of --calls back-to-back calls each (after a warm-up),
-rotating through --input-sets input sets so that consecutive calls never read the same data.
+rotating through --input-sets input sets so that consecutive calls never read the same data. Each input set has
+group sizes of its own; their tensors (x, the cotangent, the weights) are made per group count, as many as fit a
+memory budget (at least one, the other sets reusing them; `tensor_sets_within`), and freed before the next group
+count. The budget: --memory-budget-gib, or MEMORY_BUDGET_FRACTION of the device memory free at that point
+(memory_stats: bytes_limit - bytes_in_use), or DEFAULT_MEMORY_BUDGET where the device does not report it. Where
+the tensors are larger than the L2 cache by far (v3's 256 experts: 22 GB a set), one set reads no less from HBM
+than several. An implementation that runs out of memory anyway is reported as skipped.
 
 --sweep instead times each grouped product alone (fwd, dx and dw of both matmuls) for every block
 configuration of a small grid (`SWEEP_GRID`) and prints the best per shape as `BlockConfigRule`s to paste
@@ -48,6 +54,7 @@ from jax_ep.bench.swiglu import (
     SHAPES_TOKENS,
     Roofline,
     dense_swiglu_ms,
+    expert_normal,
     expert_weight_bytes,
     hbm_gbps,
     hbm_text,
@@ -127,6 +134,43 @@ def grouped_swiglu_grads(x, w_gate_up, w_down, cotangent, group_sizes, implement
     return jax.grad(swiglu_loss, argnums=(0, 1, 2))(x, w_gate_up, w_down, cotangent, matmul)
 
 
+# ---- memory -----------------------------------------------------------------------------------------------------
+
+DEFAULT_MEMORY_BUDGET = 16 * 2 ** 30  # bytes, where the device does not report its memory (a CPU)
+# Of the device memory free when a group count's tensors are made: room for what the estimate leaves out (XLA's
+# workspace beyond the row temporaries, fragmentation of its pool).
+MEMORY_BUDGET_FRACTION = 0.9
+
+
+def input_set_bytes(m: int, d: int, f: int, groups: int) -> int:
+    """The tensors of one input set, bf16: x and the cotangent [M, D], W_gate_up [G, D, 2F] and W_down [G, F, D]."""
+    return 2 * (2 * m * d + groups * d * 2 * f + groups * f * d)
+
+
+def call_bytes(m: int, d: int, f: int, groups: int) -> int:
+    """What one call allocates beside its inputs: its outputs, bf16 (dx [M, D], dW_gate_up [G, D, 2F], dW_down
+    [G, F, D]), and its row temporaries, at most float32 [M, 2F] three times (the gate and up activations, their
+    gradient, and the product h [M, F] with its gradient) and [M, D] twice (y and its cotangent's product)."""
+    return 2 * (m * d + groups * d * 2 * f + groups * f * d) + 4 * m * (3 * 2 * f + 2 * d)
+
+
+def tensor_sets_within(budget: int, requested: int, m: int, d: int, f: int, groups: int) -> int:
+    """How many input sets' tensors fit `budget` bytes beside two calls' allocations (a call's outputs stay alive
+    until the next call has been issued): at most `requested`, at least 1 (which may not fit)."""
+    fitting = (budget - 2 * call_bytes(m, d, f, groups)) // input_set_bytes(m, d, f, groups)
+    return max(1, min(requested, fitting))
+
+
+def memory_budget(args, device) -> int:
+    """Bytes the input sets' tensors and two calls may take on `device` (see the module's docstring)."""
+    if args.memory_budget_gib is not None:
+        return int(args.memory_budget_gib * 2 ** 30)
+    stats = device.memory_stats()
+    if not stats or "bytes_limit" not in stats:
+        return DEFAULT_MEMORY_BUDGET
+    return int(MEMORY_BUDGET_FRACTION * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+
+
 def unsupported_reason(implementation: str, m: int, d: int, f: int, groups: int) -> str | None:
     """Why `implementation` cannot run both matmuls of the block here, or None."""
     if implementation == "ragged_dot":
@@ -152,22 +196,36 @@ def run_block_benchmark(problem: Problem, args, report, gbps: float) -> None:
 
     report(dict(at, case="dense", implementation="dense chain", groups=None, **figure(dense_ms, 1)))
     for groups in problem.groups:
-        input_sets = [make_inputs(args.seed + i, m, d, f, groups) for i in range(args.input_sets)]
+        budget = memory_budget(args, jax.devices()[0])
+        memory = dict(memory_budget_bytes=budget,
+                      tensor_sets=tensor_sets_within(budget, args.input_sets, m, d, f, groups))
+        peak = memory["tensor_sets"] * input_set_bytes(m, d, f, groups) + 2 * call_bytes(m, d, f, groups)
+        print(f"G={groups}: the tensors of {memory['tensor_sets']} of the {args.input_sets} input sets in memory, "
+              f"estimated peak {peak / 2**30:.3g} GiB, budget {budget / 2**30:.3g} GiB"
+              + (" (over it: this may run out of memory)" if peak > budget else ""))
+        tensors = [make_inputs(args.seed + i, m, d, f, groups) for i in range(memory["tensor_sets"])]
         rng = np.random.default_rng(args.seed + groups)
         for case in ("random", "aligned"):
-            sizes = [jnp.asarray(random_group_sizes(rng, m, groups, case == "aligned"))
-                     for _ in range(args.input_sets)]
+            input_sets = [(*tensors[i % len(tensors)],
+                           jnp.asarray(random_group_sizes(rng, m, groups, aligned=case == "aligned")))
+                          for i in range(args.input_sets)]
             for implementation in (*PALLAS_KERNELS, "ragged_dot"):
                 if implementation == "ragged_dot" and (case == "aligned" or (groups > 16 and not args.ragged_dot)):
                     continue
+                what = dict(at, case=case, implementation=implementation, groups=groups)
                 if reason := unsupported_reason(implementation, m, d, f, groups):
-                    report(dict(at, case=case, implementation=implementation, groups=groups, skipped=reason))
+                    report(dict(what, skipped=reason))
                     continue
                 fn = functools.partial(grouped_swiglu_grads, implementation=implementation)
-                ms = harness.median_ms(fn, [(*inputs, s) for inputs, s in zip(input_sets, sizes)], args.runs,
-                                       args.calls)
-                report(dict(at, case=case, implementation=implementation, groups=groups, **figure(ms, groups)))
-        del input_sets
+                try:
+                    ms = harness.median_ms(fn, input_sets, args.runs, args.calls)
+                except jax.errors.JaxRuntimeError as e:
+                    if "RESOURCE_EXHAUSTED" not in str(e):
+                        raise
+                    report(dict(what, skipped=f"out of memory: {str(e).splitlines()[0][:200]}", **memory))
+                    continue
+                report(dict(what, **figure(ms, groups), **memory))
+        del tensors, input_sets  # before the next group count's are made
 
 
 def sweep_configs(kernels: str):
@@ -189,7 +247,7 @@ def run_sweep(problem: Problem, args, report) -> list[str]:
             report(dict(sweep=True, kernels=kernels, groups=groups, k=k, n=n, skipped=reason))
             continue
         keys = jax.random.split(jax.random.key(args.seed), 3)
-        x, w, dy = normal(keys[0], (m, k)), normal(keys[1], (groups, k, n), k ** -0.5), normal(keys[2], (m, n))
+        x, w, dy = normal(keys[0], (m, k)), expert_normal(keys[1], (groups, k, n), k ** -0.5), normal(keys[2], (m, n))
         rng = np.random.default_rng(args.seed + groups)
         sizes = [jnp.asarray(random_group_sizes(rng, m, groups, False)) for _ in range(args.input_sets)]
         for op in OPS:
@@ -260,7 +318,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--ragged-dot", action="store_true", help="time ragged_dot at more than 16 groups too")
     parser.add_argument("--runs", type=int, default=20, help="timed runs per figure (the median is reported)")
     parser.add_argument("--calls", type=int, default=5, help="back-to-back calls per timed run")
-    parser.add_argument("--input-sets", type=int, default=3, help="input sets the calls rotate through")
+    parser.add_argument("--input-sets", type=int, default=3,
+                        help="input sets the calls rotate through, each with group sizes of its own; the tensors of "
+                             "as many as fit the memory budget, the others reusing them (see above)")
+    parser.add_argument("--memory-budget-gib", type=float,
+                        help="GiB that the input sets' tensors and two calls' outputs and temporaries may take "
+                             f"(default: {100 * MEMORY_BUDGET_FRACTION:.0f}%% of the device memory free, or "
+                             f"{DEFAULT_MEMORY_BUDGET / 2**30:.0f} GiB where the device does not report it)")
     parser.add_argument("--seed", type=int, default=0)
     harness.add_output_arguments(parser)
 

@@ -18,6 +18,7 @@ With many experts and few rows each the second term binds: the weights cannot be
 however the matmuls are tiled."""
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -67,14 +68,25 @@ def normal(key, shape, scale=1.0):
     return (jax.random.normal(key, shape, jnp.float32) * scale).astype(DTYPE)
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def expert_normal(key, shape, scale=1.0):
+    """normal() values of shape [G, ...], made one expert at a time: made at once, an array takes temporaries of
+    several times its size (float32 values, random bits); v3's 256 experts' W_gate_up, 15 GB, is 30 GB in float32
+    alone."""
+    return jax.lax.map(lambda k: normal(k, shape[1:], scale), jax.random.split(key, shape[0]))
+
+
 def make_inputs(seed: int, rows: int, d_model: int, d_ff: int, groups: int | None):
     """x [rows, D], W_gate_up [D, 2F], W_down [F, D] (with a leading group axis unless groups is None),
     cotangent [rows, D]."""
     keys = jax.random.split(jax.random.key(seed), 4)
-    lead = () if groups is None else (groups,)
+
+    def weight(key, shape, scale):
+        return normal(key, shape, scale) if groups is None else expert_normal(key, (groups, *shape), scale)
+
     # Weights scaled by 1/sqrt(fan-in) keep the activations O(1).
-    return (normal(keys[0], (rows, d_model)), normal(keys[1], (*lead, d_model, 2 * d_ff), d_model ** -0.5),
-            normal(keys[2], (*lead, d_ff, d_model), d_ff ** -0.5), normal(keys[3], (rows, d_model)))
+    return (normal(keys[0], (rows, d_model)), weight(keys[1], (d_model, 2 * d_ff), d_model ** -0.5),
+            weight(keys[2], (d_ff, d_model), d_ff ** -0.5), normal(keys[3], (rows, d_model)))
 
 
 def dense_swiglu_step(rows: int, d_model: int, d_ff: int, input_sets: int = 1, seed: int = 0):
