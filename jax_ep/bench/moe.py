@@ -12,15 +12,16 @@ Per shape and dispatcher:
 - block: the gradients of sum(y * cotangent) with respect to the block's parameters and x (cotangent random),
   one jitted step: the block's forward and backward.
 - dense proxy (with each block): one dense bf16 SwiGLU, forward + backward, on T·K rows with D×F weights
-  (jax_ep.bench.swiglu): one rank's expert FLOPs at dense-matmul speed, without routing or communication; the
-  roofline printed beside the block. ratio = block / proxy; the target is at most TARGET_RATIO.
+  (jax_ep.bench.swiglu): one rank's expert FLOPs at dense-matmul speed, without routing or communication (the
+  roofline's compute term). ratio = block / proxy; the target is at most TARGET_RATIO.
 - FLOPs per rank (swiglu_flops): T·K rows through the SwiGLU; forward 3 matmuls of 2·rows·D·F, backward twice
   the forward, so 18·T·K·D·F; TFLOP/s = FLOPs / time, for the block and the proxy.
 - roofline (jax_ep.bench.swiglu), of the block and of its expert FFN stage: the larger of the FLOPs per rank at the
   dense proxy's rate (the proxy's time) and the bytes of one rank's E/R experts' weights that forward + backward
   moves, 3 x (G·D·2F + G·F·D) x 2 with G = E/R (read by the forward and by dx, written by dW), at the HBM bandwidth
-  of a copy timed at the start of the run (each process its own GPU's; process 0's printed). With many experts
-  (v3) the weights bind, and the dense proxy, which reads D×F weights once, is no bound there.
+  of a copy timed at the start of the run (each process its own GPU's; process 0's printed). With many experts per
+  rank the weights bind (v3 at R=1: 67.6 GB, some 16 ms at 4 TB/s, beside the proxy's 11.7 ms on an H200), where
+  the dense proxy, which reads one D×F set of weights, is no bound.
 - breakdown: router (jax_ep.flax.routing.route), dispatch (jax_ep.dispatch, expert-major), expert FFN
   (jax_ep.flax.experts.grouped_swiglu) and combine (jax_ep.combine, weighted), each forward + backward alone in a jitted
   shard_map of its own, on the inputs the stages before it produce from the block's x and weights, with random
