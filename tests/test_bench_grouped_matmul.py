@@ -1,23 +1,160 @@
 """python -m jax_ep.bench grouped_matmul on CPU, tiny: ragged_dot and the dense chain of the same FLOPs run (the
-Pallas kernels are skipped, saying why), and the JSON holds each figure with its ratio to the dense chain."""
+Pallas kernels are skipped, saying why), and the JSON holds each figure with its ratio to the dense chain and to
+its roofline; the problems that --shapes and --m/--d/--f/--groups describe; the roofline (jax_ep.bench.swiglu)
+and the input sets that fit a memory budget against figures worked out by hand."""
 from __future__ import annotations
 
 import json
 import math
 
+import jax
+import pytest
+
 from jax_ep import bench
+from jax_ep.bench import grouped_matmul, harness, swiglu
 
 
-def test_grouped_matmul_bench_record(tmp_path):
+def parse(*argv: str):
+    parser = harness.mode_parser("grouped_matmul", "")
+    grouped_matmul.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_problems_from_shapes():
+    """--shapes: M = 4096 tokens x K, D and F of the shape, one group per expert; --experts N ... replaces E."""
+    assert grouped_matmul.problems(parse("--shapes", "moe-a", "v3")) == [
+        ("moe-a", 4096 * 6, 2048, 1408, (64,)), ("v3", 4096 * 8, 7168, 2048, (256,))]
+    assert grouped_matmul.problems(parse("--shapes", "v3", "--experts", "128", "256", "--tokens", "1024")) == [
+        ("v3", 1024 * 8, 7168, 2048, (128, 256))]
+
+
+def test_problems_from_sizes():
+    assert grouped_matmul.problems(parse()) == [(None, 24576, 2048, 1408, (16, 64))]
+    assert grouped_matmul.problems(parse("--m", "256", "--groups", "4")) == [(None, 256, 2048, 1408, (4,))]
+
+
+@pytest.mark.parametrize("argv", [("--shapes", "v3", "--m", "256"), ("--shapes", "v3", "--groups", "4"),
+                                  ("--experts", "8",), ("--tokens", "64",)])
+def test_problems_conflicting_options(argv):
+    with pytest.raises(SystemExit):
+        grouped_matmul.problems(parse(*argv))
+
+
+def test_expert_weight_bytes():
+    """W_gate_up [G, D, 2F] and W_down [G, F, D] read by the forward, read by dx and written by dW, 2 bytes each."""
+    # v3, 256 experts: 256·7168·4096 + 256·2048·7168 = 7,516,192,768 + 3,758,096,384 elements, x 3 x 2 bytes.
+    assert swiglu.expert_weight_bytes(256, 7168, 2048) == 67_645_734_912
+    # moe-a, 64 experts: 64·2048·2816 + 64·1408·2048 = 369,098,752 + 184,549,376 elements, x 3 x 2 bytes.
+    assert swiglu.expert_weight_bytes(64, 2048, 1408) == 3_321_888_768
+
+
+def test_roofline_is_the_larger_term():
+    # v3 at 4096 tokens, M = 32768 rows: 18·M·D·F = 8,658,654,068,736 FLOPs at 640 TFLOP/s = 13.529 ms; its weights,
+    # 67,645,734,912 bytes at 4000 GB/s = 16.911 ms: bound by memory.
+    v3 = swiglu.roofline(18 * 32768 * 7168 * 2048, 640, 67_645_734_912, 4000)
+    assert v3.compute_ms == pytest.approx(13.529, abs=1e-3) and v3.memory_ms == pytest.approx(16.911, abs=1e-3)
+    assert (v3.ms, v3.bound) == (v3.memory_ms, "memory")
+    # moe-a, M = 24576: 1,275,605,286,912 FLOPs at 640 TFLOP/s = 1.993 ms; 3,321,888,768 bytes at 4000 GB/s =
+    # 0.830 ms: bound by compute.
+    moe_a = swiglu.roofline(18 * 24576 * 2048 * 1408, 640, 3_321_888_768, 4000)
+    assert moe_a.compute_ms == pytest.approx(1.993, abs=1e-3) and moe_a.memory_ms == pytest.approx(0.830, abs=1e-3)
+    assert (moe_a.ms, moe_a.bound) == (moe_a.compute_ms, "compute")
+    fields = swiglu.roofline_fields(3.0, moe_a, 3_321_888_768, 4000)
+    assert fields["ratio_to_roofline"] == pytest.approx(3.0 / 1.993, rel=1e-3)
+    assert (fields["roofline_ms"], fields["weight_bytes"], fields["hbm_gbps"]) == (moe_a.ms, 3_321_888_768, 4000)
+
+
+V3 = (32768, 7168, 2048)  # M (4096 tokens x K=8), D, F
+
+
+def test_memory_per_input_set_and_call():
+    # v3 at 256 experts: x and cotangent 2·32768·7168 = 469,762,048 elements; W_gate_up 256·7168·4096 =
+    # 7,516,192,768; W_down 256·2048·7168 = 3,758,096,384; 2 bytes each.
+    assert grouped_matmul.input_set_bytes(*V3, 256) == 23_488_102_400
+    # Outputs dx 234,881,024 elements and the two dW as large as the weights, 2 bytes each: 23,018,340,352 bytes;
+    # row temporaries 4 bytes x 32768 x (3·4096 + 2·7168): 3,489,660,928 bytes.
+    assert grouped_matmul.call_bytes(*V3, 256) == 26_508_001_280
+    # At 128 experts: 12,213,813,248 bytes a set; 11,744,051,200 + 3,489,660,928 bytes a call.
+    assert grouped_matmul.input_set_bytes(*V3, 128) == 12_213_813_248
+    assert grouped_matmul.call_bytes(*V3, 128) == 15_233_712_128
+
+
+@pytest.mark.parametrize("budget_gib, groups, sets", [
+    # 107,374,182,400 bytes - two calls (53,016,002,560) leaves room for 2.31 sets of 23,488,102,400: 2 (the 3
+    # sets asked for would take 123.5 GB with the two calls).
+    (100, 256, 2),
+    # 107,374,182,400 - 30,467,424,256 = 76,906,758,144 bytes: 6.3 sets of 12,213,813,248; 3 asked for.
+    (100, 128, 3),
+    # 64,424,509,440 - 53,016,002,560 bytes: less than one set; one anyway.
+    (60, 256, 1),
+    # 64,424,509,440 - 30,467,424,256 = 33,957,085,184 bytes: 2.78 sets.
+    (60, 128, 2)])
+def test_tensor_sets_within_budget(budget_gib, groups, sets):
+    assert grouped_matmul.tensor_sets_within(budget_gib * 2 ** 30, 3, *V3, groups) == sets
+
+
+class StubDevice:
+    def __init__(self, stats):
+        self.stats = stats
+
+    def memory_stats(self):
+        return self.stats
+
+
+def test_memory_budget():
+    """90 % of the memory free (bytes_limit - bytes_in_use), 16 GiB where the device says nothing, or as given."""
+    device = StubDevice(dict(bytes_limit=100 * 2 ** 30, bytes_in_use=10 * 2 ** 30))
+    assert grouped_matmul.memory_budget(parse(), device) == int(0.9 * 90 * 2 ** 30)
+    assert grouped_matmul.memory_budget(parse(), StubDevice(None)) == 16 * 2 ** 30
+    assert grouped_matmul.memory_budget(parse("--memory-budget-gib", "2.5"), device) == 2.5 * 2 ** 30
+
+
+# (options, (shape, M, D, F), {group count: input sets whose tensors are made}); the tiny shape: D=128 F=64 K=2.
+RUNS = [(("--m", "256", "--d", "128", "--f", "128", "--groups", "4", "--input-sets", "1"), (None, 256, 128, 128),
+         {4: 1}),
+        # A budget of 0.0015 GiB, 1,610,612 bytes. G=4: a set 2·(2·64·128 + 4·128·128 + 4·64·128) = 229,376 bytes, a
+        # call 2·(64·128 + 98,304) + 4·64·(3·128 + 2·128) = 376,832 bytes: (1,610,612 - 2·376,832) / 229,376 = 3.7
+        # sets, 2 asked for. G=8: a set 425,984 bytes, a call 573,440: (1,610,612 - 1,146,880) / 425,984 = 1.09.
+        (("--shapes", "tiny", "--tokens", "32", "--experts", "4", "8", "--input-sets", "2", "--memory-budget-gib",
+          "0.0015"), ("tiny", 64, 128, 64), {4: 2, 8: 1})]
+
+
+@pytest.mark.parametrize("options, problem, tensor_sets", RUNS)
+def test_grouped_matmul_bench_record(tmp_path, options, problem, tensor_sets):
     path = tmp_path / "gm.json"
-    assert bench.main(["grouped_matmul", "--m", "256", "--d", "128", "--f", "128", "--groups", "4", "--runs", "1",
-                       "--calls", "1", "--input-sets", "1", "--json", str(path)]) == 0
+    assert bench.main(["grouped_matmul", *options, "--runs", "1", "--calls", "1", "--json", str(path)]) == 0
     record = json.loads(path.read_text())
-    assert (record["m"], record["d"], record["f"], record["dtype"]) == (256, 128, 128, "bfloat16")
-    timed = {(r["case"], r["implementation"]) for r in record["records"] if "ms" in r}
-    assert {("dense", "dense chain"), ("random", "ragged_dot")} <= timed
+    assert record["dtype"] == "bfloat16" and record["hbm_gbps"] > 0
+    assert all((r["shape"], r["m"], r["d"], r["f"]) == problem for r in record["records"])
+    _, m, d, f = problem
+    timed = {(r["case"], r["implementation"], r["groups"]) for r in record["records"] if "ms" in r}
+    assert {("dense", "dense chain", None)} | {("random", "ragged_dot", g) for g in tensor_sets} <= timed
     assert all(r["skipped"] for r in record["records"] if "ms" not in r)
+    dense_ms = next(r["ms"] for r in record["records"] if r["case"] == "dense")
     for r in record["records"]:
-        if "ms" in r:
-            assert math.isfinite(r["ms"]) and r["ms"] > 0, r
-            assert math.isclose(r["tflops"], 3 * 3 * 2 * 256 * 128 * 128 / r["ms"] / 1e9), r
+        if "ms" not in r:
+            continue
+        assert math.isfinite(r["ms"]) and r["ms"] > 0, r
+        assert math.isclose(r["tflops"], 3 * 3 * 2 * m * d * f / r["ms"] / 1e9), r
+        # The weights' bytes: 3 x (G·D·2F + G·F·D) x 2, the dense chain's one group.
+        assert r["weight_bytes"] == 3 * (r["groups"] or 1) * 3 * d * f * 2, r
+        assert r["hbm_gbps"] == record["hbm_gbps"]
+        # The dense chain has these FLOPs: its rate puts the compute term at its time.
+        assert math.isclose(r["roofline_ms"], max(dense_ms, r["weight_bytes"] / (r["hbm_gbps"] * 1e6))), r
+        assert math.isclose(r["ratio_to_roofline"], r["ms"] / r["roofline_ms"]), r
+        if r["groups"] is not None:
+            assert r["tensor_sets"] == tensor_sets[r["groups"]], r
+
+
+def test_out_of_memory_is_a_skipped_figure(tmp_path, monkeypatch):
+    """An implementation that runs out of device memory is reported as skipped, and the run goes on."""
+    def out_of_memory(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1024 bytes.")
+
+    monkeypatch.setattr(grouped_matmul.harness, "median_ms", out_of_memory)  # the grouped figures', not the dense's
+    path = tmp_path / "gm.json"
+    assert bench.main(["grouped_matmul", "--shapes", "tiny", "--tokens", "32", "--experts", "4", "8", "--runs", "1",
+                       "--calls", "1", "--json", str(path)]) == 0
+    ragged = [r for r in json.loads(path.read_text())["records"] if r["implementation"] == "ragged_dot"]
+    assert [r["groups"] for r in ragged] == [4, 8]
+    assert all(r["skipped"].startswith("out of memory: RESOURCE_EXHAUSTED") and "ms" not in r for r in ragged), ragged

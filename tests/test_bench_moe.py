@@ -1,7 +1,7 @@
 """python -m jax_ep.bench moe on CPU, tiny: it runs end to end and says that its figures are not performance
 figures off a GPU (they mean nothing on CPU); its JSON holds every figure (the block, the dense proxy, their
-ratio, TFLOP/s from the explicit FLOP count, the four stages of the breakdown and their sum), and the plot is
-written."""
+ratio, TFLOP/s from the explicit FLOP count, the four stages of the breakdown and their sum, the roofline and the
+block's and expert FFN's ratios to it), and the plot is written."""
 from __future__ import annotations
 
 import json
@@ -32,6 +32,7 @@ def test_moe_bench_record(tmp_path, capsys):
     setup = record["setup"]
     assert (setup["num_ranks"], setup["tokens"], setup["dtype"], setup["target_ratio"]) == (4, 16, "bfloat16", 1.5)
     assert setup["not_a_performance_figure"].startswith("not on a GPU")
+    assert setup["hbm_gbps"] > 0
     results = record["results"]
     assert [(r["shape"], r["dispatcher"]) for r in results] == [("tiny", "normal"), ("tiny", "xla")]
     for r in results:
@@ -52,9 +53,16 @@ def test_moe_bench_record(tmp_path, capsys):
         assert math.isclose(r["compute_stages_ms"], compute)
         assert math.isclose(r["block_over_compute_stages"], r["block_ms"] / compute)
         assert r["num_chunks"] == 1
+        # 2 experts per rank: W_gate_up 2·128·128 and W_down 2·64·128 elements, read, read again, written, 2 bytes.
+        assert (r["weight_bytes"], r["hbm_gbps"]) == (3 * (32768 + 16384) * 2, setup["hbm_gbps"])
+        # The proxy has the block's FLOPs: its rate puts the compute term at its time.
+        assert math.isclose(r["roofline_ms"], max(r["dense_proxy_ms"], r["weight_bytes"] / (r["hbm_gbps"] * 1e6)))
+        assert math.isclose(r["ratio_to_roofline"], r["block_ms"] / r["roofline_ms"])
+        assert math.isclose(r["expert_ffn_ratio_to_roofline"], r["breakdown_ms"]["expert FFN"] / r["roofline_ms"])
     out = capsys.readouterr().out
     assert "[moe] not on a GPU" in out and "dense proxy" in out, out
     assert out.count("[moe]   breakdown") == 2 and out.count("compute stages (router + expert FFN)") == 4, out
+    assert "[moe] HBM bandwidth" in out and out.count("[moe]   roofline") == 2, out
     assert plot.read_bytes().startswith(b"\x89PNG")
 
 

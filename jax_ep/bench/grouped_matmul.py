@@ -1,5 +1,6 @@
 """grouped_matmul: `jax_ep.grouped_matmul` in an expert SwiGLU. `python -m jax_ep.bench grouped_matmul [--groups 16 64]
-[--m 24576 --d 2048 --f 1408] [--sweep] [--json PATH]`.
+[--m 24576 --d 2048 --f 1408] [--sweep] [--json PATH]`, or at MoE shapes by name: `--shapes moe-a v3 [--tokens 4096]
+[--experts N ...]`.
 
 Times the forward and backward pass of an expert SwiGLU block over M rows sorted by expert,
 
@@ -11,15 +12,28 @@ fewer, or everywhere with --ragged-dot, since it is slow with many groups), with
 multinomial split of M with Dirichlet(1) weights, seeded) and with "aligned" sizes (every group a multiple
 of 128 rows). A dense chain of the same matmuls ([M, D] x [D, 2F], [M, F] x [F, D], same backward) is the
 roofline proxy (jax_ep.bench.swiglu). FLOPs: 3 x 2·M·(D·2F + F·D) (forward, dx and dw of both matmuls; useful
-work only).
+work only). Beside each figure, its roofline (jax_ep.bench.swiglu): the larger of the FLOPs at the dense chain's
+rate and the expert weights' bytes, 3 x (G·D·2F + G·F·D) x 2 (read by the forward and by dx, written by dW), at the
+HBM bandwidth of a copy timed first in the same run; the dense chain's own is that of one group.
+
+The sizes come from --m, --d, --f and --groups (each G timed), or from --shapes (jax_ep.bench.swiglu.SHAPES, as
+`bench moe` takes them): M = --tokens × K, the rows one rank gets at R=1, and G = E, or each of --experts instead.
+
 Each figure is the median over --runs timed runs of --calls back-to-back calls each (after a warm-up),
-rotating through --input-sets input sets so that consecutive calls never read the same data.
+rotating through --input-sets input sets so that consecutive calls never read the same data. Each input set has
+group sizes of its own; their tensors (x, the cotangent, the weights) are made per group count, as many as fit a
+memory budget (at least one, the other sets reusing them; `tensor_sets_within`), and freed before the next group
+count. The budget: --memory-budget-gib, or MEMORY_BUDGET_FRACTION of the device memory free at that point
+(memory_stats: bytes_limit - bytes_in_use), or DEFAULT_MEMORY_BUDGET where the device does not report it. Where
+the tensors are larger than the L2 cache by far (v3's 256 experts: 22 GB a set), one set reads no less from HBM
+than several. An implementation that runs out of memory anyway is reported as skipped.
 
 --sweep instead times each grouped product alone (fwd, dx and dw of both matmuls) for every block
 configuration of a small grid (`SWEEP_GRID`) and prints the best per shape as `BlockConfigRule`s to paste
 into `jax_ep.grouped_matmul.BLOCK_CONFIG_TABLE`.
 
-On a machine without a Hopper GPU only "ragged_dot" and the dense chain run (try --m 256 --d 128 --f 128).
+On a machine without a Hopper GPU only "ragged_dot" and the dense chain run (try --m 256 --d 128 --f 128, or
+--shapes tiny --tokens 64).
 """
 from __future__ import annotations
 
@@ -27,6 +41,7 @@ import dataclasses
 import functools
 import itertools
 import sys
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,9 +50,20 @@ import numpy as np
 from jax_ep.bench import harness
 from jax_ep.bench.swiglu import (
     DTYPE,
+    SHAPES,
+    SHAPES_TOKENS,
+    Roofline,
     dense_swiglu_ms,
+    expert_normal,
+    expert_weight_bytes,
+    hbm_gbps,
+    hbm_text,
     make_inputs,
     normal,
+    roofline,
+    roofline_fields,
+    roofline_text,
+    shapes_help,
     swiglu_flops,
     swiglu_loss,
 )
@@ -54,6 +80,8 @@ from jax_ep.grouped_matmul import (
 )
 
 ALIGNMENT = 128  # rows: the "aligned" case's group sizes are multiples of this
+# The problem without --shapes, where --m, --d, --f and --groups are not given.
+DEFAULT_SIZES = dict(m=24576, d=2048, f=1408, groups=[16, 64])
 # --sweep's block configurations per kernel family (those that do not fit a shape are skipped).
 SWEEP_GRID = {
     "pallas": dict(block_m=(128,), block_n=(128, 256), block_k=(64,), num_stages=(3, 4, 5),
@@ -61,6 +89,32 @@ SWEEP_GRID = {
     "jax_pallas": dict(block_m=(64, 128), block_n=(128, 256), block_k=(64,), num_stages=(4,),
                        grid_tile_width=(1, 4, 8)),
 }
+
+
+class Problem(NamedTuple):
+    """A SwiGLU to time at each of `groups`: M rows of D, hidden size F; `shape` names the SHAPES entry it comes
+    from (None: --m/--d/--f/--groups)."""
+    shape: str | None
+    m: int
+    d: int
+    f: int
+    groups: tuple[int, ...]
+
+
+def problems(args) -> list[Problem]:
+    """The problems that --shapes (with --tokens and --experts) or --m/--d/--f/--groups describe."""
+    sizes = {name: getattr(args, name) for name in DEFAULT_SIZES if getattr(args, name) is not None}
+    if args.shapes:
+        if sizes:
+            raise SystemExit(f"grouped_matmul: --shapes gives M, D, F and G; leave out "
+                             f"{', '.join('--' + name for name in sizes)}")
+        tokens = args.tokens or SHAPES_TOKENS
+        return [Problem(name, tokens * SHAPES[name].topk, SHAPES[name].d_model, SHAPES[name].d_ff,
+                        tuple(args.experts or [SHAPES[name].experts])) for name in args.shapes]
+    if args.tokens is not None or args.experts:
+        raise SystemExit("grouped_matmul: --tokens and --experts go with --shapes")
+    sizes = {**DEFAULT_SIZES, **sizes}
+    return [Problem(None, sizes["m"], sizes["d"], sizes["f"], tuple(sizes["groups"]))]
 
 
 def random_group_sizes(rng: np.random.Generator, num_rows: int, groups: int, aligned: bool) -> np.ndarray:
@@ -80,6 +134,43 @@ def grouped_swiglu_grads(x, w_gate_up, w_down, cotangent, group_sizes, implement
     return jax.grad(swiglu_loss, argnums=(0, 1, 2))(x, w_gate_up, w_down, cotangent, matmul)
 
 
+# ---- memory -----------------------------------------------------------------------------------------------------
+
+DEFAULT_MEMORY_BUDGET = 16 * 2 ** 30  # bytes, where the device does not report its memory (a CPU)
+# Of the device memory free when a group count's tensors are made: room for what the estimate leaves out (XLA's
+# workspace beyond the row temporaries, fragmentation of its pool).
+MEMORY_BUDGET_FRACTION = 0.9
+
+
+def input_set_bytes(m: int, d: int, f: int, groups: int) -> int:
+    """The tensors of one input set, bf16: x and the cotangent [M, D], W_gate_up [G, D, 2F] and W_down [G, F, D]."""
+    return 2 * (2 * m * d + groups * d * 2 * f + groups * f * d)
+
+
+def call_bytes(m: int, d: int, f: int, groups: int) -> int:
+    """What one call allocates beside its inputs: its outputs, bf16 (dx [M, D], dW_gate_up [G, D, 2F], dW_down
+    [G, F, D]), and its row temporaries, at most float32 [M, 2F] three times (the gate and up activations, their
+    gradient, and the product h [M, F] with its gradient) and [M, D] twice (y and its cotangent's product)."""
+    return 2 * (m * d + groups * d * 2 * f + groups * f * d) + 4 * m * (3 * 2 * f + 2 * d)
+
+
+def tensor_sets_within(budget: int, requested: int, m: int, d: int, f: int, groups: int) -> int:
+    """How many input sets' tensors fit `budget` bytes beside two calls' allocations (a call's outputs stay alive
+    until the next call has been issued): at most `requested`, at least 1 (which may not fit)."""
+    fitting = (budget - 2 * call_bytes(m, d, f, groups)) // input_set_bytes(m, d, f, groups)
+    return max(1, min(requested, fitting))
+
+
+def memory_budget(args, device) -> int:
+    """Bytes the input sets' tensors and two calls may take on `device` (see the module's docstring)."""
+    if args.memory_budget_gib is not None:
+        return int(args.memory_budget_gib * 2 ** 30)
+    stats = device.memory_stats()
+    if not stats or "bytes_limit" not in stats:
+        return DEFAULT_MEMORY_BUDGET
+    return int(MEMORY_BUDGET_FRACTION * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+
+
 def unsupported_reason(implementation: str, m: int, d: int, f: int, groups: int) -> str | None:
     """Why `implementation` cannot run both matmuls of the block here, or None."""
     if implementation == "ragged_dot":
@@ -90,30 +181,51 @@ def unsupported_reason(implementation: str, m: int, d: int, f: int, groups: int)
     return None
 
 
-def run_block_benchmark(args, report) -> None:
-    m, d, f = args.m, args.d, args.f
+def run_block_benchmark(problem: Problem, args, report, gbps: float) -> None:
+    """Every figure of `problem`, each with its roofline at `gbps` GB/s of HBM bandwidth."""
+    m, d, f = problem.m, problem.d, problem.f
+    at = dict(shape=problem.shape, m=m, d=d, f=f)  # every record's
     flops = swiglu_flops(m, d, f)
     dense_ms = dense_swiglu_ms(m, d, f, runs=args.runs, calls=args.calls, input_sets=args.input_sets, seed=args.seed)
-    report(dict(case="dense", implementation="dense chain", groups=None, ms=dense_ms,
-                tflops=flops / dense_ms / 1e9, ratio_to_dense=1.0))
-    for groups in args.groups:
-        input_sets = [make_inputs(args.seed + i, m, d, f, groups) for i in range(args.input_sets)]
+    dense_tflops = flops / dense_ms / 1e9
+
+    def figure(ms: float, groups: int) -> dict:
+        weight_bytes = expert_weight_bytes(groups, d, f)
+        return dict(ms=ms, tflops=flops / ms / 1e9, ratio_to_dense=dense_ms / ms,
+                    **roofline_fields(ms, roofline(flops, dense_tflops, weight_bytes, gbps), weight_bytes, gbps))
+
+    report(dict(at, case="dense", implementation="dense chain", groups=None, **figure(dense_ms, 1)))
+    for groups in problem.groups:
+        budget = memory_budget(args, jax.devices()[0])
+        memory = dict(memory_budget_bytes=budget,
+                      tensor_sets=tensor_sets_within(budget, args.input_sets, m, d, f, groups))
+        peak = memory["tensor_sets"] * input_set_bytes(m, d, f, groups) + 2 * call_bytes(m, d, f, groups)
+        print(f"G={groups}: the tensors of {memory['tensor_sets']} of the {args.input_sets} input sets in memory, "
+              f"estimated peak {peak / 2**30:.3g} GiB, budget {budget / 2**30:.3g} GiB"
+              + (" (over it: this may run out of memory)" if peak > budget else ""))
+        tensors = [make_inputs(args.seed + i, m, d, f, groups) for i in range(memory["tensor_sets"])]
         rng = np.random.default_rng(args.seed + groups)
         for case in ("random", "aligned"):
-            sizes = [jnp.asarray(random_group_sizes(rng, m, groups, case == "aligned"))
-                     for _ in range(args.input_sets)]
+            input_sets = [(*tensors[i % len(tensors)],
+                           jnp.asarray(random_group_sizes(rng, m, groups, aligned=case == "aligned")))
+                          for i in range(args.input_sets)]
             for implementation in (*PALLAS_KERNELS, "ragged_dot"):
                 if implementation == "ragged_dot" and (case == "aligned" or (groups > 16 and not args.ragged_dot)):
                     continue
+                what = dict(at, case=case, implementation=implementation, groups=groups)
                 if reason := unsupported_reason(implementation, m, d, f, groups):
-                    report(dict(case=case, implementation=implementation, groups=groups, skipped=reason))
+                    report(dict(what, skipped=reason))
                     continue
                 fn = functools.partial(grouped_swiglu_grads, implementation=implementation)
-                ms = harness.median_ms(fn, [(*inputs, s) for inputs, s in zip(input_sets, sizes)], args.runs,
-                                       args.calls)
-                report(dict(case=case, implementation=implementation, groups=groups, ms=ms,
-                            tflops=flops / ms / 1e9, ratio_to_dense=dense_ms / ms))
-        del input_sets
+                try:
+                    ms = harness.median_ms(fn, input_sets, args.runs, args.calls)
+                except jax.errors.JaxRuntimeError as e:
+                    if "RESOURCE_EXHAUSTED" not in str(e):
+                        raise
+                    report(dict(what, skipped=f"out of memory: {str(e).splitlines()[0][:200]}", **memory))
+                    continue
+                report(dict(what, **figure(ms, groups), **memory))
+        del tensors, input_sets  # before the next group count's are made
 
 
 def sweep_configs(kernels: str):
@@ -126,16 +238,16 @@ def op_operands(op: str, x, w, dy):
     return {"fwd": (x, w), "dx": (dy, w), "dw": (x, dy)}[op]
 
 
-def run_sweep(args, report) -> list[str]:
+def run_sweep(problem: Problem, args, report) -> list[str]:
     """Times every fitting config of SWEEP_GRID for each grouped product; returns the best as rules."""
-    m, d, f = args.m, args.d, args.f
+    m, d, f = problem.m, problem.d, problem.f
     rules = []
-    for groups, (k, n), kernels in itertools.product(args.groups, ((d, 2 * f), (f, d)), args.sweep_kernels):
+    for groups, (k, n), kernels in itertools.product(problem.groups, ((d, 2 * f), (f, d)), args.sweep_kernels):
         if reason := pallas_unsupported_reason((m, k), (groups, k, n), DTYPE, kernels):
             report(dict(sweep=True, kernels=kernels, groups=groups, k=k, n=n, skipped=reason))
             continue
         keys = jax.random.split(jax.random.key(args.seed), 3)
-        x, w, dy = normal(keys[0], (m, k)), normal(keys[1], (groups, k, n), k ** -0.5), normal(keys[2], (m, n))
+        x, w, dy = normal(keys[0], (m, k)), expert_normal(keys[1], (groups, k, n), k ** -0.5), normal(keys[2], (m, n))
         rng = np.random.default_rng(args.seed + groups)
         sizes = [jnp.asarray(random_group_sizes(rng, m, groups, False)) for _ in range(args.input_sets)]
         for op in OPS:
@@ -177,35 +289,50 @@ def _print_record(record) -> None:
         print(f"G={record['groups']:<3} {record['case']:8s} {record['implementation']:11s} skipped: {record['skipped']}")
     else:
         groups = "" if record["groups"] is None else f"G={record['groups']}"
+        bound = Roofline(record["roofline_compute_ms"], record["roofline_memory_ms"])
         print(f"{groups:5s} {record['case']:8s} {record['implementation']:11s} {record['ms']:9.3f} ms "
-              f"{record['tflops']:7.1f} TFLOP/s  {record['ratio_to_dense']:.2f}x dense")
+              f"{record['tflops']:7.1f} TFLOP/s  {record['ratio_to_dense']:.2f}x dense's speed; "
+              f"{record['ratio_to_roofline']:.2f}x the {roofline_text(bound)}")
 
 
 # Options that size the problem: at their defaults the mode refuses to run without GPUs (harness).
-GPU_SIZES = ("m", "d", "f", "groups")
+GPU_SIZES = ("m", "d", "f", "groups", "shapes", "tokens", "experts")
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--groups", type=int, nargs="+", default=[16, 64])
-    parser.add_argument("--m", type=int, default=24576, help="rows (tokens x top-k routed to this rank)")
-    parser.add_argument("--d", type=int, default=2048, help="model dimension")
-    parser.add_argument("--f", type=int, default=1408, help="expert hidden dimension")
+    # Their defaults are DEFAULT_SIZES, taken where --shapes is not given (None here tells a given option apart).
+    parser.add_argument("--groups", type=int, nargs="+", help=f"default {' '.join(map(str, DEFAULT_SIZES['groups']))}")
+    parser.add_argument("--m", type=int,
+                        help=f"rows (tokens x top-k routed to this rank; default {DEFAULT_SIZES['m']})")
+    parser.add_argument("--d", type=int, help=f"model dimension (default {DEFAULT_SIZES['d']})")
+    parser.add_argument("--f", type=int, help=f"expert hidden dimension (default {DEFAULT_SIZES['f']})")
+    parser.add_argument("--shapes", nargs="+", choices=SHAPES,
+                        help=f"MoE shapes by name, instead of --m/--d/--f/--groups: {shapes_help()}")
+    parser.add_argument("--tokens", type=int,
+                        help=f"with --shapes: tokens per rank (default {SHAPES_TOKENS}); M = tokens x K")
+    parser.add_argument("--experts", type=int, nargs="+",
+                        help="with --shapes: the group counts to time instead of each shape's E")
     parser.add_argument("--sweep", action="store_true", help="time block configurations instead (see above)")
     parser.add_argument("--sweep-kernels", nargs="+", choices=PALLAS_KERNELS, default=["pallas"],
                         help="with --sweep: the kernel families to sweep")
     parser.add_argument("--ragged-dot", action="store_true", help="time ragged_dot at more than 16 groups too")
     parser.add_argument("--runs", type=int, default=20, help="timed runs per figure (the median is reported)")
     parser.add_argument("--calls", type=int, default=5, help="back-to-back calls per timed run")
-    parser.add_argument("--input-sets", type=int, default=3, help="input sets the calls rotate through")
+    parser.add_argument("--input-sets", type=int, default=3,
+                        help="input sets the calls rotate through, each with group sizes of its own; the tensors of "
+                             "as many as fit the memory budget, the others reusing them (see above)")
+    parser.add_argument("--memory-budget-gib", type=float,
+                        help="GiB that the input sets' tensors and two calls' outputs and temporaries may take "
+                             f"(default: {100 * MEMORY_BUDGET_FRACTION:.0f}%% of the device memory free, or "
+                             f"{DEFAULT_MEMORY_BUDGET / 2**30:.0f} GiB where the device does not report it)")
     parser.add_argument("--seed", type=int, default=0)
     harness.add_output_arguments(parser)
 
 
 def run(args) -> dict:
     device = jax.devices()[0]
-    print(f"{device.device_kind} ({device.platform}), jax {jax.__version__}; M={args.m} D={args.d} F={args.f} "
-          f"{jnp.dtype(DTYPE).name}; SwiGLU forward+backward = {swiglu_flops(args.m, args.d, args.f) / 1e12:.3f} "
-          f"TFLOP" + ("; --sweep: each grouped product alone" if args.sweep else ""))
+    print(f"{device.device_kind} ({device.platform}), jax {jax.__version__}, {jnp.dtype(DTYPE).name}"
+          + ("; --sweep: each grouped product alone" if args.sweep else ""))
     records = []
 
     def report(record):
@@ -213,13 +340,21 @@ def run(args) -> dict:
         _print_record(record)
         sys.stdout.flush()
 
-    if args.sweep:
-        rules = run_sweep(args, report)
-        if rules:
-            print("\n# Best configurations, for jax_ep.grouped_matmul.BLOCK_CONFIG_TABLE:")
-            print("\n".join(rules))
-    else:
-        run_block_benchmark(args, report)
-    header = dict(device=device.device_kind, jax=jax.__version__, m=args.m, d=args.d, f=args.f,
-                  dtype=jnp.dtype(DTYPE).name, runs=args.runs, calls=args.calls)
+    header = dict(device=device.device_kind, jax=jax.__version__, dtype=jnp.dtype(DTYPE).name, runs=args.runs,
+                  calls=args.calls)
+    if not args.sweep:
+        header["hbm_gbps"], header["hbm_copy_bytes"] = hbm_gbps(args.runs, args.calls)
+        print(hbm_text(header["hbm_gbps"], header["hbm_copy_bytes"]))
+    rules = []
+    for problem in problems(args):
+        print(("" if problem.shape is None else f"{problem.shape}: ") + f"M={problem.m} D={problem.d} F={problem.f} "
+              f"G={' '.join(map(str, problem.groups))}; SwiGLU forward+backward = "
+              f"{swiglu_flops(problem.m, problem.d, problem.f) / 1e12:.3f} TFLOP")
+        if args.sweep:
+            rules += run_sweep(problem, args, report)
+        else:
+            run_block_benchmark(problem, args, report, header["hbm_gbps"])
+    if rules:
+        print("\n# Best configurations, for jax_ep.grouped_matmul.BLOCK_CONFIG_TABLE:")
+        print("\n".join(rules))
     return dict(header, records=records)

@@ -12,10 +12,16 @@ Per shape and dispatcher:
 - block: the gradients of sum(y * cotangent) with respect to the block's parameters and x (cotangent random),
   one jitted step: the block's forward and backward.
 - dense proxy (with each block): one dense bf16 SwiGLU, forward + backward, on T·K rows with D×F weights
-  (jax_ep.bench.swiglu): one rank's expert FLOPs at dense-matmul speed, without routing or communication; the
-  roofline printed beside the block. ratio = block / proxy; the target is at most TARGET_RATIO.
+  (jax_ep.bench.swiglu): one rank's expert FLOPs at dense-matmul speed, without routing or communication (the
+  roofline's compute term). ratio = block / proxy; the target is at most TARGET_RATIO.
 - FLOPs per rank (swiglu_flops): T·K rows through the SwiGLU; forward 3 matmuls of 2·rows·D·F, backward twice
   the forward, so 18·T·K·D·F; TFLOP/s = FLOPs / time, for the block and the proxy.
+- roofline (jax_ep.bench.swiglu), of the block and of its expert FFN stage: the larger of the FLOPs per rank at the
+  dense proxy's rate (the proxy's time) and the bytes of one rank's E/R experts' weights that forward + backward
+  moves, 3 x (G·D·2F + G·F·D) x 2 with G = E/R (read by the forward and by dx, written by dW), at the HBM bandwidth
+  of a copy timed at the start of the run (each process its own GPU's; process 0's printed). With many experts per
+  rank the weights bind (v3 at R=1: 67.6 GB, some 16 ms at 4 TB/s, beside the proxy's 11.7 ms on an H200), where
+  the dense proxy, which reads one D×F set of weights, is no bound.
 - breakdown: router (jax_ep.flax.routing.route), dispatch (jax_ep.dispatch, expert-major), expert FFN
   (jax_ep.flax.experts.grouped_swiglu) and combine (jax_ep.combine, weighted), each forward + backward alone in a jitted
   shard_map of its own, on the inputs the stages before it produce from the block's x and weights, with random
@@ -32,8 +38,6 @@ by several per cent over a run as the GPU warms).
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,20 +47,26 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from jax_ep.bench import harness
-from jax_ep.bench.swiglu import DTYPE, dense_swiglu_step, swiglu_flops
+from jax_ep.bench.swiglu import (
+    DTYPE,
+    SHAPES,
+    SHAPES_TOKENS,
+    MoEShape,
+    dense_swiglu_step,
+    expert_weight_bytes,
+    hbm_gbps,
+    hbm_text,
+    roofline,
+    roofline_fields,
+    roofline_text,
+    shapes_help,
+    swiglu_flops,
+)
 from jax_ep.flax import MoE
 from jax_ep.flax.experts import grouped_swiglu
 from jax_ep.flax.routing import route
 
 
-class MoEShape(NamedTuple):  # field names are those of the overriding options (--d-model, ...)
-    d_model: int
-    d_ff: int
-    experts: int
-    topk: int
-
-
-SHAPES = {"moe-a": MoEShape(2048, 1408, 64, 6), "v3": MoEShape(7168, 2048, 256, 8), "tiny": MoEShape(128, 64, 8, 2)}
 DISPATCHERS = ("normal", "xla")
 STAGES = ("router", "dispatch", "expert FFN", "combine")
 TARGET_RATIO = 1.5  # issue 20's acceptance: the block's forward + backward at most 1.5x the dense proxy
@@ -69,10 +79,9 @@ GPU_SIZES = ("shapes", "tokens", "d_model", "d_ff", "experts", "topk")
 def add_arguments(parser) -> None:
     harness.add_process_arguments(parser)
     parser.add_argument("--shapes", nargs="+", choices=SHAPES, default=["moe-a", "v3"],
-                        help="; ".join(f"{name}: D={shape.d_model} F={shape.d_ff} E={shape.experts} K={shape.topk}"
-                                       for name, shape in SHAPES.items()) + " (default: %(default)s)")
+                        help=shapes_help() + " (default: %(default)s)")
     parser.add_argument("--dispatchers", nargs="+", choices=DISPATCHERS, default=list(DISPATCHERS))
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank (default %(default)s)")
+    parser.add_argument("--tokens", type=int, default=SHAPES_TOKENS, help="tokens per rank (default %(default)s)")
     for field in MoEShape._fields:
         parser.add_argument(f"--{field.replace('_', '-')}", type=int, help="replaces the shapes' own")
     parser.add_argument("--num-chunks", type=int, nargs="+", default=[1],
@@ -243,12 +252,16 @@ def run(args) -> dict:
     if not harness.on_gpu(mesh):
         setup["not_a_performance_figure"] = harness.NOT_ON_A_GPU
         print(f"[moe] {harness.NOT_ON_A_GPU}", flush=True)
+    gbps, setup["hbm_copy_bytes"] = hbm_gbps(args.runs, args.calls)
+    setup["hbm_gbps"] = gbps
+    print(f"[moe] {hbm_text(gbps, setup['hbm_copy_bytes'])}", flush=True)
     results = []
     for name, shape in _shapes(args):
         if shape.experts % num_ranks:
             raise SystemExit(f"[moe] {name}: {shape.experts} experts do not split over {num_ranks} ranks")
         rows = args.tokens * shape.topk
         flops = swiglu_flops(rows, shape.d_model, shape.d_ff)
+        weight_bytes = expert_weight_bytes(shape.experts // num_ranks, shape.d_model, shape.d_ff)
         print(f"[moe] {name}: D={shape.d_model} F={shape.d_ff} E={shape.experts} K={shape.topk}, "
               f"{shape.experts // num_ranks} experts per rank, {rows} rows per rank, {flops / 1e12:.4g} TFLOP per "
               f"rank", flush=True)
@@ -258,13 +271,16 @@ def run(args) -> dict:
             compute_ms = breakdown["router"] + breakdown["expert FFN"]
             for num_chunks, block in figures["blocks"].items():
                 block_ms, proxy_ms = block["block"], block["proxy"]
+                bound = roofline(flops, flops / proxy_ms / 1e9, weight_bytes, gbps)
                 record = dict(shape=name, **shape._asdict(), experts_per_rank=shape.experts // num_ranks,
                               rows_per_rank=rows, flops_per_rank=flops, dispatcher=dispatcher, num_chunks=num_chunks,
                               backend=figures["backend"], block_ms=block_ms, block_tflops=flops / block_ms / 1e9,
                               dense_proxy_ms=proxy_ms, dense_proxy_tflops=flops / proxy_ms / 1e9,
                               ratio=block_ms / proxy_ms, meets_target=block_ms / proxy_ms <= TARGET_RATIO,
                               breakdown_ms=breakdown, breakdown_sum_ms=sum(breakdown.values()),
-                              compute_stages_ms=compute_ms, block_over_compute_stages=block_ms / compute_ms)
+                              compute_stages_ms=compute_ms, block_over_compute_stages=block_ms / compute_ms,
+                              **roofline_fields(block_ms, bound, weight_bytes, gbps),
+                              expert_ffn_ratio_to_roofline=breakdown["expert FFN"] / bound.ms)
                 if "temp_bytes" in figures:
                     record["temp_bytes"] = figures["temp_bytes"]
                 results.append(record)
@@ -275,6 +291,9 @@ def run(args) -> dict:
                       f"(target <= {TARGET_RATIO}x: {'met' if record['meets_target'] else 'not met'}); "
                       f"{record['block_over_compute_stages']:.2f}x its compute stages (router + expert FFN)",
                       flush=True)
+                print(f"[moe]   {roofline_text(bound)}: block {record['ratio_to_roofline']:.2f}x, expert FFN stage "
+                      f"{record['expert_ffn_ratio_to_roofline']:.2f}x; {weight_bytes / 1e9:.3g} GB of expert weights "
+                      f"moved per rank", flush=True)
             if "temp_bytes" in figures:
                 print(f"[moe]   temporary memory of {REMAT_LAYERS} blocks in a row, forward + backward: "
                       f"{figures['temp_bytes']['plain'] / 2**20:.1f} MiB; each under jax.checkpoint (nothing "
