@@ -100,6 +100,14 @@ def test_default_sizes_need_a_gpu(mode):
         assert f"[{mode}]" not in run.stdout, run.stdout
 
 
+@pytest.mark.parametrize("mode", ["moe", "grouped_matmul"])
+def test_named_gpu_shapes_need_a_gpu(mode):
+    """--shapes v3 names a GPU figure: on a machine without GPUs it stops as the default sizes do."""
+    run = _bench_on_cpu(mode, "--shapes", "v3")
+    assert run.returncode == 1 and f"python -m jax_ep.bench {mode}: needs NVIDIA GPUs" in run.stderr, \
+        run.stdout + run.stderr
+
+
 def test_internode_needs_one_process_per_gpu():
     run = subprocess.run([sys.executable, "-m", "jax_ep.bench", "internode", "--tokens", "8", "--hidden", "128"],
                          cwd=REPO_ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,

@@ -428,11 +428,18 @@ WORKER_EXIT_GRACE_S = 3.0
 
 def refuse_gpu_sizes_without_gpu(mode, args, parser: argparse.ArgumentParser, has_gpu: bool) -> None:
     """A mode whose default sizes are GPU figures (its GPU_SIZES: the options that size its problem) stops with one
-    line on a machine without GPUs when none of those options was changed: at those sizes the run would take
-    minutes to hours and tens of GB of host memory, and print no performance figure. Smaller sizes run anywhere
-    (the harness's own tests do)."""
+    line on a machine without GPUs when none of those options was changed, or only `--shapes` to shapes that are
+    GPU figures too (the mode's GPU_SHAPES): at those sizes the run would take minutes to hours and tens of GB of
+    host memory, and print no performance figure. Smaller sizes run anywhere (the harness's own tests do)."""
+
+    def smaller(name: str) -> bool:
+        value = getattr(args, name)
+        if name == "shapes":
+            return value != parser.get_default(name) and not set(value) & set(getattr(mode, "GPU_SHAPES", ()))
+        return value != parser.get_default(name)
+
     sizes = getattr(mode, "GPU_SIZES", ())
-    if has_gpu or not sizes or any(getattr(args, name) != parser.get_default(name) for name in sizes):
+    if has_gpu or not sizes or any(smaller(name) for name in sizes):
         return
     options = " ".join("--" + name.replace("_", "-") for name in sizes)
     raise SystemExit(f"{parser.prog}: needs NVIDIA GPUs (none found); its default sizes are GPU benchmark figures. "

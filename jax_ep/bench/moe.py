@@ -46,7 +46,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep.bench import harness
+from jax_ep.bench import harness, swiglu
 from jax_ep.bench.swiglu import (
     DTYPE,
     SHAPES,
@@ -74,6 +74,7 @@ TARGET_RATIO = 1.5  # issue 20's acceptance: the block's forward + backward at m
 
 # Options that size the problem: at their defaults the mode refuses to run without GPUs (harness).
 GPU_SIZES = ("shapes", "tokens", "d_model", "d_ff", "experts", "topk")
+GPU_SHAPES = swiglu.GPU_SHAPES  # naming them keeps a run at GPU sizes
 
 
 def add_arguments(parser) -> None:

@@ -39,6 +39,9 @@ class MoEShape(NamedTuple):  # field names are those of moe's overriding options
 # "moe-a": issue 20's; "v3": DeepSeek-V3-like; "tiny": tests on CPU.
 SHAPES = {"moe-a": MoEShape(2048, 1408, 64, 6), "v3": MoEShape(7168, 2048, 256, 8), "tiny": MoEShape(128, 64, 8, 2)}
 SHAPES_TOKENS = 4096  # tokens per rank at which the shapes are timed by default
+# The shapes whose sizes are GPU benchmark figures: naming one does not make a run small enough for a CPU
+# (harness.refuse_gpu_sizes_without_gpu).
+GPU_SHAPES = ("moe-a", "v3")
 
 
 def shapes_help() -> str:
