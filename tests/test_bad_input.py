@@ -7,6 +7,7 @@ runs nothing.
 """
 from __future__ import annotations
 
+import json
 import re
 
 import jax
@@ -851,15 +852,66 @@ def test_cast_to_fp8_hidden_not_multiple_of_128():
     (dict(num_sms=-2), "Config.num_sms must be a positive integer, got -2"),
     (dict(timeout_s=0), "Config.timeout_s must be positive, got 0"),
     (dict(timeout_s=-1.5), "Config.timeout_s must be positive, got -1.5"),
-], ids=["fractional_sms", "zero_sms", "negative_sms", "zero_timeout", "negative_timeout"])
+    (dict(host_timeout_s=0), "Config.host_timeout_s must be positive, got 0"),
+], ids=["fractional_sms", "zero_sms", "negative_sms", "zero_timeout", "negative_timeout", "zero_host_timeout"])
 def test_config_validation(kwargs, text):
     with pytest.raises(ValueError, match=msg(text)):
         jax_ep.Config(**kwargs)
 
 
 def test_config_valid():
-    config = jax_ep.Config(num_sms=23, timeout_s=5)
-    assert (config.num_sms, config.timeout_s) == (23, 5)
+    config = jax_ep.Config(num_sms=23, timeout_s=5, host_timeout_s=7)
+    assert (config.num_sms, config.timeout_s, config.host_timeout_s) == (23, 5, 7)
+    assert jax_ep.Config().host_timeout_s == 120  # processes reach a Buffer's creation minutes apart
+
+
+# ---- the key-value exchange of Buffer creation across processes -------------------------------------------
+
+class FakeKeyValueStore:
+    """What runtime.exchange uses of jax.distributed's client: set, and a get bounded in milliseconds that raises
+    on its deadline (as the client does)."""
+
+    def __init__(self, published=None):
+        self.values, self.waits = dict(published or {}), []
+
+    def key_value_set(self, key, value):
+        if key in self.values:
+            raise RuntimeError(f"key {key} already exists")
+        self.values[key] = value
+
+    def blocking_key_value_get(self, key, timeout_ms):
+        self.waits.append(timeout_ms)
+        if key not in self.values:
+            raise RuntimeError(f"DEADLINE_EXCEEDED: {key}")
+        return self.values[key]
+
+
+def test_exchange_publishes_then_reads_each_key_within_the_bound(monkeypatch):
+    from jax_ep.backends.cuda import runtime
+
+    store = FakeKeyValueStore({"b/1": "theirs"})
+    monkeypatch.setattr(runtime.distributed.global_state, "client", store)
+    assert runtime.exchange({"b/0": "mine"}, ["b/0", "b/1", "b/2"], timeout_s=1.5) == ["mine", "theirs", None]
+    assert store.waits == [1500] * 3  # each wait bounded by timeout_s, a missing key read as None
+
+
+def test_exchange_needs_jax_distributed(monkeypatch):
+    from jax_ep.backends.cuda import runtime
+
+    monkeypatch.setattr(runtime.distributed.global_state, "client", None)
+    with pytest.raises(RuntimeError, match="the EP axis spans processes but jax.distributed is not initialized"):
+        runtime.exchange({}, ["a"], timeout_s=1)
+
+
+def test_different_sizes_name_the_rank():
+    from jax_ep.backends.cuda import runtime
+
+    mine = dict(num_ranks=2, hidden=256)
+    runtime.require_same_sizes(mine, json.dumps(dict(mine, process=1, host="h")), "rank 1", "Buffer #3")  # extra keys
+    with pytest.raises(ValueError, match=msg("jax_ep.Buffer: rank 1 created Buffer #3 with {'num_ranks': 2, "
+                                             "'hidden': 512}, this process with {'num_ranks': 2, 'hidden': 256}; "
+                                             "every rank must pass the same sizes")):
+        runtime.require_same_sizes(mine, json.dumps(dict(num_ranks=2, hidden=512)), "rank 1", "Buffer #3")
 
 
 # ---- strict: run-time errors for values inside jit --------------------------------------------------------
