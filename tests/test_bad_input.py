@@ -895,6 +895,14 @@ def test_exchange_publishes_then_reads_each_key_within_the_bound(monkeypatch):
     assert store.waits == [1500] * 3  # each wait bounded by timeout_s, a missing key read as None
 
 
+def test_a_value_not_published_names_its_publisher():
+    from jax_ep.backends.cuda import runtime
+
+    assert runtime.require_published(["a", "b"], ["process 0", "process 1"], "create Buffer #2", 1.5) == ["a", "b"]
+    with pytest.raises(RuntimeError, match=msg("jax_ep.Buffer: process 1 did not create Buffer #2 within 1.5 s")):
+        runtime.require_published(["a", None], ["process 0", "process 1"], "create Buffer #2", 1.5)
+
+
 def test_exchange_needs_jax_distributed(monkeypatch):
     from jax_ep.backends.cuda import runtime
 

@@ -235,12 +235,10 @@ class InternodeBackend(low_latency.LowLatencyOps, Backend):
         key = f"{self.collective_name}/internode/{{}}".format
         timeout_s = self.config.host_timeout_s
         processes = range(jax.process_count())
-        published = runtime.exchange({key(jax.process_index()): json.dumps(sizes)}, [key(p) for p in processes],
-                                     timeout_s)
+        published = runtime.require_published(
+            runtime.exchange({key(jax.process_index()): json.dumps(sizes)}, [key(p) for p in processes], timeout_s),
+            [f"process {p}" for p in processes], f"create internode Buffer #{self.buffer_id}", timeout_s)
         for process, record in zip(processes, published):
-            if record is None:
-                raise RuntimeError(f"jax_ep.Buffer: process {process} did not create internode Buffer "
-                                   f"#{self.buffer_id} within {timeout_s} s")
             runtime.require_same_sizes(sizes, record, f"process {process}", f"internode Buffer #{self.buffer_id}")
 
     @property

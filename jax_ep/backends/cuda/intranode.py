@@ -462,12 +462,10 @@ def _create_across_processes(spec, groups, workspace_bytes: int, staging_bytes: 
                     handle=handle.hex()))
     runtime.exchange(exported, [], timeout_s)
     for index, group in groups:
-        published = runtime.exchange({}, [key(name, index, rank) for rank in range(len(group))], timeout_s)
-        for rank, record in enumerate(published):
-            if record is None:
-                raise RuntimeError(
-                    f"jax_ep.Buffer: rank {rank} of EP group {index} (process {group[rank].process_index}) did not "
-                    f"create Buffer #{spec.buffer_id} within {timeout_s} s")
+        published = runtime.require_published(
+            runtime.exchange({}, [key(name, index, rank) for rank in range(len(group))], timeout_s),
+            [f"rank {rank} of EP group {index} (process {d.process_index})" for rank, d in enumerate(group)],
+            f"create Buffer #{spec.buffer_id}", timeout_s)
         records = [json.loads(record) for record in published]
         hosts = sorted({r["host"] for r in records})
         if len(hosts) > 1:
@@ -494,12 +492,11 @@ def _confirm_connected(spec, name: str, index: int, group, outcome: str) -> None
     key = "{}/group/{}/connected/{}".format
     processes = sorted({d.process_index for d in group})
     timeout_s = spec.config.host_timeout_s
-    answers = runtime.exchange({key(name, index, jax.process_index()): outcome},
-                               [key(name, index, p) for p in processes], timeout_s)
+    answers = runtime.require_published(
+        runtime.exchange({key(name, index, jax.process_index()): outcome}, [key(name, index, p) for p in processes],
+                         timeout_s),
+        [f"process {p}" for p in processes], f"finish creating Buffer #{spec.buffer_id}", timeout_s)
     for process, answer in zip(processes, answers):
-        if answer is None:
-            raise RuntimeError(f"jax_ep.Buffer: process {process} did not finish creating Buffer #{spec.buffer_id} "
-                               f"within {timeout_s} s")
         if answer != "ok":
             raise RuntimeError(f"jax_ep.Buffer: process {process} could not map its peers' memory for Buffer "
                                f"#{spec.buffer_id} (EP group {index}): {answer}")

@@ -43,6 +43,16 @@ def exchange(publish: Mapping[str, str], read: Sequence[str], timeout_s: float) 
     return values
 
 
+def require_published(values: Sequence[str | None], publishers: Sequence[str], task: str,
+                      timeout_s: float) -> list[str]:
+    """`values` as `exchange` read them, once every key was published; else an error naming the first of
+    `publishers` (who was to publish each value) that did not `task` within `timeout_s`."""
+    for publisher, value in zip(publishers, values):
+        if value is None:
+            raise RuntimeError(f"jax_ep.Buffer: {publisher} did not {task} within {timeout_s} s")
+    return list(values)
+
+
 def require_same_sizes(mine: dict, published: str, who: str, what: str) -> None:
     """Raises naming `who` when the sizes it published (JSON) differ from `mine`: every rank of a Buffer must
     create it with the same sizes, and all raise together before any collective allocation would wait forever."""
@@ -91,13 +101,10 @@ def process_hosts() -> tuple[str, ...]:
     if jax.process_count() == 1:
         return (socket.gethostname(),)
     key = "jax_ep/host/{}".format
-    hosts = exchange({key(jax.process_index()): socket.gethostname()}, [key(p) for p in range(jax.process_count())],
-                     timeout_s)
-    missing = [p for p, host in enumerate(hosts) if host is None]
-    if missing:
-        raise RuntimeError(f"jax_ep.Buffer: processes {missing} did not publish their hosts within "
-                           f"{timeout_s} s (finding the nodes of the EP axis is collective)")
-    return tuple(hosts)
+    processes = range(jax.process_count())
+    hosts = exchange({key(jax.process_index()): socket.gethostname()}, [key(p) for p in processes], timeout_s)
+    return tuple(require_published(hosts, [f"process {p}" for p in processes],
+                                   "publish its host (finding the nodes of the EP axis is collective)", timeout_s))
 
 
 # ---- the NVSHMEM symmetric region of the low-latency ops ---------------------------------------------------------
