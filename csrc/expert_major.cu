@@ -489,11 +489,13 @@ __global__ void __launch_bounds__(kThreads, 1) expert_major_combine_backward_ker
     }
     if (kept && weighted) a.d_weights[row] = dot;
   });
-  // Rows of no pair: alignment padding inside the groups and every row past them.
+  // Rows of no pair: d_y zero on the alignment padding inside the groups and on kExpertMajorGradZeroRows rows past
+  // them (further rows are not written); d_weights zero on every such row (a word each).
   const int64_t rows_end = min(capacity, static_cast<int64_t>(*r.rows_end));
+  const int64_t zeroed_end = min(capacity, rows_end + kExpertMajorGradZeroRows);
   for (int64_t row = global_warp(); row < capacity; row += num_global_warps()) {
     if (row < rows_end && r.recv_src_index[row] != num_ranks * num_tokens) continue;
-    warp_zero_row(d_y + row * vecs, r.row_bytes, lane);
+    if (row < zeroed_end) warp_zero_row(d_y + row * vecs, r.row_bytes, lane);
     if (weighted && lane == 0) a.d_weights[row] = 0.f;
   }
   finish_call(g, ctx, IntranodeOp::kExpertMajorCachedDispatch, timeout_ns, [] {});

@@ -49,6 +49,12 @@ inline constexpr int kMaxIntranodeRanks = 8;
 // in shared memory (kNormalThreads / 32 * E int32, 32 KB here). Larger E takes the composed expert-major path.
 inline constexpr int kExpertMajorMaxExperts = 512;
 
+// Rows past the last expert-major group that the combine's gradient (d y) zeroes: grouped_matmul's dw kernels read
+// up to block_k - 1 rows of their rhs (d y in the MoE block's down projection) past a group's end and multiply them
+// by zero, so those must be finite (the table's block_k is below this; tests/test_grouped_matmul.py checks it); rows
+// further on are left unwritten, so that the gradient's work follows the pairs received, not the capacity.
+inline constexpr int kExpertMajorGradZeroRows = 256;
+
 // Groups spanning processes ("staged", api.h): a peer process cannot map XLA's buffers, so each op copies the inputs
 // its peers read into its own workspace, one region per input in the order the op publishes them. Regions start at
 // kStagingOffset (offset 0 is never a region, so a published 0 still means "no such input") and each is

@@ -15,7 +15,13 @@ from grouped_matmul_harness import forward_and_grads, oracle, oracle_group_range
 from jax.test_util import check_grads
 
 from jax_ep import grouped_matmul
-from jax_ep.grouped_matmul import config_unsupported_reason, pallas_unsupported_reason, resolve_implementation
+from jax_ep.grouped_matmul import (
+    BLOCK_CONFIG_TABLE,
+    DEFAULT_BLOCK_CONFIG,
+    config_unsupported_reason,
+    pallas_unsupported_reason,
+    resolve_implementation,
+)
 
 gm_module = importlib.import_module("jax_ep.grouped_matmul")  # the name jax_ep.grouped_matmul is the function
 # These tests also run on GPU machines (tests/conftest.py); a few are about what happens without one.
@@ -230,6 +236,18 @@ def test_row_tile_schedule_writes_every_row_once(sizes, num_rows):
 
 
 @needs_pallas
+def test_expert_major_gradient_zeroes_the_rows_dw_reads_past_a_group():
+    """dw's kernels read up to block_k - 1 rows of dy past a group's end (and need them finite); the cuda
+    expert-major combine's gradient zeroes that many rows past its last group and leaves the rest unwritten."""
+    from jax_ep import _native
+
+    zeroed = _native.limit("expert_major_grad_zero_rows")
+    if zeroed is None:
+        pytest.skip("the native extension did not load")
+    configs = [rule.config for rule in BLOCK_CONFIG_TABLE if rule.kernels == "pallas" and rule.op == "dw"]
+    assert max(config.block_k for config in configs + [DEFAULT_BLOCK_CONFIG]) - 1 < zeroed
+
+
 def test_the_public_group_row_alignment_is_the_kernels():
     assert gm_module.GROUP_ROW_ALIGNMENT == kernels.ROW_ALIGNMENT
 
@@ -324,7 +342,7 @@ def test_cotangents_are_typed_like_their_primals_inside_shard_map(varying):
 def test_block_config_table_rules_fit_their_shapes():
     """The tuned rules apply where measured, and a rule whose tiles do not fit a shape is passed over (a
     config that does not fit must not turn "auto" into the slow fallback)."""
-    from jax_ep.grouped_matmul import BLOCK_CONFIG_TABLE, DEFAULT_BLOCK_CONFIG, block_config
+    from jax_ep.grouped_matmul import block_config
     down_dw = block_config("pallas", "dw", 24576, 1408, 2048, 64)
     assert down_dw.block_n == 256 and config_unsupported_reason("pallas", "dw", down_dw, 24576, 1408, 2048) is None
     gate_dw = block_config("pallas", "dw", 24576, 2048, 1408, 64)

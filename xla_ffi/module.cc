@@ -124,6 +124,7 @@ nb::dict Limits() {
   limits["normal_max_topk"] = jax_ep::kNormalMaxTopk;
   limits["combine_max_push_warps"] = jax_ep::kCombineMaxPushWarps;
   limits["expert_major_max_experts"] = jax_ep::kExpertMajorMaxExperts;
+  limits["expert_major_grad_zero_rows"] = jax_ep::kExpertMajorGradZeroRows;
   limits["staging_offset"] = jax_ep::kStagingOffset;
   limits["staging_align"] = jax_ep::kStagingAlign;
   limits["max_low_latency_ranks"] = jax_ep::kMaxLowLatencyRanks;

@@ -211,12 +211,13 @@ EM_DISPATCH_FIELDS = ("recv_weights", "num_recv_tokens", "num_recv_tokens_per_ex
                       "num_dropped", "invalid_ids")
 
 
-def blank_past_groups(rows, sizes, offsets):
-    """rows [R, C, ...] with each rank's rows past its last group (offset + size of its last expert) zeroed: the cuda
-    kernels leave them unwritten (docs/design.md, "Expert-major layout"), the oracle and the xla backend zero them."""
+def blank_past_groups(rows, sizes, offsets, written: int = 0):
+    """rows [R, C, ...] with each rank's rows past its last group (offset + size of its last expert), after the first
+    `written` of them, zeroed: the cuda kernels leave them unwritten (docs/design.md, "Expert-major layout"), the
+    oracle and the xla backend zero them."""
     rows = np.array(rows)
     for r, end in enumerate(np.asarray(offsets)[:, -1].astype(np.int64) + np.asarray(sizes)[:, -1]):
-        rows[r, end:] = 0
+        rows[r, end + written:] = 0
     return rows
 
 
