@@ -401,6 +401,42 @@ struct InternodeCombineArgs : NormalCombineArgs {
 };
 cudaError_t internode_combine(const InternodeCall& call, const InternodeCombineArgs& args);
 
+// Expert-major ops over nodes (internode_expert_major.cu): the intranode expert-major contract (above), each token
+// put once per destination node and relayed inside it as in the rank-major dispatch, then written into all of its
+// kept pair rows on each rank. The dispatch's handle adds the relay part: relay_row [N*T, P] holds, for token t
+// of rank (s, local) (index s*T + t), its item s*T + t on each node peer j that received it (where that peer stages
+// the token's partial in the combine), -1 on the others; relay_token [N*T] whether any did.
+struct InternodeExpertMajorDispatchArgs {
+  ExpertMajorDispatchArgs rows;
+  int32_t* relay_row = nullptr;   // [N*T, P]
+  bool* relay_token = nullptr;    // [N*T]
+};
+cudaError_t internode_expert_major_dispatch(const InternodeCall& call, const InternodeExpertMajorDispatchArgs& args);
+
+// Cached dispatch, and combine's backward (a cached dispatch of d_out): the tokens go to the nodes of
+// is_token_in_rank [T, R] (the dispatch's), then as the intranode ops.
+struct InternodeExpertMajorCachedDispatchArgs {
+  ExpertMajorCachedDispatchArgs rows;
+  const bool* is_token_in_rank = nullptr;
+};
+cudaError_t internode_expert_major_cached_dispatch(const InternodeCall& call,
+                                                   const InternodeExpertMajorCachedDispatchArgs& args);
+struct InternodeExpertMajorCombineBackwardArgs {
+  ExpertMajorCombineBackwardArgs gradients;
+  const bool* is_token_in_rank = nullptr;
+};
+cudaError_t internode_expert_major_combine_backward(const InternodeCall& call,
+                                                    const InternodeExpertMajorCombineBackwardArgs& args);
+
+// Combine: each rank's partial of every item it received (ExpertMajorCombineArgs' sum, rounded to y's type) is
+// staged at the item's row; then the rank-major internode combine of those rows along the relay part (sums:
+// capacity R*T, its y unused).
+struct InternodeExpertMajorCombineArgs {
+  ExpertMajorCombineArgs partials;  // y, weights, pair_row, num_pair_columns (its bias, out and slots unused)
+  InternodeCombineArgs sums;
+};
+cudaError_t internode_expert_major_combine(const InternodeCall& call, const InternodeExpertMajorCombineArgs& args);
+
 }  // namespace jax_ep
 #endif
 

@@ -30,141 +30,14 @@
 // after a barrier of the ranks each computes its own tokens' partials and adds them to the peers' in rank order.
 // (A partial exists only where its pairs are, so it is pushed, whatever Config.combine says.) Pair rows are read
 // through shared memory, many in flight per SM (see kMostCombineStages).
-#include <cub/block/block_reduce.cuh>
-#include <cub/block/block_scan.cuh>
-
-#include <algorithm>
-#include <climits>
-#include <cstdint>
-
-#include "api.h"
-#include "call_frame.cuh"
-#include "device_common.cuh"
-#include "float_rows.cuh"
+#include "expert_major.cuh"
 #include "intranode_call.cuh"
 #include "intranode_state.h"
-#include "normal_dispatch.cuh"
 
 namespace jax_ep {
 namespace {
 
-static_assert(kExpertMajorMaxExperts <= kThreads, "the dispatch's group arithmetic takes a thread per expert");
-
-__device__ __forceinline__ uint32_t lanes_below(int lane) { return (1u << lane) - 1u; }
-
-// The top-k entries lanes [first_lane, first_lane + num_topk) of a round hold (one token's).
-__device__ __forceinline__ uint32_t token_lanes(int first_lane, int num_topk) {
-  return (num_topk >= 32 ? kFullMask : (1u << num_topk) - 1u) << first_lane;
-}
-
-// ---- fan-out copies ----------------------------------------------------------------------------------------------
-
-// A warp copies row `src` of n units into row dst_row of `dst` (rows of row_units units) for every lane set in
-// `lanes`, where each such lane holds its dst_row: the source is read once. kUnroll loads in flight per lane, as
-// warp_copy_units. Every lane runs every round (the shuffles need the whole warp).
-template <int kUnroll, typename Unit>
-__device__ __forceinline__ void warp_fanout_units(Unit* dst, int64_t row_units, const Unit* src, int64_t n,
-                                                  uint32_t lanes, int32_t dst_row, int lane) {
-  const LoadNonCoherent load;
-  for (int64_t round = 0; round < n; round += 32 * kUnroll) {
-    const int64_t first = round + lane;
-    Unit v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = first + 32 * u < n ? load(src + first + 32 * u) : Unit{};
-    for (uint32_t todo = lanes; todo; todo &= todo - 1) {
-      Unit* row = dst + static_cast<int64_t>(__shfl_sync(kFullMask, dst_row, __ffs(todo) - 1)) * row_units;
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (first + 32 * u < n) row[first + 32 * u] = v[u];
-    }
-  }
-}
-
-// warp_fanout_units with the widest unit the row size and both bases allow. Every lane of the warp calls it.
-__device__ __forceinline__ void warp_fanout_row(void* dst, const void* src, int64_t bytes, uint32_t lanes,
-                                                int32_t dst_row, int lane) {
-  switch (unit_bytes(reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | bytes)) {
-    case 16:
-      return warp_fanout_units<kCopyUnroll>(static_cast<uint4*>(dst), bytes / 16, static_cast<const uint4*>(src),
-                                            bytes / 16, lanes, dst_row, lane);
-    case 8:
-      return warp_fanout_units<kCopyUnroll>(static_cast<uint2*>(dst), bytes / 8, static_cast<const uint2*>(src),
-                                            bytes / 8, lanes, dst_row, lane);
-    case 4:
-      return warp_fanout_units<kCopyUnroll>(static_cast<uint32_t*>(dst), bytes / 4, static_cast<const uint32_t*>(src),
-                                            bytes / 4, lanes, dst_row, lane);
-    case 2:
-      return warp_fanout_units<kCopyUnroll>(static_cast<uint16_t*>(dst), bytes / 2, static_cast<const uint16_t*>(src),
-                                            bytes / 2, lanes, dst_row, lane);
-    default:
-      return warp_fanout_units<kCopyUnroll>(static_cast<uint8_t*>(dst), bytes, static_cast<const uint8_t*>(src),
-                                            bytes, lanes, dst_row, lane);
-  }
-}
-
 // ---- dispatch ----------------------------------------------------------------------------------------------------
-
-// Warp `warp` of G (the grid's) places the tokens [first, end) of every source.
-struct Run {
-  int64_t first, end;
-};
-
-__device__ __forceinline__ Run run_of(int64_t num_tokens, int64_t warp, int64_t num_warps) {
-  const int64_t per = (num_tokens + num_warps - 1) / num_warps;
-  const int64_t first = min(num_tokens, warp * per);
-  return {first, min(num_tokens, first + per)};
-}
-
-// Rounds of a run taken at once (their top-k loads in flight together).
-constexpr int kRoundsInFlight = 4;
-
-// One round of a run as the lanes see it: lane = top-k entry k of the round's token `token` (32 / K tokens a
-// round; lanes past them, and tokens past the run, hold no entry).
-struct Entry {
-  int64_t token;
-  int k;
-  bool valid;
-  int32_t local;    // the entry's local expert on this rank, -1 when it names none here (or is invalid)
-  uint32_t same;    // the lanes of the same token naming the same local expert (this lane alone when local < 0)
-  bool first;       // the lowest of `same` with local >= 0: the lane that stands for the (token, expert) pair
-};
-
-// The entries of one round (every lane calls it): ids is the lane's entry of topk_idx (-1 if none).
-__device__ __forceinline__ Entry entry_of(int64_t round_first, int64_t run_end, int num_topk, int32_t id, int me,
-                                          int32_t experts_per_rank, int lane) {
-  Entry e;
-  const int tokens_per_round = 32 / num_topk;
-  e.token = round_first + lane / num_topk;
-  e.k = lane % num_topk;
-  e.valid = lane < tokens_per_round * num_topk && e.token < run_end;
-  const int32_t first_local = me * experts_per_rank;
-  e.local = e.valid && id >= first_local && id < first_local + experts_per_rank ? id - first_local : -1;
-  const int32_t key = e.local >= 0 ? (lane / num_topk) * experts_per_rank + e.local : -1 - lane;
-  e.same = __match_any_sync(kFullMask, key);
-  e.first = e.local >= 0 && __ffs(e.same) - 1 == lane;
-  return e;
-}
-
-// Loads the lane's entry of rounds [round_first, round_first + kRoundsInFlight * 32 / K) of the run (-1 past it).
-template <typename T>
-__device__ __forceinline__ void load_round_entries(const T* src, int64_t round_first, int64_t run_end, int num_topk,
-                                                   T fill, int lane, T (&out)[kRoundsInFlight]) {
-  const int tokens_per_round = 32 / num_topk;
-#pragma unroll
-  for (int r = 0; r < kRoundsInFlight; ++r) {
-    const int64_t token = round_first + r * tokens_per_round + lane / num_topk;
-    const bool valid = lane < tokens_per_round * num_topk && token < run_end;
-    out[r] = valid ? LoadNonCoherent{}(src + token * num_topk + lane % num_topk) : fill;
-  }
-}
-
-struct DispatchShared {
-  // Phase 2: per (warp, source * L + local expert) the pairs of the warp's run; then the row of the warp's next pair.
-  int32_t next_row[kWarps][kExpertMajorMaxExperts];
-  int32_t grid_total[kExpertMajorMaxExperts];  // per (source, local expert): the pairs of every block
-  int32_t group_count[kExpertMajorMaxExperts], group_size[kExpertMajorMaxExperts];
-  int32_t group_offset[kExpertMajorMaxExperts];
-};
 
 // Block 0: this rank's own routing (is_token_in_rank, invalid_ids), as the rank-major dispatch's.
 __device__ __forceinline__ void route_own_tokens(const ExpertMajorDispatchArgs& a, int num_ranks) {
@@ -184,320 +57,49 @@ __device__ __forceinline__ void route_own_tokens(const ExpertMajorDispatchArgs& 
   if (threadIdx.x == 0) *a.invalid_ids = invalid;
 }
 
+
+// The dispatch's sources: the inputs each rank published (payloads, then topk_idx, then topk_weights).
+struct PeerInputs {
+  const IntranodeView* views;
+  const int64_t* row_bytes;
+  __device__ const int32_t* topk(int s) const { return static_cast<const int32_t*>(views[s].pointers[2]); }
+  __device__ const float* weights(int s) const { return static_cast<const float*>(views[s].pointers[3]); }
+  __device__ const void* row(int s, int p, int64_t t) const { return row_of(views[s].pointers[p], t, row_bytes[p]); }
+};
+
 __global__ void __launch_bounds__(kThreads, 1)
     expert_major_dispatch_kernel(const __grid_constant__ IntranodeRank g, const __grid_constant__ ExpertMajorDispatchArgs a,
                                  const __grid_constant__ StagePlan plan, int64_t timeout_ns) {
   __shared__ CallContext ctx;
-  __shared__ DispatchShared sh;
-  using BlockScan = cub::BlockScan<int32_t, kThreads>;
-  using BlockReduce = cub::BlockReduce<int32_t, kThreads>;
-  __shared__ union {
-    typename BlockScan::TempStorage scan;
-    typename BlockReduce::TempStorage reduce;
-  } cub_storage;
-  const int num_ranks = g.num_ranks, me = g.rank, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int num_topk = static_cast<int>(a.num_topk);
-  const int64_t num_tokens = a.num_tokens, capacity = a.capacity;
-  const int32_t experts = static_cast<int32_t>(a.num_experts), experts_per_rank = experts / num_ranks;
-  const int pair_columns = min(num_topk, static_cast<int>(experts_per_rank));
-  const int64_t num_items = num_ranks * num_tokens;
-  const int64_t grid_warp = global_warp(), grid_warps = num_global_warps();
-  const Run run = run_of(num_tokens, grid_warp, grid_warps);
-  const int tokens_per_round = 32 / num_topk;
-  const int64_t batch_tokens = static_cast<int64_t>(kRoundsInFlight) * tokens_per_round;
-
-  for (int i = threadIdx.x; i < kWarps * kExpertMajorMaxExperts; i += kThreads) (&sh.next_row[0][0])[i] = 0;
   publish_inputs_and_wait(g, ctx, plan, IntranodeOp::kExpertMajorDispatch, timeout_ns);
-
-  // 2. Counting: the pairs of this warp's run of each source, per (source, local expert).
-  for (int step = 0; step < num_ranks; ++step) {
-    const int s = static_cast<int>((grid_warp + me + step) % num_ranks);
-    const int32_t* src_topk = static_cast<const int32_t*>(ctx.views[s].pointers[2]);
-    for (int64_t batch = run.first; batch < run.end; batch += batch_tokens) {
-      int32_t ids[kRoundsInFlight];
-      load_round_entries(src_topk, batch, run.end, num_topk, -1, lane, ids);
-#pragma unroll
-      for (int r = 0; r < kRoundsInFlight; ++r) {
-        const Entry e = entry_of(batch + r * tokens_per_round, run.end, num_topk, ids[r], me, experts_per_rank, lane);
-        if (e.first) atomicAdd(&sh.next_row[warp][s * experts_per_rank + e.local], 1);
-      }
-    }
-  }
-  __syncthreads();
-  if (threadIdx.x < experts) {
-    int32_t total = 0;
-    for (int w = 0; w < kWarps; ++w) total += sh.next_row[w][threadIdx.x];
-    a.block_counts[static_cast<int64_t>(blockIdx.x) * experts + threadIdx.x] = total;
-  }
-  sync_grid(g, ctx.call, 1, IntranodeOp::kExpertMajorDispatch, timeout_ns);
-
-  // 3. Groups, and the first row of each (warp, source, expert) run of this block.
-  int32_t before_block = 0;  // thread q = s * L + j: expert j's pairs of source s in the blocks before this one
-  if (threadIdx.x < experts) {
-    int32_t total = 0;
-    for (int b = 0; b < static_cast<int>(gridDim.x); ++b) {
-      const int32_t count = __ldcg(a.block_counts + static_cast<int64_t>(b) * experts + threadIdx.x);
-      total += count;
-      if (b < static_cast<int>(blockIdx.x)) before_block += count;
-    }
-    sh.grid_total[threadIdx.x] = total;
-  }
-  __syncthreads();
-  int32_t size = 0;
-  if (threadIdx.x < experts_per_rank) {
-    int32_t count = 0;
-    for (int s = 0; s < num_ranks; ++s) count += sh.grid_total[s * experts_per_rank + threadIdx.x];
-    size = static_cast<int32_t>((count + a.expert_alignment - 1) / a.expert_alignment * a.expert_alignment);
-    sh.group_count[threadIdx.x] = count;
-    sh.group_size[threadIdx.x] = size;
-  }
-  int32_t offset;
-  BlockScan(cub_storage.scan).ExclusiveSum(size, offset);
-  if (threadIdx.x < experts_per_rank) sh.group_offset[threadIdx.x] = offset;
-  __syncthreads();
-  if (threadIdx.x < experts) {
-    const int s = threadIdx.x / experts_per_rank, j = threadIdx.x % experts_per_rank;
-    int32_t next = sh.group_offset[j] + before_block;
-    for (int earlier = 0; earlier < s; ++earlier) next += sh.grid_total[earlier * experts_per_rank + j];
-    for (int w = 0; w < kWarps; ++w) {
-      const int32_t count = sh.next_row[w][threadIdx.x];
-      sh.next_row[w][threadIdx.x] = next;
-      next += count;
-    }
-  }
-  __syncthreads();
-  const int64_t groups_end = sh.group_offset[experts_per_rank - 1] + sh.group_size[experts_per_rank - 1];
-
-  if (blockIdx.x == 0) {
-    route_own_tokens(a, num_ranks);
-    int32_t kept = 0, needed = 0, total = 0;
-    for (int j = threadIdx.x; j < experts_per_rank; j += kThreads) {
-      const int64_t first = sh.group_offset[j], count = sh.group_count[j];
-      a.group_sizes[j] = sh.group_size[j];
-      a.group_offsets[j] = static_cast<int32_t>(first);
-      kept += static_cast<int32_t>(max(int64_t{0}, min(count, capacity - first)));
-      total += static_cast<int32_t>(count);
-      if (count > 0) needed = max(needed, static_cast<int32_t>(first + count));
-    }
-    kept = BlockReduce(cub_storage.reduce).Sum(kept);  // valid in thread 0
-    __syncthreads();
-    total = BlockReduce(cub_storage.reduce).Sum(total);
-    __syncthreads();
-    needed = BlockReduce(cub_storage.reduce).Reduce(needed, [](int32_t x, int32_t y) { return max(x, y); });
-    if (threadIdx.x == 0) {
-      *a.num_kept = kept;
-      *a.num_dropped = total - kept;
-      *a.rows_needed = needed;
-      *a.rows_end = static_cast<int32_t>(min(capacity, groups_end));
-    }
-  }
-
-  // 4. Placing: rows, handle and copies of this warp's runs, sources in the same order as the counting.
-  for (int step = 0; step < num_ranks; ++step) {
-    const int s = static_cast<int>((grid_warp + me + step) % num_ranks);
-    const IntranodeView& src = ctx.views[s];
-    const int32_t* src_topk = static_cast<const int32_t*>(src.pointers[2]);
-    const float* src_weights = static_cast<const float*>(src.pointers[3]);
-    int32_t* next_row = &sh.next_row[warp][s * experts_per_rank];
-    for (int64_t batch = run.first; batch < run.end; batch += batch_tokens) {
-      int32_t ids[kRoundsInFlight];
-      float weights[kRoundsInFlight] = {};
-      load_round_entries(src_topk, batch, run.end, num_topk, -1, lane, ids);
-      if (src_weights) load_round_entries(src_weights, batch, run.end, num_topk, 0.f, lane, weights);
-#pragma unroll 1
-      for (int r = 0; r < kRoundsInFlight; ++r) {
-        const int64_t round_first = batch + r * tokens_per_round;
-        if (round_first >= run.end) break;
-        const Entry e = entry_of(round_first, run.end, num_topk, ids[r], me, experts_per_rank, lane);
-        const int first_lane = (lane / num_topk) * num_topk;
-        // The round's pairs of each expert, in token order: this pair's rank among them.
-        const uint32_t same_expert = __match_any_sync(kFullMask, e.first ? e.local : -1 - lane);
-        const int32_t row = e.first ? next_row[e.local] + __popc(same_expert & lanes_below(lane)) : -1;
-        __syncwarp();
-        if (e.first && (same_expert & lanes_below(lane)) == 0) next_row[e.local] += __popc(same_expert);
-        __syncwarp();
-        const bool kept = e.first && row < capacity;
-        // The pair's weight: its entries' weights added in top-k order, from 0.
-        float pair_weight = 0.f;
-        uint32_t pairs_before = 0;  // this pair's position among its token's pairs, in ascending local expert
-        for (int k = 0; k < num_topk; ++k) {
-          const int other = (first_lane + k) & 31;
-          const float w = __shfl_sync(kFullMask, src_weights ? weights[r] : 0.f, other);
-          const int32_t other_pair = __shfl_sync(kFullMask, e.first ? e.local : INT_MAX, other);
-          if (e.first && ((e.same >> other) & 1u)) pair_weight = __fadd_rn(pair_weight, w);
-          pairs_before += e.first && other_pair < e.local;
-        }
-        const uint32_t pair_lanes = __ballot_sync(kFullMask, e.first);
-        const uint32_t kept_lanes = __ballot_sync(kFullMask, kept);
-        const int64_t item = s * num_tokens + e.token;
-        if (e.first) {
-          a.pair_row[item * pair_columns + pairs_before] = kept ? row : static_cast<int32_t>(capacity);
-          if (kept) {
-            a.recv_src_index[row] = static_cast<int32_t>(item);
-            if (a.recv_weights) a.recv_weights[row] = pair_weight;
-          }
-        }
-        // Past the token's pairs (a position no pair takes, whichever lane stands for a pair).
-        if (e.valid && e.k < pair_columns && e.k >= __popc(pair_lanes & token_lanes(first_lane, num_topk)))
-          a.pair_row[item * pair_columns + e.k] = -1;
-        const int pair_lane = __ffs(e.same) - 1;  // the lane of this entry's pair (itself when it names none here)
-        const int32_t pair_row = __shfl_sync(kFullMask, kept ? row : static_cast<int32_t>(capacity), pair_lane);
-        if (e.valid) a.topk_row[item * num_topk + e.k] = e.local >= 0 ? pair_row : static_cast<int32_t>(capacity);
-        // Each token with a kept pair: its rows read once from the source, written into every kept pair row.
-        for (int token = 0; token < tokens_per_round; ++token) {
-          const uint32_t lanes = kept_lanes & token_lanes(token * num_topk, num_topk);
-          if (!lanes) continue;
-          const int64_t t = round_first + token;
-          for (int p = 0; p < a.num_payloads; ++p)
-            warp_fanout_row(a.recv_x[p], row_of(src.pointers[p], t, a.x_row_bytes[p]), a.x_row_bytes[p], lanes, row,
-                            lane);
-        }
-      }
-    }
-  }
-
-  // 5. Rows that pad each group up to the alignment: zero rows, weight 0, no source. Past the groups, only the
-  // 4-byte fields.
-  for (int64_t j = grid_warp; j < experts_per_rank; j += grid_warps) {
-    const int64_t pad_end = min(capacity, static_cast<int64_t>(sh.group_offset[j]) + sh.group_size[j]);
-    for (int64_t row = sh.group_offset[j] + sh.group_count[j]; row < pad_end; ++row) {
-      for (int p = 0; p < a.num_payloads; ++p)
-        warp_zero_row(row_of(a.recv_x[p], row, a.x_row_bytes[p]), a.x_row_bytes[p], lane);
-      if (lane == 0) {
-        a.recv_src_index[row] = static_cast<int32_t>(num_items);
-        if (a.recv_weights) a.recv_weights[row] = 0.f;
-      }
-    }
-  }
-  for (int64_t row = min(capacity, groups_end) + blockIdx.x * kThreads + threadIdx.x; row < capacity;
-       row += static_cast<int64_t>(gridDim.x) * kThreads) {
-    a.recv_src_index[row] = static_cast<int32_t>(num_items);
-    if (a.recv_weights) a.recv_weights[row] = 0.f;
-  }
+  place_pairs<LoadNonCoherent>(
+      a, g.num_ranks, g.rank, PeerInputs{ctx.views, a.x_row_bytes},
+      [&] { sync_grid(g, ctx.call, 1, IntranodeOp::kExpertMajorDispatch, timeout_ns); },
+      [&] { route_own_tokens(a, g.num_ranks); });
   finish_call(g, ctx, IntranodeOp::kExpertMajorDispatch, timeout_ns, [] {});
 }
 
-// ---- cached dispatch -----------------------------------------------------------------------------------------------
-
-// Every item with a kept pair (its first pair row below the capacity), sources interleaved as in the rank-major
-// dispatch's receive: visit(s, t, row, lanes), every lane of a warp, `row` lane q's pair row of the item (-1 past
-// its pairs, C for a dropped one), `lanes` those holding a kept row.
-template <typename Visit>
-__device__ __forceinline__ void for_each_item_with_kept_pairs(const ExpertMajorCachedDispatchArgs& a, int num_ranks,
-                                                              int me, int lane, Visit visit) {
-  const int64_t num_tokens = a.num_tokens, capacity = a.capacity, columns = a.num_pair_columns;
-  for_each_received_pair(
-      num_ranks, num_tokens, me,
-      [&](int s, int64_t t) {
-        const int32_t first = a.pair_row[(s * num_tokens + t) * columns];
-        return first >= 0 && first < capacity ? first : -1;
-      },
-      [&](int s, int64_t t, int32_t) {
-        const int32_t row = lane < columns ? a.pair_row[(s * num_tokens + t) * columns + lane] : -1;
-        visit(s, t, row, __ballot_sync(kFullMask, row >= 0 && row < capacity));
-      });
-}
+// ---- cached dispatch and the combine's backward ---------------------------------------------------------------
 
 __global__ void __launch_bounds__(kThreads, 1) expert_major_cached_dispatch_kernel(
     const __grid_constant__ IntranodeRank g, const __grid_constant__ ExpertMajorCachedDispatchArgs a,
     const __grid_constant__ StagePlan plan, int64_t timeout_ns) {
   __shared__ CallContext ctx;
-  const int num_ranks = g.num_ranks, lane = threadIdx.x % 32;
-  const int64_t num_tokens = a.num_tokens, capacity = a.capacity;
   publish_inputs_and_wait(g, ctx, plan, IntranodeOp::kExpertMajorCachedDispatch, timeout_ns);
-  for_each_item_with_kept_pairs(a, num_ranks, g.rank, lane, [&](int s, int64_t t, int32_t row, uint32_t lanes) {
-    warp_fanout_row(a.recv_x, row_of(ctx.views[s].pointers[0], t, a.row_bytes), a.row_bytes, lanes, row, lane);
-  });
-  // Rows inside the groups that hold no pair (alignment padding).
-  const int64_t rows_end = min(capacity, static_cast<int64_t>(*a.rows_end));
-  for (int64_t row = global_warp(); row < rows_end; row += num_global_warps())
-    if (a.recv_src_index[row] == num_ranks * num_tokens) warp_zero_row(row_of(a.recv_x, row, a.row_bytes), a.row_bytes, lane);
+  fan_out_cached_rows<LoadNonCoherent>(a, g.num_ranks, g.rank,
+                                       [&](int s, int64_t t) { return row_of(ctx.views[s].pointers[0], t, a.row_bytes); });
   finish_call(g, ctx, IntranodeOp::kExpertMajorCachedDispatch, timeout_ns, [] {});
 }
 
-// ---- combine's backward ----------------------------------------------------------------------------------------
-// The cached dispatch of the cotangent d_out along the pairs, each copy scaled by its pair's weight, and each pair's
-// weight cotangent, the dot of d_out[token] and y[row], computed from the same registers: d_out crosses NVLink once
-// per item and nothing is materialised in between (in XLA the copies, the products and the dots would each be a
-// pass over all C rows).
-
-// Loads in flight per lane: kBackwardUnroll vectors of d_out and as many of the pair's row of y.
-constexpr int kBackwardUnroll = 5;
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(kFullMask, v, offset);
-  return v;
-}
-
+// Combine's backward: write_combine_gradients (expert_major.cuh) from the peers' d_out.
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) expert_major_combine_backward_kernel(
     const __grid_constant__ IntranodeRank g, const __grid_constant__ ExpertMajorCombineBackwardArgs a,
     const __grid_constant__ StagePlan plan, int64_t timeout_ns) {
-  constexpr int kVec = 16 / sizeof(T);
-  using Vec = Pack<T, kVec>;
   __shared__ CallContext ctx;
-  const ExpertMajorCachedDispatchArgs& r = a.rows;
-  const int num_ranks = g.num_ranks, lane = threadIdx.x % 32;
-  const int64_t num_tokens = r.num_tokens, capacity = r.capacity;
-  const int64_t vecs = r.row_bytes / 16;
-  const bool weighted = a.weights != nullptr;
-  const Vec* y = static_cast<const Vec*>(a.y);
-  Vec* d_y = static_cast<Vec*>(r.recv_x);
   publish_inputs_and_wait(g, ctx, plan, IntranodeOp::kExpertMajorCachedDispatch, timeout_ns);
-  for_each_item_with_kept_pairs(r, num_ranks, g.rank, lane, [&](int s, int64_t t, int32_t row, uint32_t lanes) {
-    const bool kept = (lanes >> lane) & 1u;
-    const float weight = kept && weighted ? a.weights[row] : 1.f;
-    float dot = 0.f;  // lane q: pair q's
-    const Vec* src = reinterpret_cast<const Vec*>(row_of(ctx.views[s].pointers[0], t, r.row_bytes));
-    for (int64_t round = 0; round < vecs; round += 32 * kBackwardUnroll) {  // every lane: the rounds shuffle
-      const int64_t first = round + lane;
-      Vec grad[kBackwardUnroll];
-#pragma unroll
-      for (int u = 0; u < kBackwardUnroll; ++u)
-        if (first + 32 * u < vecs) grad[u] = LoadNonCoherent{}(src + first + 32 * u);
-      for (uint32_t todo = lanes; todo; todo &= todo - 1) {
-        const int q = __ffs(todo) - 1;
-        const int64_t pair_row = __shfl_sync(kFullMask, row, q);
-        const float pair_weight = __shfl_sync(kFullMask, weight, q);
-        Vec value[kBackwardUnroll];
-        if (weighted) {
-#pragma unroll
-          for (int u = 0; u < kBackwardUnroll; ++u)
-            if (first + 32 * u < vecs) value[u] = LoadNonCoherent{}(y + pair_row * vecs + first + 32 * u);
-        }
-        float partial = 0.f;
-#pragma unroll
-        for (int u = 0; u < kBackwardUnroll; ++u) {
-          if (first + 32 * u >= vecs) break;
-          Vec out = grad[u];
-          if (weighted) {
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) {
-              const float x = to_float(grad[u].v[e]);
-              out.v[e] = from_float<T>(__fmul_rn(pair_weight, x));
-              partial += x * to_float(value[u].v[e]);
-            }
-          }
-          d_y[pair_row * vecs + first + 32 * u] = out;
-        }
-        if (weighted) {
-          const float total = warp_sum(partial);
-          if (lane == q) dot += total;
-        }
-      }
-    }
-    if (kept && weighted) a.d_weights[row] = dot;
-  });
-  // Rows of no pair: d_y zero on the alignment padding inside the groups and on kExpertMajorGradZeroRows rows past
-  // them (further rows are not written); d_weights zero on every such row (a word each).
-  const int64_t rows_end = min(capacity, static_cast<int64_t>(*r.rows_end));
-  const int64_t zeroed_end = min(capacity, rows_end + kExpertMajorGradZeroRows);
-  for (int64_t row = global_warp(); row < capacity; row += num_global_warps()) {
-    if (row < rows_end && r.recv_src_index[row] != num_ranks * num_tokens) continue;
-    if (row < zeroed_end) warp_zero_row(d_y + row * vecs, r.row_bytes, lane);
-    if (weighted && lane == 0) a.d_weights[row] = 0.f;
-  }
+  write_combine_gradients<T, LoadNonCoherent>(
+      a, g.num_ranks, g.rank, [&](int s, int64_t t) { return row_of(ctx.views[s].pointers[0], t, a.rows.row_bytes); });
   finish_call(g, ctx, IntranodeOp::kExpertMajorCachedDispatch, timeout_ns, [] {});
 }
 
@@ -677,31 +279,6 @@ struct SourceStream {
     cp_async_commit();
   }
 };
-
-// sum += weight * value (each product rounded on its own; unweighted: the value), element by element.
-template <typename In, int kVec>
-__device__ __forceinline__ void add_pair(float (&sum)[kVec], const Pack<In, kVec>& pack, float weight, bool weighted) {
-#pragma unroll
-  for (int e = 0; e < kVec; ++e) {
-    const float x = to_float(pack.v[e]);
-    sum[e] = __fadd_rn(sum[e], weighted ? __fmul_rn(weight, x) : x);
-  }
-}
-
-template <typename In>
-__device__ __forceinline__ float rounded_to(float v) {
-  return to_float(from_float<In>(v));
-}
-
-// Vector `vec` (kVec elements) of a partial, rounded to In (the type it crosses NVLink in), stored into row as Out
-// (In or float32: exact either way).
-template <typename In, typename Out, int kVec>
-__device__ __forceinline__ void store_partial(const float (&partial)[kVec], Out* row, int64_t vec) {
-  Pack<Out, kVec> pack;
-#pragma unroll
-  for (int e = 0; e < kVec; ++e) pack.v[e] = from_float<Out>(rounded_to<In>(partial[e]));
-  reinterpret_cast<Pack<Out, kVec>*>(row)[vec] = pack;
-}
 
 // One pass over rows of whole 16-byte vectors (kVec elements of In each).
 template <bool kOwnTokens, typename In, typename Bias, typename Out, int kVec, int kStages>

@@ -91,7 +91,7 @@ bool internode_lookup(int64_t buffer_id, int device_ordinal, InternodeRank* out)
 
 std::vector<std::string> internode_errors(int64_t buffer_id) {
   return timeout_errors(buffer_id, static_cast<int32_t>(InternodeOp::kDispatch),
-                        static_cast<int32_t>(InternodeOp::kCombine));
+                        static_cast<int32_t>(InternodeOp::kExpertMajorCombine));
 }
 
 #if defined(JAX_EP_INSTRUMENT)

@@ -61,7 +61,14 @@ static_assert(kMaxRanksPerNode * sizeof(int32_t) <= InternodeDispatchLayout::kOf
 
 // Error-record values (TimeoutRecord.op / .wait) of the internode kernels; the intranode and low-latency
 // modes use 1..7 and 10..13.
-enum class InternodeOp : int32_t { kDispatch = 20, kCachedDispatch = 21, kCombine = 22 };
+enum class InternodeOp : int32_t {
+  kDispatch = 20,
+  kCachedDispatch = 21,
+  kCombine = 22,
+  kExpertMajorDispatch = 23,
+  kExpertMajorCachedDispatch = 24,  // also combine's backward
+  kExpertMajorCombine = 25,  // the last internode op (internode_errors reads the records of kDispatch to this)
+};
 enum class InternodeWait : int32_t {
   kCredit = 20,   // a sender waited for rank (m, local) to free its region after the previous call
   kArrival = 21,  // waited for rank (m, local)'s puts of this call (rows, or combine partials)

@@ -107,6 +107,9 @@ constexpr Words kOps[] = {
     {static_cast<int32_t>(InternodeOp::kDispatch), "internode dispatch"},
     {static_cast<int32_t>(InternodeOp::kCachedDispatch), "internode cached dispatch"},
     {static_cast<int32_t>(InternodeOp::kCombine), "internode combine"},
+    {static_cast<int32_t>(InternodeOp::kExpertMajorDispatch), "internode expert-major dispatch"},
+    {static_cast<int32_t>(InternodeOp::kExpertMajorCachedDispatch), "internode expert-major cached dispatch"},
+    {static_cast<int32_t>(InternodeOp::kExpertMajorCombine), "internode expert-major combine"},
 };
 
 // What the normal modes' waits wait for (the low-latency ones name the call, below).

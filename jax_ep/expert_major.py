@@ -2,11 +2,11 @@
 
 Two paths, chosen once per dispatch by the backend (`Backend.runs_expert_major_kernels`) and recorded in the handle:
 
-- Kernels (the cuda backend's intranode kernels): one launch per op. Dispatch sends each token once to each rank
-  that holds one of its experts and writes it there into all of its pair rows; combine sums each received token's
-  pairs into its partial where they are and sends one partial per (token, rank) home.
-- Composed, from what every backend has (the xla backend, the internode kernels, more experts than the kernels
-  take): a rank-major dispatch of the top-k alone (a 16-byte dummy row per token, capacity R*T: nothing dropped)
+- Kernels (the cuda backend's intranode and internode kernels): one launch per op. Dispatch sends each token once
+  to each rank (internode: once to each node, relayed inside it) that holds one of its experts and writes it there
+  into all of its pair rows; combine sums each received token's pairs into its partial where they are and sends
+  one partial per (token, rank) home (internode: summed per node on the way).
+- Composed, from what every backend has (the xla backend, more experts than the kernels take): a rank-major dispatch of the top-k alone (a 16-byte dummy row per token, capacity R*T: nothing dropped)
   tells each rank which tokens it receives and their local expert ids; `plan` derives the pair rows from those with
   a few integer passes; the backend's cached dispatch, along a handle whose `recv_src_index` names each row's
   source token, copies every pair's row from its source straight into its row. Combine sums each received token's
@@ -43,7 +43,9 @@ class ExpertMajorHandle:
     pair_row and topk_row have a row per token the rank may receive: kernels, item s * T + t (source rank s, token
     t); composed, each row of the routing dispatch (R*T rows in (source rank, source token) order)."""
 
-    rows: XlaHandle  # recv_src_index [C]: source rank * T + source token of each row, R*T for padding rows
+    # recv_src_index [C]: source rank * T + source token of each row, R*T for padding rows; and is_token_in_rank.
+    # The internode kernels' handle is an InternodeHandle, whose relay part their combine follows.
+    rows: XlaHandle
     pair_row: jax.Array  # int32 [R*T, P]: rows of each received token's pairs, ascending local expert (see below)
     topk_row: jax.Array  # int32 [R*T, K]: row of the pair of each received top-k entry; C for none
     routing: Any = None  # composed with R > 1: the rank-major handle of the routing dispatch (partials go home along it)

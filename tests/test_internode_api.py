@@ -180,6 +180,26 @@ def test_ops_and_gradients_lower_to_the_internode_calls():
     assert re.search(r"jax_ep_internode_dispatch\([^\n]*num_payloads = 2", text)  # the FP8 pair
 
 
+def test_expert_major_ops_and_gradients_lower_to_the_internode_expert_major_calls():
+    """The expert-major layout runs on the internode kernels of its own (no routing dispatch, no composed plan):
+    dispatch, cached dispatch, the weighted combine and their gradients."""
+    buf = standin()
+
+    def body(x, idx, w):
+        def loss(x, w):
+            d = jax_ep.dispatch(buf, x, idx, w, num_experts=E, layout="expert_major")
+            again = jax_ep.dispatch(buf, x * 2, handle=d.handle).recv_x
+            c = jax_ep.combine(buf, (d.recv_x + again).astype(jnp.bfloat16), d.handle, weights=d.recv_weights)
+            return jnp.sum(c.x.astype(jnp.float32))
+
+        return jax.grad(loss, argnums=(0, 1))(x, w)
+
+    text = lower(buf, body, X, IDX, W)
+    calls = set(re.findall(r"custom_call @(jax_ep_\w+)\(", text))
+    assert calls == {f"jax_ep_internode_expert_major_{op}" for op in
+                     ("dispatch", "cached_dispatch", "combine", "combine_backward")}, calls
+
+
 def test_low_latency_ops_lower_to_the_low_latency_calls_on_nvshmem():
     """An internode Buffer with low-latency sizes runs the low-latency kernels on the NVSHMEM transport (1), the
     compressed combine included; one without a low-latency region says how to create one."""

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 import jax_ep
 from conftest import mesh_of, with_standin_backend
 from jax_ep import _native
-from jax_ep.backends.cuda import intranode
+from jax_ep.backends.cuda import intranode, normal
 
 R, T, H, K, E = 4, 8, 512, 3, 16
 ENV, WARPS_ENV = "JAX_EP_COMBINE", "JAX_EP_COMBINE_PUSH_WARPS"
@@ -232,7 +232,7 @@ def test_expert_major_ops_run_their_own_kernels(spans_processes):
 def test_expert_major_beyond_the_kernels_limit_is_composed():
     """More experts than the expert-major kernels take: the composed path (a routing dispatch of the rank-major
     kernels, their cached dispatch and combine)."""
-    experts = R * (intranode.MAX_EXPERT_MAJOR_EXPERTS // R + 1)
+    experts = R * (normal.MAX_EXPERT_MAJOR_EXPERTS // R + 1)
     text = expert_major_program(cuda_standin(False), experts)
     assert not calls_of(text, intranode.EXPERT_MAJOR_DISPATCH_TARGET)
     assert calls_of(text, intranode.DISPATCH_TARGET) and calls_of(text, intranode.COMBINE_TARGET)

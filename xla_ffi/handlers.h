@@ -264,6 +264,10 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyCombineRecv);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(InternodeDispatch);  // internode_handlers.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(InternodeCachedDispatch);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(InternodeCombine);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(InternodeExpertMajorDispatch);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(InternodeExpertMajorCachedDispatch);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(InternodeExpertMajorCombine);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(InternodeExpertMajorCombineBackward);
 #endif
 
 }  // namespace jax_ep::ffi_handlers

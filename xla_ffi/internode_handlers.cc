@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "api.h"
+#include "expert_major_decode.h"
 #include "handlers.h"
 
 namespace jax_ep::ffi_handlers {
@@ -75,6 +76,98 @@ ffi::Error Combine(const char* op, const InternodeCall& call, ffi::AnyBuffer y, 
   return Launched(op, err, RegionTooSmall(call));
 }
 
+// ---- expert-major ops (expert_major_decode.h, plus the relay part and is_token_in_rank) ------------------------
+
+// Rets: the intranode expert-major dispatch's, then relay_row [N*T, P] and relay_token [N*T].
+ffi::Error ExpertMajorDispatch(const char* op, const InternodeCall& call, ffi::RemainingArgs remaining_args,
+                               ffi::RemainingRets remaining_rets, int64_t num_payloads, int64_t num_experts,
+                               int64_t expert_alignment) {
+  std::vector<ffi::AnyBuffer> args, rets;
+  if (auto err = Collect(remaining_args, &args); err.failure()) return err;
+  if (auto err = Collect(remaining_rets, &rets); err.failure()) return err;
+  InternodeExpertMajorDispatchArgs a;
+  if (auto err = DecodeExpertMajorDispatch(op, call.group.num_ranks, args, rets, 2, num_payloads, num_experts,
+                                           expert_alignment, &a.rows);
+      err.failure())
+    return err;
+  const ffi::AnyBuffer& relay_row = rets[rets.size() - 2];
+  const ffi::AnyBuffer& relay_token = rets[rets.size() - 1];
+  if (!IsRelay(call.group, a.rows.num_tokens, relay_row, relay_token))
+    return Invalid(op, "the last results must be relay_row int32 [N*T, P] and relay_token bool [N*T]");
+  a.relay_row = MutableDataOf<int32_t>(relay_row);
+  a.relay_token = MutableDataOf<bool>(relay_token);
+  const cudaError_t err = internode_expert_major_dispatch(call, a);
+  if (err == cudaErrorInvalidValue) return Invalid(op, kBlockCountsTooFew);
+  return Launched(op, err, RegionTooSmall(call));
+}
+
+// args: x [T, ...], pair_row [R*T, P], recv_src_index [C], rows_end [1], is_token_in_rank [T, R]; ret: recv_x.
+ffi::Error ExpertMajorCachedDispatch(const char* op, const InternodeCall& call, ffi::AnyBuffer x,
+                                     ffi::AnyBuffer pair_row, ffi::AnyBuffer recv_src_index, ffi::AnyBuffer rows_end,
+                                     ffi::AnyBuffer is_token_in_rank, ffi::Result<ffi::AnyBuffer> recv_x) {
+  InternodeExpertMajorCachedDispatchArgs a;
+  if (auto err = DecodeExpertMajorCachedDispatch(op, call.group.num_ranks, x, pair_row, recv_src_index, rows_end,
+                                                 *recv_x, &a.rows);
+      err.failure())
+    return err;
+  if (!IsMatrix(is_token_in_rank, ffi::DataType::PRED, a.rows.num_tokens, call.group.num_ranks))
+    return Invalid(op, "is_token_in_rank must be bool [num_tokens, num_ranks]");
+  a.is_token_in_rank = DataOf<bool>(is_token_in_rank);
+  return Launched(op, internode_expert_major_cached_dispatch(call, a), RegionTooSmall(call));
+}
+
+// args: d_out [T, ...], y [C, ...], pair_row [R*T, P], recv_src_index [C], rows_end [1], is_token_in_rank [T, R],
+// then weights float32 [C] when `weighted`; rets: d_y, then d_weights when `weighted`.
+ffi::Error ExpertMajorCombineBackward(const char* op, const InternodeCall& call, ffi::AnyBuffer d_out,
+                                      ffi::AnyBuffer y, ffi::AnyBuffer pair_row, ffi::AnyBuffer recv_src_index,
+                                      ffi::AnyBuffer rows_end, ffi::AnyBuffer is_token_in_rank,
+                                      ffi::RemainingArgs optional_args, ffi::Result<ffi::AnyBuffer> d_y,
+                                      std::optional<ffi::Result<ffi::AnyBuffer>> d_weights, int64_t weighted) {
+  std::vector<ffi::AnyBuffer> optional;
+  if (auto err = Collect(optional_args, &optional); err.failure()) return err;
+  InternodeExpertMajorCombineBackwardArgs a;
+  if (auto err = DecodeExpertMajorCombineBackward(op, call.group.num_ranks, d_out, y, pair_row, recv_src_index,
+                                                  rows_end, optional, *d_y,
+                                                  d_weights ? &**d_weights : nullptr, weighted, &a.gradients);
+      err.failure())
+    return err;
+  if (!IsMatrix(is_token_in_rank, ffi::DataType::PRED, a.gradients.rows.num_tokens, call.group.num_ranks))
+    return Invalid(op, "is_token_in_rank must be bool [num_tokens, num_ranks]");
+  a.is_token_in_rank = DataOf<bool>(is_token_in_rank);
+  return Launched(op, internode_expert_major_combine_backward(call, a), RegionTooSmall(call));
+}
+
+// args: y [C, ...], pair_row [R*T, P], is_token_in_rank [T, R], relay_row [N*T, P], relay_token [N*T], then
+// weights float32 [C] when `weighted`, then the bias [T, ...] when given; ret: out [T, ...] of y's type or float32.
+ffi::Error ExpertMajorCombine(const char* op, const InternodeCall& call, ffi::AnyBuffer y, ffi::AnyBuffer pair_row,
+                              ffi::AnyBuffer is_token_in_rank, ffi::AnyBuffer relay_row, ffi::AnyBuffer relay_token,
+                              ffi::RemainingArgs optional_args, ffi::Result<ffi::AnyBuffer> out, int64_t weighted) {
+  std::vector<ffi::AnyBuffer> optional;
+  if (auto err = Collect(optional_args, &optional); err.failure()) return err;
+  InternodeExpertMajorCombineArgs a;
+  if (auto err = DecodeExpertMajorCombine(op, call.group.num_ranks, y, pair_row, is_token_in_rank, optional, *out,
+                                          weighted, &a.partials);
+      err.failure())
+    return err;
+  if (!IsRelay(call.group, a.partials.num_tokens, relay_row, relay_token))
+    return Invalid(op, "relay_row must be int32 [N*T, P] and relay_token bool [N*T]");
+  // The relay and origin sums read the staged partials: R*T rows of y's type, one per item.
+  InternodeCombineArgs& sums = a.sums;
+  static_cast<NormalCombineArgs&>(sums) = a.partials;
+  sums.capacity = call.group.num_ranks * a.partials.num_tokens;
+  sums.is_token_in_rank = a.partials.is_token_in_rank;
+  sums.relay_row = DataOf<int32_t>(relay_row);
+  sums.relay_token = DataOf<bool>(relay_token);
+  sums.bias = a.partials.bias;
+  sums.bias_type = a.partials.bias_type;
+  sums.out = a.partials.out;
+  sums.out_type = a.partials.out_type;
+  const cudaError_t err = internode_expert_major_combine(call, a);
+  if (err == cudaErrorInvalidValue)
+    return Invalid(op, "the result and bias must have y's dtype or float32, and 16-bit rows an even length");
+  return Launched(op, err, RegionTooSmall(call));
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeDispatch,
@@ -91,6 +184,37 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeCombine, NormalHandler<InternodeCall>("in
                               AnyBufferArgs<5>(NormalBinding())  // y and the handle's four arrays
                                   .OptionalArg<ffi::AnyBuffer>()    // bias
                                   .Ret<ffi::AnyBuffer>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeExpertMajorDispatch,
+                              NormalHandler<InternodeCall>("internode expert-major dispatch", ExpertMajorDispatch),
+                              Int64Attrs(NormalBinding().RemainingArgs().RemainingRets(), "num_payloads", "num_experts",
+                                         "expert_alignment"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeExpertMajorCachedDispatch,
+                              NormalHandler<InternodeCall>("internode expert-major cached dispatch",
+                                                           ExpertMajorCachedDispatch),
+                              AnyBufferArgs<5>(NormalBinding())  // x, pair_row, recv_src_index, rows_end,
+                                  .Ret<ffi::AnyBuffer>(),           // is_token_in_rank; recv_x
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeExpertMajorCombine,
+                              NormalHandler<InternodeCall>("internode expert-major combine", ExpertMajorCombine),
+                              AnyBufferArgs<5>(NormalBinding())  // y, pair_row, is_token_in_rank, the relay part
+                                  .RemainingArgs()                  // [weights], [bias]
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("weighted"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeExpertMajorCombineBackward,
+                              NormalHandler<InternodeCall>("internode expert-major combine backward",
+                                                           ExpertMajorCombineBackward),
+                              AnyBufferArgs<6>(NormalBinding())  // d_out, y, pair_row, recv_src_index, rows_end,
+                                  .RemainingArgs()                  // is_token_in_rank; [weights]
+                                  .Ret<ffi::AnyBuffer>()            // d_y
+                                  .OptionalRet<ffi::AnyBuffer>()    // [d_weights]
+                                  .Attr<int64_t>("weighted"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_ep::ffi_handlers

@@ -44,6 +44,8 @@ constexpr const char* kTargetKeys[] = {
     "store_probe",
     "low_latency_dispatch_send", "low_latency_dispatch_recv", "low_latency_combine_send", "low_latency_combine_recv",
     "internode_dispatch", "internode_cached_dispatch", "internode_combine",
+    "internode_expert_major_dispatch", "internode_expert_major_cached_dispatch", "internode_expert_major_combine",
+    "internode_expert_major_combine_backward",
 };
 
 std::string TargetName(const std::string& key) {
@@ -91,6 +93,10 @@ nb::dict Registrations() {
   cuda_only("internode_dispatch", Capsule(InternodeDispatch));
   cuda_only("internode_cached_dispatch", Capsule(InternodeCachedDispatch));
   cuda_only("internode_combine", Capsule(InternodeCombine));
+  cuda_only("internode_expert_major_dispatch", Capsule(InternodeExpertMajorDispatch));
+  cuda_only("internode_expert_major_cached_dispatch", Capsule(InternodeExpertMajorCachedDispatch));
+  cuda_only("internode_expert_major_combine", Capsule(InternodeExpertMajorCombine));
+  cuda_only("internode_expert_major_combine_backward", Capsule(InternodeExpertMajorCombineBackward));
 #endif
 #endif
   return targets;

@@ -173,6 +173,32 @@ def routed_tokens(mesh: Mesh, args) -> tuple[np.ndarray, jax.Array, jax.Array, t
     return topk_idx_host, global_array(mesh, topk_idx_host), x, spmd(mesh, jax_ep.per_token_cast_to_fp8)(x)
 
 
+def expert_major_ops(mesh: Mesh, buf, topk_idx, x, num_experts: int, mode: str):
+    """The expert-major ops of `buf` as the communication benchmarks time them beside the rank-major ones: returns
+    (dispatch(idx, payload), combine(handle, y, weights), the combine's arguments), the dispatch with unit top-k
+    weights and the combine weighted by recv_weights. The capacity is the most pairs a rank receives here, rounded up
+    to 128, as a user sets it (capacity_factor): the no-drop default, R*T*min(K, L) rows, holds 1.9 GB per rank at
+    R=4 and DeepEP's shape, and a timed loop keeps each op's result alive (the work follows the pairs received
+    either way)."""
+    def dispatch(idx, payload, capacity=None):
+        return jax_ep.dispatch(buf, payload, idx, jnp.ones_like(idx, jnp.float32), num_experts=num_experts,
+                               max_recv_tokens=capacity, layout="expert_major")
+
+    most = spmd(mesh, lambda i, p: jax.lax.pmax(dispatch(i, p).num_recv_tokens, "ep")[None])(topk_idx, x)
+    capacity = -(-int(most.addressable_shards[0].data[0]) // 128) * 128  # the same on every rank
+    print(f"[{mode}] expert-major capacity {capacity} rows per rank (the most pairs a rank receives here, rounded up "
+          "to 128)", flush=True)
+
+    def capped(idx, payload):
+        return dispatch(idx, payload, capacity)
+
+    def combine(handle, y, weights):
+        return jax_ep.combine(buf, y, handle, weights=weights).x
+
+    em = spmd(mesh, lambda i, p: (lambda r: (r.handle, r.recv_x, r.recv_weights))(capped(i, p)))(topk_idx, x)
+    return capped, combine, em
+
+
 def spmd(mesh: Mesh, body):
     # check_vma off: the loop carries start as zeros, which are not varying over the EP axis.
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"), check_vma=False))

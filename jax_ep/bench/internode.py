@@ -1,7 +1,8 @@
 """internode: the internode normal mode (NVSHMEM between nodes, NVLink inside them; one process per GPU, so with
 --processes), DeepEP's internode shape by default (T=4096, H=7168, K=8, E=256), on nodes of --ranks-per-node
 GPUs (default: the GPUs of each host): dispatch (BF16, FP8) and combine (BF16) at each --sms, timed as the
-intranode mode times them, then the pure-JAX baselines. Bandwidth as DeepEP's test_internode counts it, per
+intranode mode times them (with --layout expert_major the expert-major ops beside them), then the pure-JAX
+baselines. Bandwidth as DeepEP's test_internode counts it, per
 rank, averaged over ranks: "RDMA" = (token, destination node) pairs, the token's own node included, x row bytes;
 "NVL" = received rows x row bytes (BF16: 2H, FP8: H (1 + 4/128)); combine the same as the dispatch it reverses.
 On one host (e.g. 4 GPUs as 2 nodes x 2) the "RDMA" traffic is NVSHMEM over NVLink, not a network figure.
@@ -32,6 +33,9 @@ def add_arguments(parser) -> None:
                              "nodes x 2")
     harness.add_communication_arguments(parser, SHAPE)
     harness.add_sms_argument(parser)
+    parser.add_argument("--layout", choices=("rank_major", "expert_major"), default="rank_major",
+                        help="expert_major: also the expert-major dispatch (BF16, FP8) and weighted combine beside the "
+                             "rank-major ops, in the same run, counted in the same bytes")
     harness.add_output_arguments(parser)
 
 
@@ -101,6 +105,13 @@ def run(args) -> list[dict]:
                        *harness.timed_with_kernels(mesh, dispatch, (topk_idx, data), args, kernel_times))
             report("cuda", "combine", "BF16", sms,
                    *harness.timed_with_kernels(mesh, combine, (d[1], d[0]), args, kernel_times))
+            if args.layout == "expert_major":  # rows are (token, local expert) pairs; the byte count as above
+                em_dispatch, em_combine, em = harness.expert_major_ops(mesh, buf, topk_idx, x, E, "internode")
+                for payload, data in (("BF16", x), ("FP8", x_fp8)):
+                    report("cuda", "expert-major dispatch", payload, sms,
+                           *harness.timed_with_kernels(mesh, em_dispatch, (topk_idx, data), args, kernel_times))
+                report("cuda", "expert-major combine", "BF16", sms,
+                       *harness.timed_with_kernels(mesh, em_combine, em, args, kernel_times))
     if args.baselines:
         for backend, op, payload, seconds in baseline_times("internode", mesh, args, topk_idx, x, E):
             report(backend, op, payload, None, seconds)

@@ -8,10 +8,6 @@ counted as DeepEP counts it (docs/design.md): received rows × H × 2 bytes for 
 """
 from __future__ import annotations
 
-import functools
-
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 import jax_ep
@@ -139,29 +135,11 @@ def run(args) -> list[dict]:
             if backend == "cuda":
                 records[-1]["combine_method"] = combine_method
             if args.layout == "expert_major":  # rows are (token, local expert) pairs; DeepEP's byte count as above
-                def em_dispatch(idx, payload, capacity=None):
-                    return jax_ep.dispatch(buf, payload, idx, jnp.ones_like(idx, jnp.float32), num_experts=E,
-                                           max_recv_tokens=capacity, layout="expert_major")
-
-                # The capacity: the most pairs a rank receives here, as a user sets it (capacity_factor). The
-                # no-drop default, R*T*min(K, L) rows, holds 1.9 GB per rank at R=4, and a timed loop keeps
-                # each op's result alive: it would not fit (the work follows the pairs received either way).
-                most = harness.spmd(mesh, lambda i, p: jax.lax.pmax(em_dispatch(i, p).num_recv_tokens, "ep")[None])(
-                    topk_idx, x)
-                capacity = -(-int(most.addressable_shards[0].data[0]) // 128) * 128  # the same on every rank
-                em_dispatch = functools.partial(em_dispatch, capacity=capacity)
-                print(f"[intranode] expert-major capacity {capacity} rows per rank (the most pairs a rank receives "
-                      "here, rounded up to 128)", flush=True)
-
-                def em_combine(handle, y, weights):
-                    return jax_ep.combine(buf, y, handle, weights=weights).x
-
-                em = harness.spmd(mesh, lambda i, p: (lambda r: (r.recv_x, r.recv_weights, r.handle))(
-                    em_dispatch(i, p)))(topk_idx, x)
+                em_dispatch, em_combine, em = harness.expert_major_ops(mesh, buf, topk_idx, x, E, "intranode")
                 for payload, data, nbytes in (("BF16", x, bf16_bytes), ("FP8", x_fp8, fp8_bytes)):
                     seconds, kernel_seconds = timed(em_dispatch, (topk_idx, data))
                     report(backend, "expert-major dispatch", payload, sms, seconds, nbytes, kernel_seconds)
-                seconds, kernel_seconds = timed(em_combine, (em[2], em[0], em[1]))
+                seconds, kernel_seconds = timed(em_combine, em)
                 report(backend, "expert-major combine", "BF16", sms, seconds, bf16_bytes, kernel_seconds)
     return records
 

@@ -14,6 +14,7 @@ from conftest import flat, ranks, spmd
 from process_harness import run_in_fresh_process
 
 import jax_ep
+from jax_ep import _native
 
 MULTI_PROCESS = jax.process_count() > 1
 RANKS = [jax.process_count()] if MULTI_PROCESS else [2, 4]
@@ -379,3 +380,32 @@ def check_jitted_loop_with_forced_command_buffers(test_file: str, R: int, env_ex
     proc = run_in_fresh_process("pytest", R, [f"{test_file}::test_jitted_loop_default_flags[{R}]"],
                                 {"XLA_FLAGS": FORCED_COMMAND_BUFFER_FLAGS, **(env_extra or {})})
     assert proc.returncode == 0 and "1 passed" in proc.stdout, (env_extra, proc.stdout[-3000:] + proc.stderr[-3000:])
+
+
+def check_em_combine_gradient_rows(R, buf):
+    """The VJP of an expert-major combine alone, in y and the weights, on `buf` (a cuda Buffer) against the oracle:
+    d y on each pair's row the float32 product weight * g_out[token] rounded to y's type, zero on the alignment
+    padding and on the first expert_major_grad_zero_rows rows past the last group, unspecified after them; d weights
+    the float32 dot of g_out[token] and y[row] on each pair's row (within the sum's tolerance), zero elsewhere."""
+    alignment, E = 8, EM_E
+    x, idx, w = em_case(R, O.BF16, seed=21)
+    capacity = O.expert_major_capacity(R, EM_T, EM_K, E // R, alignment)
+    rng = np.random.default_rng(22)
+    y, g_out = O.make_x(rng, (R, capacity, EM_H), O.BF16), O.make_x(rng, (R, EM_T, EM_H), O.BF16)
+
+    def body(x, idx, w, y, g_out):
+        d = jax_ep.dispatch(buf, x, idx, w, num_experts=E, expert_alignment=alignment, layout="expert_major")
+        _, vjp = jax.vjp(lambda y, weights: jax_ep.combine(buf, y, d.handle, weights=weights).x, y, d.recv_weights)
+        return (*vjp(g_out), d.num_recv_tokens_per_expert, d.expert_offsets)
+
+    got = spmd(R, body)(flat(x), flat(idx), flat(w), flat(y), flat(g_out))
+    d_y, d_weights, sizes, offsets = (ranks(a, R) for a in jax.device_get(got))
+    ref = O.expert_major_dispatch(x, idx, w, E, capacity, alignment)
+    exp_dy, exp_dw = O.expert_major_combine_vjp(ref.routing, g_out, y, ref.recv_weights, O.BF16)[:2]
+    written = _native.limit("expert_major_grad_zero_rows")
+    assert_bits(blank_past_groups(d_y, sizes, offsets, written), exp_dy, "d y vs oracle")
+    dot_magnitude = O.expert_major_combine_vjp(ref.routing, np.abs(g_out.astype(np.float32)),
+                                               np.abs(y.astype(np.float32)), np.ones_like(ref.recv_weights),
+                                               np.float32)[1]  # sum of |g_out * y| per row
+    assert_within(d_weights, exp_dw, sum_tolerance(dot_magnitude, EM_H), "d weights vs oracle")
+    assert buf.errors() == []

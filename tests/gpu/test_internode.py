@@ -24,9 +24,9 @@ from conftest import flat, mesh_of, ranks, spmd
 import jax_ep
 from gpu.conftest import needs_nccl
 from gpu.gpu_harness import (EM_E, EM_H, EM_T, assert_bits, assert_dispatch_matches_oracle, assert_em_dispatch_equal,
-                             check_dispatch_drops, check_em_combine, check_em_drops, check_em_grads,
-                             check_em_repeated_runs, check_handles_swap, check_strict_raises_on_drops, combine_body,
-                             dispatch_body, dispatch_results, em_case, em_combine_body, em_combine_inputs,
+                             check_dispatch_drops, check_em_combine, check_em_combine_gradient_rows, check_em_drops,
+                             check_em_grads, check_em_repeated_runs, check_handles_swap, check_strict_raises_on_drops,
+                             combine_body, dispatch_body, dispatch_results, em_case, em_combine_body, em_combine_inputs,
                              em_dispatch_body, em_dispatch_results, em_grad_body, make_case, repeats_an_expert)
 from jax_ep.backends.cuda import internode
 
@@ -273,6 +273,14 @@ def test_expert_major_gradients_match_oracle():
     got = spmd(R, em_grad_body(internode_buffer(MAIN), EM_E))(flat(x), flat(w), flat(idx), flat(g_out))
     d_x, d_w = (ranks(a, R) for a in jax.device_get(got))
     check_em_grads(d_x, d_w, x, w, idx, g_out, EM_E, ranks_per_node=MAIN)
+    no_timeouts(MAIN)
+
+
+def test_expert_major_combine_gradient_rows():
+    """The VJP of combine alone in y and the weights (a cached dispatch of the cotangent over the nodes): as in
+    test_intranode.py, d y bit for bit on every pair's row and the written rows around, d weights within the dot's
+    tolerance."""
+    check_em_combine_gradient_rows(R, internode_buffer(MAIN))
     no_timeouts(MAIN)
 
 

@@ -26,12 +26,12 @@ from process_harness import run_in_fresh_process
 import jax_ep
 from gpu.conftest import RANKS_SHARE_GPUS, needs_nccl
 from gpu.gpu_harness import (EM_E, EM_H, EM_K, EM_T, MULTI_PROCESS, RANKS, assert_bits, assert_dispatch_matches_oracle,
-                             assert_em_dispatch_equal, check_dispatch_drops, check_em_combine, check_em_drops,
-                             check_em_grads, check_em_repeated_runs, check_handles_swap,
-                             check_jitted_loop_with_forced_command_buffers, check_strict_raises_on_drops, combine_body,
-                             dispatch_body, dispatch_results, em_case, em_combine_body, em_combine_inputs,
-                             em_dispatch_body, em_dispatch_results, em_grad_body, make_case, needs_one_process,
-                             repeats_an_expert, assert_within, blank_past_groups, sum_tolerance)
+                             assert_em_dispatch_equal, check_dispatch_drops, check_em_combine,
+                             check_em_combine_gradient_rows, check_em_drops, check_em_grads, check_em_repeated_runs,
+                             check_handles_swap, check_jitted_loop_with_forced_command_buffers,
+                             check_strict_raises_on_drops, combine_body, dispatch_body, dispatch_results, em_case,
+                             em_combine_body, em_combine_inputs, em_dispatch_body, em_dispatch_results, em_grad_body,
+                             make_case, needs_one_process, repeats_an_expert)
 from jax_ep import _native, environment
 
 
@@ -285,29 +285,7 @@ def test_expert_major_combine_gradient_rows(R):
     type on each pair's row, zero on the alignment padding and on the first expert_major_grad_zero_rows rows past
     the last group (grouped_matmul's dw reads some of them: they must be finite), unspecified after them; d weights
     = the float32 dot of g_out[token] and y[row] on each pair's row, zero on every other row."""
-    alignment, E = 8, EM_E
-    x, idx, w = em_case(R, O.BF16, seed=21)
-    capacity = O.expert_major_capacity(R, EM_T, EM_K, E // R, alignment)
-    rng = np.random.default_rng(22)
-    y, g_out = O.make_x(rng, (R, capacity, EM_H), O.BF16), O.make_x(rng, (R, EM_T, EM_H), O.BF16)
-    buf = buffer(R, "cuda")
-
-    def body(x, idx, w, y, g_out):
-        d = jax_ep.dispatch(buf, x, idx, w, num_experts=E, expert_alignment=alignment, layout="expert_major")
-        _, vjp = jax.vjp(lambda y, weights: jax_ep.combine(buf, y, d.handle, weights=weights).x, y, d.recv_weights)
-        return (*vjp(g_out), d.num_recv_tokens_per_expert, d.expert_offsets)
-
-    got = spmd(R, body)(flat(x), flat(idx), flat(w), flat(y), flat(g_out))
-    d_y, d_weights, sizes, offsets = (ranks(a, R) for a in jax.device_get(got))
-    ref = O.expert_major_dispatch(x, idx, w, E, capacity, alignment)
-    exp_dy, exp_dw = O.expert_major_combine_vjp(ref.routing, g_out, y, ref.recv_weights, O.BF16)[:2]
-    written = _native.limit("expert_major_grad_zero_rows")
-    assert_bits(blank_past_groups(d_y, sizes, offsets, written), exp_dy, "d y vs oracle")
-    dot_magnitude = O.expert_major_combine_vjp(ref.routing, np.abs(g_out.astype(np.float32)),
-                                               np.abs(y.astype(np.float32)), np.ones_like(ref.recv_weights),
-                                               np.float32)[1]  # sum of |g_out * y| per row
-    assert_within(d_weights, exp_dw, sum_tolerance(dot_magnitude, EM_H), "d weights vs oracle")
-    assert buf.errors() == []
+    check_em_combine_gradient_rows(R, buffer(R, "cuda"))
 
 
 @pytest.mark.parametrize("R", RANKS)

@@ -46,6 +46,10 @@ from jax_ep.config import FP8_GROUP, Config, low_latency_buffer_bytes
 DISPATCH_TARGET = _native.target("internode_dispatch")
 CACHED_DISPATCH_TARGET = _native.target("internode_cached_dispatch")
 COMBINE_TARGET = _native.target("internode_combine")
+EXPERT_MAJOR_DISPATCH_TARGET = _native.target("internode_expert_major_dispatch")
+EXPERT_MAJOR_CACHED_DISPATCH_TARGET = _native.target("internode_expert_major_cached_dispatch")
+EXPERT_MAJOR_COMBINE_TARGET = _native.target("internode_expert_major_combine")
+EXPERT_MAJOR_COMBINE_BACKWARD_TARGET = _native.target("internode_expert_major_combine_backward")
 
 # Limits and the region header of the internode kernels (csrc/kernel_limits.h): ranks of the EP axis, ranks per node
 # (one NVLink domain), and the header each rank's symmetric region holds before its num_rdma_bytes.
@@ -100,8 +104,8 @@ def internode_buffer_bytes(num_tokens: int, hidden: int, num_ranks: int, num_top
 
     Roughly N*T token rows for dispatch, and capacity + 2*N*T float32 rows for combine: at DeepEP's shape
     (T=4096, H=7168, R=16 on 2 nodes, default capacity) about 2.3 GB; a smaller `max_recv_tokens` shrinks the
-    combine part (not for the expert-major layout, which combines its partials, in y's dtype, at the routing
-    dispatch's R*T rows: leave capacity at its default for it)."""
+    combine part (not for the expert-major layout, which stages its partials, in y's dtype, at R*T rows, one per
+    token a rank may receive: leave capacity at its default for it)."""
     num_nodes = num_ranks // ranks_per_node
     capacity = num_ranks * num_tokens if capacity is None else capacity
     payload = hidden + hidden // FP8_GROUP * 4 if fp8 else 2 * hidden
@@ -180,7 +184,7 @@ def unsupported_reason(mesh, axis_name: str, per_node: int) -> str | None:
 # ---- the backend -------------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class InternodeBackend(low_latency.LowLatencyOps, Backend):
+class InternodeBackend(normal.ExpertMajorKernels, low_latency.LowLatencyOps, Backend):
     """The internode kernels of one Buffer: normal mode, and the low-latency ops when it has a low-latency region."""
 
     name: ClassVar[str] = "cuda"
@@ -250,17 +254,22 @@ class InternodeBackend(low_latency.LowLatencyOps, Backend):
 
     # ---- normal mode (per rank, inside shard_map) -------------------------------------------------------------
 
-    def dispatch(self, x_leaves, topk_idx, topk_weights, *, num_experts, capacity, expert_alignment):
+    def _relay_types(self, x_leaves, topk_idx) -> tuple:
+        """Checks a dispatch of either layout against the limits and the region; the (shape, dtype) of its handle's
+        relay part: relay_row [N*T, P], relay_token [N*T]."""
         num_tokens, num_topk = topk_idx.shape
         normal.check_dispatch(self.num_ranks, num_tokens, num_topk)
         payload = sum(normal.row_bytes(leaf) for leaf in x_leaves)
         _check_region("dispatch", self.num_rdma_bytes,
                       dispatch_region_bytes(self.num_nodes, self.ranks_per_node, num_tokens, num_topk, payload))
         relayed = self.num_nodes * num_tokens
+        return ((relayed, self.ranks_per_node), int32), ((relayed,), jnp.bool_)
+
+    def dispatch(self, x_leaves, topk_idx, topk_weights, *, num_experts, capacity, expert_alignment):
         outs, (relay_row, relay_token) = normal.call_dispatch(
-            DISPATCH_TARGET, x_leaves, topk_idx, topk_weights,
-            (((relayed, self.ranks_per_node), int32), ((relayed,), jnp.bool_)), attributes=self._attributes(),
-            num_ranks=self.num_ranks, num_experts=num_experts, capacity=capacity, expert_alignment=expert_alignment)
+            DISPATCH_TARGET, x_leaves, topk_idx, topk_weights, self._relay_types(x_leaves, topk_idx),
+            attributes=self._attributes(), num_ranks=self.num_ranks, num_experts=num_experts, capacity=capacity,
+            expert_alignment=expert_alignment)
         *results, recv_src_index, is_token_in_rank = outs
         return (*results, InternodeHandle(recv_src_index, is_token_in_rank, relay_row, relay_token))
 
@@ -290,6 +299,60 @@ class InternodeBackend(low_latency.LowLatencyOps, Backend):
         operands = (y, *handle) + (() if bias is None else (bias,))
         out = jax.ffi.ffi_call(COMBINE_TARGET, result_type)(*operands, **self._attributes())
         return out.astype(out_dtype)
+
+    # ---- the expert-major layout (csrc/internode_expert_major.cu; normal.ExpertMajorKernels) -------------------
+    # The handle's rows are an InternodeHandle: recv_src_index and is_token_in_rank, and the relay part, whose
+    # relay_row names each relayed token's item on the node ranks that received it (where they stage its partial).
+
+    def expert_major_dispatch(self, x_leaves, topk_idx, topk_weights, *, num_experts, capacity, expert_alignment):
+        from jax_ep.expert_major import ExpertMajorHandle  # jax_ep.expert_major imports the backends' interface
+
+        recv, weights, sizes, offsets, kept, dropped, invalid, rows_needed, recv_src_index, is_token_in_rank, \
+            pair_row, topk_row, rows_end, (relay_row, relay_token) = normal.call_expert_major_dispatch(
+                EXPERT_MAJOR_DISPATCH_TARGET, x_leaves, topk_idx, topk_weights, self._relay_types(x_leaves, topk_idx),
+                attributes=self._attributes(), num_ranks=self.num_ranks, num_experts=num_experts, capacity=capacity,
+                expert_alignment=expert_alignment, num_sms=self.config.num_sms)
+        rows = InternodeHandle(recv_src_index, is_token_in_rank, relay_row, relay_token)
+        handle = ExpertMajorHandle(rows, pair_row, topk_row, rows_end=rows_end, by_kernels=True)
+        return recv, weights, sizes, offsets, kept, dropped, invalid, handle, rows_needed
+
+    def _check_cached_region(self, op: str, leaf) -> None:
+        _check_region(op, self.num_rdma_bytes, dispatch_region_bytes(self.num_nodes, self.ranks_per_node, leaf.shape[0],
+                                                                     0, normal.row_bytes(leaf)))
+
+    def expert_major_cached_dispatch(self, leaf, handle):
+        self._check_cached_region("cached dispatch", leaf)
+        result_type = jax.typeof(leaf).update(shape=(handle.capacity, *leaf.shape[1:]), dtype=leaf.dtype)
+        return jax.ffi.ffi_call(EXPERT_MAJOR_CACHED_DISPATCH_TARGET, result_type)(
+            leaf, handle.pair_row, handle.rows.recv_src_index, handle.rows_end, handle.rows.is_token_in_rank,
+            **self._attributes())
+
+    def _expert_major_combine_call(self, y, weights, pair_row, handle, bias, kernel_out):
+        """Each rank stages its partial of every token it received at the token's item row (R*T rows of y's type);
+        the node's relays sum them, then the nodes' partials go home, as the rank-major combine's rows."""
+        rows = handle.rows
+        num_tokens = rows.is_token_in_rank.shape[0]
+        row_elements = int(np.prod(y.shape[1:], dtype=np.int64))
+        _check_region("combine", self.num_rdma_bytes,
+                      combine_region_bytes(self.num_nodes, num_tokens, self.num_ranks * num_tokens, row_elements,
+                                           np.dtype(y.dtype).itemsize))
+        result_type = jax.typeof(y).update(shape=(num_tokens, *y.shape[1:]), dtype=kernel_out)
+        operands = (y, pair_row, rows.is_token_in_rank, rows.relay_row, rows.relay_token) + \
+            (() if weights is None else (weights,)) + (() if bias is None else (bias,))
+        return jax.ffi.ffi_call(EXPERT_MAJOR_COMBINE_TARGET, result_type)(
+            *operands, weighted=np.int64(weights is not None), **self._attributes())
+
+    def _expert_major_combine_backward_call(self, d_out, y, weights, handle):
+        self._check_cached_region("combine backward", d_out)
+        aval = jax.typeof(y)
+        result_types = [aval.update(shape=y.shape, dtype=y.dtype)]
+        if weights is not None:
+            result_types.append(aval.update(shape=(y.shape[0],), dtype=jnp.float32))
+        operands = (d_out, y, handle.pair_row, handle.rows.recv_src_index, handle.rows_end,
+                    handle.rows.is_token_in_rank) + (() if weights is None else (weights,))
+        outs = jax.ffi.ffi_call(EXPERT_MAJOR_COMBINE_BACKWARD_TARGET, result_types)(
+            *operands, weighted=np.int64(weights is not None), **self._attributes())
+        return outs[0], (None if weights is None else outs[1])
 
     # ---- lifetime -----------------------------------------------------------------------------------------------
 

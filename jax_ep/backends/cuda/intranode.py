@@ -52,8 +52,6 @@ STORE_PROBE_TARGET = _native.target("store_probe")
 
 # Ranks of an intranode group (one NVLink domain; csrc/kernel_limits.h).
 MAX_RANKS = _native.limit("max_intranode_ranks")
-# Experts of an expert-major dispatch that the expert-major kernels take (more: the composed path).
-MAX_EXPERT_MAJOR_EXPERTS = _native.limit("expert_major_max_experts")
 # The combine kernel's `method` attribute: {"pull": value, "push": value} (csrc/api.h, CombineMethod).
 COMBINE_METHOD_VALUES = _native.enum("combine_method")
 
@@ -161,7 +159,7 @@ class SpansHostsError(NotImplementedError):
 # ---- the backend -----------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class IntranodeBackend(low_latency.LowLatencyOps, Backend):
+class IntranodeBackend(normal.ExpertMajorKernels, low_latency.LowLatencyOps, Backend):
     """The intranode kernels of one Buffer, normal and low-latency modes."""
 
     name: ClassVar[str] = "cuda"
@@ -291,41 +289,21 @@ class IntranodeBackend(low_latency.LowLatencyOps, Backend):
             push_warps=np.int64(combine_push_warps(self.config, self.spans_processes)), **self._attributes())[0]
         return out.astype(out_dtype)
 
-    # ---- the expert-major layout (csrc/expert_major.cu) -------------------------------------------------------
-
-    def runs_expert_major_kernels(self, num_experts, num_topk):
-        return self.num_ranks > 1 and num_experts <= MAX_EXPERT_MAJOR_EXPERTS and num_topk <= normal.MAX_TOPK
+    # ---- the expert-major layout (csrc/expert_major.cu; normal.ExpertMajorKernels) ------------------------------
 
     def expert_major_dispatch(self, x_leaves, topk_idx, topk_weights, *, num_experts, capacity, expert_alignment):
         from jax_ep.expert_major import ExpertMajorHandle  # jax_ep.expert_major imports the backends' interface
 
         num_tokens, num_topk = topk_idx.shape
-        num_ranks, local = self.num_ranks, num_experts // self.num_ranks
-        normal.check_dispatch(num_ranks, num_tokens, num_topk)
+        normal.check_dispatch(self.num_ranks, num_tokens, num_topk)
         row_bytes = tuple(normal.row_bytes(leaf) for leaf in x_leaves)
         _check_staging("dispatch", self.staging_bytes,
-                       dispatch_staging_bytes(num_tokens, row_bytes, num_topk, num_ranks, topk_weights is not None))
-        aval = jax.typeof(x_leaves[0])
-        result = lambda shape, dtype: aval.update(shape=shape, dtype=dtype)  # noqa: E731
-        items = num_ranks * num_tokens
-        result_types = [result((capacity, *leaf.shape[1:]), leaf.dtype) for leaf in x_leaves]
-        if topk_weights is not None:
-            result_types.append(result((capacity,), jnp.float32))
-        result_types += [result((local,), int32), result((local,), int32)]  # group sizes, offsets
-        result_types += [result((), int32)] * 4  # kept, dropped, invalid ids, rows needed
-        result_types += [result((capacity,), int32), result((num_tokens, num_ranks), jnp.bool_),
-                         result((items, min(num_topk, local)), int32), result((items, num_topk), int32),
-                         result((1,), int32),  # rows_end ([1]: a handle's arrays all have a leading axis)
-                         result((self.config.num_sms, num_experts), int32)]  # scratch: a row per block
-        operands = (*x_leaves, topk_idx) + (() if topk_weights is None else (topk_weights,))
-        outs = list(jax.ffi.ffi_call(EXPERT_MAJOR_DISPATCH_TARGET, result_types)(
-            *operands, num_payloads=np.int64(len(x_leaves)), num_experts=np.int64(num_experts),
-            expert_alignment=np.int64(expert_alignment), **self._attributes()))
-        recv = tuple(outs[:len(x_leaves)])
-        outs = outs[len(x_leaves):]
-        weights = None if topk_weights is None else outs.pop(0)
-        sizes, offsets, kept, dropped, invalid, rows_needed, recv_src_index, is_token_in_rank, pair_row, topk_row, \
-            rows_end, _ = outs
+                       dispatch_staging_bytes(num_tokens, row_bytes, num_topk, self.num_ranks, topk_weights is not None))
+        recv, weights, sizes, offsets, kept, dropped, invalid, rows_needed, recv_src_index, is_token_in_rank, \
+            pair_row, topk_row, rows_end, _ = normal.call_expert_major_dispatch(
+                EXPERT_MAJOR_DISPATCH_TARGET, x_leaves, topk_idx, topk_weights, (), attributes=self._attributes(),
+                num_ranks=self.num_ranks, num_experts=num_experts, capacity=capacity,
+                expert_alignment=expert_alignment, num_sms=self.config.num_sms)
         handle = ExpertMajorHandle(XlaHandle(recv_src_index, is_token_in_rank), pair_row, topk_row, rows_end=rows_end,
                                    by_kernels=True)
         return recv, weights, sizes, offsets, kept, dropped, invalid, handle, rows_needed
@@ -337,19 +315,8 @@ class IntranodeBackend(low_latency.LowLatencyOps, Backend):
         return jax.ffi.ffi_call(EXPERT_MAJOR_CACHED_DISPATCH_TARGET, result_type)(
             leaf, handle.pair_row, handle.rows.recv_src_index, handle.rows_end, **self._attributes())
 
-    def expert_major_combine(self, y, weights, pair_row, handle, *, bias=None, out_dtype=jnp.float32):
+    def _expert_major_combine_call(self, y, weights, pair_row, handle, bias, kernel_out):
         """Partials are made where the pairs are and stored into their home ranks, whatever Config.combine says."""
-        if y.dtype not in normal.KERNEL_FLOAT_TYPES:
-            # The kernels read float32, bfloat16 and float16 rows. Other types' partials are made here, rounded to
-            # y's dtype, and go home as float32 rows (which hold them exactly), each received token's its one pair.
-            from jax_ep.expert_major import partial_sums, received_items
-
-            capacity = y.shape[0]
-            kept = jnp.where((pair_row >= 0) & (pair_row < capacity), pair_row, capacity)
-            partial = partial_sums(y, weights, kept).astype(y.dtype).astype(jnp.float32)
-            return self.expert_major_combine(partial, None, received_items(pair_row), handle, bias=bias,
-                                             out_dtype=out_dtype)
-        y, bias, kernel_out = normal.combine_kernel_types(y, bias, out_dtype)
         num_tokens, num_ranks = handle.rows.is_token_in_rank.shape
         row_bytes = normal.row_bytes(y)
         _check_staging("combine", self.staging_bytes,
@@ -360,18 +327,10 @@ class IntranodeBackend(low_latency.LowLatencyOps, Backend):
             result_types.append(aval.update(shape=((num_ranks - 1) * num_tokens * row_bytes,), dtype=jnp.uint8))
         operands = (y, pair_row, handle.rows.is_token_in_rank) + (() if weights is None else (weights,)) + \
             (() if bias is None else (bias,))
-        out = jax.ffi.ffi_call(EXPERT_MAJOR_COMBINE_TARGET, result_types)(
+        return jax.ffi.ffi_call(EXPERT_MAJOR_COMBINE_TARGET, result_types)(
             *operands, weighted=np.int64(weights is not None), **self._attributes())[0]
-        return out.astype(out_dtype)
 
-    def expert_major_combine_backward(self, d_out, y, weights, handle):
-        if y.dtype not in normal.KERNEL_FLOAT_TYPES:  # the kernel reads float32, bfloat16 and float16 rows
-            d_y, d_weights = self.expert_major_combine_backward(d_out.astype(jnp.float32), y.astype(jnp.float32),
-                                                                weights, handle)
-            return d_y.astype(y.dtype), d_weights
-        if normal.row_bytes(y) % 16:  # ops.combine takes hidden sizes that are multiples of 128: never here
-            raise ValueError(f"jax_ep combine backward: y's rows must be whole 16-byte vectors, got {y.shape} {y.dtype}")
-        d_out = d_out.astype(y.dtype)
+    def _expert_major_combine_backward_call(self, d_out, y, weights, handle):
         _check_staging("combine backward", self.staging_bytes,
                        cached_dispatch_staging_bytes(d_out.shape[0], normal.row_bytes(d_out)))
         aval = jax.typeof(y)

@@ -1,6 +1,7 @@
 """What the intranode and internode normal-mode kernels share on the Python side: the attributes every call
-carries, the dispatch FFI call (its operands and the results every dispatch kernel writes), the types the combine
-kernels read and write, and the top-k limit."""
+carries, the dispatch FFI calls of both layouts (their operands and the results every dispatch kernel writes), the
+types the combine kernels read and write, the expert-major methods around each mode's combine calls, and the
+limits."""
 from __future__ import annotations
 
 import jax
@@ -13,6 +14,8 @@ from jax_ep.backends.xla import XlaHandle
 
 # Top-k entries per token of a normal-mode dispatch (csrc/kernel_limits.h): one warp lane each.
 MAX_TOPK = _native.limit("normal_max_topk")
+# Experts of an expert-major dispatch that the expert-major kernels take (more: the composed path).
+MAX_EXPERT_MAJOR_EXPERTS = _native.limit("expert_major_max_experts")
 # Row types the combine kernels read directly.
 KERNEL_FLOAT_TYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -70,6 +73,75 @@ def call_dispatch(target: str, x_leaves, topk_idx, topk_weights, handle_types, *
     recv_topk_weights = None if topk_weights is None else outs.pop(0)
     common, extra = outs[:6], outs[6:]
     return (recv_leaves, recv_topk_idx, recv_topk_weights, *common), tuple(extra)
+
+
+def call_expert_major_dispatch(target: str, x_leaves, topk_idx, topk_weights, handle_types, *, attributes: dict,
+                               num_ranks, num_experts, capacity, expert_alignment, num_sms):
+    """The expert-major dispatch FFI call (intranode or internode kernels): its operands, the results every
+    expert-major dispatch kernel writes and then results of `handle_types` ((shape, dtype) pairs). Returns (recv
+    leaves, recv_weights or None, group sizes, offsets, kept, dropped, invalid ids, rows needed, recv_src_index,
+    is_token_in_rank, pair_row, topk_row, rows_end, the results of handle_types)."""
+    num_tokens, num_topk = topk_idx.shape
+    local = num_experts // num_ranks
+    aval = jax.typeof(x_leaves[0])
+
+    def result(shape, dtype):
+        return aval.update(shape=shape, dtype=dtype)
+
+    items = num_ranks * num_tokens
+    result_types = [result((capacity, *leaf.shape[1:]), leaf.dtype) for leaf in x_leaves]
+    if topk_weights is not None:
+        result_types.append(result((capacity,), jnp.float32))
+    result_types += [result((local,), int32), result((local,), int32)]  # group sizes, offsets
+    result_types += [result((), int32)] * 4  # kept, dropped, invalid ids, rows needed
+    result_types += [result((capacity,), int32), result((num_tokens, num_ranks), jnp.bool_),
+                     result((items, min(num_topk, local)), int32), result((items, num_topk), int32),
+                     result((1,), int32),  # rows_end ([1]: a handle's arrays all have a leading axis)
+                     result((num_sms, num_experts), int32),  # scratch: a row per block
+                     *(result(shape, dtype) for shape, dtype in handle_types)]
+    operands = (*x_leaves, topk_idx) + (() if topk_weights is None else (topk_weights,))
+    outs = list(jax.ffi.ffi_call(target, result_types)(
+        *operands, num_payloads=np.int64(len(x_leaves)), num_experts=np.int64(num_experts),
+        expert_alignment=np.int64(expert_alignment), **attributes))
+    recv = tuple(outs[:len(x_leaves)])
+    outs = outs[len(x_leaves):]
+    weights = None if topk_weights is None else outs.pop(0)
+    common, extra = outs[:11], outs[12:]  # outs[11]: the scratch
+    return (recv, weights, *common, tuple(extra))
+
+
+class ExpertMajorKernels:
+    """Backend methods of the expert-major layout (jax_ep.backends.Backend) that both kernel families share: which
+    sizes they take, and the combine and its backward for any float type around each family's FFI calls,
+    `_expert_major_combine_call(y, weights, pair_row, handle, bias, kernel_out)` (y float32, bfloat16 or float16,
+    bias and kernel_out as combine_kernel_types gives them) and `_expert_major_combine_backward_call(d_out, y,
+    weights, handle)` (d_out of y's type, rows of whole 16-byte vectors)."""
+
+    def runs_expert_major_kernels(self, num_experts, num_topk):
+        return self.num_ranks > 1 and num_experts <= MAX_EXPERT_MAJOR_EXPERTS and num_topk <= MAX_TOPK
+
+    def expert_major_combine(self, y, weights, pair_row, handle, *, bias=None, out_dtype=jnp.float32):
+        if y.dtype not in KERNEL_FLOAT_TYPES:
+            # The kernels read float32, bfloat16 and float16 rows. Other types' partials are made here, rounded to
+            # y's dtype, and go home as float32 rows (which hold them exactly), each received token's its one pair.
+            from jax_ep.expert_major import partial_sums, received_items
+
+            capacity = y.shape[0]
+            kept = jnp.where((pair_row >= 0) & (pair_row < capacity), pair_row, capacity)
+            partial = partial_sums(y, weights, kept).astype(y.dtype).astype(jnp.float32)
+            return self.expert_major_combine(partial, None, received_items(pair_row), handle, bias=bias,
+                                             out_dtype=out_dtype)
+        y, bias, kernel_out = combine_kernel_types(y, bias, out_dtype)
+        return self._expert_major_combine_call(y, weights, pair_row, handle, bias, kernel_out).astype(out_dtype)
+
+    def expert_major_combine_backward(self, d_out, y, weights, handle):
+        if y.dtype not in KERNEL_FLOAT_TYPES:  # the kernels read float32, bfloat16 and float16 rows
+            d_y, d_weights = self.expert_major_combine_backward(d_out.astype(jnp.float32), y.astype(jnp.float32),
+                                                                weights, handle)
+            return d_y.astype(y.dtype), d_weights
+        if row_bytes(y) % 16:  # ops.combine takes hidden sizes that are multiples of 128: never here
+            raise ValueError(f"jax_ep combine backward: y's rows must be whole 16-byte vectors, got {y.shape} {y.dtype}")
+        return self._expert_major_combine_backward_call(d_out.astype(y.dtype), y, weights, handle)
 
 
 def all_gather(backend, x):
