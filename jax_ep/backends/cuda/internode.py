@@ -342,17 +342,10 @@ class InternodeBackend(normal.ExpertMajorKernels, low_latency.LowLatencyOps, Bac
         return normal.call(EXPERT_MAJOR_COMBINE_TARGET, result_type, *operands,
                            attributes=dict(self._attributes(), weighted=np.int64(weights is not None)))
 
-    def _expert_major_combine_backward_call(self, d_out, y, weights, handle):
+    def _expert_major_combine_backward_operands(self, d_out, y, handle):
         self._check_cached_region("combine backward", d_out)
-        aval = jax.typeof(y)
-        result_types = [aval.update(shape=y.shape, dtype=y.dtype)]
-        if weights is not None:
-            result_types.append(aval.update(shape=(y.shape[0],), dtype=jnp.float32))
-        operands = (d_out, y, handle.pair_row, handle.rows.recv_src_index, handle.rows_end,
-                    handle.rows.is_token_in_rank) + (() if weights is None else (weights,))
-        outs = normal.call(EXPERT_MAJOR_COMBINE_BACKWARD_TARGET, result_types, *operands,
-                           attributes=dict(self._attributes(), weighted=np.int64(weights is not None)))
-        return outs[0], (None if weights is None else outs[1])
+        return EXPERT_MAJOR_COMBINE_BACKWARD_TARGET, (d_out, y, handle.pair_row, handle.rows.recv_src_index,
+                                                      handle.rows_end, handle.rows.is_token_in_rank)
 
     # ---- lifetime -----------------------------------------------------------------------------------------------
 

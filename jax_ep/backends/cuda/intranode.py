@@ -331,18 +331,11 @@ class IntranodeBackend(normal.ExpertMajorKernels, low_latency.LowLatencyOps, Bac
         return normal.call(EXPERT_MAJOR_COMBINE_TARGET, result_types, *operands,
                            attributes=dict(self._attributes(), weighted=np.int64(weights is not None)))[0]
 
-    def _expert_major_combine_backward_call(self, d_out, y, weights, handle):
+    def _expert_major_combine_backward_operands(self, d_out, y, handle):
         _check_staging("combine backward", self.staging_bytes,
                        cached_dispatch_staging_bytes(d_out.shape[0], normal.row_bytes(d_out)))
-        aval = jax.typeof(y)
-        result_types = [aval.update(shape=y.shape, dtype=y.dtype)]
-        if weights is not None:
-            result_types.append(aval.update(shape=(y.shape[0],), dtype=jnp.float32))
-        operands = (d_out, y, handle.pair_row, handle.rows.recv_src_index, handle.rows_end) + \
-            (() if weights is None else (weights,))
-        outs = normal.call(EXPERT_MAJOR_COMBINE_BACKWARD_TARGET, result_types, *operands,
-                           attributes=dict(self._attributes(), weighted=np.int64(weights is not None)))
-        return outs[0], (None if weights is None else outs[1])
+        return EXPERT_MAJOR_COMBINE_BACKWARD_TARGET, (d_out, y, handle.pair_row, handle.rows.recv_src_index,
+                                                      handle.rows_end)
 
     # ---- lifetime -------------------------------------------------------------------------------------------
 

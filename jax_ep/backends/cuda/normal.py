@@ -189,10 +189,11 @@ def call_expert_major_dispatch(target: str, x_leaves, topk_idx, topk_weights, ha
 
 class ExpertMajorKernels:
     """Backend methods of the expert-major layout (jax_ep.backends.Backend) that both kernel families share: which
-    sizes they take, and the combine and its backward for any float type around each family's FFI calls,
+    sizes they take, the combine and its backward for any float type, and the backward's call. Each family gives
     `_expert_major_combine_call(y, weights, pair_row, handle, bias, kernel_out)` (y float32, bfloat16 or float16,
-    bias and kernel_out as combine_kernel_types gives them) and `_expert_major_combine_backward_call(d_out, y,
-    weights, handle)` (d_out of y's type, rows of whole 16-byte vectors)."""
+    bias and kernel_out as combine_kernel_types gives them) and `_expert_major_combine_backward_operands(d_out, y,
+    handle)`: its backward target and the operands before the weights, once it checked the call fits its memory
+    (d_out of y's type, rows of whole 16-byte vectors)."""
 
     def runs_expert_major_kernels(self, num_experts, num_topk):
         return self.num_ranks > 1 and num_experts <= MAX_EXPERT_MAJOR_EXPERTS and num_topk <= MAX_TOPK
@@ -217,8 +218,16 @@ class ExpertMajorKernels:
                                                                 weights, handle)
             return d_y.astype(y.dtype), d_weights
         if row_bytes(y) % 16:  # ops.combine takes hidden sizes that are multiples of 128: never here
-            raise ValueError(f"jax_ep combine backward: y's rows must be whole 16-byte vectors, got {y.shape} {y.dtype}")
-        return self._expert_major_combine_backward_call(d_out.astype(y.dtype), y, weights, handle)
+            raise ValueError("jax_ep combine backward: y's rows must be whole 16-byte vectors, got "
+                             f"{y.shape} {y.dtype}")
+        target, operands = self._expert_major_combine_backward_operands(d_out.astype(y.dtype), y, handle)
+        aval = jax.typeof(y)
+        result_types = [aval.update(shape=y.shape, dtype=y.dtype)]  # d_y, then d_weights with weights
+        if weights is not None:
+            result_types.append(aval.update(shape=(y.shape[0],), dtype=jnp.float32))
+        outs = call(target, result_types, *operands, *(() if weights is None else (weights,)),
+                    attributes=dict(self._attributes(), weighted=np.int64(weights is not None)))
+        return outs[0], (None if weights is None else outs[1])
 
 
 def all_gather(backend, x):
