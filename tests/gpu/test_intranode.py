@@ -31,8 +31,9 @@ from gpu.gpu_harness import (EM_E, EM_H, EM_K, EM_T, MULTI_PROCESS, RANKS, asser
                              check_handles_swap, check_jitted_loop_with_forced_command_buffers,
                              check_strict_raises_on_drops, combine_body, dispatch_body, dispatch_results, em_case,
                              em_combine_body, em_combine_inputs, em_dispatch_body, em_dispatch_results, em_grad_body,
-                             make_case, needs_one_process, repeats_an_expert, FORCED_COMMAND_BUFFER_FLAGS)
-from jax_ep import _native, environment
+                             make_case, needs_instrumentation, needs_one_process, repeats_an_expert,
+                             FORCED_COMMAND_BUFFER_FLAGS)
+from jax_ep import environment
 from jax_ep.backends.cuda import normal
 
 
@@ -367,8 +368,7 @@ def test_repeated_runs_identical(R, method):
 
 
 @needs_one_process
-@pytest.mark.skipif(not _native.with_instrumentation(),
-                    reason="the store probe is built with the benchmarks' instrumentation only (JAX_EP_INSTRUMENT=ON)")
+@needs_instrumentation
 @pytest.mark.parametrize("R", RANKS)
 def test_store_probe_writes_every_peer(R):
     """The benchmark's store-ceiling probe: region s of rank r's output holds what rank s stored, 16-byte
