@@ -101,6 +101,17 @@ struct TypeTag {
   using type = T;
 };
 
+// launch(TypeTag<T>{}) for the float type `type` names; cudaErrorInvalidValue for none.
+template <typename Launch>
+cudaError_t with_float_type(FloatType type, Launch launch) {
+  switch (type) {
+    case FloatType::kF32: return launch(TypeTag<float>{});
+    case FloatType::kBF16: return launch(TypeTag<__nv_bfloat16>{});
+    case FloatType::kF16: return launch(TypeTag<__half>{});
+  }
+  return cudaErrorInvalidValue;
+}
+
 // The combines' element types (Args: CombineArgs or InternodeCombineArgs): calls
 // launch(TypeTag<In>{}, TypeTag<Bias>{}, TypeTag<Out>{}) for y's type In, where Bias and Out are each In or float32
 // as the args say. cudaErrorInvalidValue where the output or bias type is neither.
@@ -115,12 +126,7 @@ cudaError_t with_combine_types(const Args& args, Launch launch) {
       return float_out ? launch(in, TypeTag<float>{}, TypeTag<float>{}) : launch(in, TypeTag<float>{}, in);
     return float_out ? launch(in, in, TypeTag<float>{}) : launch(in, in, in);
   };
-  switch (args.y_type) {
-    case FloatType::kF32: return from(TypeTag<float>{});
-    case FloatType::kBF16: return from(TypeTag<__nv_bfloat16>{});
-    case FloatType::kF16: return from(TypeTag<__half>{});
-  }
-  return cudaErrorInvalidValue;
+  return with_float_type(args.y_type, from);
 }
 
 }  // namespace

@@ -503,10 +503,7 @@ cudaError_t launch_combine(const IntranodeCall& call, const ExpertMajorCombineAr
 
 cudaError_t intranode_expert_major_dispatch(const IntranodeCall& call, const ExpertMajorDispatchArgs& args) {
   const int ranks = call.group.num_ranks;
-  if (args.num_topk < 1 || args.num_topk > kNormalMaxTopk || args.num_payloads < 1 || args.num_payloads > 2 ||
-      args.num_experts < ranks || args.num_experts % ranks != 0 || args.num_experts > kExpertMajorMaxExperts ||
-      args.expert_alignment < 1 || args.block_count_rows < grid_size(call))
-    return cudaErrorInvalidValue;
+  if (!dispatch_args_ok(args, ranks, grid_size(call))) return cudaErrorInvalidValue;
   // The inputs peers read are the rank-major dispatch's (its send-offset region stays unused here).
   StagePlanBuilder builder(call.group);
   const DispatchStaging staging = publish_dispatch_inputs(builder, args, ranks);
@@ -519,7 +516,7 @@ cudaError_t intranode_expert_major_dispatch(const IntranodeCall& call, const Exp
 
 cudaError_t intranode_expert_major_cached_dispatch(const IntranodeCall& call,
                                                    const ExpertMajorCachedDispatchArgs& args) {
-  if (args.num_pair_columns < 1 || args.num_pair_columns > kNormalMaxTopk) return cudaErrorInvalidValue;
+  if (!pair_columns_ok(args.num_pair_columns)) return cudaErrorInvalidValue;
   StagePlan plan;
   if (!plan_cached_dispatch(call.group, args.x, args.num_tokens, args.row_bytes, &plan)) return cudaErrorMemoryAllocation;
   expert_major_cached_dispatch_kernel<<<grid_size(call), kThreads, 0, call.stream>>>(call.group, args, plan,
@@ -530,9 +527,7 @@ cudaError_t intranode_expert_major_cached_dispatch(const IntranodeCall& call,
 cudaError_t intranode_expert_major_combine_backward(const IntranodeCall& call,
                                                     const ExpertMajorCombineBackwardArgs& args) {
   const ExpertMajorCachedDispatchArgs& rows = args.rows;
-  if (rows.num_pair_columns < 1 || rows.num_pair_columns > kNormalMaxTopk || rows.row_bytes % 16 != 0 ||
-      (args.weights != nullptr) != (args.d_weights != nullptr))
-    return cudaErrorInvalidValue;
+  if (!combine_backward_args_ok(args)) return cudaErrorInvalidValue;
   StagePlan plan;
   if (!plan_cached_dispatch(call.group, rows.x, rows.num_tokens, rows.row_bytes, &plan)) return cudaErrorMemoryAllocation;
   auto launch = [&](auto type) {
@@ -540,17 +535,12 @@ cudaError_t intranode_expert_major_combine_backward(const IntranodeCall& call,
         <<<grid_size(call), kThreads, 0, call.stream>>>(call.group, args, plan, call.timeout_ns);
     return cudaGetLastError();
   };
-  switch (args.type) {
-    case FloatType::kF32: return launch(TypeTag<float>{});
-    case FloatType::kBF16: return launch(TypeTag<__nv_bfloat16>{});
-    case FloatType::kF16: return launch(TypeTag<__half>{});
-  }
-  return cudaErrorInvalidValue;
+  return with_float_type(args.type, launch);
 }
 
 cudaError_t intranode_expert_major_combine(const IntranodeCall& call, const ExpertMajorCombineArgs& args) {
-  const bool ok = args.num_pair_columns >= 1 && args.num_pair_columns <= kNormalMaxTopk &&
-                  (call.group.staged || call.group.num_ranks == 1 || args.slots);
+  const bool ok =
+      pair_columns_ok(args.num_pair_columns) && (call.group.staged || call.group.num_ranks == 1 || args.slots);
   if (!ok) return cudaErrorInvalidValue;
   return with_combine_types(args, [&](auto in, auto bias, auto out) {
     return launch_combine<typename decltype(in)::type, typename decltype(bias)::type, typename decltype(out)::type>(

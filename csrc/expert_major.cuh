@@ -456,6 +456,24 @@ __device__ void write_combine_gradients(const ExpertMajorCombineBackwardArgs& a,
   }
 }
 
+// ---- the launches' checks (both modes; cudaErrorInvalidValue where false) ----------------------------------------
+
+// Pair columns of a handle's pair_row: 1 to kNormalMaxTopk.
+inline bool pair_columns_ok(int64_t columns) { return columns >= 1 && columns <= kNormalMaxTopk; }
+
+// A dispatch within the kernels' limits (kExpertMajorMaxExperts; a thread per expert) with a scratch row per block.
+inline bool dispatch_args_ok(const ExpertMajorDispatchArgs& a, int num_ranks, int grid) {
+  return a.num_topk >= 1 && a.num_topk <= kNormalMaxTopk && a.num_payloads >= 1 && a.num_payloads <= 2 &&
+         a.num_experts >= num_ranks && a.num_experts % num_ranks == 0 && a.num_experts <= kExpertMajorMaxExperts &&
+         a.expert_alignment >= 1 && a.block_count_rows >= grid;
+}
+
+// Combine's backward: rows of whole 16-byte vectors, d_weights exactly when weights.
+inline bool combine_backward_args_ok(const ExpertMajorCombineBackwardArgs& a) {
+  return pair_columns_ok(a.rows.num_pair_columns) && a.rows.row_bytes % 16 == 0 &&
+         (a.weights != nullptr) == (a.d_weights != nullptr);
+}
+
 // ---- partials ---------------------------------------------------------------------------------------------------
 
 // sum += weight * value (each product rounded on its own; unweighted: the value), element by element.

@@ -21,8 +21,15 @@
 namespace jax_ep {
 namespace {
 
-// Token t of source rank s, as relayed into this node: its top-k rows in relay (s % P)'s meta for node s / P, its
-// payload rows back to back in that relay's slot.
+// The slot of token t of source rank s as relayed into this node: relay (s % P)'s slot for node s / P, the token's
+// payload rows back to back.
+__device__ __forceinline__ const char* relayed_row(const InternodeRank& g, const InternodeDispatchLayout& layout, int s,
+                                                  int64_t t) {
+  return data_of(g.node_regions[s % g.ranks_per_node]) + layout.slot(s / g.ranks_per_node, t);
+}
+
+// The dispatch's sources as relayed into this node: token t of source rank s in relayed_row, its top-k rows in the
+// same relay's meta for node s / P.
 struct RelayedInputs {
   const InternodeRank* g;
   const InternodeDispatchLayout* layout;
@@ -38,14 +45,9 @@ struct RelayedInputs {
                     : nullptr;
   }
   __device__ const void* row(int s, int p, int64_t t) const {
-    return relay(s) + layout->slot(s / g->ranks_per_node, t) + (p == 1 ? row_bytes[0] : 0);
+    return relayed_row(*g, *layout, s, t) + (p == 1 ? row_bytes[0] : 0);
   }
 };
-
-__device__ __forceinline__ const void* relayed_row(const InternodeRank& g, const InternodeDispatchLayout& layout, int s,
-                                                   int64_t t) {
-  return data_of(g.node_regions[s % g.ranks_per_node]) + layout.slot(s / g.ranks_per_node, t);
-}
 
 __global__ void __launch_bounds__(kThreads, 1)
     dispatch_kernel(const __grid_constant__ InternodeRank g, const __grid_constant__ InternodeExpertMajorDispatchArgs a,
@@ -201,10 +203,7 @@ cudaError_t launch_combine(const InternodeCall& call, const InternodeExpertMajor
 cudaError_t internode_expert_major_dispatch(const InternodeCall& call, const InternodeExpertMajorDispatchArgs& args) {
   const InternodeRank& g = call.group;
   const ExpertMajorDispatchArgs& a = args.rows;
-  if (a.num_topk < 1 || a.num_topk > kNormalMaxTopk || a.num_payloads < 1 || a.num_payloads > 2 ||
-      a.num_experts < g.num_ranks || a.num_experts % g.num_ranks != 0 || a.num_experts > kExpertMajorMaxExperts ||
-      a.expert_alignment < 1 || a.block_count_rows < grid_size(call))
-    return cudaErrorInvalidValue;
+  if (!dispatch_args_ok(a, g.num_ranks, grid_size(call))) return cudaErrorInvalidValue;
   const int64_t payload_bytes = a.x_row_bytes[0] + (a.num_payloads == 2 ? a.x_row_bytes[1] : 0);
   const InternodeDispatchLayout layout(g.num_nodes, g.ranks_per_node, a.num_tokens, a.num_topk, payload_bytes);
   if (layout.total > g.region_bytes) return cudaErrorMemoryAllocation;
@@ -215,7 +214,7 @@ cudaError_t internode_expert_major_dispatch(const InternodeCall& call, const Int
 cudaError_t internode_expert_major_cached_dispatch(const InternodeCall& call,
                                                    const InternodeExpertMajorCachedDispatchArgs& args) {
   const InternodeRank& g = call.group;
-  if (args.rows.num_pair_columns < 1 || args.rows.num_pair_columns > kNormalMaxTopk) return cudaErrorInvalidValue;
+  if (!pair_columns_ok(args.rows.num_pair_columns)) return cudaErrorInvalidValue;
   const InternodeDispatchLayout layout(g.num_nodes, g.ranks_per_node, args.rows.num_tokens, 0, args.rows.row_bytes);
   if (layout.total > g.region_bytes) return cudaErrorMemoryAllocation;
   cached_dispatch_kernel<<<grid_size(call), kThreads, 0, call.stream>>>(g, args, layout, call.timeout_ns);
@@ -226,9 +225,7 @@ cudaError_t internode_expert_major_combine_backward(const InternodeCall& call,
                                                     const InternodeExpertMajorCombineBackwardArgs& args) {
   const InternodeRank& g = call.group;
   const ExpertMajorCachedDispatchArgs& rows = args.gradients.rows;
-  if (rows.num_pair_columns < 1 || rows.num_pair_columns > kNormalMaxTopk || rows.row_bytes % 16 != 0 ||
-      (args.gradients.weights != nullptr) != (args.gradients.d_weights != nullptr))
-    return cudaErrorInvalidValue;
+  if (!combine_backward_args_ok(args.gradients)) return cudaErrorInvalidValue;
   const InternodeDispatchLayout layout(g.num_nodes, g.ranks_per_node, rows.num_tokens, 0, rows.row_bytes);
   if (layout.total > g.region_bytes) return cudaErrorMemoryAllocation;
   auto launch = [&](auto type) {
@@ -236,19 +233,13 @@ cudaError_t internode_expert_major_combine_backward(const InternodeCall& call,
         <<<grid_size(call), kThreads, 0, call.stream>>>(g, args, layout, call.timeout_ns);
     return cudaGetLastError();
   };
-  switch (args.gradients.type) {
-    case FloatType::kF32: return launch(TypeTag<float>{});
-    case FloatType::kBF16: return launch(TypeTag<__nv_bfloat16>{});
-    case FloatType::kF16: return launch(TypeTag<__half>{});
-  }
-  return cudaErrorInvalidValue;
+  return with_float_type(args.gradients.type, launch);
 }
 
 cudaError_t internode_expert_major_combine(const InternodeCall& call, const InternodeExpertMajorCombineArgs& args) {
   const InternodeRank& g = call.group;
   const ExpertMajorCombineArgs& p = args.partials;
-  if (p.num_pair_columns < 1 || p.num_pair_columns > kNormalMaxTopk ||
-      args.sums.capacity != static_cast<int64_t>(g.num_ranks) * p.num_tokens)
+  if (!pair_columns_ok(p.num_pair_columns) || args.sums.capacity != static_cast<int64_t>(g.num_ranks) * p.num_tokens)
     return cudaErrorInvalidValue;
   return with_combine_types(args.sums, [&](auto in, auto bias, auto out) {
     using In = typename decltype(in)::type;

@@ -55,6 +55,10 @@ inline constexpr int kExpertMajorMaxExperts = 512;
 // further on are left unwritten, so that the gradient's work follows the pairs received, not the capacity.
 inline constexpr int kExpertMajorGradZeroRows = 256;
 
+// jax_ep's side streams per CUDA device (xla_ffi/side_streams.cc): the normal-mode ops' *_on_side_stream targets
+// take one of 1 to kMaxSideStreams (0 is XLA's stream).
+inline constexpr int kMaxSideStreams = 4;
+
 // Groups spanning processes ("staged", api.h): a peer process cannot map XLA's buffers, so each op copies the inputs
 // its peers read into its own workspace, one region per input in the order the op publishes them. Regions start at
 // kStagingOffset (offset 0 is never a region, so a published 0 still means "no such input") and each is

@@ -79,6 +79,8 @@ def limit(name: str) -> int | None:
 # FFI target names and the enums passed as FFI attributes, as the extension defines them (xla_ffi/module.cc).
 _TARGET_NAMES: dict[str, str] = {} if _C is None else dict(_C.target_names())
 _ENUMS: dict[str, dict[str, int]] = {} if _C is None else {name: dict(members) for name, members in _C.enums().items()}
+# The normal-mode targets' twins that run on a jax_ep side stream (xla_ffi/module.cc, kSideStreamKeys).
+_SIDE_STREAM_TWINS: dict[str, str] = {} if _C is None else dict(_C.side_stream_twins())
 
 
 def target(key: str) -> str | None:
@@ -87,6 +89,11 @@ def target(key: str) -> str | None:
     if _C is None:
         return None
     return _TARGET_NAMES[key]
+
+
+def side_stream_twin(target_name: str) -> str:
+    """The FFI target that runs normal-mode target `target_name`'s kernel on a jax_ep side stream."""
+    return _SIDE_STREAM_TWINS[target_name]
 
 
 def enum(name: str) -> dict[str, int]:

@@ -253,3 +253,57 @@ def test_expert_major_combine_of_other_float_types_rounds_partials_first():
     assert f"tensor<{R * T}x{H}xf32>, tensor<{R * T}x1xi32>" in call, call  # a float32 partial per received token
     assert re.search(r"weighted = 0", call), call
     assert "f8E4M3FN" in text and "convert" in text  # the partials rounded to float8 in XLA
+
+
+# ---- side streams (docs/design.md, "Side streams") --------------------------------------------------------------
+
+def side_stream_program(buf) -> str:
+    """An expert-major dispatch and weighted combine on side stream 2 beside a matmul (normal.overlap); a cached
+    dispatch on XLA's stream after them."""
+    backend = buf.backend_impl
+
+    def body(x, idx, w, m):
+        def start(x, idx, w):
+            recv, weights, *_, handle, _ = backend.expert_major_dispatch(
+                (x,), idx, w, num_experts=E, capacity=R * T * K, expert_alignment=1)
+            out = backend._expert_major_combine_call(recv[0], weights, handle.pair_row, handle, None, x.dtype)
+            return out, handle
+
+        (out, handle), product = normal.overlap(start, (x, idx, w), lambda m: m @ m, (m,), index=2)
+        return out, product, backend.expert_major_cached_dispatch(x, handle)
+
+    args = (jnp.zeros((R * T, H), jnp.bfloat16), jnp.zeros((R * T, K), jnp.int32), jnp.zeros((R * T, K), jnp.float32),
+            jnp.zeros((R * 64, 64), jnp.float32))
+    return jax.jit(jax.shard_map(body, mesh=buf.mesh, in_specs=P("ep"), out_specs=P("ep"))).lower(*args).as_text()
+
+
+def test_calls_inside_side_stream_take_the_twins_and_join_holds_every_operand():
+    """In normal.overlap the backend's calls lower to their `_on_side_stream` twins with side_stream = 2, the matmul
+    between two optimization barriers, then the join: it returns the started results in place (aliased) and holds
+    every other result and operand of the calls, each once; calls outside stay on XLA's stream."""
+    text = side_stream_program(cuda_standin(False))
+    dispatch, combine = (calls_of(text, _native.side_stream_twin(t)) for t in
+                         (intranode.EXPERT_MAJOR_DISPATCH_TARGET, intranode.EXPERT_MAJOR_COMBINE_TARGET))
+    assert len(dispatch) == len(combine) == 1, text
+    assert all(re.search(r"side_stream = 2", call) for call in dispatch + combine), dispatch + combine
+    assert not calls_of(text, intranode.EXPERT_MAJOR_DISPATCH_TARGET)  # only the twin
+    assert len(calls_of(text, intranode.EXPERT_MAJOR_CACHED_DISPATCH_TARGET)) == 1  # after overlap: XLA's stream
+    (join,) = calls_of(text, normal.JOIN_TARGET)
+    assert re.search(r"side_stream = 2", join), join
+    lines = text.splitlines()
+    at = {name: next(i for i, line in enumerate(lines) if name in line)
+          for name in (_native.side_stream_twin(intranode.EXPERT_MAJOR_COMBINE_TARGET), "dot_general",
+                       normal.JOIN_TARGET)}
+    assert list(at.values()) == sorted(at.values()), at  # start, matmul, join
+    assert text.count("optimization_barrier") == 2, text
+    # Operands: the started results (the combine's result and the handle's 5 arrays, aliased), then the dispatch's
+    # other 9 results, the combine's slots, x, topk_idx and topk_weights (the combine's operands are among those).
+    operands = re.search(r"\(([^)]*)\)", join.split(normal.JOIN_TARGET, 1)[1]).group(1).split(",")
+    assert len(operands) == len(set(operands)) == 6 + 9 + 1 + 3, join
+    assert join.count("output_operand_alias<") == 6, join
+
+
+def test_side_stream_index_is_checked():
+    with pytest.raises(ValueError, match=f"index must be 1 to {normal.MAX_SIDE_STREAMS}, got 0"):
+        with normal.side_stream(0):
+            pass

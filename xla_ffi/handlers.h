@@ -31,21 +31,22 @@ inline ffi::Error CheckLayoutArgs(const ffi::Buffer<ffi::S32>& topk_idx, int64_t
 }
 
 // Int64 attributes appended to a binding by name, in order (jax_ep's call sites send every attribute as np.int64).
-// Bindings only move along a chain of calls, so the last name ends the recursion.
+// Bindings only move along a chain of calls (their move constructor is private: each is taken by rvalue reference
+// and its member calls make the next), so the last name ends the recursion.
 template <typename Binding>
-auto Int64Attrs(Binding binding, const char* name) {
+auto Int64Attrs(Binding&& binding, const char* name) {
   return std::move(binding).template Attr<int64_t>(name);
 }
 
 template <typename Binding, typename... Names>
-auto Int64Attrs(Binding binding, const char* name, const char* next, Names... names) {
+auto Int64Attrs(Binding&& binding, const char* name, const char* next, Names... names) {
   return Int64Attrs(std::move(binding).template Attr<int64_t>(name), next, names...);
 }
 
 // N operands of any type appended to a binding (the handlers check their types and shapes themselves, to name
 // what is wrong).
 template <size_t N, typename Binding>
-auto AnyBufferArgs(Binding binding) {
+auto AnyBufferArgs(Binding&& binding) {
   if constexpr (N == 1)
     return std::move(binding).template Arg<ffi::AnyBuffer>();
   else
@@ -122,6 +123,58 @@ auto NormalHandler(const char* op, Body body) {
   };
 }
 
+// ---- side streams (side_streams.cc; docs/design.md, "Side streams") ---------------------------------------------
+// Each normal-mode op has a twin target, `<target>_on_side_stream`, that launches its kernel on one of jax_ep's side
+// streams of the device instead of XLA's stream and returns at once; XLA's kernels that follow run beside it until
+// the join target makes XLA's stream wait for the side stream. Two events per side stream order them: `xla_ready`
+// (recorded on XLA's stream, waited for by the side stream before the launch: the op's inputs are written) and
+// `done` (recorded on the side stream after the launch, waited for by XLA's stream in the join).
+struct SideStream {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t xla_ready = nullptr;
+  cudaEvent_t done = nullptr;
+};
+
+// Side stream `index` (1 to kMaxSideStreams) of CUDA device `device`, created at its first use (a non-blocking
+// stream, events without timing) and kept for the life of the process.
+ffi::Error FindSideStream(const std::string& op, int device, int64_t index, SideStream* out);
+
+// Before a launch on side stream `index`: refuses when XLA's stream is being captured (an XLA command buffer: a
+// capture cannot end while a stream it forked still runs; the twin targets are registered without the
+// command-buffer trait, so XLA runs them outside its graphs), then makes the side stream wait for XLA's stream.
+ffi::Error EnterSideStream(const std::string& op, cudaStream_t xla_stream, int device, int64_t index, SideStream* out);
+
+// After the launch: where the side stream's work ends, for the join.
+ffi::Error LeaveSideStream(const std::string& op, const SideStream& side);
+
+// A normal-mode op on a side stream: bound by SideStreamBinding() (NormalBinding's attributes, then `side_stream`),
+// the same body as NormalHandler's, its launch on the side stream.
+inline auto SideStreamBinding() {
+  return Int64Attrs(CudaBinding(), "buffer_id", "num_sms", "timeout_ns", "side_stream");
+}
+
+template <typename Call, typename Body>
+auto SideStreamHandler(const char* op, Body body) {
+  return [op, on_stream = NormalHandler<Call>(op, body)](cudaStream_t stream, int32_t device, int64_t buffer_id,
+                                                         int64_t num_sms, int64_t timeout_ns, int64_t side_stream,
+                                                         auto... operands) -> ffi::Error {
+    SideStream side;
+    if (auto err = EnterSideStream(op, stream, device, side_stream, &side); err.failure()) return err;
+    if (auto err = on_stream(side.stream, device, buffer_id, num_sms, timeout_ns, std::move(operands)...);
+        err.failure())
+      return err;
+    return LeaveSideStream(op, side);
+  };
+}
+
+// Defines the handler symbols of a normal-mode op: `name` on XLA's stream (command-buffer compatible: under graph
+// replay only the kernel runs, and it keeps its own state) and `name##OnSideStream`. `tail` adds the op's operands,
+// results and attributes to a binding.
+#define JAX_EP_DEFINE_NORMAL_HANDLERS(name, Call, op, body, tail)                                           \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (NormalHandler<Call>(op, body)), tail(NormalBinding()),              \
+                                {ffi::Traits::kCmdBufferCompatible});                                      \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name##OnSideStream, (SideStreamHandler<Call>(op, body)), tail(SideStreamBinding()))
+
 // The operands and results every normal-mode dispatch handler decodes alike into the NormalDispatchArgs part of
 // its args. args: x payloads (num_payloads: 1, or 2 for the FP8 pair), topk_idx, [topk_weights]; rets: recv
 // payloads, recv_topk_idx, [recv_topk_weights], num_recv_tokens, num_recv_tokens_per_expert, num_dropped,
@@ -132,19 +185,18 @@ ffi::Error DecodeDispatch(const std::string& op, ffi::RemainingArgs remaining_ar
                           int64_t expert_alignment, int num_ranks, size_t handle_results, NormalDispatchArgs* a,
                           std::vector<ffi::AnyBuffer>* handle);
 
-// The dispatch of either mode: its binding, and its implementation, which decodes what every dispatch has (see
+// The dispatch of either mode: its binding's tail, and its body, which decodes what every dispatch has (see
 // DecodeDispatch) into Args (DispatchArgs or InternodeDispatchArgs), then returns launch(op, call, a, handle), where
 // `handle` holds the mode's two handle results.
-inline auto NormalDispatchBinding() {
-  return Int64Attrs(NormalBinding().RemainingArgs().RemainingRets(), "num_payloads", "num_experts",
+inline constexpr auto kDispatchTail = [](auto&& binding) {
+  return Int64Attrs(std::move(binding).RemainingArgs().RemainingRets(), "num_payloads", "num_experts",
                     "expert_alignment");
-}
+};
 
 template <typename Call, typename Args, typename Launch>
-auto NormalDispatchHandler(const char* op, Launch launch) {
-  return NormalHandler<Call>(op, [launch](const char* op, const Call& call, ffi::RemainingArgs args,
-                                          ffi::RemainingRets rets, int64_t num_payloads, int64_t num_experts,
-                                          int64_t expert_alignment) {
+auto DispatchBody(Launch launch) {
+  return [launch](const char* op, const Call& call, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                  int64_t num_payloads, int64_t num_experts, int64_t expert_alignment) {
     Args a;
     std::vector<ffi::AnyBuffer> handle;
     if (auto err = DecodeDispatch(op, args, rets, num_payloads, num_experts, expert_alignment, call.group.num_ranks,
@@ -152,7 +204,7 @@ auto NormalDispatchHandler(const char* op, Launch launch) {
         err.failure())
       return err;
     return launch(op, call, a, handle);
-  });
+  };
 }
 
 // ---- decoding buffers -----------------------------------------------------------------------------------------------
@@ -252,6 +304,14 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(IntranodeExpertMajorDispatch);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(IntranodeExpertMajorCachedDispatch);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(IntranodeExpertMajorCombine);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(IntranodeExpertMajorCombineBackward);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(IntranodeDispatchOnSideStream);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(IntranodeCachedDispatchOnSideStream);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(IntranodeCombineOnSideStream);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(IntranodeExpertMajorDispatchOnSideStream);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(IntranodeExpertMajorCachedDispatchOnSideStream);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(IntranodeExpertMajorCombineOnSideStream);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(IntranodeExpertMajorCombineBackwardOnSideStream);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(SideStreamJoin);  // side_streams.cc
 #if defined(JAX_EP_INSTRUMENT)
 XLA_FFI_DECLARE_HANDLER_SYMBOL(IntranodeStoreProbe);
 #endif
@@ -268,6 +328,13 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(InternodeExpertMajorDispatch);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(InternodeExpertMajorCachedDispatch);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(InternodeExpertMajorCombine);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(InternodeExpertMajorCombineBackward);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(InternodeDispatchOnSideStream);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(InternodeCachedDispatchOnSideStream);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(InternodeCombineOnSideStream);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(InternodeExpertMajorDispatchOnSideStream);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(InternodeExpertMajorCachedDispatchOnSideStream);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(InternodeExpertMajorCombineOnSideStream);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(InternodeExpertMajorCombineBackwardOnSideStream);
 #endif
 
 }  // namespace jax_ep::ffi_handlers

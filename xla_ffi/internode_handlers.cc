@@ -1,6 +1,6 @@
 // CUDA XLA FFI handlers of the internode normal mode (NVSHMEM builds), in the normal-mode frame of handlers.h: decode
-// buffers and attributes, call csrc/api.h. Command-buffer compatible: the kernels keep their call numbers in device
-// memory and the handlers never synchronise.
+// buffers and attributes, call csrc/api.h. On XLA's stream command-buffer compatible: the kernels keep their call
+// numbers in device memory and the handlers never synchronise; each op's twin runs on a side stream.
 #include <optional>
 #include <string>
 #include <vector>
@@ -168,53 +168,49 @@ ffi::Error ExpertMajorCombine(const char* op, const InternodeCall& call, ffi::An
   return Launched(op, err, RegionTooSmall(call));
 }
 
+// The tails of the bindings (handlers.h, JAX_EP_DEFINE_NORMAL_HANDLERS).
+constexpr auto kCachedDispatchTail = [](auto&& binding) {  // x, recv_src_index, is_token_in_rank; recv_x
+  return AnyBufferArgs<3>(std::move(binding)).template Ret<ffi::AnyBuffer>();
+};
+constexpr auto kCombineTail = [](auto&& binding) {
+  return AnyBufferArgs<5>(std::move(binding))  // y and the handle's four arrays
+      .template OptionalArg<ffi::AnyBuffer>()     // bias
+      .template Ret<ffi::AnyBuffer>();
+};
+constexpr auto kExpertMajorCachedDispatchTail = [](auto&& binding) {
+  return AnyBufferArgs<5>(std::move(binding))  // x, pair_row, recv_src_index, rows_end, is_token_in_rank
+      .template Ret<ffi::AnyBuffer>();            // recv_x
+};
+constexpr auto kExpertMajorCombineTail = [](auto&& binding) {
+  return AnyBufferArgs<5>(std::move(binding))  // y, pair_row, is_token_in_rank, the relay part
+      .RemainingArgs()                            // [weights], [bias]
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<int64_t>("weighted");
+};
+constexpr auto kExpertMajorCombineBackwardTail = [](auto&& binding) {
+  return AnyBufferArgs<6>(std::move(binding))  // d_out, y, pair_row, recv_src_index, rows_end, is_token_in_rank
+      .RemainingArgs()                            // [weights]
+      .template Ret<ffi::AnyBuffer>()             // d_y
+      .template OptionalRet<ffi::AnyBuffer>()     // [d_weights]
+      .template Attr<int64_t>("weighted");
+};
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeDispatch,
-                              (NormalDispatchHandler<InternodeCall, InternodeDispatchArgs>("internode dispatch",
-                                                                                          Dispatch)),
-                              NormalDispatchBinding(), {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeCachedDispatch,
-                              NormalHandler<InternodeCall>("internode cached dispatch", CachedDispatch),
-                              AnyBufferArgs<3>(NormalBinding()).Ret<ffi::AnyBuffer>(),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeCombine, NormalHandler<InternodeCall>("internode combine", Combine),
-                              AnyBufferArgs<5>(NormalBinding())  // y and the handle's four arrays
-                                  .OptionalArg<ffi::AnyBuffer>()    // bias
-                                  .Ret<ffi::AnyBuffer>(),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeExpertMajorDispatch,
-                              NormalHandler<InternodeCall>("internode expert-major dispatch", ExpertMajorDispatch),
-                              Int64Attrs(NormalBinding().RemainingArgs().RemainingRets(), "num_payloads", "num_experts",
-                                         "expert_alignment"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeExpertMajorCachedDispatch,
-                              NormalHandler<InternodeCall>("internode expert-major cached dispatch",
-                                                           ExpertMajorCachedDispatch),
-                              AnyBufferArgs<5>(NormalBinding())  // x, pair_row, recv_src_index, rows_end,
-                                  .Ret<ffi::AnyBuffer>(),           // is_token_in_rank; recv_x
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeExpertMajorCombine,
-                              NormalHandler<InternodeCall>("internode expert-major combine", ExpertMajorCombine),
-                              AnyBufferArgs<5>(NormalBinding())  // y, pair_row, is_token_in_rank, the relay part
-                                  .RemainingArgs()                  // [weights], [bias]
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("weighted"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeExpertMajorCombineBackward,
-                              NormalHandler<InternodeCall>("internode expert-major combine backward",
-                                                           ExpertMajorCombineBackward),
-                              AnyBufferArgs<6>(NormalBinding())  // d_out, y, pair_row, recv_src_index, rows_end,
-                                  .RemainingArgs()                  // is_token_in_rank; [weights]
-                                  .Ret<ffi::AnyBuffer>()            // d_y
-                                  .OptionalRet<ffi::AnyBuffer>()    // [d_weights]
-                                  .Attr<int64_t>("weighted"),
-                              {ffi::Traits::kCmdBufferCompatible});
+JAX_EP_DEFINE_NORMAL_HANDLERS(InternodeDispatch, InternodeCall, "internode dispatch",
+                              (DispatchBody<InternodeCall, InternodeDispatchArgs>(Dispatch)), kDispatchTail);
+JAX_EP_DEFINE_NORMAL_HANDLERS(InternodeCachedDispatch, InternodeCall, "internode cached dispatch", CachedDispatch,
+                              kCachedDispatchTail);
+JAX_EP_DEFINE_NORMAL_HANDLERS(InternodeCombine, InternodeCall, "internode combine", Combine, kCombineTail);
+JAX_EP_DEFINE_NORMAL_HANDLERS(InternodeExpertMajorDispatch, InternodeCall, "internode expert-major dispatch",
+                              ExpertMajorDispatch, kDispatchTail);
+JAX_EP_DEFINE_NORMAL_HANDLERS(InternodeExpertMajorCachedDispatch, InternodeCall,
+                              "internode expert-major cached dispatch", ExpertMajorCachedDispatch,
+                              kExpertMajorCachedDispatchTail);
+JAX_EP_DEFINE_NORMAL_HANDLERS(InternodeExpertMajorCombine, InternodeCall, "internode expert-major combine",
+                              ExpertMajorCombine, kExpertMajorCombineTail);
+JAX_EP_DEFINE_NORMAL_HANDLERS(InternodeExpertMajorCombineBackward, InternodeCall,
+                              "internode expert-major combine backward", ExpertMajorCombineBackward,
+                              kExpertMajorCombineBackwardTail);
 
 }  // namespace jax_ep::ffi_handlers

@@ -1,6 +1,6 @@
 // CUDA XLA FFI handlers of the intranode normal mode (groups in one process or across processes), in the normal-mode
-// frame of handlers.h: decode buffers and attributes, call csrc/api.h. Command-buffer compatible: under graph replay
-// only the kernels run, and they keep their own state.
+// frame of handlers.h: decode buffers and attributes, call csrc/api.h. On XLA's stream command-buffer compatible:
+// under graph replay only the kernels run, and they keep their own state; each op's twin runs on a side stream.
 #include <algorithm>
 #include <optional>
 #include <string>
@@ -166,58 +166,52 @@ ffi::Error StoreProbe(const char* op, const IntranodeCall& call, ffi::AnyBuffer 
 }
 #endif
 
+// The tails of the bindings (handlers.h, JAX_EP_DEFINE_NORMAL_HANDLERS).
+constexpr auto kCachedDispatchTail = [](auto&& binding) {  // x, recv_src_index; recv_x
+  return std::move(binding).template Arg<ffi::AnyBuffer>().template Arg<ffi::Buffer<ffi::S32>>().template Ret<ffi::AnyBuffer>();
+};
+constexpr auto kCombineTail = [](auto&& binding) {
+  return AnyBufferArgs<3>(std::move(binding))  // y, send_row, recv_src_index
+      .template OptionalArg<ffi::AnyBuffer>()     // bias
+      .template Ret<ffi::AnyBuffer>()
+      .template OptionalRet<ffi::AnyBuffer>()     // the slots of a push in one process
+      .template Attr<int64_t>("method")
+      .template Attr<int64_t>("push_warps");
+};
+constexpr auto kExpertMajorCachedDispatchTail = [](auto&& binding) {
+  return AnyBufferArgs<4>(std::move(binding))  // x, pair_row, recv_src_index, rows_end; recv_x
+      .template Ret<ffi::AnyBuffer>();
+};
+constexpr auto kExpertMajorCombineTail = [](auto&& binding) {
+  return AnyBufferArgs<3>(std::move(binding))  // y, pair_row, is_token_in_rank
+      .RemainingArgs()                            // [weights], [bias]
+      .template Ret<ffi::AnyBuffer>()
+      .template OptionalRet<ffi::AnyBuffer>()     // the slots in one process
+      .template Attr<int64_t>("weighted");
+};
+constexpr auto kExpertMajorCombineBackwardTail = [](auto&& binding) {
+  return AnyBufferArgs<5>(std::move(binding))  // d_out, y, pair_row, recv_src_index, rows_end
+      .RemainingArgs()                            // [weights]
+      .template Ret<ffi::AnyBuffer>()             // d_y
+      .template OptionalRet<ffi::AnyBuffer>()     // [d_weights]
+      .template Attr<int64_t>("weighted");
+};
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(IntranodeDispatch,
-                              (NormalDispatchHandler<IntranodeCall, DispatchArgs>("dispatch", Dispatch)),
-                              NormalDispatchBinding(), {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(IntranodeCachedDispatch,
-                              NormalHandler<IntranodeCall>("cached dispatch", CachedDispatch),
-                              NormalBinding()  // x, recv_src_index; recv_x
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>(),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(IntranodeCombine, NormalHandler<IntranodeCall>("combine", Combine),
-                              AnyBufferArgs<3>(NormalBinding())  // y, send_row, recv_src_index
-                                  .OptionalArg<ffi::AnyBuffer>()    // bias
-                                  .Ret<ffi::AnyBuffer>()
-                                  .OptionalRet<ffi::AnyBuffer>()    // the slots of a push in one process
-                                  .Attr<int64_t>("method")
-                                  .Attr<int64_t>("push_warps"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(IntranodeExpertMajorDispatch,
-                              NormalHandler<IntranodeCall>("expert-major dispatch", ExpertMajorDispatch),
-                              Int64Attrs(NormalBinding().RemainingArgs().RemainingRets(), "num_payloads", "num_experts",
-                                         "expert_alignment"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(IntranodeExpertMajorCachedDispatch,
-                              NormalHandler<IntranodeCall>("expert-major cached dispatch", ExpertMajorCachedDispatch),
-                              AnyBufferArgs<4>(NormalBinding())  // x, pair_row, recv_src_index, rows_end; recv_x
-                                  .Ret<ffi::AnyBuffer>(),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(IntranodeExpertMajorCombine,
-                              NormalHandler<IntranodeCall>("expert-major combine", ExpertMajorCombine),
-                              AnyBufferArgs<3>(NormalBinding())  // y, pair_row, is_token_in_rank
-                                  .RemainingArgs()                  // [weights], [bias]
-                                  .Ret<ffi::AnyBuffer>()
-                                  .OptionalRet<ffi::AnyBuffer>()    // the slots in one process
-                                  .Attr<int64_t>("weighted"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(IntranodeExpertMajorCombineBackward,
-                              NormalHandler<IntranodeCall>("expert-major combine backward", ExpertMajorCombineBackward),
-                              AnyBufferArgs<5>(NormalBinding())  // d_out, y, pair_row, recv_src_index, rows_end
-                                  .RemainingArgs()                  // [weights]
-                                  .Ret<ffi::AnyBuffer>()            // d_y
-                                  .OptionalRet<ffi::AnyBuffer>()    // [d_weights]
-                                  .Attr<int64_t>("weighted"),
-                              {ffi::Traits::kCmdBufferCompatible});
+JAX_EP_DEFINE_NORMAL_HANDLERS(IntranodeDispatch, IntranodeCall, "dispatch",
+                              (DispatchBody<IntranodeCall, DispatchArgs>(Dispatch)), kDispatchTail);
+JAX_EP_DEFINE_NORMAL_HANDLERS(IntranodeCachedDispatch, IntranodeCall, "cached dispatch", CachedDispatch,
+                              kCachedDispatchTail);
+JAX_EP_DEFINE_NORMAL_HANDLERS(IntranodeCombine, IntranodeCall, "combine", Combine, kCombineTail);
+JAX_EP_DEFINE_NORMAL_HANDLERS(IntranodeExpertMajorDispatch, IntranodeCall, "expert-major dispatch",
+                              ExpertMajorDispatch, kDispatchTail);
+JAX_EP_DEFINE_NORMAL_HANDLERS(IntranodeExpertMajorCachedDispatch, IntranodeCall, "expert-major cached dispatch",
+                              ExpertMajorCachedDispatch, kExpertMajorCachedDispatchTail);
+JAX_EP_DEFINE_NORMAL_HANDLERS(IntranodeExpertMajorCombine, IntranodeCall, "expert-major combine",
+                              ExpertMajorCombine, kExpertMajorCombineTail);
+JAX_EP_DEFINE_NORMAL_HANDLERS(IntranodeExpertMajorCombineBackward, IntranodeCall, "expert-major combine backward",
+                              ExpertMajorCombineBackward, kExpertMajorCombineBackwardTail);
 
 #if defined(JAX_EP_INSTRUMENT)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(IntranodeStoreProbe, NormalHandler<IntranodeCall>("store probe", StoreProbe),

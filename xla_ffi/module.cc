@@ -46,7 +46,19 @@ constexpr const char* kTargetKeys[] = {
     "internode_dispatch", "internode_cached_dispatch", "internode_combine",
     "internode_expert_major_dispatch", "internode_expert_major_cached_dispatch", "internode_expert_major_combine",
     "internode_expert_major_combine_backward",
+    "side_stream_join",
 };
+
+// The normal-mode ops: each has a twin target, its name plus kSideStreamSuffix, that runs on a jax_ep side stream
+// (handlers.h, "side streams").
+constexpr const char* kSideStreamKeys[] = {
+    "dispatch", "cached_dispatch", "combine",
+    "expert_major_dispatch", "expert_major_cached_dispatch", "expert_major_combine", "expert_major_combine_backward",
+    "internode_dispatch", "internode_cached_dispatch", "internode_combine",
+    "internode_expert_major_dispatch", "internode_expert_major_cached_dispatch", "internode_expert_major_combine",
+    "internode_expert_major_combine_backward",
+};
+constexpr const char* kSideStreamSuffix = "_on_side_stream";
 
 std::string TargetName(const std::string& key) {
   for (const char* known : kTargetKeys)
@@ -58,6 +70,12 @@ nb::dict TargetNames() {
   nb::dict names;
   for (const char* key : kTargetKeys) names[key] = TargetName(key);
   return names;
+}
+
+nb::dict SideStreamTwins() {
+  nb::dict twins;
+  for (const char* key : kSideStreamKeys) twins[TargetName(key).c_str()] = TargetName(key) + kSideStreamSuffix;
+  return twins;
 }
 
 nb::dict Registrations() {
@@ -75,13 +93,25 @@ nb::dict Registrations() {
     platforms["CUDA"] = handler;
     targets[TargetName(key).c_str()] = platforms;
   };
-  cuda_only("dispatch", Capsule(IntranodeDispatch));
-  cuda_only("cached_dispatch", Capsule(IntranodeCachedDispatch));
-  cuda_only("combine", Capsule(IntranodeCombine));
-  cuda_only("expert_major_dispatch", Capsule(IntranodeExpertMajorDispatch));
-  cuda_only("expert_major_cached_dispatch", Capsule(IntranodeExpertMajorCachedDispatch));
-  cuda_only("expert_major_combine", Capsule(IntranodeExpertMajorCombine));
-  cuda_only("expert_major_combine_backward", Capsule(IntranodeExpertMajorCombineBackward));
+  // A normal-mode op on XLA's stream and its twin on a side stream.
+  auto normal = [&](const char* key, nb::capsule on_xla_stream, nb::capsule on_side_stream) {
+    cuda_only(key, on_xla_stream);
+    nb::dict platforms;
+    platforms["CUDA"] = on_side_stream;
+    targets[(TargetName(key) + kSideStreamSuffix).c_str()] = platforms;
+  };
+  normal("dispatch", Capsule(IntranodeDispatch), Capsule(IntranodeDispatchOnSideStream));
+  normal("cached_dispatch", Capsule(IntranodeCachedDispatch), Capsule(IntranodeCachedDispatchOnSideStream));
+  normal("combine", Capsule(IntranodeCombine), Capsule(IntranodeCombineOnSideStream));
+  normal("expert_major_dispatch", Capsule(IntranodeExpertMajorDispatch),
+         Capsule(IntranodeExpertMajorDispatchOnSideStream));
+  normal("expert_major_cached_dispatch", Capsule(IntranodeExpertMajorCachedDispatch),
+         Capsule(IntranodeExpertMajorCachedDispatchOnSideStream));
+  normal("expert_major_combine", Capsule(IntranodeExpertMajorCombine),
+         Capsule(IntranodeExpertMajorCombineOnSideStream));
+  normal("expert_major_combine_backward", Capsule(IntranodeExpertMajorCombineBackward),
+         Capsule(IntranodeExpertMajorCombineBackwardOnSideStream));
+  cuda_only("side_stream_join", Capsule(SideStreamJoin));
 #if defined(JAX_EP_INSTRUMENT)
   cuda_only("store_probe", Capsule(IntranodeStoreProbe));
 #endif
@@ -90,13 +120,17 @@ nb::dict Registrations() {
   cuda_only("low_latency_combine_send", Capsule(LowLatencyCombineSend));
   cuda_only("low_latency_combine_recv", Capsule(LowLatencyCombineRecv));
 #if defined(JAX_EP_WITH_NVSHMEM)
-  cuda_only("internode_dispatch", Capsule(InternodeDispatch));
-  cuda_only("internode_cached_dispatch", Capsule(InternodeCachedDispatch));
-  cuda_only("internode_combine", Capsule(InternodeCombine));
-  cuda_only("internode_expert_major_dispatch", Capsule(InternodeExpertMajorDispatch));
-  cuda_only("internode_expert_major_cached_dispatch", Capsule(InternodeExpertMajorCachedDispatch));
-  cuda_only("internode_expert_major_combine", Capsule(InternodeExpertMajorCombine));
-  cuda_only("internode_expert_major_combine_backward", Capsule(InternodeExpertMajorCombineBackward));
+  normal("internode_dispatch", Capsule(InternodeDispatch), Capsule(InternodeDispatchOnSideStream));
+  normal("internode_cached_dispatch", Capsule(InternodeCachedDispatch), Capsule(InternodeCachedDispatchOnSideStream));
+  normal("internode_combine", Capsule(InternodeCombine), Capsule(InternodeCombineOnSideStream));
+  normal("internode_expert_major_dispatch", Capsule(InternodeExpertMajorDispatch),
+         Capsule(InternodeExpertMajorDispatchOnSideStream));
+  normal("internode_expert_major_cached_dispatch", Capsule(InternodeExpertMajorCachedDispatch),
+         Capsule(InternodeExpertMajorCachedDispatchOnSideStream));
+  normal("internode_expert_major_combine", Capsule(InternodeExpertMajorCombine),
+         Capsule(InternodeExpertMajorCombineOnSideStream));
+  normal("internode_expert_major_combine_backward", Capsule(InternodeExpertMajorCombineBackward),
+         Capsule(InternodeExpertMajorCombineBackwardOnSideStream));
 #endif
 #endif
   return targets;
@@ -131,6 +165,7 @@ nb::dict Limits() {
   limits["combine_max_push_warps"] = jax_ep::kCombineMaxPushWarps;
   limits["expert_major_max_experts"] = jax_ep::kExpertMajorMaxExperts;
   limits["expert_major_grad_zero_rows"] = jax_ep::kExpertMajorGradZeroRows;
+  limits["max_side_streams"] = jax_ep::kMaxSideStreams;
   limits["staging_offset"] = jax_ep::kStagingOffset;
   limits["staging_align"] = jax_ep::kStagingAlign;
   limits["max_low_latency_ranks"] = jax_ep::kMaxLowLatencyRanks;
@@ -168,6 +203,8 @@ NB_MODULE(_C, m) {
   m.doc() = "jax_ep native extension: XLA FFI handlers and the device runtime";
   m.def("registrations", &Registrations, "{target name: {platform: FFI handler capsule}}");
   m.def("target_names", &TargetNames, "{key: FFI target name} of every target jax_ep defines, built or not");
+  m.def("side_stream_twins", &SideStreamTwins,
+        "{normal-mode FFI target name: its twin's, which runs on a jax_ep side stream}, built or not");
   m.def("enums", &Enums, "{enum: {member: value}} of the enums passed as FFI attributes (csrc/api.h)");
   // Whether the benchmark's instruments are compiled in (CMake option JAX_EP_INSTRUMENT): the kernel timers
   // (intranode_kernel_times, internode_kernel_times), the low-latency trace (low_latency_trace,

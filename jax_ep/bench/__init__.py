@@ -7,6 +7,7 @@ Modes, one module each beside the shared harness (jax_ep/bench/harness.py):
   grouped_matmul  jax_ep.grouped_matmul in an expert SwiGLU, forward + backward, beside a dense chain
   moe             the jax_ep.flax.MoE block, forward + backward, beside the dense proxy of its FLOPs, and its
                   breakdown (router, dispatch, expert FFN, combine)
+  overlap         an expert-major dispatch + combine on a jax_ep side stream beside the expert matmuls
   soak            many jitted dispatch + combine steps: memory growth and bit-for-bit repeatability
 Every mode takes --json PATH (every figure); intranode and moe draw --plot PATH.
 """
@@ -18,7 +19,7 @@ import sys
 
 from jax_ep.bench import harness
 
-MODES = ("intranode", "internode", "low_latency", "grouped_matmul", "moe", "soak")
+MODES = ("intranode", "internode", "low_latency", "grouped_matmul", "moe", "overlap", "soak")
 
 
 def main(argv=None) -> int:

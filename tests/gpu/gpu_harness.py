@@ -22,6 +22,8 @@ RANKS = [jax.process_count()] if MULTI_PROCESS else [2, 4]
 # one process's peer pointers (the store probe); test_multiprocess_gpu.py runs the multi-process counterparts.
 needs_one_process = pytest.mark.skipif(MULTI_PROCESS, reason="one process driving the GPUs only (a fresh one-process "
                                        "worker of its own, or one process's peer pointers)")
+needs_instrumentation = pytest.mark.skipif(not _native.with_instrumentation(), reason="built with the benchmarks' "
+                                           "instrumentation only (JAX_EP_INSTRUMENT=ON)")
 
 
 def assert_bits(actual, expected, what: str):

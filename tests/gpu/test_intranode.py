@@ -31,8 +31,10 @@ from gpu.gpu_harness import (EM_E, EM_H, EM_K, EM_T, MULTI_PROCESS, RANKS, asser
                              check_handles_swap, check_jitted_loop_with_forced_command_buffers,
                              check_strict_raises_on_drops, combine_body, dispatch_body, dispatch_results, em_case,
                              em_combine_body, em_combine_inputs, em_dispatch_body, em_dispatch_results, em_grad_body,
-                             make_case, needs_one_process, repeats_an_expert)
-from jax_ep import _native, environment
+                             make_case, needs_instrumentation, needs_one_process, repeats_an_expert,
+                             FORCED_COMMAND_BUFFER_FLAGS)
+from jax_ep import environment
+from jax_ep.backends.cuda import normal
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -366,8 +368,7 @@ def test_repeated_runs_identical(R, method):
 
 
 @needs_one_process
-@pytest.mark.skipif(not _native.with_instrumentation(),
-                    reason="the store probe is built with the benchmarks' instrumentation only (JAX_EP_INSTRUMENT=ON)")
+@needs_instrumentation
 @pytest.mark.parametrize("R", RANKS)
 def test_store_probe_writes_every_peer(R):
     """The benchmark's store-ceiling probe: region s of rank r's output holds what rank s stored, 16-byte
@@ -422,6 +423,53 @@ def test_jitted_loop_forced_command_buffers(R):
     correct; with either combine method (the push combine's flags and token tickets live on the device too)."""
     for method in ("pull", "push"):
         check_jitted_loop_with_forced_command_buffers(__file__, R, {environment.COMBINE: method})
+
+
+# ---- side streams (docs/design.md, "Side streams") ---------------------------------------------------------------
+
+@pytest.mark.parametrize("R", RANKS)
+def test_side_stream_overlap_equals_xla_stream(R):
+    """normal.overlap: an expert-major dispatch and weighted combine on a side stream beside a matmul give the bits
+    of the same calls on XLA's stream, and the matmul its own; three runs of the jitted program, the same again."""
+    x, idx, w = em_case(R, O.BF16, seed=31)
+    buf = buffer(R, "cuda")
+    backend = buf.backend_impl
+    capacity = O.expert_major_capacity(R, EM_T, EM_K, EM_E // R, 1)
+    m = np.random.default_rng(32).standard_normal((R, 512, 512)).astype(np.float32)
+
+    def communicate(x, idx, w):
+        recv, weights, *_, handle, _ = backend.expert_major_dispatch(
+            (x,), idx, w, num_experts=EM_E, capacity=capacity, expert_alignment=1)
+        combined = backend._expert_major_combine_call(recv[0], weights, handle.pair_row, handle, None, x.dtype)
+        return combined, weights
+
+    def compute(m):
+        return m @ m @ m
+
+    def plain(x, idx, w, m):
+        return communicate(x, idx, w), compute(m)
+
+    def overlapped(x, idx, w, m):
+        return normal.overlap(communicate, (x, idx, w), compute, (m,))
+
+    args = tuple(flat(a) for a in (x, idx, w, m))
+    expected = jax.tree.leaves(jax.device_get(spmd(R, plain)(*args)))
+    fn = spmd(R, overlapped)
+    for run in range(3):
+        for name, a, b in zip(("combined", "recv_weights", "matmul"), jax.tree.leaves(jax.device_get(fn(*args))),
+                              expected):
+            assert_bits(a, b, f"run {run}: {name}")
+    assert buf.errors() == []
+
+
+@needs_one_process
+@pytest.mark.parametrize("R", RANKS)
+def test_side_stream_overlap_with_forced_command_buffers(R):
+    """The same program with every capturable op in CUDA graphs: the side-stream twins and the join are not
+    command-buffer compatible, so XLA runs them between its graphs, and the results stay the same."""
+    proc = run_in_fresh_process("pytest", R, [f"{__file__}::test_side_stream_overlap_equals_xla_stream[{R}]"],
+                                {"XLA_FLAGS": FORCED_COMMAND_BUFFER_FLAGS})
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 @needs_one_process

@@ -28,8 +28,8 @@ from pathlib import Path
 import pytest
 from process_harness import launch_processes, report
 
-from gpu.conftest import cuda_devices
-from gpu.gpu_harness import FORCED_COMMAND_BUFFER_FLAGS
+from gpu.conftest import cuda_devices, needs_nccl
+from gpu.gpu_harness import FORCED_COMMAND_BUFFER_FLAGS, needs_instrumentation, needs_one_process
 from jax_ep import environment
 
 pytestmark = pytest.mark.processes
@@ -47,6 +47,8 @@ TRANSPORT_ENV = {
     "nvshmem": {"JAX_EP_LL_TRANSPORT": "nvshmem", **NVSHMEM_ENV},
 }
 
+# Why a test of the suites may skip when each rank is a process.
+SUITE_SKIPS = tuple(mark.kwargs["reason"] for mark in (needs_one_process, needs_nccl, needs_instrumentation))
 
 # The most NVSHMEM PEs seen to start on one GPU (nvidia-nvshmem-cu13 on one H200: 48 processes start, 64 abort inside
 # nvshmemx_init_attr before jax_ep allocates anything).
@@ -78,25 +80,37 @@ def launch(mode: str, R: int, args: list[str], timeout_s: float, tmp_path, env_e
     return launch_processes(mode, R, tmp_path, timeout_s, args, env_extra, gpus=len(gpus))
 
 
+def skip_reasons(output: str) -> list[str]:
+    """The reasons of a pytest run's skipped tests (its -rs summary)."""
+    return re.findall(r"^SKIPPED \[\d+\] \S+ (.*)$", output, re.M)
+
+
 def suite_summaries(name: str, R: int, codes, outputs) -> list[re.Match | None]:
     """Each process's pytest summary ("N passed, M skipped"); with $JAX_EP_TEST_SUITE_LOG set, appends a line with
     process 0's summary and skip reasons to that file."""
     summaries = [re.search(r"(\d+) passed(?:, (\d+) skipped)?", out) for out in outputs]
     log = os.environ.get("JAX_EP_TEST_SUITE_LOG")
     if log:
-        reasons = sorted({m.group(1) for m in re.finditer(r"^SKIPPED \[\d+\] \S+ (.*)$", outputs[0], re.M)})
+        reasons = sorted(set(skip_reasons(outputs[0])))
         result = summaries[0].group(0) if summaries[0] else f"no summary (exit codes {codes})"
         with open(log, "a") as f:
             f.write(f"{name} R={R} ({R} processes): {result}" + "".join(f"\n    skipped: {r}" for r in reasons) + "\n")
     return summaries
 
 
-def assert_suite_passed(name: str, R: int, codes, outputs, min_passed: int, max_skipped: int) -> None:
+def assert_suite_passed(name: str, R: int, codes, outputs, min_passed: int, max_skipped: int = 0,
+                        allowed_skips: tuple[str, ...] = ()) -> None:
+    """Every process exited 0 and passed at least `min_passed` tests; it skipped at most `max_skipped` tests, or
+    (with `allowed_skips`) any number, each for one of those reasons."""
     summaries = suite_summaries(name, R, codes, outputs)
     assert codes == [0] * R, report(codes, outputs)
-    for summary in summaries:
-        assert summary and int(summary.group(1)) >= min_passed and int(summary.group(2) or 0) <= max_skipped, \
-            report(codes, outputs)
+    for summary, output in zip(summaries, outputs):
+        assert summary and int(summary.group(1)) >= min_passed, report(codes, outputs)
+        if allowed_skips:
+            unexpected = [r for r in skip_reasons(output) if r not in allowed_skips]
+            assert not unexpected, f"skipped for reasons not allowed here: {unexpected}\n" + report(codes, outputs)
+        else:
+            assert int(summary.group(2) or 0) <= max_skipped, report(codes, outputs)
 
 
 @pytest.mark.parametrize("R", RANKS)
@@ -109,10 +123,10 @@ def test_suite_one_process_per_gpu(suite, transport, R, tmp_path):
     needs_nvshmem(transport)
     codes, outputs = launch("pytest", R, [str(Path(__file__).parent / suite), "-x"], SUITE_TIMEOUT_S, tmp_path,
                             TRANSPORT_ENV[transport])
-    # The suite ran: only the tests of one process driving the GPUs skip (their counterparts are in this file),
-    # with shared GPUs those that need XLA's collectives across the processes (NCCL, see needs_nccl: the one that
-    # mixes the backends' handles in one program), and without the instrumented build the store probe.
-    assert_suite_passed(f"{suite} {transport}", R, codes, outputs, min_passed=25, max_skipped=4)
+    # The suite ran: only the tests of one process driving the GPUs skip (their counterparts are in this file) and,
+    # with shared GPUs, those that need XLA's collectives across the processes (NCCL, see needs_nccl: the one that
+    # mixes the backends' handles in one program).
+    assert_suite_passed(f"{suite} {transport}", R, codes, outputs, min_passed=25, allowed_skips=SUITE_SKIPS)
 
 
 @pytest.mark.parametrize("R", RANKS)
@@ -174,7 +188,7 @@ def test_low_latency_internode_suite(R, ranks_per_node, tmp_path):
     codes, outputs = launch("pytest", R, [str(Path(__file__).parent / "test_low_latency.py"), "-x"], SUITE_TIMEOUT_S,
                             tmp_path, internode_env(ranks_per_node))
     assert_suite_passed(f"test_low_latency.py internode {R // ranks_per_node}x{ranks_per_node}", R, codes, outputs,
-                        min_passed=25, max_skipped=4)
+                        min_passed=25, allowed_skips=SUITE_SKIPS)
 
 
 @pytest.mark.many_ranks

@@ -281,8 +281,8 @@ class InternodeBackend(normal.ExpertMajorKernels, low_latency.LowLatencyOps, Bac
         _check_region("cached dispatch", self.num_rdma_bytes,
                       dispatch_region_bytes(self.num_nodes, self.ranks_per_node, num_tokens, 0, normal.row_bytes(leaf)))
         result_type = jax.typeof(leaf).update(shape=(capacity, *leaf.shape[1:]), dtype=leaf.dtype)
-        return jax.ffi.ffi_call(CACHED_DISPATCH_TARGET, result_type)(leaf, handle.recv_src_index,
-                                                                      handle.is_token_in_rank, **self._attributes())
+        return normal.call(CACHED_DISPATCH_TARGET, result_type, leaf, handle.recv_src_index, handle.is_token_in_rank,
+                           attributes=self._attributes())
 
     def combine(self, y, handle, *, bias=None, out_dtype=jnp.float32):
         """Each token's rows summed in float32 per node (local rank order), the nodes' partials in float32 in node
@@ -297,7 +297,7 @@ class InternodeBackend(normal.ExpertMajorKernels, low_latency.LowLatencyOps, Bac
                                                                            row_elements, np.dtype(y.dtype).itemsize))
         result_type = jax.typeof(y).update(shape=(num_tokens, *y.shape[1:]), dtype=kernel_out)
         operands = (y, *handle) + (() if bias is None else (bias,))
-        out = jax.ffi.ffi_call(COMBINE_TARGET, result_type)(*operands, **self._attributes())
+        out = normal.call(COMBINE_TARGET, result_type, *operands, attributes=self._attributes())
         return out.astype(out_dtype)
 
     # ---- the expert-major layout (csrc/internode_expert_major.cu; normal.ExpertMajorKernels) -------------------
@@ -323,9 +323,9 @@ class InternodeBackend(normal.ExpertMajorKernels, low_latency.LowLatencyOps, Bac
     def expert_major_cached_dispatch(self, leaf, handle):
         self._check_cached_region("cached dispatch", leaf)
         result_type = jax.typeof(leaf).update(shape=(handle.capacity, *leaf.shape[1:]), dtype=leaf.dtype)
-        return jax.ffi.ffi_call(EXPERT_MAJOR_CACHED_DISPATCH_TARGET, result_type)(
-            leaf, handle.pair_row, handle.rows.recv_src_index, handle.rows_end, handle.rows.is_token_in_rank,
-            **self._attributes())
+        return normal.call(EXPERT_MAJOR_CACHED_DISPATCH_TARGET, result_type, leaf, handle.pair_row,
+                           handle.rows.recv_src_index, handle.rows_end, handle.rows.is_token_in_rank,
+                           attributes=self._attributes())
 
     def _expert_major_combine_call(self, y, weights, pair_row, handle, bias, kernel_out):
         """Each rank stages its partial of every token it received at the token's item row (R*T rows of y's type);
@@ -339,8 +339,8 @@ class InternodeBackend(normal.ExpertMajorKernels, low_latency.LowLatencyOps, Bac
         result_type = jax.typeof(y).update(shape=(num_tokens, *y.shape[1:]), dtype=kernel_out)
         operands = (y, pair_row, rows.is_token_in_rank, rows.relay_row, rows.relay_token) + \
             (() if weights is None else (weights,)) + (() if bias is None else (bias,))
-        return jax.ffi.ffi_call(EXPERT_MAJOR_COMBINE_TARGET, result_type)(
-            *operands, weighted=np.int64(weights is not None), **self._attributes())
+        return normal.call(EXPERT_MAJOR_COMBINE_TARGET, result_type, *operands,
+                           attributes=dict(self._attributes(), weighted=np.int64(weights is not None)))
 
     def _expert_major_combine_backward_operands(self, d_out, y, handle):
         self._check_cached_region("combine backward", d_out)

@@ -266,7 +266,8 @@ class IntranodeBackend(normal.ExpertMajorKernels, low_latency.LowLatencyOps, Bac
         _check_staging("cached dispatch", self.staging_bytes,
                        cached_dispatch_staging_bytes(leaf.shape[0], normal.row_bytes(leaf)))
         result_type = jax.typeof(leaf).update(shape=(capacity, *leaf.shape[1:]), dtype=leaf.dtype)
-        return jax.ffi.ffi_call(CACHED_DISPATCH_TARGET, result_type)(leaf, handle.recv_src_index, **self._attributes())
+        return normal.call(CACHED_DISPATCH_TARGET, result_type, leaf, handle.recv_src_index,
+                           attributes=self._attributes())
 
     def combine(self, y, handle, *, bias=None, out_dtype=jnp.float32):
         """Each token's rows summed in float32 in rank order; the kernel adds the bias and casts (one pass)."""
@@ -284,9 +285,9 @@ class IntranodeBackend(normal.ExpertMajorKernels, low_latency.LowLatencyOps, Bac
         if method == "push" and not self.spans_processes:  # one process: the peers push into a scratch result
             result_types.append(aval.update(shape=((num_ranks - 1) * num_tokens * row_bytes,), dtype=jnp.uint8))
         operands = (y, handle.send_row, handle.recv_src_index) + (() if bias is None else (bias,))
-        out = jax.ffi.ffi_call(COMBINE_TARGET, result_types)(
-            *operands, method=np.int64(COMBINE_METHOD_VALUES[method]),
-            push_warps=np.int64(combine_push_warps(self.config, self.spans_processes)), **self._attributes())[0]
+        attributes = dict(self._attributes(), method=np.int64(COMBINE_METHOD_VALUES[method]),
+                          push_warps=np.int64(combine_push_warps(self.config, self.spans_processes)))
+        out = normal.call(COMBINE_TARGET, result_types, *operands, attributes=attributes)[0]
         return out.astype(out_dtype)
 
     # ---- the expert-major layout (csrc/expert_major.cu; normal.ExpertMajorKernels) ------------------------------
@@ -312,8 +313,8 @@ class IntranodeBackend(normal.ExpertMajorKernels, low_latency.LowLatencyOps, Bac
         _check_staging("cached dispatch", self.staging_bytes,
                        cached_dispatch_staging_bytes(leaf.shape[0], normal.row_bytes(leaf)))
         result_type = jax.typeof(leaf).update(shape=(handle.capacity, *leaf.shape[1:]), dtype=leaf.dtype)
-        return jax.ffi.ffi_call(EXPERT_MAJOR_CACHED_DISPATCH_TARGET, result_type)(
-            leaf, handle.pair_row, handle.rows.recv_src_index, handle.rows_end, **self._attributes())
+        return normal.call(EXPERT_MAJOR_CACHED_DISPATCH_TARGET, result_type, leaf, handle.pair_row,
+                           handle.rows.recv_src_index, handle.rows_end, attributes=self._attributes())
 
     def _expert_major_combine_call(self, y, weights, pair_row, handle, bias, kernel_out):
         """Partials are made where the pairs are and stored into their home ranks, whatever Config.combine says."""
@@ -327,8 +328,8 @@ class IntranodeBackend(normal.ExpertMajorKernels, low_latency.LowLatencyOps, Bac
             result_types.append(aval.update(shape=((num_ranks - 1) * num_tokens * row_bytes,), dtype=jnp.uint8))
         operands = (y, pair_row, handle.rows.is_token_in_rank) + (() if weights is None else (weights,)) + \
             (() if bias is None else (bias,))
-        return jax.ffi.ffi_call(EXPERT_MAJOR_COMBINE_TARGET, result_types)(
-            *operands, weighted=np.int64(weights is not None), **self._attributes())[0]
+        return normal.call(EXPERT_MAJOR_COMBINE_TARGET, result_types, *operands,
+                           attributes=dict(self._attributes(), weighted=np.int64(weights is not None)))[0]
 
     def _expert_major_combine_backward_operands(self, d_out, y, handle):
         _check_staging("combine backward", self.staging_bytes,

@@ -4,6 +4,9 @@ types the combine kernels read and write, the expert-major methods around each m
 limits."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +19,9 @@ from jax_ep.backends.xla import XlaHandle
 MAX_TOPK = _native.limit("normal_max_topk")
 # Experts of an expert-major dispatch that the expert-major kernels take (more: the composed path).
 MAX_EXPERT_MAJOR_EXPERTS = _native.limit("expert_major_max_experts")
+# jax_ep's side streams per device (xla_ffi/side_streams.cc), and the target that makes XLA's stream wait for one.
+MAX_SIDE_STREAMS = _native.limit("max_side_streams")
+JOIN_TARGET = _native.target("side_stream_join")
 # Row types the combine kernels read directly.
 KERNEL_FLOAT_TYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -27,6 +33,78 @@ def kernel_attributes(buffer_id: int, config) -> dict:
     occupies and the bound on its waits."""
     return dict(buffer_id=np.int64(buffer_id), num_sms=np.int64(config.num_sms),
                 timeout_ns=np.int64(runtime.timeout_ns(config)))
+
+
+class SideStreamCalls:
+    """The normal-mode calls traced inside one side_stream(index): their operands and results, which join() keeps
+    alive and waits for."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.operands: list = []
+        self.results: list = []
+
+
+# The calls being traced onto a side stream (None: XLA's stream); set by side_stream().
+_side_stream_calls = contextvars.ContextVar("jax_ep_side_stream_calls", default=None)
+
+
+def call(target: str, result_types, *operands, attributes: dict):
+    """The FFI call of normal-mode target `target` on XLA's stream, or, traced inside side_stream(), its twin's on
+    jax_ep's side stream (docs/design.md, "Side streams"), noted for join()."""
+    calls = _side_stream_calls.get()
+    if calls is None:
+        return jax.ffi.ffi_call(target, result_types)(*operands, **attributes)
+    results = jax.ffi.ffi_call(_native.side_stream_twin(target), result_types)(
+        *operands, **attributes, side_stream=np.int64(calls.index))
+    calls.operands += jax.tree.leaves(operands)
+    calls.results += jax.tree.leaves(results)
+    return results
+
+
+@contextlib.contextmanager
+def side_stream(index: int = 1):
+    """Inside, the cuda backend's normal-mode kernel calls traced launch on jax_ep's side stream `index` (1 to
+    MAX_SIDE_STREAMS) of their device once XLA's stream has reached them, and return at once. Yields the calls'
+    SideStreamCalls; `overlap` is the way to use it (their results are not written, and their operands still read,
+    until a join)."""
+    if not 1 <= index <= MAX_SIDE_STREAMS:
+        raise ValueError(f"jax_ep side_stream: index must be 1 to {MAX_SIDE_STREAMS}, got {index}")
+    calls = SideStreamCalls(index)
+    token = _side_stream_calls.set(calls)
+    try:
+        yield calls
+    finally:
+        _side_stream_calls.reset(token)
+
+
+def overlap(start, start_args, compute, compute_args, index: int = 1):
+    """(start(*start_args), compute(*compute_args)), the first on jax_ep's side stream `index` while XLA runs the
+    second (docs/design.md, "Side streams"). `start` may only make the cuda backend's own calls (their results are
+    not written until the join; jax_ep.ops computes on them with XLA ops) and return their results. In order: the
+    calls are launched on the side stream; the compute follows them (its arguments pass through an optimization
+    barrier with every result and operand of the calls); the join makes XLA's stream wait for the side stream and
+    hands back the results in place, holding every other result and operand until then, so that XLA reuses none
+    of their memory while a kernel still reads or writes it."""
+    with side_stream(index) as calls:
+        started = start(*start_args)
+    leaves, tree = jax.tree.flatten(started)
+    # Each array once among the join's operands (a value twice would make XLA copy it for the aliasing, before
+    # the join): the started results first, then the calls' other results and their operands.
+    position: dict[int, int] = {}
+    side = []
+    for array in leaves + calls.results + calls.operands:
+        if id(array) not in position:
+            position[id(array)] = len(side)
+            side.append(array)
+    num_results = len({id(leaf) for leaf in leaves})
+    compute_args, side = jax.lax.optimization_barrier((compute_args, side))
+    computed = compute(*compute_args)
+    computed, side = jax.lax.optimization_barrier((computed, side))
+    joined = jax.ffi.ffi_call(JOIN_TARGET, [jax.typeof(r) for r in side[:num_results]],
+                              input_output_aliases={i: i for i in range(num_results)})(
+        *side, side_stream=np.int64(index))
+    return tree.unflatten([joined[position[id(leaf)]] for leaf in leaves]), computed
 
 
 def row_bytes(leaf) -> int:
@@ -63,10 +141,9 @@ def call_dispatch(target: str, x_leaves, topk_idx, topk_weights, handle_types, *
         *(result(shape, dtype) for shape, dtype in handle_types),
     ]
     operands = (*x_leaves, topk_idx) + (() if topk_weights is None else (topk_weights,))
-    outs = list(jax.ffi.ffi_call(target, result_types)(
-        *operands, num_payloads=np.int64(len(x_leaves)), num_experts=np.int64(num_experts),
-        expert_alignment=np.int64(expert_alignment), **attributes,
-    ))
+    outs = list(call(target, result_types, *operands, attributes=dict(
+        attributes, num_payloads=np.int64(len(x_leaves)), num_experts=np.int64(num_experts),
+        expert_alignment=np.int64(expert_alignment))))
     recv_leaves = tuple(outs[:len(x_leaves)])
     outs = outs[len(x_leaves):]
     recv_topk_idx = outs.pop(0)
@@ -100,9 +177,9 @@ def call_expert_major_dispatch(target: str, x_leaves, topk_idx, topk_weights, ha
                      result((num_sms, num_experts), int32),  # scratch: a row per block
                      *(result(shape, dtype) for shape, dtype in handle_types)]
     operands = (*x_leaves, topk_idx) + (() if topk_weights is None else (topk_weights,))
-    outs = list(jax.ffi.ffi_call(target, result_types)(
-        *operands, num_payloads=np.int64(len(x_leaves)), num_experts=np.int64(num_experts),
-        expert_alignment=np.int64(expert_alignment), **attributes))
+    outs = list(call(target, result_types, *operands, attributes=dict(
+        attributes, num_payloads=np.int64(len(x_leaves)), num_experts=np.int64(num_experts),
+        expert_alignment=np.int64(expert_alignment))))
     recv = tuple(outs[:len(x_leaves)])
     outs = outs[len(x_leaves):]
     weights = None if topk_weights is None else outs.pop(0)
@@ -148,8 +225,8 @@ class ExpertMajorKernels:
         result_types = [aval.update(shape=y.shape, dtype=y.dtype)]  # d_y, then d_weights with weights
         if weights is not None:
             result_types.append(aval.update(shape=(y.shape[0],), dtype=jnp.float32))
-        outs = jax.ffi.ffi_call(target, result_types)(*operands, *(() if weights is None else (weights,)),
-                                                      weighted=np.int64(weights is not None), **self._attributes())
+        outs = call(target, result_types, *operands, *(() if weights is None else (weights,)),
+                    attributes=dict(self._attributes(), weighted=np.int64(weights is not None)))
         return outs[0], (None if weights is None else outs[1])
 
 
