@@ -52,6 +52,8 @@ def test_moe_bench_record(tmp_path, capsys):
         compute = r["breakdown_ms"]["router"] + r["breakdown_ms"]["expert FFN"]
         assert math.isclose(r["compute_stages_ms"], compute)
         assert math.isclose(r["block_over_compute_stages"], r["block_ms"] / compute)
+        communication = r["breakdown_ms"]["dispatch"] + r["breakdown_ms"]["combine"]
+        assert math.isclose(r["hidden"], (r["breakdown_sum_ms"] - r["block_ms"]) / communication)
         assert r["num_chunks"] == 1
         # 2 experts per rank: W_gate_up 2·128·128 and W_down 2·64·128 elements, read, read again, written, 2 bytes.
         assert (r["weight_bytes"], r["hbm_gbps"]) == (3 * (32768 + 16384) * 2, setup["hbm_gbps"])
@@ -62,6 +64,7 @@ def test_moe_bench_record(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "[moe] not on a GPU" in out and "dense proxy" in out, out
     assert out.count("[moe]   breakdown") == 2 and out.count("compute stages (router + expert FFN)") == 4, out
+    assert out.count("communication hidden") == 2, out
     assert "[moe] HBM bandwidth" in out and out.count("[moe]   roofline") == 2, out
     assert plot.read_bytes().startswith(b"\x89PNG")
 
@@ -101,3 +104,12 @@ def test_moe_bench_remat_memory(tmp_path):
     (r,) = record["results"]
     assert set(r["temp_bytes"]) == {"plain", "remat"}
     assert 0 < r["temp_bytes"]["remat"] <= 1.25 * r["temp_bytes"]["plain"], r["temp_bytes"]
+
+
+def test_moe_bench_timeline(tmp_path, capsys):
+    """--timeline PATH: one profiled step per dispatcher, drawn to PATH with the shape and dispatcher in its name."""
+    path = tmp_path / "step.png"
+    moe_record(tmp_path, "--shapes", "tiny", "--dispatchers", "xla", "--ranks", "2", "--timeline", str(path))
+    drawn = tmp_path / "step-tiny-xla.png"
+    assert drawn.read_bytes().startswith(b"\x89PNG")
+    assert f"timeline of one step: {drawn}" in capsys.readouterr().out

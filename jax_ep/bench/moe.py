@@ -29,6 +29,10 @@ Per shape and dispatcher:
   besides (router statistics, casts) and what XLA overlaps or fuses across the stages.
 - compute stages: router + expert FFN of the breakdown. The block over them says how much of the communication
   the block hides: 1.0 would be all of it (each stage timed alone also pays its own launch, ~0.1 ms).
+- hidden: the share of the communication stages (dispatch + combine) that the block did not add to its time,
+  (sum of the stages - block) / (dispatch + combine); 0 when the block costs what its stages cost one after another.
+- --timeline PATH: one step of each dispatcher's block (the first --num-chunks value) profiled, its kernels per GPU
+  stream drawn to PATH with "-SHAPE-DISPATCHER" before its suffix (jax_ep.bench.timeline).
 - --num-chunks N [M ...]: the block with each num_chunks (its tokens through dispatch, experts and combine in
   chunks, so that XLA may overlap one chunk's communication with another's matmuls), timed in the same run; the
   breakdown is taken once, unchunked.
@@ -38,6 +42,8 @@ by several per cent over a run as the GPU warms).
 """
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,7 +52,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep.bench import harness, swiglu
+from jax_ep.bench import harness, swiglu, timeline
 from jax_ep.bench.swiglu import (
     DTYPE,
     SHAPES,
@@ -92,6 +98,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--calls", type=int, default=3, help="back-to-back calls per timed run")
     parser.add_argument("--remat", action="store_true",
                         help="also print XLA's temporary memory of a few blocks in a row with and without jax.checkpoint")
+    parser.add_argument("--timeline", help="write a PNG of one block step's kernels per GPU stream, per shape and "
+                                           "dispatcher (PATH gets -SHAPE-DISPATCHER before its suffix)")
     harness.add_output_arguments(parser, plot_help="write a PNG bar chart of the breakdown per shape and dispatcher")
 
 
@@ -218,7 +226,21 @@ def _breakdown_ms(mesh, moe: MoE, x, args) -> dict[str, float]:
     return ms
 
 
-def _measure(mesh, shape: MoEShape, dispatcher: str, args) -> dict:
+def timeline_path(path: str, shape: str, dispatcher: str) -> str:
+    root, suffix = os.path.splitext(path)
+    return f"{root}-{shape.replace(', ', '-').replace(' ', '-')}-{dispatcher}{suffix or '.png'}"
+
+
+def _draw_timeline(moe: MoE, x, cotangent, path: str, title: str) -> None:
+    """One profiled step of the block (every process profiles, as every process runs the step; process 0 draws)."""
+    lanes = timeline.lanes_of(timeline.profile(_block_step(moe, remat=False), (nnx.state(moe), x, cotangent)))
+    plt = harness.pyplot()
+    if jax.process_index() == 0 and plt is not None:
+        timeline.plot(plt, lanes, path, title)
+        print(f"[moe]   timeline of one step: {path}", flush=True)
+
+
+def _measure(mesh, shape: MoEShape, dispatcher: str, args, name: str) -> dict:
     """The block at `shape` with `dispatcher`, for each of --num-chunks, and the (unchunked) breakdown: the backend
     it ran on, {num_chunks: {"block": ms, "proxy": ms}} and the breakdown in ms."""
     x_key, cotangent_key = jax.random.split(jax.random.key(1))
@@ -237,6 +259,10 @@ def _measure(mesh, shape: MoEShape, dispatcher: str, args) -> dict:
                 figures["breakdown_ms"] = _breakdown_ms(mesh, moe, x, args)
                 if args.remat:
                     figures["temp_bytes"] = remat_temp_bytes(moe, x, cotangent)
+                if args.timeline:
+                    _draw_timeline(moe, x, cotangent, timeline_path(args.timeline, name, dispatcher),
+                                   f"jax_ep.flax.MoE {name}, {dispatcher} dispatcher ({figures['backend']} backend), "
+                                   f"{num_chunks} chunk(s), {mesh.devices.size} ranks: one step, forward + backward")
     return figures
 
 
@@ -267,9 +293,10 @@ def run(args) -> dict:
               f"{shape.experts // num_ranks} experts per rank, {rows} rows per rank, {flops / 1e12:.4g} TFLOP per "
               f"rank", flush=True)
         for dispatcher in args.dispatchers:
-            figures = _measure(mesh, shape, dispatcher, args)
+            figures = _measure(mesh, shape, dispatcher, args, name)
             breakdown = figures["breakdown_ms"]
             compute_ms = breakdown["router"] + breakdown["expert FFN"]
+            communication_ms = breakdown["dispatch"] + breakdown["combine"]
             for num_chunks, block in figures["blocks"].items():
                 block_ms, proxy_ms = block["block"], block["proxy"]
                 bound = roofline(flops, flops / proxy_ms / 1e9, weight_bytes, gbps)
@@ -280,6 +307,7 @@ def run(args) -> dict:
                               ratio=block_ms / proxy_ms, meets_target=block_ms / proxy_ms <= TARGET_RATIO,
                               breakdown_ms=breakdown, breakdown_sum_ms=sum(breakdown.values()),
                               compute_stages_ms=compute_ms, block_over_compute_stages=block_ms / compute_ms,
+                              hidden=(sum(breakdown.values()) - block_ms) / communication_ms,
                               **roofline_fields(block_ms, bound, weight_bytes, gbps),
                               expert_ffn_ratio_to_roofline=breakdown["expert FFN"] / bound.ms)
                 if "temp_bytes" in figures:
@@ -290,8 +318,8 @@ def run(args) -> dict:
                       f"{record['block_tflops']:.4g} TFLOP/s; dense proxy {proxy_ms:.3f} ms = "
                       f"{record['dense_proxy_tflops']:.4g} TFLOP/s; {record['ratio']:.2f}x the dense proxy "
                       f"(target <= {TARGET_RATIO}x: {'met' if record['meets_target'] else 'not met'}); "
-                      f"{record['block_over_compute_stages']:.2f}x its compute stages (router + expert FFN)",
-                      flush=True)
+                      f"{record['block_over_compute_stages']:.2f}x its compute stages (router + expert FFN); "
+                      f"communication hidden {100 * record['hidden']:.0f} %", flush=True)
                 print(f"[moe]   {roofline_text(bound)}: block {record['ratio_to_roofline']:.2f}x, expert FFN stage "
                       f"{record['expert_ffn_ratio_to_roofline']:.2f}x; {weight_bytes / 1e9:.3g} GB of expert weights "
                       f"moved per rank", flush=True)
