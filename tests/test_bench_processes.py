@@ -86,7 +86,7 @@ def _bench_on_cpu(*argv: str) -> subprocess.CompletedProcess:
                           env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("mode", ["intranode", "low_latency", "moe", "grouped_matmul", "overlap"])
+@pytest.mark.parametrize("mode", ["intranode", "internode", "low_latency", "moe", "grouped_matmul", "overlap"])
 def test_default_sizes_need_a_gpu(mode):
     """A GPU benchmark at its default sizes on a machine without GPUs: one line that says so, exit status 1, nothing
     run (in this process, and as the launcher of --processes, which starts no worker)."""

@@ -1,7 +1,8 @@
 """The package's shape: every jax_ep module imports on its own, first, in a fresh interpreter; no jax_ep module
 imports another that imports it back, directly or through others, at the top or inside a function (a cycle that
 an import order or a deferred import would hide); and the process environment is touched by one module only
-(jax_ep.environment), so no compiled program depends on a variable read while tracing."""
+(jax_ep.environment), so no compiled program depends on a variable read while tracing. In tests/: no test
+module imports another (shared helpers are modules of their own), and only conftest swaps a Buffer's backend."""
 from __future__ import annotations
 
 import ast
@@ -106,3 +107,35 @@ def test_no_import_cycle():
     assert "jax_ep._grouped_matmul_kernels" in graph["jax_ep.grouped_matmul"]
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+TESTS = Path(__file__).resolve().parent
+
+
+def python_sources() -> list[Path]:
+    """Every Python file under tests/."""
+    return sorted(p for p in TESTS.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def test_no_test_module_imports_a_test_module():
+    local = {p.stem for p in TESTS.glob("*.py")} | {p.name for p in TESTS.iterdir() if p.is_dir()}
+    importers = []
+    for path in python_sources():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+                relative = False
+            elif isinstance(node, ast.ImportFrom):  # `from a.test_b import c`, `from a import test_b`
+                names = [node.module or ""] + [f"{node.module or ''}.{alias.name}" for alias in node.names]
+                relative = node.level > 0
+            else:
+                continue
+            importers += [f"{path.relative_to(TESTS)}: {name}" for name in names
+                          if (relative or name.split(".")[0] in local) and name.rpartition(".")[2].startswith("test_")]
+    assert importers == [], importers
+
+
+def test_only_conftest_swaps_a_buffers_backend():
+    assigners = sorted(str(p.relative_to(TESTS)) for p in python_sources()
+                       if re.search(r"\.backend_impl\s*=[^=]", p.read_text()))
+    assert assigners == ["conftest.py"], assigners
