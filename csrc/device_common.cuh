@@ -142,8 +142,7 @@ struct LoadL2 {
 // A warp copies n units; every lane keeps kUnroll loads in flight (one warp's copy over NVLink is bound by
 // latency, not bandwidth). The last batch is predicated rather than copied a unit per round trip, so a row of
 // n units costs ceil(n / (32 * kUnroll)) load latencies (a 7 KB FP8 row of values: 2, not 7). Units past the
-// end are zeroed rather than left undefined: ptxas then keeps far fewer registers (59 instead of 108 in the
-// dispatch receive's row loop).
+// end are zeroed rather than left undefined: ptxas then keeps far fewer registers in the callers' row loops.
 template <int kUnroll, typename Unit, typename Load>
 __device__ __forceinline__ void warp_copy_units(Unit* dst, const Unit* src, int64_t n, int lane, Load load) {
   src += lane;

@@ -189,8 +189,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 // float32 rank-order sum (docs/design.md, "Normal combine"), by one warp; both pull and push combines reduce here,
 // so they agree bit for bit. Lanes take kVec elements each. kRanks (2, 4 or 8) >= the group's ranks sizes the per-lane
 // arrays; each lane keeps kRanks * kUnroll = 8 16-byte loads in flight, since latency, not bandwidth, bounds
-// one warp. More is slower in the pull combine: 12 and 16 (with a few spilled registers) gave 258 and 273 GB/s
-// against 370 at 24 SMs on 4×H200.
+// one warp. More is slower in the pull combine: the registers spill (docs/perf-log.md).
 template <typename In, typename Bias, typename Out, int kVec, int kRanks, typename Load>
 __device__ __forceinline__ void reduce_token(const Pack<In, kVec>* const (&rows)[kRanks], const CombineArgs& a,
                                              int64_t t, int lane, Load load) {

@@ -21,9 +21,8 @@ namespace {
 // as few chunks per part as would give every item a warp of its own at once (the rounding up of parts can still
 // leave a few items more than warps for some T, e.g. T=212 at 132 SMs; bounding parts by warps / T would not),
 // so that small batches still spread over every SM. A warp taking a second item runs it after its
-// first, which ends the kernel an item later: with parts sized for the warps alone (17 parts of 2 chunks at
-// DeepEP's decode shape, 3 of them empty, 64 warps with two items) the combine took 60.2 us on 4x H200, with 14
-// parts 54.0 us.
+// first, which ends the kernel an item later, which is why parts are sized for the tokens' items to fit the warps
+// (docs/perf-log.md has the measurements at DeepEP's decode shape).
 struct TokenParts {
   int64_t parts, chunks_per_part;
   __host__ __device__ TokenParts(int64_t num_tokens, int64_t hidden, int64_t warps) {
@@ -44,8 +43,8 @@ struct TokenParts {
 // Handle values outside their ranges send nothing.
 constexpr int kCombineSendThreads = 128;
 constexpr int kCombineSendWarps = kCombineSendThreads / 32;
-// Half a row per warp (twice the warps, each with half the bytes to move) measured 1.5-2.3 us faster at DeepEP's
-// decode shape than a row per warp (4x H200: 64.6 against 66.1 us); thirds or quarters were slower (71 us).
+// Half a row per warp: twice the warps, each with half the bytes to move, hide more of NVLink's latency than a row
+// per warp, while thirds or quarters spend more on the per-piece counters than they hide (docs/perf-log.md).
 constexpr int kCombinePieces = 2;
 
 // Rows of pair p to return, from the handle's layout_range, clamped so that no value reads or writes outside
@@ -186,9 +185,8 @@ __global__ void __launch_bounds__(kCombineSendThreads) combine_send_kernel(
 }
 
 // Pause between two polls of a combine flag: the receive's thousands of waiting warps (every part of every
-// token) otherwise hammer the flag words at the L2 that the peers' rows are arriving through; with the pause
-// the op measured 2 us faster (4x H200, DeepEP's decode shape: 63.2-63.5 against 65.3 us for pauses of 100 to
-// 2000 ns, while some warps still took two items, see TokenParts).
+// token) otherwise hammer the flag words at the L2 that the peers' rows are arriving through (any pause from 100
+// to 2000 ns measured alike, docs/perf-log.md).
 constexpr unsigned kCombineFlagPollNs = 100;
 
 // The receive: a warp takes (token, part), waits for the flags of the token's experts (a lane per distinct
@@ -199,9 +197,9 @@ constexpr int kCombineRecvBlocksPerSm = 2;  // blocks resident per SM (launch bo
 // Row loads a lane issues before summing: kEntries (top-k entries the kernel handles: 8, or kLowLatencyMaxTopk)
 // for each of kRowLoadsInFlight / kEntries chunks, what the register budget of two blocks per SM holds. ptxas
 // follows each predicated load with a predicated move that waits for it, so the SASS keeps at most 2 in flight;
-// the K <= 8 kernel (fewer shuffles and tests per chunk) still measured 52.6 against 54.0 us for the 16-entry one
-// at DeepEP's decode shape. (Unconditional loads from in-range addresses would keep 15 in flight; docs/perf-log.md
-// has the figure and why that version was not kept.)
+// the K <= 8 kernel is still kept beside the 16-entry one for its fewer shuffles and tests per chunk.
+// (Unconditional loads from in-range addresses would keep 15 in flight; docs/perf-log.md has the figures and why
+// that version was not kept.)
 constexpr int kRowLoadsInFlight = kLowLatencyMaxTopk;
 
 // LogFMT: the rows arrive LogFMT-encoded (combine_send_kernel) and are decoded as they are loaded.

@@ -451,9 +451,8 @@ cudaError_t low_latency_dispatch_send(const LowLatencyCall& call, const LowLaten
 cudaError_t low_latency_dispatch_recv(const LowLatencyCall& call, const LowLatencyDispatchRecvArgs& args) {
   // Units (local expert, split), a block each: as many splits of each expert's rows as keep every block
   // resident at once (kDispatchRecvBlocksPerSm per SM). Fewer splits leave an expert's rows to fewer warps,
-  // more start blocks in a second wave, which ends the kernel a unit later. At DeepEP's decode shape (4x H200,
-  // L = 72) 3 splits (216 blocks) measured 26.9 us for the FP8 dispatch, 2 splits 27.6, 4 splits (288 blocks)
-  // 29.7.
+  // more start blocks in a second wave, which ends the kernel a unit later (docs/perf-log.md compares 2, 3 and 4
+  // splits at DeepEP's decode shape).
   const int64_t experts_per_rank = call.num_experts / call.group.num_ranks;
   const int32_t splits = static_cast<int32_t>(std::clamp<int64_t>(
       int64_t{call.group.device_sms} * kDispatchRecvBlocksPerSm / experts_per_rank, 1, kWarps));

@@ -127,8 +127,7 @@ __device__ bool finish_block(const LowLatencyCall& c, const LowLatencyLayout& la
     // GPU scope is enough: every block of the kernel is on this GPU; what the last block then publishes to peers
     // (the receives' credits) goes through Transport::signal, a system-scope release cumulative over what it
     // observed here, and what the sends' last block writes (the call counter, the token) is read by later kernels
-    // on this stream. (System-scope fences here measured 1.4 us slower for the FP8 dispatch on 4x H200: 29.0
-    // against 27.6 us.)
+    // on this stream. (A system-scope fence here would cost every call, docs/perf-log.md.)
     __threadfence();
     last = atomicAdd(&own->blocks_finished[kernel], 1u) == gridDim.x - 1;
     if (last) {

@@ -513,7 +513,7 @@ def low_latency_dispatch(buffer: Buffer, x, topk_idx, *, use_fp8: bool = True, r
     return low_latency_dispatch_recv(buffer, pending)
 
 
-COMBINE_COMPRESSIONS = (None, "logfmt")
+COMBINE_COMPRESSIONS = (None, *xla.COMBINE_CODECS)
 
 
 def low_latency_combine_send(buffer: Buffer, y, topk_idx, topk_weights, handle: LowLatencyHandle, *,

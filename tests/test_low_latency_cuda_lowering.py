@@ -141,3 +141,13 @@ def test_logfmt_sizes_agree_with_the_kernels():
     assert (_native.limit("logfmt_block"), _native.limit("logfmt_code_bits"), _native.limit("logfmt_max_octaves"),
             _native.limit("logfmt_block_bytes")) == (logfmt.BLOCK, logfmt.CODE_BITS, logfmt.MAX_OCTAVES,
                                                      4 * logfmt.WORDS_PER_BLOCK)
+
+
+def test_compressions_agree_with_the_kernels():
+    """The compressions jax_ep.low_latency_combine accepts (the xla backend's codecs) are those the kernels
+    implement, by name."""
+    if not _native.available():
+        pytest.skip("the native extension did not load")
+    from jax_ep.backends import xla
+    assert set(_native.enum("low_latency_compression")) == {"none", *xla.COMBINE_CODECS}
+    assert jax_ep.ops.COMBINE_COMPRESSIONS == (None, *xla.COMBINE_CODECS)

@@ -100,17 +100,18 @@ nb::dict Registrations() {
     platforms["CUDA"] = on_side_stream;
     targets[(TargetName(key) + kSideStreamSuffix).c_str()] = platforms;
   };
-  normal("dispatch", Capsule(IntranodeDispatch), Capsule(IntranodeDispatchOnSideStream));
-  normal("cached_dispatch", Capsule(IntranodeCachedDispatch), Capsule(IntranodeCachedDispatchOnSideStream));
-  normal("combine", Capsule(IntranodeCombine), Capsule(IntranodeCombineOnSideStream));
-  normal("expert_major_dispatch", Capsule(IntranodeExpertMajorDispatch),
-         Capsule(IntranodeExpertMajorDispatchOnSideStream));
-  normal("expert_major_cached_dispatch", Capsule(IntranodeExpertMajorCachedDispatch),
-         Capsule(IntranodeExpertMajorCachedDispatchOnSideStream));
-  normal("expert_major_combine", Capsule(IntranodeExpertMajorCombine),
-         Capsule(IntranodeExpertMajorCombineOnSideStream));
-  normal("expert_major_combine_backward", Capsule(IntranodeExpertMajorCombineBackward),
-         Capsule(IntranodeExpertMajorCombineBackwardOnSideStream));
+  // Every normal-mode op of a mode (its handlers named MODE + op, its targets KEY_PREFIX + op): both modes have
+  // the same ops.
+#define JAX_EP_REGISTER_NORMAL_OP(key, Handler) normal(key, Capsule(Handler), Capsule(Handler##OnSideStream))
+#define JAX_EP_REGISTER_NORMAL_OPS(key_prefix, Mode)                                                         \
+  JAX_EP_REGISTER_NORMAL_OP(key_prefix "dispatch", Mode##Dispatch);                                            \
+  JAX_EP_REGISTER_NORMAL_OP(key_prefix "cached_dispatch", Mode##CachedDispatch);                               \
+  JAX_EP_REGISTER_NORMAL_OP(key_prefix "combine", Mode##Combine);                                              \
+  JAX_EP_REGISTER_NORMAL_OP(key_prefix "expert_major_dispatch", Mode##ExpertMajorDispatch);                    \
+  JAX_EP_REGISTER_NORMAL_OP(key_prefix "expert_major_cached_dispatch", Mode##ExpertMajorCachedDispatch);       \
+  JAX_EP_REGISTER_NORMAL_OP(key_prefix "expert_major_combine", Mode##ExpertMajorCombine);                      \
+  JAX_EP_REGISTER_NORMAL_OP(key_prefix "expert_major_combine_backward", Mode##ExpertMajorCombineBackward)
+  JAX_EP_REGISTER_NORMAL_OPS("", Intranode);
   cuda_only("side_stream_join", Capsule(SideStreamJoin));
 #if defined(JAX_EP_INSTRUMENT)
   cuda_only("store_probe", Capsule(IntranodeStoreProbe));
@@ -120,18 +121,10 @@ nb::dict Registrations() {
   cuda_only("low_latency_combine_send", Capsule(LowLatencyCombineSend));
   cuda_only("low_latency_combine_recv", Capsule(LowLatencyCombineRecv));
 #if defined(JAX_EP_WITH_NVSHMEM)
-  normal("internode_dispatch", Capsule(InternodeDispatch), Capsule(InternodeDispatchOnSideStream));
-  normal("internode_cached_dispatch", Capsule(InternodeCachedDispatch), Capsule(InternodeCachedDispatchOnSideStream));
-  normal("internode_combine", Capsule(InternodeCombine), Capsule(InternodeCombineOnSideStream));
-  normal("internode_expert_major_dispatch", Capsule(InternodeExpertMajorDispatch),
-         Capsule(InternodeExpertMajorDispatchOnSideStream));
-  normal("internode_expert_major_cached_dispatch", Capsule(InternodeExpertMajorCachedDispatch),
-         Capsule(InternodeExpertMajorCachedDispatchOnSideStream));
-  normal("internode_expert_major_combine", Capsule(InternodeExpertMajorCombine),
-         Capsule(InternodeExpertMajorCombineOnSideStream));
-  normal("internode_expert_major_combine_backward", Capsule(InternodeExpertMajorCombineBackward),
-         Capsule(InternodeExpertMajorCombineBackwardOnSideStream));
+  JAX_EP_REGISTER_NORMAL_OPS("internode_", Internode);
 #endif
+#undef JAX_EP_REGISTER_NORMAL_OPS
+#undef JAX_EP_REGISTER_NORMAL_OP
 #endif
   return targets;
 }

@@ -155,9 +155,15 @@ def low_latency_dispatch_recv(pending, *, axis_name, num_ranks, num_experts, num
     return recv, jnp.sum(selected, axis=1, dtype=int32), handle, invalid
 
 
+# The low-latency combine's compressions (`compression=`, beside None): the module of each, whose encode(rows) and
+# decode(words, hidden) are its definition. The cuda backend's kernels name the same ones (_C.enums()).
+COMBINE_CODECS = {"logfmt": logfmt}
+
+
 def low_latency_combine_send(y, handle: LowLatencyHandle, num_tokens, *, axis_name, num_ranks, compression=None):
-    """Send half: return each expert output row to its source rank -> [R, T, L, H] per home rank (with
-    compression="logfmt": each row LogFMT-encoded, [R, T, L, logfmt.words_per_row(H)] uint32)."""
+    """Send half: return each expert output row to its source rank -> [R, T, L, H] per home rank (with a
+    compression: each row encoded by COMBINE_CODECS[compression], e.g. LogFMT's [R, T, L, words_per_row(H)]
+    uint32)."""
     experts_per_rank, rows, hidden = y.shape
     begin, count = handle.layout_range[..., 0], handle.layout_range[..., 1]
     row = jnp.arange(rows)
@@ -169,8 +175,8 @@ def low_latency_combine_send(y, handle: LowLatencyHandle, num_tokens, *, axis_na
                      + jnp.arange(experts_per_rank)[:, None], slots)
     send = jnp.zeros((slots + 1, hidden), y.dtype).at[slot.reshape(-1)].set(y.reshape(experts_per_rank * rows, hidden))
     send = send[:slots].reshape(num_ranks, num_tokens, experts_per_rank, hidden)
-    if compression == "logfmt":
-        send = logfmt.encode(send)
+    if compression is not None:
+        send = COMBINE_CODECS[compression].encode(send)
     return jax.lax.all_to_all(send, axis_name, 0, 0)
 
 
@@ -188,21 +194,24 @@ def low_latency_combine_recv(returned, topk_idx, topk_weights, *, num_experts):
     return out.astype(jnp.bfloat16)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _logfmt_combine_recv(axis_name, num_ranks, num_experts, returned, y, handle, topk_idx, topk_weights):
-    """The receive half of a LogFMT-compressed combine: decodes `returned` (encoded rows of y) and sums. y and the
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _compressed_combine_recv(compression, axis_name, num_ranks, num_experts, returned, y, handle, topk_idx,
+                             topk_weights):
+    """The receive half of a compressed combine: decodes `returned` (encoded rows of y) and sums. y and the
     handle are there for the gradients, those of the uncompressed combine (the encoding counts as the identity;
     its bit casts would otherwise cut the gradient of y)."""
-    decoded = logfmt.decode(returned, y.shape[-1])
+    decoded = COMBINE_CODECS[compression].decode(returned, y.shape[-1])
     return low_latency_combine_recv(decoded, topk_idx, topk_weights, num_experts=num_experts)
 
 
-def _logfmt_combine_recv_fwd(axis_name, num_ranks, num_experts, returned, y, handle, topk_idx, topk_weights):
-    out = _logfmt_combine_recv(axis_name, num_ranks, num_experts, returned, y, handle, topk_idx, topk_weights)
+def _compressed_combine_recv_fwd(compression, axis_name, num_ranks, num_experts, returned, y, handle, topk_idx,
+                                 topk_weights):
+    out = _compressed_combine_recv(compression, axis_name, num_ranks, num_experts, returned, y, handle, topk_idx,
+                                   topk_weights)
     return out, (returned, y, handle, topk_idx, topk_weights)
 
 
-def _logfmt_combine_recv_bwd(axis_name, num_ranks, num_experts, residuals, cotangent):
+def _compressed_combine_recv_bwd(compression, axis_name, num_ranks, num_experts, residuals, cotangent):
     returned, y, handle, topk_idx, topk_weights = residuals
 
     def uncompressed(y, topk_weights):
@@ -214,7 +223,7 @@ def _logfmt_combine_recv_bwd(axis_name, num_ranks, num_experts, residuals, cotan
     return zero_cotangent(returned), d_y, zero_cotangent(handle), zero_cotangent(topk_idx), d_weights
 
 
-_logfmt_combine_recv.defvjp(_logfmt_combine_recv_fwd, _logfmt_combine_recv_bwd)
+_compressed_combine_recv.defvjp(_compressed_combine_recv_fwd, _compressed_combine_recv_bwd)
 
 
 # ---- the backend ---------------------------------------------------------------------------------------
@@ -259,10 +268,10 @@ class XlaBackend(Backend):
         return (returned, topk_idx, topk_weights) + ((y, handle) if compression else ())
 
     def low_latency_combine_recv(self, state, *, num_experts, num_max_tokens, compression=None):
-        if compression == "logfmt":
+        if compression is not None:
             returned, topk_idx, topk_weights, y, handle = state
-            return _logfmt_combine_recv(self.axis_name, self.num_ranks, num_experts, returned, y, handle, topk_idx,
-                                        topk_weights)
+            return _compressed_combine_recv(compression, self.axis_name, self.num_ranks, num_experts, returned, y,
+                                            handle, topk_idx, topk_weights)
         returned, topk_idx, topk_weights = state
         return low_latency_combine_recv(returned, topk_idx, topk_weights, num_experts=num_experts)
 
