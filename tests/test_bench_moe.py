@@ -112,4 +112,7 @@ def test_moe_bench_timeline(tmp_path, capsys):
     moe_record(tmp_path, "--shapes", "tiny", "--dispatchers", "xla", "--ranks", "2", "--timeline", str(path))
     drawn = tmp_path / "step-tiny-xla.png"
     assert drawn.read_bytes().startswith(b"\x89PNG")
+    spans = json.loads((tmp_path / "step-tiny-xla.json").read_text())
+    assert spans and all(duration >= 0 and isinstance(name, str) for lane in spans.values()
+                         for _, duration, name, _ in lane), spans
     assert f"timeline of one step: {drawn}" in capsys.readouterr().out

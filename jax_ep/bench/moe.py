@@ -32,7 +32,8 @@ Per shape and dispatcher:
 - hidden: the share of the communication stages (dispatch + combine) that the block did not add to its time,
   (sum of the stages - block) / (dispatch + combine); 0 when the block costs what its stages cost one after another.
 - --timeline PATH: one step of each dispatcher's block (the first --num-chunks value) profiled, its kernels per GPU
-  stream drawn to PATH with "-SHAPE-DISPATCHER" before its suffix (jax_ep.bench.timeline).
+  stream drawn to PATH with "-SHAPE-DISPATCHER" before its suffix (jax_ep.bench.timeline), and listed (start,
+  duration, name, kind) in the same name with the suffix .json.
 - --num-chunks N [M ...]: the block with each num_chunks (its tokens through dispatch, experts and combine in
   chunks, so that XLA may overlap one chunk's communication with another's matmuls), timed in the same run; the
   breakdown is taken once, unchunked.
@@ -234,10 +235,15 @@ def timeline_path(path: str, shape: str, dispatcher: str) -> str:
 def _draw_timeline(moe: MoE, x, cotangent, path: str, title: str) -> None:
     """One profiled step of the block (every process profiles, as every process runs the step; process 0 draws)."""
     lanes = timeline.lanes_of(timeline.profile(_block_step(moe, remat=False), (nnx.state(moe), x, cotangent)))
+    if jax.process_index() != 0:
+        return
+    spans = os.path.splitext(path)[0] + ".json"
+    timeline.write_json(lanes, spans)
     plt = harness.pyplot()
-    if jax.process_index() == 0 and plt is not None:
+    if plt is not None:
         timeline.plot(plt, lanes, path, title)
-        print(f"[moe]   timeline of one step: {path}", flush=True)
+    print(f"[moe]   timeline of one step: {path if plt is not None else '(no matplotlib: not drawn)'}; its kernels: "
+          f"{spans}", flush=True)
 
 
 def _measure(mesh, shape: MoEShape, dispatcher: str, args, name: str) -> dict:

@@ -66,6 +66,13 @@ def profile(fn, args) -> dict:
             return json.load(f)
 
 
+def write_json(lanes: dict[str, list[Span]], path: str) -> None:
+    """The lanes as JSON: {lane: [[start_us, duration_us, name, kind], ...]}, for a per-kernel breakdown."""
+    with open(path, "w") as f:
+        json.dump({lane: [[s.start_us, s.duration_us, s.name, kind_of(s.name)] for s in spans]
+                   for lane, spans in lanes.items()}, f)
+
+
 def plot(plt, lanes: dict[str, list[Span]], path: str, title: str) -> None:
     """PNG: a row per lane, a bar per event, coloured by kind_of its name."""
     fig, ax = plt.subplots(figsize=(14, 1 + 0.45 * max(1, len(lanes))))
