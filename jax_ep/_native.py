@@ -96,6 +96,14 @@ def side_stream_twin(target_name: str) -> str:
     return _SIDE_STREAM_TWINS[target_name]
 
 
+def is_side_stream_twin(target_name: str) -> bool:
+    """Whether FFI target `target_name` launches its kernel on a jax_ep side stream."""
+    return target_name in _SIDE_STREAM_TWIN_NAMES
+
+
+_SIDE_STREAM_TWIN_NAMES = frozenset(_SIDE_STREAM_TWINS.values())
+
+
 def enum(name: str) -> dict[str, int]:
     """{member: value} of the csrc enum `name` passed as an FFI attribute (e.g. "low_latency_payload"); empty
     when the extension did not load."""

@@ -295,7 +295,9 @@ def test_calls_inside_side_stream_take_the_twins_and_join_holds_every_operand():
           for name in (_native.side_stream_twin(intranode.EXPERT_MAJOR_COMBINE_TARGET), "dot_general",
                        normal.JOIN_TARGET)}
     assert list(at.values()) == sorted(at.values()), at  # start, matmul, join
-    assert text.count("optimization_barrier") == 2, text
+    # Before the compute, after it, and after the join (the compute's results with the join's).
+    assert text.count("optimization_barrier") == 3, text
+    assert "has_side_effect = true" in join, join  # kept even where nothing reads the started results
     # Operands: the started results (the combine's result and the handle's 5 arrays, aliased), then the dispatch's
     # other 9 results, the combine's slots, x, topk_idx and topk_weights (the combine's operands are among those).
     operands = re.search(r"\(([^)]*)\)", join.split(normal.JOIN_TARGET, 1)[1]).group(1).split(",")
@@ -307,3 +309,44 @@ def test_side_stream_index_is_checked():
     with pytest.raises(ValueError, match=f"index must be 1 to {normal.MAX_SIDE_STREAMS}, got 0"):
         with normal.side_stream(0):
             pass
+
+
+def start_refusal(buf, start, compute=lambda m: m @ m) -> str:
+    """The error of normal.overlap(start, ...) with `compute`, traced in a shard_map over buf's mesh."""
+    def body(x, idx, w, m):
+        (out,), product = normal.overlap(start, (x, idx, w), compute, (m,))
+        return out, product
+
+    args = (jnp.zeros((R * T, H), jnp.bfloat16), jnp.zeros((R * T, K), jnp.int32), jnp.zeros((R * T, K), jnp.float32),
+            jnp.zeros((R * 64, 64), jnp.float32))
+    with pytest.raises(ValueError) as raised:
+        jax.jit(jax.shard_map(body, mesh=buf.mesh, in_specs=P("ep"), out_specs=P("ep"))).lower(*args)
+    return str(raised.value)
+
+
+def test_overlap_refuses_what_would_race_with_the_side_stream():
+    """An XLA op on a side call's result inside start, a nested jit, a start without calls, a start returning
+    something else, and a compute calling the same Buffer: each refused while tracing, saying what."""
+    buf = cuda_standin(False)
+    backend = buf.backend_impl
+
+    def dispatch(x, idx, w):
+        return backend.expert_major_dispatch((x,), idx, w, num_experts=E, capacity=R * T * K, expert_alignment=1)
+
+    def cast_inside(x, idx, w):
+        recv, *_ = dispatch(x, idx, w)
+        return (recv[0].astype(jnp.float32),)
+
+    assert "computes convert_element_type on a result of its side-stream calls" in start_refusal(buf, cast_inside)
+    nested = jax.jit(lambda x, idx, w: (dispatch(x, idx, w)[0][0],))
+    assert "start traces a jit" in start_refusal(buf, nested)
+    assert "made no call" in start_refusal(buf, lambda x, idx, w: (x + 1,))
+    assert "return only results of its side-stream calls" in start_refusal(buf, lambda x, idx, w: (
+        dispatch(x, idx, w) and x,))
+
+    def same_buffer(m):
+        dispatch(jnp.zeros((T, H), jnp.bfloat16), jnp.zeros((T, K), jnp.int32), jnp.zeros((T, K), jnp.float32))
+        return m
+
+    message = start_refusal(buf, lambda x, idx, w: (dispatch(x, idx, w)[0][0],), compute=same_buffer)
+    assert "the compute calls an op of the Buffer" in message, message

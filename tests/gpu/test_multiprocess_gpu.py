@@ -80,9 +80,9 @@ def launch(mode: str, R: int, args: list[str], timeout_s: float, tmp_path, env_e
     return launch_processes(mode, R, tmp_path, timeout_s, args, env_extra, gpus=len(gpus))
 
 
-def skip_reasons(output: str) -> list[str]:
-    """The reasons of a pytest run's skipped tests (its -rs summary)."""
-    return re.findall(r"^SKIPPED \[\d+\] \S+ (.*)$", output, re.M)
+def skipped_tests(output: str) -> list[tuple[int, str]]:
+    """(how many, reason) of each line of a pytest run's -rs summary of skipped tests."""
+    return [(int(count), reason) for count, reason in re.findall(r"^SKIPPED \[(\d+)\] \S+ (.*)$", output, re.M)]
 
 
 def suite_summaries(name: str, R: int, codes, outputs) -> list[re.Match | None]:
@@ -91,7 +91,7 @@ def suite_summaries(name: str, R: int, codes, outputs) -> list[re.Match | None]:
     summaries = [re.search(r"(\d+) passed(?:, (\d+) skipped)?", out) for out in outputs]
     log = os.environ.get("JAX_EP_TEST_SUITE_LOG")
     if log:
-        reasons = sorted(set(skip_reasons(outputs[0])))
+        reasons = sorted({reason for _, reason in skipped_tests(outputs[0])})
         result = summaries[0].group(0) if summaries[0] else f"no summary (exit codes {codes})"
         with open(log, "a") as f:
             f.write(f"{name} R={R} ({R} processes): {result}" + "".join(f"\n    skipped: {r}" for r in reasons) + "\n")
@@ -107,7 +107,10 @@ def assert_suite_passed(name: str, R: int, codes, outputs, min_passed: int, max_
     for summary, output in zip(summaries, outputs):
         assert summary and int(summary.group(1)) >= min_passed, report(codes, outputs)
         if allowed_skips:
-            unexpected = [r for r in skip_reasons(output) if r not in allowed_skips]
+            skipped = skipped_tests(output)
+            # Every skip has its line (else a change in pytest's output would let any skip through).
+            assert sum(count for count, _ in skipped) == int(summary.group(2) or 0), report(codes, outputs)
+            unexpected = [reason for _, reason in skipped if reason not in allowed_skips]
             assert not unexpected, f"skipped for reasons not allowed here: {unexpected}\n" + report(codes, outputs)
         else:
             assert int(summary.group(2) or 0) <= max_skipped, report(codes, outputs)
@@ -239,7 +242,8 @@ def test_internode_suite(R, tmp_path):
     # With shared GPUs the two comparisons with the xla backend skip (they need XLA's collectives, NCCL's, which
     # refuse two ranks on one GPU).
     shared = R > len(cuda_devices())
-    assert_suite_passed("test_internode.py", R, codes, outputs, min_passed=28, max_skipped=2 if shared else 0)
+    assert_suite_passed("test_internode.py", R, codes, outputs, min_passed=28,
+                        allowed_skips=(needs_nccl.kwargs["reason"],) if shared else ())
 
 
 @pytest.mark.bounded_wait

@@ -8,6 +8,7 @@ import contextlib
 import contextvars
 
 import jax
+from jax.extend import core as jax_core
 import jax.numpy as jnp
 import numpy as np
 
@@ -37,28 +38,37 @@ def kernel_attributes(buffer_id: int, config) -> dict:
 
 class SideStreamCalls:
     """The normal-mode calls traced inside one side_stream(index): their operands and results, which join() keeps
-    alive and waits for."""
+    alive and waits for, and their Buffers."""
 
     def __init__(self, index: int):
         self.index = index
         self.operands: list = []
         self.results: list = []
+        self.buffer_ids: set[int] = set()
 
 
 # The calls being traced onto a side stream (None: XLA's stream); set by side_stream().
 _side_stream_calls = contextvars.ContextVar("jax_ep_side_stream_calls", default=None)
+# The Buffers (ids) whose side calls an overlap has started and not yet joined, while its compute is traced.
+_started_buffers = contextvars.ContextVar("jax_ep_started_buffers", default=frozenset())
 
 
 def call(target: str, result_types, *operands, attributes: dict):
     """The FFI call of normal-mode target `target` on XLA's stream, or, traced inside side_stream(), its twin's on
     jax_ep's side stream (docs/design.md, "Side streams"), noted for join()."""
     calls = _side_stream_calls.get()
+    buffer_id = int(attributes["buffer_id"])
     if calls is None:
+        if buffer_id in _started_buffers.get():
+            raise ValueError("jax_ep overlap: the compute calls an op of the Buffer whose ops the start left running "
+                             "on a side stream; both would take the same call of that Buffer. Call it after the "
+                             "overlap, or on another Buffer")
         return jax.ffi.ffi_call(target, result_types)(*operands, **attributes)
     results = jax.ffi.ffi_call(_native.side_stream_twin(target), result_types)(
         *operands, **attributes, side_stream=np.int64(calls.index))
     calls.operands += jax.tree.leaves(operands)
     calls.results += jax.tree.leaves(results)
+    calls.buffer_ids.add(buffer_id)
     return results
 
 
@@ -78,14 +88,50 @@ def side_stream(index: int = 1):
         _side_stream_calls.reset(token)
 
 
+def _is_side_call(eqn) -> bool:
+    return eqn.primitive.name == "ffi_call" and _native.is_side_stream_twin(eqn.params["target_name"])
+
+
+def _has_side_calls_inside(eqn) -> bool:
+    """Whether a side-stream call is traced in a body of `eqn` (a nested jit, custom_vjp, control flow)."""
+    return any(_is_side_call(inner) or _has_side_calls_inside(inner)
+               for jaxpr in jax_core.jaxprs_in_params(eqn.params) for inner in jaxpr.eqns)
+
+
+def check_start(start, start_args, index: int) -> None:
+    """Refuses a `start` that does more than make the cuda backend's calls and return their results. An XLA op that
+    reads one of their results would run on XLA's stream before the side stream writes it; a call inside a nested
+    jit (or any function with a body of its own: custom_vjp, control flow) would stay in that function's cache with
+    its side stream, for callers outside an overlap too (jit's cache does not see the side-stream context)."""
+    with side_stream(index):
+        jaxpr = jax.make_jaxpr(start)(*start_args).jaxpr
+    written_on_side = set()
+    for eqn in jaxpr.eqns:
+        if _is_side_call(eqn):
+            written_on_side.update(eqn.outvars)
+        elif _has_side_calls_inside(eqn):
+            raise ValueError(f"jax_ep overlap: start traces a {eqn.primitive.name} (a nested jit, custom_vjp or "
+                             "control flow); make the backend's calls directly in it")
+        elif any(isinstance(v, jax_core.Var) and v in written_on_side for v in eqn.invars):
+            raise ValueError(f"jax_ep overlap: start computes {eqn.primitive.name} on a result of its side-stream "
+                             "calls, which would run before the side stream writes it; do it after the overlap")
+    if not written_on_side:
+        raise ValueError("jax_ep overlap: start made no call of the cuda backend's normal-mode ops")
+    if not all(isinstance(v, jax_core.Var) and v in written_on_side for v in jaxpr.outvars):
+        raise ValueError("jax_ep overlap: start must return only results of its side-stream calls, as they are")
+
+
 def overlap(start, start_args, compute, compute_args, index: int = 1):
     """(start(*start_args), compute(*compute_args)), the first on jax_ep's side stream `index` while XLA runs the
-    second (docs/design.md, "Side streams"). `start` may only make the cuda backend's own calls (their results are
-    not written until the join; jax_ep.ops computes on them with XLA ops) and return their results. In order: the
-    calls are launched on the side stream; the compute follows them (its arguments pass through an optimization
-    barrier with every result and operand of the calls); the join makes XLA's stream wait for the side stream and
-    hands back the results in place, holding every other result and operand until then, so that XLA reuses none
-    of their memory while a kernel still reads or writes it."""
+    second (docs/design.md, "Side streams"). `start` may only make the cuda backend's own normal-mode calls
+    directly and return their results (check_start refuses anything else); `compute` may not call ops of the
+    Buffers that `start` used. Not differentiable. In order: the calls are launched on the side stream; the compute
+    follows them (its arguments pass through an optimization barrier with every result and operand of the calls);
+    the join makes XLA's stream wait for the side stream and hands back the results in place, holding every other
+    result and operand until then, so that XLA reuses none of their memory while a kernel still reads or writes
+    it; the compute's results pass through a last barrier with the join's, so that whatever reads them comes
+    after the join."""
+    check_start(start, start_args, index)
     with side_stream(index) as calls:
         started = start(*start_args)
     leaves, tree = jax.tree.flatten(started)
@@ -99,11 +145,17 @@ def overlap(start, start_args, compute, compute_args, index: int = 1):
             side.append(array)
     num_results = len({id(leaf) for leaf in leaves})
     compute_args, side = jax.lax.optimization_barrier((compute_args, side))
-    computed = compute(*compute_args)
+    token = _started_buffers.set(_started_buffers.get() | calls.buffer_ids)
+    try:
+        computed = compute(*compute_args)
+    finally:
+        _started_buffers.reset(token)
     computed, side = jax.lax.optimization_barrier((computed, side))
-    joined = jax.ffi.ffi_call(JOIN_TARGET, [jax.typeof(r) for r in side[:num_results]],
+    # A side effect: XLA must keep the join even where nothing reads what it returns.
+    joined = jax.ffi.ffi_call(JOIN_TARGET, [jax.typeof(r) for r in side[:num_results]], has_side_effect=True,
                               input_output_aliases={i: i for i in range(num_results)})(
         *side, side_stream=np.int64(index))
+    computed, joined = jax.lax.optimization_barrier((computed, joined))
     return tree.unflatten([joined[position[id(leaf)]] for leaf in leaves]), computed
 
 
