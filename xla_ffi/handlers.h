@@ -4,6 +4,7 @@
 // header of the kernels and runtime that the handlers see. module.cc exports the handler symbols declared last.
 #pragma once
 #include <optional>
+#include <mutex>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -133,16 +134,19 @@ struct SideStream {
   cudaStream_t stream = nullptr;
   cudaEvent_t xla_ready = nullptr;
   cudaEvent_t done = nullptr;
+  // Held by a twin from its first record to its last: a wait takes an event's latest record, so two host threads
+  // launching on one side stream at once could otherwise make one's launch wait for the other's XLA stream.
+  std::mutex* in_order = nullptr;
 };
 
 // Side stream `index` (1 to kMaxSideStreams) of CUDA device `device`, created at its first use (a non-blocking
 // stream, events without timing) and kept for the life of the process.
 ffi::Error FindSideStream(const std::string& op, int device, int64_t index, SideStream* out);
 
-// Before a launch on side stream `index`: refuses when XLA's stream is being captured (an XLA command buffer: a
-// capture cannot end while a stream it forked still runs; the twin targets are registered without the
+// Before a launch on `side` (its in_order lock held): refuses when XLA's stream is being captured (an XLA command
+// buffer: a capture cannot end while a stream it forked still runs; the twin targets are registered without the
 // command-buffer trait, so XLA runs them outside its graphs), then makes the side stream wait for XLA's stream.
-ffi::Error EnterSideStream(const std::string& op, cudaStream_t xla_stream, int device, int64_t index, SideStream* out);
+ffi::Error EnterSideStream(const std::string& op, cudaStream_t xla_stream, const SideStream& side);
 
 // After the launch: where the side stream's work ends, for the join.
 ffi::Error LeaveSideStream(const std::string& op, const SideStream& side);
@@ -159,7 +163,9 @@ auto SideStreamHandler(const char* op, Body body) {
                                                          int64_t num_sms, int64_t timeout_ns, int64_t side_stream,
                                                          auto... operands) -> ffi::Error {
     SideStream side;
-    if (auto err = EnterSideStream(op, stream, device, side_stream, &side); err.failure()) return err;
+    if (auto err = FindSideStream(op, device, side_stream, &side); err.failure()) return err;
+    std::lock_guard<std::mutex> in_order(*side.in_order);
+    if (auto err = EnterSideStream(op, stream, side); err.failure()) return err;
     if (auto err = on_stream(side.stream, device, buffer_id, num_sms, timeout_ns, std::move(operands)...);
         err.failure())
       return err;

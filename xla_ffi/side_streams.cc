@@ -32,6 +32,11 @@ ffi::Error CreateSideStream(const std::string& op, int device, SideStream* out) 
     err = cudaEventCreateWithFlags(&out->xla_ready, cudaEventDisableTiming);
   }
   if (err == cudaSuccess) err = cudaEventCreateWithFlags(&out->done, cudaEventDisableTiming);
+  if (err != cudaSuccess) {  // nothing half made is kept: what was created goes
+    if (out->xla_ready) cudaEventDestroy(out->xla_ready);
+    if (out->stream) cudaStreamDestroy(out->stream);
+    *out = SideStream{};
+  }
   const cudaError_t restored = previous != device ? cudaSetDevice(previous) : cudaSuccess;
   if (err != cudaSuccess) return CudaFailed(op, failed, err);
   if (restored != cudaSuccess) return CudaFailed(op, "cudaSetDevice", restored);
@@ -45,6 +50,18 @@ ffi::Error CreateSideStream(const std::string& op, int device, SideStream* out) 
     if (side_stream_err_ != cudaSuccess) return CudaFailed(op, #call, side_stream_err_); \
   } while (0)
 
+// Refuses when XLA's stream is being captured (an XLA command buffer): a capture cannot end while a stream it forked
+// still runs, nor wait for one outside it. The side-stream targets are registered without the command-buffer trait,
+// so XLA runs them outside its graphs; this catches any other capture.
+ffi::Error RefuseCapture(const std::string& op, cudaStream_t xla_stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  JAX_EP_SIDE_STREAM_CHECK(op, cudaStreamIsCapturing(xla_stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone)
+    return Invalid(op, "runs on a jax_ep side stream, which a CUDA graph capture (an XLA command buffer) cannot "
+                       "hold; call the op on XLA's stream inside captured programs");
+  return ffi::Error::Success();
+}
+
 // args: the arrays to return (as the results, which alias them), then any arrays to keep alive until here (the
 // started ops' inputs, which their kernels may still read); attribute side_stream: which side stream to wait for.
 ffi::Error Join(cudaStream_t stream, int32_t device, int64_t side_stream, ffi::RemainingArgs remaining_args,
@@ -55,6 +72,7 @@ ffi::Error Join(cudaStream_t stream, int32_t device, int64_t side_stream, ffi::R
   if (auto err = Collect(remaining_rets, &rets); err.failure()) return err;
   if (rets.size() > args.size()) return Invalid(op, "more results than operands");
   SideStream side;
+  if (auto err = RefuseCapture(op, stream); err.failure()) return err;
   if (auto err = FindSideStream(op, device, side_stream, &side); err.failure()) return err;
   JAX_EP_SIDE_STREAM_CHECK(op, cudaStreamWaitEvent(stream, side.done, 0));
   for (size_t i = 0; i < rets.size(); ++i) {
@@ -80,21 +98,17 @@ ffi::Error FindSideStream(const std::string& op, int device, int64_t index, Side
   if (it == streams->end()) {
     SideStream created;
     if (auto err = CreateSideStream(op, device, &created); err.failure()) return err;
+    created.in_order = new std::mutex();  // never freed: process lifetime, as the stream
     it = streams->emplace(std::make_pair(device, index), created).first;
   }
   *out = it->second;
   return ffi::Error::Success();
 }
 
-ffi::Error EnterSideStream(const std::string& op, cudaStream_t xla_stream, int device, int64_t index, SideStream* out) {
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  JAX_EP_SIDE_STREAM_CHECK(op, cudaStreamIsCapturing(xla_stream, &capture));
-  if (capture != cudaStreamCaptureStatusNone)
-    return Invalid(op, "runs on a jax_ep side stream, which a CUDA graph capture (an XLA command buffer) cannot "
-                       "hold; call the op on XLA's stream inside captured programs");
-  if (auto err = FindSideStream(op, device, index, out); err.failure()) return err;
-  JAX_EP_SIDE_STREAM_CHECK(op, cudaEventRecord(out->xla_ready, xla_stream));
-  JAX_EP_SIDE_STREAM_CHECK(op, cudaStreamWaitEvent(out->stream, out->xla_ready, 0));
+ffi::Error EnterSideStream(const std::string& op, cudaStream_t xla_stream, const SideStream& side) {
+  if (auto err = RefuseCapture(op, xla_stream); err.failure()) return err;
+  JAX_EP_SIDE_STREAM_CHECK(op, cudaEventRecord(side.xla_ready, xla_stream));
+  JAX_EP_SIDE_STREAM_CHECK(op, cudaStreamWaitEvent(side.stream, side.xla_ready, 0));
   return ffi::Error::Success();
 }
 
