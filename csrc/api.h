@@ -238,8 +238,9 @@ cudaError_t intranode_expert_major_cached_dispatch(const IntranodeCall& call, co
 // Combine's backward along an expert-major handle, a cached dispatch of the cotangent d_out [num_tokens, row] (y's
 // type, rows of whole 16-byte vectors): on every row with a pair, d_y[row] = weights[row] * d_out[token] (the
 // float32 product rounded to y's type; d_out[token] itself without weights) and d_weights[row] = the float32 dot of
-// d_out[token] and y[row] (with weights); every other row of d_y and d_weights is zero. Each item's d_out row is
-// read once from its home rank.
+// d_out[token] and y[row] (with weights); every other row of d_weights is zero, and of d_y those up to
+// kExpertMajorGradZeroRows past the last group (the rows after them are left as they are). Each item's d_out row
+// is read once from its home rank.
 struct ExpertMajorCombineBackwardArgs {
   ExpertMajorCachedDispatchArgs rows;  // x: d_out; recv_x: d_y
   FloatType type = FloatType::kF32;    // of d_out, y and d_y

@@ -208,6 +208,8 @@ def _combine_bwd(spec, residual, cotangent):
 _combine.defvjp(_combine_fwd, _combine_bwd)
 
 LAYOUTS = ("rank_major", "expert_major")
+# Rows and row indices of a dispatch's outputs are int32.
+MAX_ROWS = np.iinfo(np.int32).max
 
 
 def _normal_spec(op: str, buffer: Buffer, num_experts, capacity=None,
@@ -292,6 +294,14 @@ def dispatch(
         capacity = spec.num_ranks * num_tokens
     spec = dataclasses.replace(spec, capacity=capacity)
     if layout == "expert_major":
+        # Group offsets and pair rows are int32 on every backend: the padded groups must fit them.
+        most_rows = max(capacity, expert_major.default_capacity(spec.num_ranks, num_tokens, topk_idx.shape[1],
+                                                                spec.num_experts // spec.num_ranks,
+                                                                spec.expert_alignment))
+        if most_rows > MAX_ROWS:
+            raise ValueError(f"jax_ep.dispatch: expert_alignment={spec.expert_alignment} and max_recv_tokens="
+                             f"{capacity} let the expert-major rows reach {most_rows}, more than int32 row indices "
+                             f"hold ({MAX_ROWS})")
         recv, weights, sizes, offsets, kept, dropped, invalid, em_handle, rows_needed = expert_major.dispatch(
             dataclasses.replace(spec, by_kernels=spec.backend.runs_expert_major_kernels(spec.num_experts,
                                                                                        topk_idx.shape[1])),

@@ -296,6 +296,15 @@ def test_dispatch_positive_integers(mesh, buffer, name, value):
         lower_in_shard_map(mesh, lambda x, i: jax_ep.dispatch(buffer, x, i, **{name: value}), x_global(), routing())
 
 
+@pytest.mark.parametrize("expert_alignment, capacity", [(2 ** 30, None), (1, 2 ** 31)])
+def test_expert_major_rows_beyond_int32(mesh, buffer, expert_alignment, capacity):
+    """Padding groups to 2^30 rows (or a capacity of 2^31) would overflow the int32 group offsets and pair rows."""
+    with pytest.raises(ValueError, match=msg("more than int32 row indices hold")):
+        lower_in_shard_map(mesh, lambda x, i: jax_ep.dispatch(buffer, x, i, layout="expert_major",
+                                                              expert_alignment=expert_alignment,
+                                                              max_recv_tokens=capacity), x_global(), routing())
+
+
 def test_dispatch_fractional_capacity(mesh, buffer):
     with pytest.raises((TypeError, ValueError), match="max_recv_tokens"):
         lower_in_shard_map(mesh, lambda x, i: jax_ep.dispatch(buffer, x, i, max_recv_tokens=2.5), x_global(), routing())

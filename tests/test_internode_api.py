@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 import jax_ep
 from conftest import mesh_of, with_standin_backend
 from jax_ep import _native
-from jax_ep.backends.cuda import internode, low_latency
+from jax_ep.backends.cuda import internode, intranode, low_latency
 
 R, T, H, K, E = 4, 8, 256, 3, 8
 PER_NODE = 2
@@ -246,3 +246,20 @@ def test_combine_refuses_a_foreign_handle():
 
     with pytest.raises(TypeError, match="the handle must come from a dispatch of this Buffer, got XlaHandle"):
         lower(buf, body, X, IDX, ((R * T, H), jnp.bfloat16))
+
+
+def test_expert_major_handle_of_the_other_kernel_family_is_refused():
+    """An expert-major handle of the intranode kernels given to an internode Buffer (and the other way round) is
+    refused while tracing, naming the op: the two families' handles hold different rows."""
+    internode_buf = standin()
+    intranode_buf = with_standin_backend(jax_ep.Buffer(internode_buf.mesh, "ep", backend="xla"),
+                                         intranode.IntranodeBackend)
+    for made_by, used_by, op in ((intranode_buf, internode_buf, "combine"), (internode_buf, intranode_buf, "dispatch")):
+        def body(x, idx, w):
+            d = jax_ep.dispatch(made_by, x, idx, w, num_experts=E, layout="expert_major")
+            if op == "combine":
+                return jax_ep.combine(used_by, d.recv_x, d.handle, weights=d.recv_weights).x
+            return jax_ep.dispatch(used_by, x, handle=d.handle).recv_x
+
+        with pytest.raises(TypeError, match=f"jax_ep.{op}: this expert-major handle comes from the other kernel"):
+            lower(internode_buf, body, X, IDX, W)

@@ -100,7 +100,8 @@ class Backend(abc.ABC):
         """The VJP of the combine of y [C, ...] along a by_kernels handle, for its cotangent d_out [T, ...] (y's
         dtype): (d_y [C, ...] of y's dtype, d_weights float32 [C] or None without weights). On a row with a pair
         d_y = weights[row] * d_out[token] (the float32 product rounded) and d_weights = the float32 dot of
-        d_out[token] and y[row]; on every other row both are zero."""
+        d_out[token] and y[row]; on every other row d_weights is zero, and so is d_y up to
+        _C.limits()["expert_major_grad_zero_rows"] rows past the last group (unspecified after them)."""
         raise self._no_expert_major_kernels()
 
     def _no_expert_major_kernels(self) -> TypeError:

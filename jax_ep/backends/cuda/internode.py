@@ -301,8 +301,10 @@ class InternodeBackend(normal.ExpertMajorKernels, low_latency.LowLatencyOps, Bac
         return out.astype(out_dtype)
 
     # ---- the expert-major layout (csrc/internode_expert_major.cu; normal.ExpertMajorKernels) -------------------
+
     # The handle's rows are an InternodeHandle: recv_src_index and is_token_in_rank, and the relay part, whose
     # relay_row names each relayed token's item on the node ranks that received it (where they stage its partial).
+    expert_major_rows_type = InternodeHandle
 
     def expert_major_dispatch(self, x_leaves, topk_idx, topk_weights, *, num_experts, capacity, expert_alignment):
         from jax_ep.expert_major import ExpertMajorHandle  # jax_ep.expert_major imports the backends' interface
@@ -321,6 +323,7 @@ class InternodeBackend(normal.ExpertMajorKernels, low_latency.LowLatencyOps, Bac
                                                                      0, normal.row_bytes(leaf)))
 
     def expert_major_cached_dispatch(self, leaf, handle):
+        self.check_expert_major_handle("dispatch", handle)
         self._check_cached_region("cached dispatch", leaf)
         result_type = jax.typeof(leaf).update(shape=(handle.capacity, *leaf.shape[1:]), dtype=leaf.dtype)
         return normal.call(EXPERT_MAJOR_CACHED_DISPATCH_TARGET, result_type, leaf, handle.pair_row,

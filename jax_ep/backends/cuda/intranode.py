@@ -292,6 +292,8 @@ class IntranodeBackend(normal.ExpertMajorKernels, low_latency.LowLatencyOps, Bac
 
     # ---- the expert-major layout (csrc/expert_major.cu; normal.ExpertMajorKernels) ------------------------------
 
+    expert_major_rows_type = XlaHandle
+
     def expert_major_dispatch(self, x_leaves, topk_idx, topk_weights, *, num_experts, capacity, expert_alignment):
         from jax_ep.expert_major import ExpertMajorHandle  # jax_ep.expert_major imports the backends' interface
 
@@ -310,6 +312,7 @@ class IntranodeBackend(normal.ExpertMajorKernels, low_latency.LowLatencyOps, Bac
         return recv, weights, sizes, offsets, kept, dropped, invalid, handle, rows_needed
 
     def expert_major_cached_dispatch(self, leaf, handle):
+        self.check_expert_major_handle("dispatch", handle)
         _check_staging("cached dispatch", self.staging_bytes,
                        cached_dispatch_staging_bytes(leaf.shape[0], normal.row_bytes(leaf)))
         result_type = jax.typeof(leaf).update(shape=(handle.capacity, *leaf.shape[1:]), dtype=leaf.dtype)

@@ -245,12 +245,23 @@ class ExpertMajorKernels:
     `_expert_major_combine_call(y, weights, pair_row, handle, bias, kernel_out)` (y float32, bfloat16 or float16,
     bias and kernel_out as combine_kernel_types gives them) and `_expert_major_combine_backward_operands(d_out, y,
     handle)`: its backward target and the operands before the weights, once it checked the call fits its memory
-    (d_out of y's type, rows of whole 16-byte vectors)."""
+    (d_out of y's type, rows of whole 16-byte vectors), and names the type of its handles' `rows`,
+    `expert_major_rows_type`."""
+
+    expert_major_rows_type: type
+
+    def check_expert_major_handle(self, op: str, handle) -> None:
+        """Refuses an expert-major handle of the other kernel family (intranode or internode)."""
+        if not isinstance(handle.rows, self.expert_major_rows_type):
+            mode = "internode" if self.internode else "intranode"
+            raise TypeError(f"jax_ep.{op}: this expert-major handle comes from the other kernel family than this "
+                            f"Buffer's ({mode}); pass it to ops of the Buffer whose dispatch made it")
 
     def runs_expert_major_kernels(self, num_experts, num_topk):
         return self.num_ranks > 1 and num_experts <= MAX_EXPERT_MAJOR_EXPERTS and num_topk <= MAX_TOPK
 
     def expert_major_combine(self, y, weights, pair_row, handle, *, bias=None, out_dtype=jnp.float32):
+        self.check_expert_major_handle("combine", handle)
         if y.dtype not in KERNEL_FLOAT_TYPES:
             # The kernels read float32, bfloat16 and float16 rows. Other types' partials are made here, rounded to
             # y's dtype, and go home as float32 rows (which hold them exactly), each received token's its one pair.
@@ -265,6 +276,7 @@ class ExpertMajorKernels:
         return self._expert_major_combine_call(y, weights, pair_row, handle, bias, kernel_out).astype(out_dtype)
 
     def expert_major_combine_backward(self, d_out, y, weights, handle):
+        self.check_expert_major_handle("combine", handle)
         if y.dtype not in KERNEL_FLOAT_TYPES:  # the kernels read float32, bfloat16 and float16 rows
             d_y, d_weights = self.expert_major_combine_backward(d_out.astype(jnp.float32), y.astype(jnp.float32),
                                                                 weights, handle)
