@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   begin_call([&] { return header_of(g.region); }, ctx);
   if (blockIdx.x == 0) {
     route_own_tokens(g, a, layout, a.num_recv_tokens_per_expert);
-    put_routing(g, ctx, layout, timeout_ns);
+    put_routing(g, ctx, layout, timeout_ns, InternodeOp::kDispatch);
   }
   const SendRows rows{a.num_payloads, {a.x[0], a.x[1]}, {a.x_row_bytes[0], a.x_row_bytes[1]}};
   const NodesOfTopk nodes_of{a.topk_idx, static_cast<int32_t>(a.num_topk), static_cast<int32_t>(a.num_experts),

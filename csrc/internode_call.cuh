@@ -307,10 +307,10 @@ __device__ void route_own_tokens(const InternodeRank& g, const Args& a, const In
 // Block 0, after route_own_tokens: puts this rank's topk part and node m's routing into the meta of the rank of
 // every other node m on this rail.
 __device__ void put_routing(const InternodeRank& g, const CallContext& ctx, const InternodeDispatchLayout& layout,
-                            int64_t timeout_ns) {
+                            int64_t timeout_ns, InternodeOp op) {
   const int m = threadIdx.x;
   if (m < g.num_nodes && m != g.node)
-    wait_for<uint64_t>(g, ctx, &header_of(g.region)->credit[m], ctx.call - 1, InternodeOp::kDispatch,
+    wait_for<uint64_t>(g, ctx, &header_of(g.region)->credit[m], ctx.call - 1, op,
                        InternodeWait::kCredit, rail_rank(g, m), timeout_ns);
   __syncthreads();
   if (threadIdx.x == 0) __threadfence_system();  // the block's routing writes before the transport reads them

@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   begin_call([&] { return header_of(g.region); }, ctx);
   if (blockIdx.x == 0) {
     route_own_tokens(g, em, layout, nullptr);
-    put_routing(g, ctx, layout, timeout_ns);
+    put_routing(g, ctx, layout, timeout_ns, InternodeOp::kExpertMajorDispatch);
   }
   const SendRows rows{em.num_payloads, {em.x[0], em.x[1]}, {em.x_row_bytes[0], em.x_row_bytes[1]}};
   const NodesOfTopk nodes_of{em.topk_idx, static_cast<int32_t>(em.num_topk), static_cast<int32_t>(em.num_experts),

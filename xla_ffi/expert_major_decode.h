@@ -1,6 +1,8 @@
 // Decoding of the expert-major ops' operands and results (api.h: ExpertMajorDispatchArgs and the three after it),
 // shared by the intranode and internode handlers, which add their modes' parts and launch.
 #pragma once
+#include <algorithm>
+#include <climits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -39,6 +41,12 @@ inline ffi::Error DecodeExpertMajorDispatch(const char* op, int ranks, const std
   a.num_experts = num_experts;
   a.capacity = LeadingDim(rets[0]);
   a.expert_alignment = expert_alignment;
+  // Group offsets and pair rows are int32: the padded groups and the capacity must fit them (Python refuses first).
+  const int64_t local_experts = num_experts / ranks;
+  if (a.capacity > INT32_MAX ||
+      ranks * a.num_tokens * std::min<int64_t>(a.num_topk, local_experts) + local_experts * (expert_alignment - 1) >
+          INT32_MAX)
+    return Invalid(op, "expert_alignment and the capacity let the rows pass int32 indices");
   for (size_t p = 0; p < payloads; ++p) {
     if (LeadingDim(args[p]) != a.num_tokens || LeadingDim(rets[p]) != a.capacity || RowBytes(args[p]) != RowBytes(rets[p]))
       return Invalid(op, "payload shapes disagree with topk_idx or the capacity");
