@@ -30,3 +30,9 @@ def typed_like(value, *like):
     if wanted - have:
         value = jax.lax.pcast(value, tuple(sorted(wanted - have)), to="varying")
     return value
+
+
+def types_of(tree):
+    """Zero-row slices of the arrays of `tree`: all a backward pass needs of a primal to type its cotangent (the
+    shard_map axes it varies over), without keeping the array alive until then."""
+    return jax.tree.map(lambda a: a[:0], tree)

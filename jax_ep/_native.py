@@ -81,6 +81,7 @@ _TARGET_NAMES: dict[str, str] = {} if _C is None else dict(_C.target_names())
 _ENUMS: dict[str, dict[str, int]] = {} if _C is None else {name: dict(members) for name, members in _C.enums().items()}
 # The normal-mode targets' twins that run on a jax_ep side stream (xla_ffi/module.cc, kSideStreamKeys).
 _SIDE_STREAM_TWINS: dict[str, str] = {} if _C is None else dict(_C.side_stream_twins())
+_SIDE_STREAM_TWIN_NAMES = frozenset(_SIDE_STREAM_TWINS.values())
 
 
 def target(key: str) -> str | None:
@@ -99,9 +100,6 @@ def side_stream_twin(target_name: str) -> str:
 def is_side_stream_twin(target_name: str) -> bool:
     """Whether FFI target `target_name` launches its kernel on a jax_ep side stream."""
     return target_name in _SIDE_STREAM_TWIN_NAMES
-
-
-_SIDE_STREAM_TWIN_NAMES = frozenset(_SIDE_STREAM_TWINS.values())
 
 
 def enum(name: str) -> dict[str, int]:

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_ep._cotangents import typed_like, zero_cotangent
+from jax_ep._cotangents import typed_like, types_of, zero_cotangent
 from jax_ep.backends import Backend
 from jax_ep.backends.xla import XlaHandle, gather_rows, sanitize_ids
 
@@ -218,13 +218,7 @@ def _per_received_token(backend: Backend, rows, handle: ExpertMajorHandle):
 
 def _dispatch_fwd(spec, x_leaves, topk_idx, topk_weights):
     out = dispatch(spec, x_leaves, topk_idx, topk_weights)
-    return out, (out[7], _types_of(x_leaves), topk_idx, _types_of(topk_weights))
-
-
-def _types_of(tree):
-    """Zero-row slices of the arrays of `tree`: all a backward pass needs of a primal to type its cotangent (the
-    shard_map axes it varies over), without keeping the array alive until then."""
-    return jax.tree.map(lambda a: a[:0], tree)
+    return out, (out[7], types_of(x_leaves), topk_idx, types_of(topk_weights))
 
 
 def _combine_cotangent_rows(backend, cotangent, handle, x_types):
@@ -295,7 +289,7 @@ def cached_dispatch(backend: Backend, x_leaves, handle: ExpertMajorHandle):
 
 
 def _cached_dispatch_fwd(backend, x_leaves, handle):
-    return cached_dispatch(backend, x_leaves, handle), (handle, _types_of(x_leaves))
+    return cached_dispatch(backend, x_leaves, handle), (handle, types_of(x_leaves))
 
 
 def _cached_dispatch_bwd(backend, residual, cotangent):

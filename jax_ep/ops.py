@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ep import _checks, _native, expert_major
-from jax_ep._cotangents import zero_cotangent
+from jax_ep._cotangents import typed_like, types_of, zero_cotangent
 from jax_ep.backends import Backend, LowLatencyCast, xla
 from jax_ep.buffer import Buffer
 from jax_ep.types import (
@@ -152,17 +152,20 @@ def _dispatch(spec, x, topk_idx, topk_weights):
 
 def _dispatch_fwd(spec, x, topk_idx, topk_weights):
     out = _dispatch(spec, x, topk_idx, topk_weights)
-    return out, (out.handle, out.recv_topk_idx, topk_idx)
+    return out, (out.handle, out.recv_topk_idx, topk_idx, types_of(x), types_of(topk_weights))
 
 
+# The backward rules type each cotangent like its primal (typed_like): x, the weights and what the backends compute
+# from them may vary over different shard_map axes (a replicated x, say).
 def _dispatch_bwd(spec, residual, cotangent):
-    handle, recv_topk_idx, topk_idx = residual
-    d_x = jax.tree.map(lambda g: spec.backend.combine(g, handle).astype(g.dtype), cotangent.recv_x)
+    handle, recv_topk_idx, topk_idx, x_types, weights_types = residual
+    d_x = jax.tree.map(lambda g, x: typed_like(spec.backend.combine(g, handle).astype(g.dtype), x),
+                       cotangent.recv_x, x_types)
     d_weights = None
     if cotangent.recv_topk_weights is not None:
         # Only entries whose expert lives on the receiving rank carry the weight; the others are constant 0.
         kept = jnp.where(recv_topk_idx >= 0, cotangent.recv_topk_weights, 0.0)
-        d_weights = spec.backend.combine(kept, handle)
+        d_weights = typed_like(spec.backend.combine(kept, handle), weights_types)
     return d_x, zero_cotangent(topk_idx), d_weights
 
 
@@ -175,11 +178,13 @@ def _cached_dispatch(spec, x, handle):
 
 
 def _cached_dispatch_fwd(spec, x, handle):
-    return _cached_dispatch(spec, x, handle), handle
+    return _cached_dispatch(spec, x, handle), (handle, types_of(x))
 
 
-def _cached_dispatch_bwd(spec, handle, cotangent):
-    d_x = jax.tree.map(lambda g: spec.backend.combine(g, handle).astype(g.dtype), cotangent)
+def _cached_dispatch_bwd(spec, residual, cotangent):
+    handle, x_types = residual
+    d_x = jax.tree.map(lambda g, x: typed_like(spec.backend.combine(g, handle).astype(g.dtype), x), cotangent,
+                       x_types)
     return d_x, zero_cotangent(handle)
 
 
@@ -194,14 +199,16 @@ def _combine(spec, y, handle, topk_weights, bias):
 
 
 def _combine_fwd(spec, y, handle, topk_weights, bias):
-    return _combine(spec, y, handle, topk_weights, bias), (handle, bias)
+    return _combine(spec, y, handle, topk_weights, bias), (handle, types_of(y), types_of(topk_weights),
+                                                           types_of(bias))
 
 
 def _combine_bwd(spec, residual, cotangent):
-    handle, bias = residual
-    d_y = spec.backend.cached_dispatch(cotangent.x, handle)
-    d_weights = None if cotangent.topk_weights is None else spec.backend.cached_dispatch(cotangent.topk_weights, handle)
-    d_bias = None if bias is None else cotangent.x.astype(bias.dtype)
+    handle, y_types, weights_types, bias_types = residual
+    d_y = typed_like(spec.backend.cached_dispatch(cotangent.x, handle), y_types)
+    d_weights = None if cotangent.topk_weights is None else typed_like(
+        spec.backend.cached_dispatch(cotangent.topk_weights, handle), weights_types)
+    d_bias = None if bias_types is None else typed_like(cotangent.x.astype(bias_types.dtype), bias_types)
     return d_y, zero_cotangent(handle), d_weights, d_bias
 
 

@@ -173,3 +173,45 @@ def test_check_grads_numeric():
         return jnp.tanh(out), wout
 
     check_grads(f, (flat(x), flat(w)), order=1, modes=["rev"], atol=1e-2, rtol=1e-2)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Inputs replicated over the EP axis
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["rank_major", "expert_major"])
+def test_replicated_inputs_get_the_sum_of_the_ranks_cotangents(layout):
+    """x, topk_weights and bias the same on every rank (in_specs P()): each gets the sum over the ranks of the
+    cotangent it would get as each rank's own copy (JAX's transpose of a replicated input), from dispatch, cached
+    dispatch and combine alike."""
+    R, T, H, K, E = 4, 8, 128, 2, 8
+    buf = buffer(R, "xla")
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    w = rng.random((T, K)).astype(np.float32)
+    bias = rng.standard_normal((T, H)).astype(np.float32)
+    idx = np.stack([np.stack([rng.choice(E, K, replace=False) for _ in range(T)]) for _ in range(R)]).astype(np.int32)
+
+    def body(x, w, bias, idx):
+        d = jax_ep.dispatch(buf, x, idx, w, num_experts=E, layout=layout)
+        again = jax_ep.dispatch(buf, x * 3, handle=d.handle).recv_x
+        if layout == "expert_major":
+            out = jax_ep.combine(buf, d.recv_x * 2 + again, d.handle, weights=d.recv_weights, bias=bias)
+            return out.x
+        out = jax_ep.combine(buf, d.recv_x * 2 + again, d.handle, topk_weights=d.recv_topk_weights, bias=bias)
+        return out.x + jnp.sum(out.topk_weights)
+
+    mesh = mesh_of(R)
+    weights_out = rng.standard_normal((R * T, H)).astype(np.float32)
+
+    def loss(in_spec):
+        def f(x, w, bias):
+            out = jax.shard_map(body, mesh=mesh, in_specs=(in_spec, in_spec, in_spec, P("ep")),
+                                out_specs=P("ep"))(x, w, bias, idx.reshape(R * T, K))
+            return jnp.sum(out * weights_out)
+        return f
+
+    replicated = jax.jit(jax.grad(loss(P()), argnums=(0, 1, 2)))(x, w, bias)
+    per_rank = jax.jit(jax.grad(loss(P("ep")), argnums=(0, 1, 2)))(*(np.tile(a, (R, 1)) for a in (x, w, bias)))
+    for name, got, copies in zip(("x", "topk_weights", "bias"), replicated, per_rank):
+        expected = np.asarray(copies).reshape(R, *got.shape).sum(0)
+        np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5, err_msg=name)

@@ -237,6 +237,9 @@ def _draw_timeline(moe: MoE, x, cotangent, path: str, title: str) -> None:
     lanes = timeline.lanes_of(timeline.profile(_block_step(moe, remat=False), (nnx.state(moe), x, cotangent)))
     if jax.process_index() != 0:
         return
+    if harness.on_gpu(moe.mesh) and not any(lane.startswith("/device:") for lane in lanes):
+        print("[moe]   the profile holds no GPU streams (is CUPTI available?): the timeline shows host threads",
+              flush=True)
     spans = os.path.splitext(path)[0] + ".json"
     timeline.write_json(lanes, spans)
     plt = harness.pyplot()
@@ -268,7 +271,8 @@ def _measure(mesh, shape: MoEShape, dispatcher: str, args, name: str) -> dict:
                 if args.timeline:
                     _draw_timeline(moe, x, cotangent, timeline_path(args.timeline, name, dispatcher),
                                    f"jax_ep.flax.MoE {name}, {dispatcher} dispatcher ({figures['backend']} backend), "
-                                   f"{num_chunks} chunk(s), {mesh.devices.size} ranks: one step, forward + backward")
+                                   f"{num_chunks} chunk(s), {mesh.devices.size} ranks: one step, forward + backward"
+                                   + ("" if jax.process_count() == 1 else ", process 0's GPUs"))
     return figures
 
 

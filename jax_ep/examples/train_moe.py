@@ -121,7 +121,7 @@ class Progress:
 
 def moe_options(args, dispatcher: str, mesh: Mesh, tokens_per_rank: int) -> dict:
     return dict(mesh=mesh, dispatcher=dispatcher, backend=args.backend, max_tokens_per_rank=tokens_per_rank,
-                capacity_factor=args.capacity_factor)
+                capacity_factor=args.capacity_factor if dispatcher in ("normal", "xla") else None)
 
 
 def train(args, dispatcher: str, mesh: Mesh) -> list[float]:
@@ -217,7 +217,8 @@ def parse_args(argv=None):
     parser.add_argument("--topk", type=int, default=2, help="experts per token")
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--capacity-factor", type=float, help="default: no capacity limit")
+    parser.add_argument("--capacity-factor", type=float,
+                        help="for the normal and xla dispatchers (default: no capacity limit)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--balance-coef", type=float, default=1e-2, help="weight of the load-balancing loss")
     parser.add_argument("--z-coef", type=float, default=1e-3, help="weight of the router z-loss")

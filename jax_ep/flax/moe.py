@@ -139,6 +139,14 @@ class MoE(nnx.Module):
         if num_chunks > 1 and dispatcher not in ("normal", "xla"):
             raise ValueError(f"jax_ep.flax.MoE: num_chunks applies to the 'normal' and 'xla' dispatchers, got "
                              f"num_chunks={num_chunks} with dispatcher={dispatcher!r}")
+        if capacity_factor is not None:
+            if not (isinstance(capacity_factor, (int, float)) and math.isfinite(capacity_factor)
+                    and capacity_factor > 0):
+                raise ValueError(f"jax_ep.flax.MoE: capacity_factor must be a positive number or None, got "
+                                 f"{capacity_factor!r}")
+            if dispatcher not in ("normal", "xla"):
+                raise ValueError(f"jax_ep.flax.MoE: capacity_factor applies to the 'normal' and 'xla' dispatchers, "
+                                 f"got capacity_factor={capacity_factor} with dispatcher={dispatcher!r}")
         self.router_config = RouterConfig(num_experts, num_experts_per_tok, score_function, n_groups,
                                           topk_groups, norm_topk_prob, routed_scaling_factor)
         self.d_model, self.num_experts, self.dispatcher = d_model, num_experts, dispatcher
@@ -187,6 +195,8 @@ class MoE(nnx.Module):
         return weights
 
     def __call__(self, x) -> tuple[jax.Array, MoEAux]:
+        if x.shape[-1] != self.d_model:
+            raise ValueError(f"jax_ep.flax.MoE: x must end in d_model={self.d_model} channels, got shape {x.shape}")
         tokens = x.reshape(-1, self.d_model)
         weights = self._weights()
         if self.dispatcher == "none":

@@ -171,6 +171,16 @@ def check_dispatch(num_ranks: int, num_tokens: int, num_topk: int) -> None:
         raise ValueError(f"jax_ep.dispatch (cuda): ranks * tokens must fit int32, got {num_ranks} * {num_tokens}")
 
 
+def _call_dispatch_kernel(target, result_types, x_leaves, topk_idx, topk_weights, attributes, num_experts,
+                          expert_alignment):
+    """A dispatch kernel's FFI call (either layout, either mode): (the received leaves, the other results)."""
+    operands = (*x_leaves, topk_idx) + (() if topk_weights is None else (topk_weights,))
+    outs = list(call(target, result_types, *operands, attributes=dict(
+        attributes, num_payloads=np.int64(len(x_leaves)), num_experts=np.int64(num_experts),
+        expert_alignment=np.int64(expert_alignment))))
+    return tuple(outs[:len(x_leaves)]), outs[len(x_leaves):]
+
+
 def call_dispatch(target: str, x_leaves, topk_idx, topk_weights, handle_types, *, attributes: dict, num_ranks,
                   num_experts, capacity, expert_alignment):
     """The normal-mode dispatch FFI call (intranode or internode kernels): its operands, the results every
@@ -192,12 +202,8 @@ def call_dispatch(target: str, x_leaves, topk_idx, topk_weights, handle_types, *
         result((capacity,), int32), result((num_tokens, num_ranks), jnp.bool_),
         *(result(shape, dtype) for shape, dtype in handle_types),
     ]
-    operands = (*x_leaves, topk_idx) + (() if topk_weights is None else (topk_weights,))
-    outs = list(call(target, result_types, *operands, attributes=dict(
-        attributes, num_payloads=np.int64(len(x_leaves)), num_experts=np.int64(num_experts),
-        expert_alignment=np.int64(expert_alignment))))
-    recv_leaves = tuple(outs[:len(x_leaves)])
-    outs = outs[len(x_leaves):]
+    recv_leaves, outs = _call_dispatch_kernel(target, result_types, x_leaves, topk_idx, topk_weights, attributes,
+                                              num_experts, expert_alignment)
     recv_topk_idx = outs.pop(0)
     recv_topk_weights = None if topk_weights is None else outs.pop(0)
     common, extra = outs[:6], outs[6:]
@@ -228,12 +234,8 @@ def call_expert_major_dispatch(target: str, x_leaves, topk_idx, topk_weights, ha
                      result((1,), int32),  # rows_end ([1]: a handle's arrays all have a leading axis)
                      result((num_sms, num_experts), int32),  # scratch: a row per block
                      *(result(shape, dtype) for shape, dtype in handle_types)]
-    operands = (*x_leaves, topk_idx) + (() if topk_weights is None else (topk_weights,))
-    outs = list(call(target, result_types, *operands, attributes=dict(
-        attributes, num_payloads=np.int64(len(x_leaves)), num_experts=np.int64(num_experts),
-        expert_alignment=np.int64(expert_alignment))))
-    recv = tuple(outs[:len(x_leaves)])
-    outs = outs[len(x_leaves):]
+    recv, outs = _call_dispatch_kernel(target, result_types, x_leaves, topk_idx, topk_weights, attributes,
+                                       num_experts, expert_alignment)
     weights = None if topk_weights is None else outs.pop(0)
     common, extra = outs[:11], outs[12:]  # outs[11]: the scratch
     return (recv, weights, *common, tuple(extra))
