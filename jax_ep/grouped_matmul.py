@@ -103,24 +103,44 @@ DEFAULT_BLOCK_CONFIG = BlockConfig(block_m=128, block_n=128, block_k=64, num_sta
 # group's rows / block_k steps each, gain from fewer, larger tiles too). Where 256 columns do not divide: 256
 # rows of dw[g], else deeper prefetch; fwd and dx 128 columns in wider stripes, dx with 5 stages. Three stages
 # are fastest with 256-column tiles (two are 15 % slower). Other shapes keep the default until measured.
-_MANY_GROUPS = dict(m=(16384, 32768), groups=(32, 128))
+# M in the rules spans the rows of jax_ep.flax.MoE's expert-major layout at EP1 to EP8 (its capacity, R * T * K rows
+# plus the experts' padding, of which the groups fill about 1/R): rows past the groups cost the kernels no matmul
+# work, so the rows the groups hold, not M, decide the tiles. (Before 2026-11-28 the ranges ended at the one-rank
+# M, and the block at EP2 ran on the default tiles.)
+_BLOCK_ROWS_RANGE = (16384, 1 << 21)
+_MANY_GROUPS = dict(m=_BLOCK_ROWS_RANGE, groups=(32, 128))
 _EXPERT_PROJECTIONS = dict(k=(1024, 4096), n=(1024, 4096), **_MANY_GROUPS)
 # A DeepSeek-V3-like rank holding many experts (256 at D=7168, F=2048; M=32768): 256-column tiles for dw (a
 # third faster), fwd and the down projection's dx (a few per cent); the gate and up projections' dx (K=7168, past
 # the dx rule's K range) keeps 128 columns, which measured faster there (docs/perf-log.md).
-_MANY_EXPERTS = dict(m=(16384, 65536), groups=(129, 512), k=(1024, 8192), n=(1024, 8192))
-_WIDE_DW = BlockConfig(block_n=256, num_stages=3, grid_tile_width=8)
+_MANY_EXPERTS = dict(m=_BLOCK_ROWS_RANGE, groups=(129, 512), k=(1024, 8192), n=(1024, 8192))
+# V3's slices per rank at EP2 and EP4 (128 and 64 experts at D=7168, F=2048; M=32768, routed group sizes; one
+# H200, each kernel alone; docs/perf-log.md, 2026-11-28): the down projection (N=7168) on 256-column tiles in stripes
+# of 8 for fwd, dx and dw (fwd 15 %, dw 10 % faster than 128 columns); the gate and up projections' dw (K=7168) in
+# stripes of 2 (15 %); their fwd and dx keep the default 128 x 128 tiles, fastest at 128 experts. 32 experts (V3 at
+# EP8) were not measured and take 64's rules.
+_V3_SLICES = dict(m=_BLOCK_ROWS_RANGE, groups=(32, 128))
+_WIDE_MODEL = (4097, 8192)  # D of V3-like models: the down projection's N, the gate and up projections' K
+_PROJECTION = (1024, 4096)  # F and 2F of those models: the other dimension
+# 256-column tiles in stripes of 8: dw; the forward of moe-a's projections (its down projection's 15 % faster than
+# in stripes of 16 with routed group sizes) and of V3's down projection, and that one's dx.
+_WIDE_STRIPES_8 = BlockConfig(block_n=256, num_stages=3, grid_tile_width=8)
 _WIDE_ROWS = BlockConfig(block_n=256, num_stages=3, grid_tile_width=16)  # fwd and dx
 BLOCK_CONFIG_TABLE: tuple[BlockConfigRule, ...] = (
-    BlockConfigRule("pallas", "dw", **_MANY_EXPERTS, config=_WIDE_DW),
+    BlockConfigRule("pallas", "dw", **_MANY_EXPERTS, config=_WIDE_STRIPES_8),
     BlockConfigRule("pallas", "fwd", **_MANY_EXPERTS, config=_WIDE_ROWS),
     BlockConfigRule("pallas", "dx", **{**_MANY_EXPERTS, "k": (1024, 4096)}, config=_WIDE_ROWS),
-    BlockConfigRule("pallas", "dw", **_EXPERT_PROJECTIONS, config=_WIDE_DW),
+    BlockConfigRule("pallas", "dw", **_V3_SLICES, k=_WIDE_MODEL, n=_PROJECTION,
+                    config=BlockConfig(block_n=256, num_stages=3, grid_tile_width=2)),
+    BlockConfigRule("pallas", "dw", **_V3_SLICES, k=_PROJECTION, n=_WIDE_MODEL, config=_WIDE_STRIPES_8),
+    BlockConfigRule("pallas", "fwd", **_V3_SLICES, k=_PROJECTION, n=_WIDE_MODEL, config=_WIDE_STRIPES_8),
+    BlockConfigRule("pallas", "dx", **_V3_SLICES, k=_PROJECTION, n=_WIDE_MODEL, config=_WIDE_STRIPES_8),
+    BlockConfigRule("pallas", "dw", **_EXPERT_PROJECTIONS, config=_WIDE_STRIPES_8),
     BlockConfigRule("pallas", "dw", **_EXPERT_PROJECTIONS,
                     config=BlockConfig(block_m=256, block_n=128, num_stages=3, grid_tile_width=8)),
     BlockConfigRule("pallas", "dw", **_EXPERT_PROJECTIONS,
                     config=BlockConfig(block_n=128, num_stages=6, grid_tile_width=1)),
-    BlockConfigRule("pallas", "fwd", **_EXPERT_PROJECTIONS, config=_WIDE_ROWS),
+    BlockConfigRule("pallas", "fwd", **_EXPERT_PROJECTIONS, config=_WIDE_STRIPES_8),
     BlockConfigRule("pallas", "fwd", **_EXPERT_PROJECTIONS, config=BlockConfig(grid_tile_width=8)),
     BlockConfigRule("pallas", "dx", **_EXPERT_PROJECTIONS, config=_WIDE_ROWS),
     BlockConfigRule("pallas", "dx", **_EXPERT_PROJECTIONS, config=BlockConfig(num_stages=5, grid_tile_width=8)),
