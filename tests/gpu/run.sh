@@ -57,7 +57,9 @@ if [ "$mode" = accept ]; then
   rm -rf "$OUT/suites.txt" "$OUT/mp_tmp"; mkdir "$OUT/mp_tmp"; export JAX_EP_TEST_SUITE_LOG="$OUT/suites.txt"
   one_process="not processes and not bounded_wait"
   want kernels && step kernels 150 "${tests[@]}" -m "$one_process" -k "not grouped_matmul and not flax_moe"
-  want matmul_moe && step matmul_moe 200 "${tests[@]}" -m "$one_process" -k "grouped_matmul or flax_moe"
+  # 2026-11-28 on an H200 this step ran past 230 s with no failure (each tile configuration of the table compiles
+  # its own kernels); --durations says which tests to trim.
+  want matmul_moe && step matmul_moe 420 "${tests[@]}" --durations=12 -m "$one_process" -k "grouped_matmul or flax_moe"
   want processes && step processes 300 "${tests[@]}" "${xdist[@]}" --basetemp="$OUT/mp_tmp/processes" \
     -m "processes and not bounded_wait and not many_ranks"
   # One after another: each ends in traps, which should not land beside other tests' kernels.
