@@ -20,7 +20,7 @@ import jax_ep  # noqa: E402
 from jax_ep.flax import MoE, RouterConfig, from_dense, moe_linen  # noqa: E402
 from jax_ep.flax.routing import route  # noqa: E402
 from conftest import mesh_of  # noqa: E402
-from flax_moe_harness import (D_FF, D_MODEL, EXPERTS, RANKS, SHARED_D_FF, TOPK, assert_close,  # noqa: E402
+from flax_moe_harness import (D_FF, D_MODEL, EXPERTS, RANKS, SHARED_D_FF, TOKENS, TOPK, assert_close,  # noqa: E402
                               assert_matches_reference, check_capacity_drops, inputs, make_moe, objective,
                               reference, run)
 
@@ -181,6 +181,23 @@ def test_update_expert_bias():
         make_moe("none").update_expert_bias(load, 0.01)
 
 
+def test_linen_wrapper_expert_bias_update():
+    """The Linen wrapper keeps the expert bias in the "ExpertBias" collection, and the balancing step called
+    through the bridge moves it by rate * sign(mean load - load) (DeepSeek-V3's rule, written out here)."""
+    block = moe_linen(D_MODEL, D_FF, EXPERTS, TOPK, buffer=jax_ep.Buffer(mesh_of(RANKS), "ep", backend="xla"),
+                      expert_bias=True, score_function="sigmoid")
+    x, _ = inputs()
+    variables = jax.jit(block.init)(jax.random.key(3), x)
+    assert set(variables) == {"params", "ExpertBias"} and "expert_bias" not in variables["params"]
+    _, aux = jax.jit(block.apply)(variables, x)
+    rate = 1e-3
+    _, updated = jax.jit(lambda v, load: block.apply(v, load, rate, nnx_method="update_expert_bias",
+                                                     mutable=["ExpertBias"]))(variables, aux.tokens_per_expert)
+    load = np.asarray(aux.tokens_per_expert, np.float64)
+    expected = np.asarray(variables["ExpertBias"]["expert_bias"]) + rate * np.sign(load.mean() - load)
+    np.testing.assert_allclose(np.asarray(updated["ExpertBias"]["expert_bias"]), expected, rtol=0, atol=1e-7)
+
+
 @pytest.mark.parametrize("build, message", [
     (lambda: make_moe("ragged"), "dispatcher must be one of"),
     (lambda: MoE(D_MODEL, D_FF, EXPERTS, TOPK, dispatcher="xla", rngs=nnx.Rngs(0)), "needs a mesh"),
@@ -193,6 +210,14 @@ def test_update_expert_bias():
     (lambda: make_moe("xla", capacity_factor=-1.0), "capacity_factor must be a positive number or None, got -1.0"),
     (lambda: make_moe("none", capacity_factor=1.25), "capacity_factor applies to the 'normal' and 'xla'"),
     (lambda: make_moe("xla")(jnp.zeros((8, D_MODEL + 1))), f"x must end in d_model={D_MODEL} channels"),
+    (lambda: make_moe("low_latency", buffer=jax_ep.Buffer(mesh_of(RANKS), "ep", backend="xla")),
+     "dispatcher='low_latency' needs a Buffer made with num_max_dispatch_tokens_per_rank"),
+    (lambda: make_moe("low_latency", buffer=low_latency_buffer(hidden=2 * D_MODEL)),
+     f"the buffer's hidden is {2 * D_MODEL}, the block's d_model {D_MODEL}"),
+    (lambda: make_moe("low_latency", buffer=low_latency_buffer(tokens=2 * TOKENS)),
+     f"the buffer's num_max_dispatch_tokens_per_rank is {2 * TOKENS}, the block's max_tokens_per_rank {TOKENS}"),
+    (lambda: MoE(D_MODEL, D_FF, RANKS + 1, TOPK, mesh=mesh_of(RANKS), dispatcher="xla", rngs=nnx.Rngs(0)),
+     f"num_experts={RANKS + 1} must be a multiple of the EP axis size {RANKS}"),
     (lambda: RouterConfig(EXPERTS, TOPK, n_groups=3), "n_groups=3 must divide"),
     (lambda: RouterConfig(EXPERTS, 3, n_groups=4, topk_groups=1), "num_experts_per_tok=3 must be in"),
     (lambda: from_dense(jnp.zeros((D_MODEL, EXPERTS + 1)), *dense_shaped_experts(), num_experts_per_tok=TOPK,
@@ -207,6 +232,11 @@ def test_update_expert_bias():
 def test_bad_arguments(build, message):
     with pytest.raises(ValueError, match=message):
         build()
+
+
+def low_latency_buffer(hidden: int = D_MODEL, tokens: int = TOKENS) -> jax_ep.Buffer:
+    return jax_ep.Buffer(mesh_of(RANKS), "ep", backend="xla", num_max_dispatch_tokens_per_rank=tokens, hidden=hidden,
+                         num_experts=EXPERTS)
 
 
 def dense_shaped_experts():

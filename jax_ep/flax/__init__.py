@@ -12,7 +12,15 @@ def moe_linen(*args, name: str | None = None, **kwargs):
     "params" rng stream initialises it); its parameters live in the "params" collection.
 
     The wrapper builds the nnx module again at every apply, so pass buffer= a jax_ep.Buffer made once,
-    outside jit, rather than letting every apply make its own."""
+    outside jit, rather than letting every apply make its own.
+
+    With expert_bias=True the bias lives in the "ExpertBias" collection (not "params": optimizers leave it
+    alone). Its balancing step is the module's method, called through the bridge:
+
+        y, aux = block.apply(variables, x)
+        _, updated = block.apply(variables, aux.tokens_per_expert, rate, nnx_method="update_expert_bias",
+                                 mutable=["ExpertBias"])
+        variables = {**variables, **updated}"""
     return nnx.bridge.to_linen(MoE, *args, name=name, **kwargs)
 
 

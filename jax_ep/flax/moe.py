@@ -174,11 +174,12 @@ class MoE(nnx.Module):
 
     def _make_buffer(self, buffer, mesh, axis_name, backend, max_tokens_per_rank) -> jax_ep.Buffer:
         if buffer is not None:
-            if self.dispatcher == "xla" and buffer.backend != "xla":
-                raise ValueError(f"jax_ep.flax.MoE: dispatcher='xla' needs a backend='xla' Buffer, got {buffer!r}")
+            self._check_buffer(buffer, max_tokens_per_rank)
             return buffer
         if mesh is None:
             raise ValueError(f"jax_ep.flax.MoE: dispatcher={self.dispatcher!r} needs a mesh (or a buffer)")
+        if axis_name in mesh.shape:  # (else the Buffer names the missing axis)
+            self._check_experts_split(int(mesh.shape[axis_name]))
         if self.dispatcher != "low_latency":
             return jax_ep.Buffer(mesh, axis_name, backend="xla" if self.dispatcher == "xla" else backend,
                                  config=block_config(mesh))
@@ -187,6 +188,32 @@ class MoE(nnx.Module):
                              "one rank sends per call; it sizes the receive buffers)")
         return jax_ep.Buffer(mesh, axis_name, backend=backend, num_max_dispatch_tokens_per_rank=max_tokens_per_rank,
                              hidden=self.d_model, num_experts=self.num_experts)
+
+    def _check_experts_split(self, num_ranks: int) -> None:
+        if self.num_experts % num_ranks:
+            raise ValueError(f"jax_ep.flax.MoE: num_experts={self.num_experts} must be a multiple of the EP axis size "
+                             f"{num_ranks} (each rank holds num_experts / R experts)")
+
+    def _check_buffer(self, buffer: jax_ep.Buffer, max_tokens_per_rank) -> None:
+        """A Buffer passed in must fit the block: the xla backend for dispatcher='xla', and for 'low_latency' the
+        sizes its receive buffers were made for (the ops would refuse them only at the first call)."""
+        self._check_experts_split(buffer.num_ranks)
+        if self.dispatcher == "xla" and buffer.backend != "xla":
+            raise ValueError(f"jax_ep.flax.MoE: dispatcher='xla' needs a backend='xla' Buffer, got {buffer!r}")
+        if self.dispatcher != "low_latency":
+            return
+        if buffer.num_max_dispatch_tokens_per_rank is None:
+            raise ValueError("jax_ep.flax.MoE: dispatcher='low_latency' needs a Buffer made with "
+                             "num_max_dispatch_tokens_per_rank, hidden and num_experts (low-latency sizes)")
+        # The Buffer's size, the block's, and the block's argument that gives it.
+        sizes = {"hidden": (buffer.hidden, self.d_model, "d_model"),
+                 "num_experts": (buffer.num_experts, self.num_experts, "num_experts")}
+        if max_tokens_per_rank is not None:
+            sizes["num_max_dispatch_tokens_per_rank"] = (buffer.num_max_dispatch_tokens_per_rank,
+                                                         max_tokens_per_rank, "max_tokens_per_rank")
+        for name, (got, wanted, argument) in sizes.items():
+            if got != wanted:
+                raise ValueError(f"jax_ep.flax.MoE: the buffer's {name} is {got}, the block's {argument} {wanted}")
 
     def _weights(self) -> dict:
         names = ("router_kernel", *EXPERT_WEIGHTS) + (SHARED_WEIGHTS if self.shared_d_ff else ())
