@@ -304,9 +304,12 @@ _DW_DIMENSIONS = lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
 
 
-def _grouped_op(op: str, implementation: str, lhs, rhs, group_sizes, problem_shape,
-                num_sms: int | None) -> jax.Array:
-    """`op` of `pallas_grouped_op`, on `implementation`, for the forward problem (M, K, N, G)."""
+def grouped_op(op: str, implementation: str, lhs, rhs, group_sizes, problem_shape,
+               num_sms: int | None = None) -> jax.Array:
+    """`op` of `pallas_grouped_op` ("fwd", "dx" or "dw"; its operands) on `implementation` ("pallas",
+    "jax_pallas" or "ragged_dot"), with the table's configuration for the forward problem_shape (M, K, N, G);
+    group_sizes already clamped. The pieces of grouped_matmul's forward and VJP; `bench grouped_matmul --ops`
+    times each alone."""
     if implementation == "ragged_dot":
         # XLA may expand ragged_dot into masked dense products, where a non-finite row past the groups (the cuda
         # expert-major dispatch leaves those rows unwritten) would reach the result as 0 * inf: zeroed first.
@@ -325,7 +328,7 @@ def _grouped_op(op: str, implementation: str, lhs, rhs, group_sizes, problem_sha
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _grouped_matmul(x, w, group_sizes, implementation, num_sms):
-    y = _grouped_op("fwd", implementation, x, w, group_sizes, _problem_shape(x, w), num_sms)
+    y = grouped_op("fwd", implementation, x, w, group_sizes, _problem_shape(x, w), num_sms)
     return typed_like(y, x, w, group_sizes)
 
 
@@ -336,8 +339,8 @@ def _grouped_matmul_fwd(x, w, group_sizes, implementation, num_sms):
 def _grouped_matmul_bwd(implementation, num_sms, residuals, dy):
     x, w, group_sizes = residuals
     shape = _problem_shape(x, w)
-    dx = typed_like(_grouped_op("dx", implementation, dy, w, group_sizes, shape, num_sms), x)
-    dw = typed_like(_grouped_op("dw", implementation, x, dy, group_sizes, shape, num_sms), w)
+    dx = typed_like(grouped_op("dx", implementation, dy, w, group_sizes, shape, num_sms), x)
+    dw = typed_like(grouped_op("dw", implementation, x, dy, group_sizes, shape, num_sms), w)
     return dx, dw, None  # group_sizes is integer-valued: no cotangent
 
 

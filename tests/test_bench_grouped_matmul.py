@@ -8,6 +8,7 @@ import json
 import math
 
 import jax
+import numpy as np
 import pytest
 
 from jax_ep import bench
@@ -158,3 +159,35 @@ def test_out_of_memory_is_a_skipped_figure(tmp_path, monkeypatch):
     ragged = [r for r in json.loads(path.read_text())["records"] if r["implementation"] == "ragged_dot"]
     assert [r["groups"] for r in ragged] == [4, 8]
     assert all(r["skipped"].startswith("out of memory: RESOURCE_EXHAUSTED") and "ms" not in r for r in ragged), ragged
+
+
+@pytest.mark.parametrize("num_rows, groups", [(256, 4), (1000, 7), (60, 16)])
+def test_ops_layouts(num_rows, groups):
+    """--ops's rows: routed sizes are multiples of 8 summing to at most M, even ones M // G each, one all in group 0."""
+    rng = np.random.default_rng(0)
+    routed = grouped_matmul.layout_group_sizes("routed", rng, num_rows, groups)
+    assert routed.shape == (groups,) and (routed >= 0).all() and routed.sum() <= num_rows
+    assert (routed[:-1] % grouped_matmul.ROUTED_ALIGNMENT == 0).all()  # the last may be cut at M
+    assert (grouped_matmul.layout_group_sizes("even", rng, num_rows, groups) == num_rows // groups).all()
+    one = grouped_matmul.layout_group_sizes("one", rng, num_rows, groups)
+    assert one[0] == num_rows and not one[1:].any()
+
+
+def test_ops_bench_record(tmp_path):
+    """Each of the six products per layout, with the dense dot of its shape and its roofline (the products'
+    weights: G·K·N bf16 read or written once)."""
+    path = tmp_path / "ops.json"
+    argv = ["grouped_matmul", "--ops", "--shapes", "tiny", "--tokens", "32", "--experts", "4", "--runs", "1", "--calls",
+            "1", "--json", str(path)]
+    assert bench.main(argv) == 0
+    records = json.loads(path.read_text())["records"]
+    seen = {(r["op"], r["k"], r["n"], r["layout"]) for r in records}
+    d, f = 128, 64
+    assert seen == {(op, k, n, layout) for op in ("fwd", "dx", "dw") for k, n in ((d, 2 * f), (f, d))
+                    for layout in grouped_matmul.OPS_LAYOUTS}
+    for r in records:
+        assert math.isfinite(r["ms"]) and r["ms"] > 0 and r["dense_ms"] > 0, r
+        assert r["weight_bytes"] == r["groups"] * r["k"] * r["n"] * 2, r
+        assert math.isclose(r["ratio_to_dense"], r["ms"] / r["dense_ms"]), r
+    with pytest.raises(SystemExit, match="two modes"):
+        bench.main([*argv[:1], "--sweep", *argv[1:]])

@@ -32,6 +32,13 @@ than several. An implementation that runs out of memory anyway is reported as sk
 configuration of a small grid (`SWEEP_GRID`) and prints the best per shape as `BlockConfigRule`s to paste
 into `jax_ep.grouped_matmul.BLOCK_CONFIG_TABLE`.
 
+--ops instead times each grouped product alone, with the table's configuration, beside XLA's dense dot of the same
+shape (one group's weights), for three layouts of the rows: "routed" (uniform routing counts rounded up to 8 rows,
+as jax_ep.flax.MoE lays its groups out), "even" (M/G rows each: no group's last tile is partial) and "one" (every
+row in group 0: the weights of one expert, which stay in L2). Beside each: its roofline, the larger of its FLOPs at
+the dense dot's rate and the expert weights it reads or writes at the HBM bandwidth. routed against even is what
+the groups' last tiles cost, even against one what streaming G experts' weights from HBM costs.
+
 On a machine without a Hopper GPU only "ragged_dot" and the dense chain run (try --m 256 --d 128 --f 128, or
 --shapes tiny --tokens 64).
 """
@@ -75,6 +82,7 @@ from jax_ep.grouped_matmul import (
     block_config,
     config_unsupported_reason,
     grouped_matmul,
+    grouped_op,
     pallas_grouped_op,
     pallas_unsupported_reason,
 )
@@ -275,8 +283,63 @@ def run_sweep(problem: Problem, args, report) -> list[str]:
     return rules
 
 
+OPS_LAYOUTS = ("routed", "even", "one")
+ROUTED_ALIGNMENT = 8  # rows: jax_ep.flax.MoE's default expert_alignment
+
+
+def layout_group_sizes(layout: str, rng: np.random.Generator, num_rows: int, groups: int) -> np.ndarray:
+    """--ops's group sizes (see the module's docstring), summing to at most num_rows."""
+    if layout == "one":
+        return np.array([num_rows] + [0] * (groups - 1), np.int32)
+    if layout == "even":
+        return np.full(groups, num_rows // groups, np.int32)
+    counts = rng.multinomial(max(num_rows - (ROUTED_ALIGNMENT - 1) * groups, 0), np.full(groups, 1 / groups))
+    sizes = -(-counts // ROUTED_ALIGNMENT) * ROUTED_ALIGNMENT
+    return np.diff(np.minimum(np.cumsum(sizes), num_rows), prepend=0).astype(np.int32)
+
+
+def op_dense_dot(op: str):
+    """XLA's dense dot of `op`'s shape, on `op_operands`' operands with the weights' first group."""
+    def dot(a, b):
+        return jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype)
+
+    return jax.jit({"fwd": lambda x, w: dot(x, w[0]), "dx": lambda dy, w: dot(dy, w[0].T),
+                    "dw": lambda x, dy: dot(x.T, dy)}[op])
+
+
+def run_ops(problem: Problem, args, report, gbps: float) -> None:
+    """Each grouped product alone, per group count and layout, beside the dense dot of its shape."""
+    m, d, f = problem.m, problem.d, problem.f
+    for groups, (k, n) in itertools.product(problem.groups, ((d, 2 * f), (f, d))):
+        keys = jax.random.split(jax.random.key(args.seed), 3)
+        x, w, dy = normal(keys[0], (m, k)), expert_normal(keys[1], (groups, k, n), k ** -0.5), normal(keys[2], (m, n))
+        rng = np.random.default_rng(args.seed + groups)
+        sizes = {layout: jnp.asarray(layout_group_sizes(layout, rng, m, groups)) for layout in OPS_LAYOUTS}
+        implementation = "ragged_dot" if unsupported_reason("pallas", m, d, f, groups) else "pallas"
+        for op in OPS:
+            operands = op_operands(op, x, w, dy)
+            flops = 2 * m * k * n
+            weight_bytes = groups * k * n * jnp.dtype(DTYPE).itemsize  # read by fwd and dx, written by dw
+            dense_ms = harness.median_ms(op_dense_dot(op), [operands], args.runs, args.calls)
+            problem_shape = (m, k, n, groups)
+            at = dict(ops=True, shape=problem.shape, op=op, m=m, k=k, n=n, groups=groups,
+                      implementation=implementation, dense_ms=dense_ms)
+            for layout in OPS_LAYOUTS:
+                fn = jax.jit(functools.partial(grouped_op, op, implementation, problem_shape=problem_shape))
+                ms = harness.median_ms(fn, [(*operands, sizes[layout])], args.runs, args.calls)
+                bound = roofline(flops, flops / dense_ms / 1e9, weight_bytes, gbps)
+                report(dict(at, layout=layout, ms=ms, ratio_to_dense=ms / dense_ms,
+                            **roofline_fields(ms, bound, weight_bytes, gbps)))
+        del x, w, dy
+
+
 def _print_record(record) -> None:
-    if record.get("sweep"):
+    if record.get("ops"):
+        bound = Roofline(record["roofline_compute_ms"], record["roofline_memory_ms"])
+        print(f"G={record['groups']:<4} {record['op']:3s} K={record['k']:<5} N={record['n']:<5} {record['layout']:6s} "
+              f"{record['implementation']}: {record['ms']:8.3f} ms, {record['ratio_to_dense']:.2f}x the dense dot "
+              f"({record['dense_ms']:.3f} ms); {record['ratio_to_roofline']:.2f}x the {roofline_text(bound)}")
+    elif record.get("sweep"):
         where = f"{record['kernels']:10s} G={record['groups']:<3} K={record['k']:<5} N={record['n']:<5}"
         if "skipped" in record:
             print(f"sweep {where} {record.get('op', '')}: skipped ({record['skipped']})")
@@ -314,6 +377,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--experts", type=int, nargs="+",
                         help="with --shapes: the group counts to time instead of each shape's E")
     parser.add_argument("--sweep", action="store_true", help="time block configurations instead (see above)")
+    parser.add_argument("--ops", action="store_true",
+                        help="time each grouped product alone beside the dense dot of its shape instead (see above)")
     parser.add_argument("--sweep-kernels", nargs="+", choices=PALLAS_KERNELS, default=["pallas"],
                         help="with --sweep: the kernel families to sweep")
     parser.add_argument("--ragged-dot", action="store_true", help="time ragged_dot at more than 16 groups too")
@@ -343,6 +408,8 @@ def run(args) -> dict:
 
     header = dict(device=device.device_kind, jax=jax.__version__, dtype=jnp.dtype(DTYPE).name, runs=args.runs,
                   calls=args.calls)
+    if args.sweep and args.ops:
+        raise SystemExit("grouped_matmul: --sweep and --ops are two modes; give one")
     if not args.sweep:
         header["hbm_gbps"], header["hbm_copy_bytes"] = hbm_gbps(args.runs, args.calls)
         print(hbm_text(header["hbm_gbps"], header["hbm_copy_bytes"]))
@@ -353,6 +420,8 @@ def run(args) -> dict:
               f"{swiglu_flops(problem.m, problem.d, problem.f) / 1e12:.3f} TFLOP")
         if args.sweep:
             rules += run_sweep(problem, args, report)
+        elif args.ops:
+            run_ops(problem, args, report, header["hbm_gbps"])
         else:
             run_block_benchmark(problem, args, report, header["hbm_gbps"])
     if rules:
