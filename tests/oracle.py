@@ -597,6 +597,8 @@ class LowLatencyDispatch:
     layout_range: np.ndarray  # int32 [R, L, R, 2]: (first row, count) per source rank
     cumulative_stats: np.ndarray | None  # int32 [R, L]
     invalid_ids: np.ndarray  # int32 [R]
+    num_masked: np.ndarray  # int32 [R]: top-k entries not sent because their expert's rank is masked by the sender
+    masked: np.ndarray  # bool [R, R]: the masks the dispatch ran with
 
 
 def low_latency_dispatch(
@@ -608,20 +610,29 @@ def low_latency_dispatch(
     round_scale: bool = False,
     use_ue8m0: bool = False,
     cumulative_stats: np.ndarray | None = None,
+    masked: np.ndarray | None = None,
 ) -> LowLatencyDispatch:
+    """masked: bool [R, R], masked[s, p] when rank s masks rank p (never itself). A row (s, t) reaches expert e on
+    rank r only where neither of s and r masks the other: s does not send it (counting the entry in num_masked[s])
+    and r does not receive from s."""
     x = np.asarray(x)
     idx, invalid = sanitize_ids(topk_idx, num_experts)
     R, T, _ = idx.shape
+    masked = np.zeros((R, R), bool) if masked is None else np.asarray(masked, bool)
+    assert masked.shape == (R, R) and not masked.diagonal().any()
     H = x.shape[-1]
     M = int(num_max_dispatch_tokens_per_rank)
     assert T <= M, (T, M)
     L = _local_experts(num_experts, R)
+    num_masked = np.array([sum(int(masked[s, e // L]) for e in idx[s].reshape(-1) if e >= 0) for s in range(R)],
+                          np.int32)
 
     lists: list[list[list[tuple[int, int]]]] = [[[] for _ in range(L)] for _ in range(R)]
     for s in range(R):  # (s, t) ascending: rows come out ordered by source rank, then source token
         for t in range(T):
             for e in token_experts(idx[s, t]):
-                lists[e // L][e % L].append((s, t))
+                if not (masked[s, e // L] or masked[e // L, s]):
+                    lists[e // L][e % L].append((s, t))
     rows = [[np.array(lists[r][j], dtype=np.int64).reshape(-1, 2) for j in range(L)] for r in range(R)]
 
     count = np.array([[len(rows[r][j]) for j in range(L)] for r in range(R)], dtype=np.int32).reshape(R, L)
@@ -651,7 +662,8 @@ def low_latency_dispatch(
     stats = None
     if cumulative_stats is not None:
         stats = (np.asarray(cumulative_stats).astype(np.int64) + count).astype(np.int32)
-    return LowLatencyDispatch(rows, count, valid, recv_x, q, sc, packed, src, rng_, stats, invalid)
+    return LowLatencyDispatch(rows, count, valid, recv_x, q, sc, packed, src, rng_, stats, invalid, num_masked,
+                              masked)
 
 
 def low_latency_combine(
@@ -660,17 +672,21 @@ def low_latency_combine(
     topk_weights: np.ndarray,
     num_experts: int,
     ll: LowLatencyDispatch,
+    masked: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(out f32 [R, T, H] before the final bf16 cast, Σ_k |w·y| f32 [R, T, H] for error bounds).
 
     out[t] = Σ over k in order of w[t,k] · y[expert k's local j on its rank][row of (t, e_k)], acc = 0 in f32,
-    invalid / -1 entries skipped; a repeated expert contributes once per k entry."""
+    invalid / -1 entries skipped; a repeated expert contributes once per k entry. masked (as for
+    low_latency_dispatch; None: the dispatch's): an entry adds nothing where its expert's rank and the token's
+    rank mask one another, now or when `ll` was dispatched (then no row was delivered)."""
     y = np.asarray(y)
     w = np.asarray(topk_weights, dtype=F32)
     idx, _ = sanitize_ids(topk_idx, num_experts)
     R, T, K = idx.shape
     H = y.shape[-1]
     L = _local_experts(num_experts, R)
+    masked = (ll.masked if masked is None else np.asarray(masked, bool)) | ll.masked
     where = {}
     for r in range(R):
         for j in range(L):
@@ -683,6 +699,8 @@ def low_latency_combine(
             for k in range(K):
                 e = int(idx[s, t, k])
                 if e < 0:
+                    continue
+                if masked[s, e // L] or masked[e // L, s]:
                     continue
                 r, j, i = where[(e, s, t)]
                 term = (w[s, t, k] * y[r, j, i].astype(F32)).astype(F32)

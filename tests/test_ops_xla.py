@@ -539,3 +539,53 @@ def test_bad_input_errors():
         xb = np.zeros((R * 4, 128), O.BF16)
         spmd(R, lambda x, idx: jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=True, use_ue8m0=True).recv_count)(
             xb, idx)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Masked ranks (issue 36, first step): the xla backend's low-latency functions given each rank's mask
+# ----------------------------------------------------------------------------------------------------------------
+@functools.cache
+def masked_ll_fn(R: int, M: int, E: int):
+    from jax_ep.backends import xla
+
+    def body(x, idx, y, w, dispatch_mask_row, combine_mask_row):
+        masked = dispatch_mask_row[0]
+        pending = xla.low_latency_dispatch_send(x, idx, axis_name="ep", num_experts=E, use_fp8=False,
+                                                round_scale=False, use_ue8m0=False, masked=masked)
+        recv, count, handle, _, num_masked = xla.low_latency_dispatch_recv(
+            pending, axis_name="ep", num_ranks=R, num_experts=E, num_max_tokens=M, masked=masked)
+        masked = combine_mask_row[0]
+        returned = xla.low_latency_combine_send(y, handle, idx.shape[0], axis_name="ep", num_ranks=R, masked=masked)
+        out = xla.low_latency_combine_recv(returned, idx, w, num_experts=E, masked=masked)
+        return recv[0], count, handle.src_token_index, num_masked[None], out
+
+    return spmd(R, body)
+
+
+@settings(max_examples=25, **SETTINGS)
+@given(cm=ll_cases(), mask_seed=st.integers(0, 2**16))
+def test_low_latency_masked_ranks_match_the_oracle(cm, mask_seed):
+    """Each rank's mask (any, asymmetric ones too): entries naming a masked rank's experts are not sent and are
+    counted; a rank receives nothing from the ranks it masks, returns them nothing, and sums nothing of theirs; a
+    row travels only between ranks that mask neither one another. Ranks masked between the dispatch and the
+    combine (a wait that timed out in between) are left out of the combine too."""
+    c, M = cm
+    idx, w, x, y, _ = ll_inputs(c, M, False)
+    rng = np.random.default_rng(mask_seed)
+    masked = rng.random((c.R, c.R)) < 0.3
+    np.fill_diagonal(masked, False)
+    masked_later = masked | (rng.random((c.R, c.R)) < 0.5)
+    np.fill_diagonal(masked_later, False)
+    exp = O.low_latency_dispatch(x, idx, c.E, M, masked=masked)
+    recv_x, count, src, num_masked, out = masked_ll_fn(c.R, M, c.E)(flat(x), flat(idx), flat(y), flat(w),
+                                                                     flat(masked[:, None, :]),
+                                                                     flat(masked_later[:, None, :]))
+    split_ranks = lambda a: np.asarray(a).reshape((c.R, c.L) + np.asarray(a).shape[1:])
+    assert_same(ranks(count, c.R), exp.recv_count, "recv_count")
+    assert_same(split_ranks(src), exp.src_token_index, "src_token_index")
+    assert_same(np.asarray(num_masked), exp.num_masked, "num_masked")
+    rx = split_ranks(recv_x)
+    np.testing.assert_array_equal(rx[exp.valid].astype(np.float32), exp.recv_x[exp.valid].astype(np.float32))
+    acc, mag = O.low_latency_combine(y, idx, w, c.E, exp, masked=masked_later)
+    got = ranks(out, c.R).astype(np.float32)
+    assert np.all(np.abs(got - acc) <= 2.0**-8 * np.abs(acc) * 1.01 + 1e-5 * mag + 1e-30), "masked combine"

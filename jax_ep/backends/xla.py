@@ -120,21 +120,34 @@ def combine(y: jax.Array, handle: XlaHandle, *, axis_name, num_ranks) -> jax.Arr
 
 # ---- low latency ---------------------------------------------------------------------------------------
 
-def low_latency_dispatch_send(x, topk_idx, *, axis_name, num_experts, use_fp8, round_scale, use_ue8m0):
-    """Send half: cast (FP8 or BF16) and move every token to every rank. Returns the pending state."""
+def low_latency_dispatch_send(x, topk_idx, *, axis_name, num_experts, use_fp8, round_scale, use_ue8m0, masked=None):
+    """Send half: cast (FP8 or BF16) and move every token to every rank. Returns the pending state.
+
+    masked: bool [R], the ranks this rank masks (a rank left out of the low-latency ops after a wait on it timed
+    out, or by hand; issue 36), or None: entries naming their experts are not sent (as -1) and counted, the pending
+    state's last element. A row travels only between two ranks that mask neither one another."""
     ids, invalid = sanitize_ids(topk_idx, num_experts)
+    num_masked = jnp.zeros((), int32)
+    if masked is not None:
+        experts_per_rank = num_experts // masked.shape[0]
+        to_masked = (ids >= 0) & masked[jnp.maximum(ids, 0) // experts_per_rank]
+        num_masked = jnp.sum(to_masked, dtype=int32)
+        ids = jnp.where(to_masked, -1, ids)
     payload = fp8.per_token_cast_to_fp8(x, round_scale=round_scale, use_ue8m0=use_ue8m0) if use_fp8 else (x.astype(jnp.bfloat16),)
     gathered = tuple(jax.lax.all_gather(p, axis_name) for p in payload)  # [R, T, ...]
-    return gathered, jax.lax.all_gather(ids, axis_name), invalid
+    return gathered, jax.lax.all_gather(ids, axis_name), invalid, num_masked
 
 
-def low_latency_dispatch_recv(pending, *, axis_name, num_ranks, num_experts, num_max_tokens):
-    """Receive half: pack each local expert's rows by (source rank, source token)."""
-    gathered, ids_all, invalid = pending
+def low_latency_dispatch_recv(pending, *, axis_name, num_ranks, num_experts, num_max_tokens, masked=None):
+    """Receive half: pack each local expert's rows by (source rank, source token); none from the ranks in
+    `masked` (bool [R], or None). Returns (recv, recv_count, handle, invalid_ids, num_masked)."""
+    gathered, ids_all, invalid, num_masked = pending
     _, num_tokens, _ = ids_all.shape
     experts_per_rank = num_experts // num_ranks
     rank = jax.lax.axis_index(axis_name)
     has = _any_equal(ids_all, experts_per_rank, offset=rank * experts_per_rank)  # [R, T, L]
+    if masked is not None:
+        has = has & ~masked[:, None, None]
     selected = jnp.moveaxis(has, -1, 0).reshape(experts_per_rank, num_ranks * num_tokens)
     row = jnp.cumsum(selected, axis=1, dtype=int32) - 1
     rows = num_ranks * num_max_tokens
@@ -152,7 +165,7 @@ def low_latency_dispatch_recv(pending, *, axis_name, num_ranks, num_experts, num
         layout_range=jnp.stack([begin, per_source], axis=-1),
         num_tokens=num_tokens,
     )
-    return recv, jnp.sum(selected, axis=1, dtype=int32), handle, invalid
+    return recv, jnp.sum(selected, axis=1, dtype=int32), handle, invalid, num_masked
 
 
 # The low-latency combine's compressions (`compression=`, beside None): the module of each, whose encode(rows) and
@@ -160,16 +173,19 @@ def low_latency_dispatch_recv(pending, *, axis_name, num_ranks, num_experts, num
 COMBINE_CODECS = {"logfmt": logfmt}
 
 
-def low_latency_combine_send(y, handle: LowLatencyHandle, num_tokens, *, axis_name, num_ranks, compression=None):
+def low_latency_combine_send(y, handle: LowLatencyHandle, num_tokens, *, axis_name, num_ranks, compression=None,
+                             masked=None):
     """Send half: return each expert output row to its source rank -> [R, T, L, H] per home rank (with a
     compression: each row encoded by COMBINE_CODECS[compression], e.g. LogFMT's [R, T, L, words_per_row(H)]
-    uint32)."""
+    uint32); none to the ranks in `masked` (bool [R], or None)."""
     experts_per_rank, rows, hidden = y.shape
     begin, count = handle.layout_range[..., 0], handle.layout_range[..., 1]
     row = jnp.arange(rows)
     # Source rank of a row: the number of (contiguous, rank-ordered) source ranges that end at or before it.
     src_rank = jnp.sum(row[None, :, None] >= (begin + count)[:, None, :], axis=-1)
     valid = handle.src_token_index >= 0
+    if masked is not None:
+        valid = valid & ~masked[jnp.minimum(src_rank, num_ranks - 1)]
     slots = num_ranks * num_tokens * experts_per_rank
     slot = jnp.where(valid, (src_rank * num_tokens + handle.src_token_index) * experts_per_rank
                      + jnp.arange(experts_per_rank)[:, None], slots)
@@ -180,14 +196,18 @@ def low_latency_combine_send(y, handle: LowLatencyHandle, num_tokens, *, axis_na
     return jax.lax.all_to_all(send, axis_name, 0, 0)
 
 
-def low_latency_combine_recv(returned, topk_idx, topk_weights, *, num_experts):
-    """Receive half: out[t] = sum_k w[t,k] * y_{expert k}[row of t], float32 in k order, BF16 out."""
+def low_latency_combine_recv(returned, topk_idx, topk_weights, *, num_experts, masked=None):
+    """Receive half: out[t] = sum_k w[t,k] * y_{expert k}[row of t], float32 in k order, BF16 out; entries naming
+    the experts of the ranks in `masked` (bool [R], or None) add nothing. (A rank that masks this one returned no
+    row: its slots hold zeros.)"""
     _, num_tokens, experts_per_rank, hidden = returned.shape
     ids, _ = sanitize_ids(topk_idx, num_experts)
     tokens = jnp.arange(num_tokens)
     out = jnp.zeros((num_tokens, hidden), jnp.float32)
     for k in range(ids.shape[1]):
         valid = ids[:, k] >= 0
+        if masked is not None:
+            valid = valid & ~masked[jnp.maximum(ids[:, k], 0) // experts_per_rank]
         e = jnp.where(valid, ids[:, k], 0)
         rows = returned[e // experts_per_rank, tokens, e % experts_per_rank].astype(jnp.float32)
         out = out + jnp.where(valid, topk_weights[:, k], 0.0)[:, None] * rows
@@ -259,7 +279,7 @@ class XlaBackend(Backend):
 
     def low_latency_dispatch_recv(self, state, *, num_experts, num_max_tokens, cast):
         return low_latency_dispatch_recv(state, axis_name=self.axis_name, num_ranks=self.num_ranks,
-                                         num_experts=num_experts, num_max_tokens=num_max_tokens)
+                                         num_experts=num_experts, num_max_tokens=num_max_tokens)[:4]
 
     def low_latency_combine_send(self, y, handle, topk_idx, topk_weights, *, num_experts, num_max_tokens,
                                  compression=None):
