@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from jax_ep import _native
+from jax_ep.masks import ON_TIMEOUT
 
 # FP8 payloads carry one float32 scale per this many channels (docs/design.md, "FP8 payloads").
 FP8_GROUP = 128
@@ -47,6 +48,9 @@ class Config:
         the same sums bit for bit. $JAX_EP_COMBINE overrides None (jax_ep.environment).
     push_warps: warps of each push-combine block (1 to 16) that push before they help reduce; None: 8, or
         $JAX_EP_COMBINE_PUSH_WARPS.
+    on_timeout: what a low-latency op does when a wait on a peer passes timeout_s: "trap" (the program fails; the
+        process must restart) or "mask" (the rank masks that peer and goes on; jax_ep.masks, Buffer.mask_ranks).
+        "mask" also makes the low-latency ops honour masks set by hand. So far on the xla backend only.
     """
 
     num_sms: int = 24
@@ -54,6 +58,7 @@ class Config:
     host_timeout_s: float = DEFAULT_HOST_TIMEOUT_S
     combine: str | None = None
     push_warps: int | None = None
+    on_timeout: str = "trap"
 
     def __post_init__(self):
         if not isinstance(self.num_sms, int) or self.num_sms < 1:
@@ -63,6 +68,8 @@ class Config:
                 raise ValueError(f"Config.{name} must be positive, got {getattr(self, name)}")
         if self.combine not in (None,) + COMBINE_METHODS:
             raise ValueError(f"Config.combine must be one of {COMBINE_METHODS} or None, got {self.combine!r}")
+        if self.on_timeout not in ON_TIMEOUT:
+            raise ValueError(f"Config.on_timeout must be one of {ON_TIMEOUT}, got {self.on_timeout!r}")
         if self.push_warps is not None and not is_push_warps(self.push_warps):
             raise ValueError(f"Config.push_warps must be an integer from 1 to {MAX_PUSH_WARPS} or None, "
                              f"got {self.push_warps!r}")

@@ -472,6 +472,18 @@ def _low_latency_spec(op: str, buffer: Buffer, num_tokens: int, hidden: int) -> 
     return _LowLatencySpec(buffer.buffer_id, num_ranks, num_experts, buffer.num_max_dispatch_tokens_per_rank)
 
 
+def _masked_entries(op: str, buffer: Buffer, topk_idx, spec: _LowLatencySpec):
+    """(mask, topk_idx with its entries naming the experts of ranks this rank masks set to -1, how many), or
+    (None, topk_idx, 0) on a Buffer that does not mask ranks (Config.on_timeout; jax_ep.masks)."""
+    if buffer.config.on_timeout != "mask":
+        return None, topk_idx, jnp.zeros((), jnp.int32)
+    masked = buffer.backend_impl.low_latency_mask(op)
+    experts_per_rank = spec.num_experts // spec.num_ranks
+    valid = (topk_idx >= 0) & (topk_idx < spec.num_experts)  # invalid ids stay as they are: counted as invalid
+    to_masked = valid & masked[jnp.where(valid, topk_idx, 0) // experts_per_rank]
+    return masked, jnp.where(to_masked, -1, topk_idx), jnp.sum(to_masked, dtype=jnp.int32)
+
+
 def low_latency_dispatch_send(buffer: Buffer, x, topk_idx, *, use_fp8: bool = True, round_scale: bool = False,
                               use_ue8m0: bool = False, cumulative_local_expert_recv_stats=None) -> LowLatencyPending:
     """Send half of `low_latency_dispatch`; computation can be scheduled before `low_latency_dispatch_recv`.
@@ -493,9 +505,11 @@ def low_latency_dispatch_send(buffer: Buffer, x, topk_idx, *, use_fp8: bool = Tr
         _checks.exact(op, "cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, jnp.int32,
                       (spec.num_experts // spec.num_ranks,))
     cast = LowLatencyCast(bool(use_fp8), bool(use_fp8 and round_scale), bool(use_fp8 and use_ue8m0))
-    state = buffer.backend_impl.low_latency_dispatch_send(x, topk_idx, num_experts=spec.num_experts,
+    masked, sent_idx, num_masked = _masked_entries(op, buffer, topk_idx, spec)
+    state = buffer.backend_impl.low_latency_dispatch_send(x, sent_idx, num_experts=spec.num_experts,
                                                           num_max_tokens=spec.num_max_tokens, cast=cast)
-    return _start_send(op, LowLatencyPending((state, cumulative_local_expert_recv_stats), spec, cast))
+    return _start_send(op, LowLatencyPending((state, cumulative_local_expert_recv_stats, masked, num_masked), spec,
+                                             cast))
 
 
 def _check_pending(op: str, buffer: Buffer, pending: LowLatencyPending) -> None:
@@ -509,12 +523,13 @@ def low_latency_dispatch_recv(buffer: Buffer, pending: LowLatencyPending) -> Low
     """Receive half of `low_latency_dispatch`."""
     _check_pending("low_latency_dispatch_recv", buffer, pending)
     _finish_send("low_latency_dispatch", pending)
-    state, stats = pending.state
+    state, stats, masked, num_masked = pending.state
     recv, recv_count, handle, invalid = buffer.backend_impl.low_latency_dispatch_recv(
-        state, num_experts=pending.spec.num_experts, num_max_tokens=pending.spec.num_max_tokens, cast=pending.cast)
+        state, num_experts=pending.spec.num_experts, num_max_tokens=pending.spec.num_max_tokens, cast=pending.cast,
+        masked=masked)
     stats = None if stats is None else stats + recv_count
     return LowLatencyDispatchResult(tuple(recv) if pending.cast.use_fp8 else recv[0], recv_count, handle, stats,
-                                    invalid)
+                                    invalid, num_masked)
 
 
 def low_latency_dispatch(buffer: Buffer, x, topk_idx, *, use_fp8: bool = True, round_scale: bool = False,
@@ -552,9 +567,12 @@ def low_latency_combine_send(buffer: Buffer, y, topk_idx, topk_weights, handle: 
     if topk_idx.shape[0] != handle.num_tokens:
         raise ValueError(f"jax_ep.{op}: topk_idx has {topk_idx.shape[0]} tokens, the handle's low_latency_dispatch "
                          f"sent {handle.num_tokens} (combine takes the dispatch's tokens)")
-    state = buffer.backend_impl.low_latency_combine_send(y, handle, topk_idx, topk_weights,
+    # Entries naming a masked rank's experts add nothing: -1 to the backend (their weights get no gradient).
+    masked, summed_idx, _ = _masked_entries(op, buffer, topk_idx, spec)
+    state = buffer.backend_impl.low_latency_combine_send(y, handle, summed_idx, topk_weights,
                                                          num_experts=spec.num_experts,
-                                                         num_max_tokens=spec.num_max_tokens, compression=compression)
+                                                         num_max_tokens=spec.num_max_tokens, compression=compression,
+                                                         masked=masked)
     return _start_send(op, LowLatencyPending(state, spec, compression=compression))
 
 

@@ -53,6 +53,7 @@ class LowLatencyDispatchResult(NamedTuple):
     handle: Any  # per-row source token index and per-(expert, source rank) ranges
     cumulative_local_expert_recv_stats: Array | None  # int32 [L] when statistics were passed in
     invalid_ids: Array  # int32 scalar
+    num_masked: Array  # int32 scalar: top-k entries not sent, their expert's rank masked (jax_ep.masks); else 0
 
 
 @jax.tree_util.register_dataclass

@@ -862,7 +862,9 @@ def test_cast_to_fp8_hidden_not_multiple_of_128():
     (dict(timeout_s=0), "Config.timeout_s must be positive, got 0"),
     (dict(timeout_s=-1.5), "Config.timeout_s must be positive, got -1.5"),
     (dict(host_timeout_s=0), "Config.host_timeout_s must be positive, got 0"),
-], ids=["fractional_sms", "zero_sms", "negative_sms", "zero_timeout", "negative_timeout", "zero_host_timeout"])
+    (dict(on_timeout="skip"), "Config.on_timeout must be one of ('trap', 'mask'), got 'skip'"),
+], ids=["fractional_sms", "zero_sms", "negative_sms", "zero_timeout", "negative_timeout", "zero_host_timeout",
+        "on_timeout"])
 def test_config_validation(kwargs, text):
     with pytest.raises(ValueError, match=msg(text)):
         jax_ep.Config(**kwargs)
@@ -872,6 +874,7 @@ def test_config_valid():
     config = jax_ep.Config(num_sms=23, timeout_s=5, host_timeout_s=7)
     assert (config.num_sms, config.timeout_s, config.host_timeout_s) == (23, 5, 7)
     assert jax_ep.Config().host_timeout_s == 120  # processes reach a Buffer's creation minutes apart
+    assert jax_ep.Config().on_timeout == "trap"
 
 
 # ---- the key-value exchange of Buffer creation across processes -------------------------------------------

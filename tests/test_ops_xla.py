@@ -22,7 +22,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 import jax_ep  # noqa: E402
 from jax_ep import logfmt  # noqa: E402
-from conftest import buffer, flat, ll_buffer, ranks, spmd  # noqa: E402
+from conftest import buffer, flat, ll_buffer, mesh_of, ranks, spmd  # noqa: E402
 from xla_harness import RANKS, SETTINGS, Case, assert_same, capacity_for, cases  # noqa: E402
 
 
@@ -542,33 +542,42 @@ def test_bad_input_errors():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Masked ranks (issue 36, first step): the xla backend's low-latency functions given each rank's mask
+# Masked ranks (jax_ep.masks): Buffer.mask_ranks set by hand, honoured by the xla backend's low-latency ops
 # ----------------------------------------------------------------------------------------------------------------
 @functools.cache
-def masked_ll_fn(R: int, M: int, E: int):
-    from jax_ep.backends import xla
+def masking_buffer(R: int, M: int, H: int, E: int) -> jax_ep.Buffer:
+    return jax_ep.Buffer(mesh_of(R), "ep", backend="xla", config=jax_ep.Config(on_timeout="mask"),
+                         num_max_dispatch_tokens_per_rank=M, hidden=H, num_experts=E)
 
-    def body(x, idx, y, w, dispatch_mask_row, combine_mask_row):
-        masked = dispatch_mask_row[0]
-        pending = xla.low_latency_dispatch_send(x, idx, axis_name="ep", num_experts=E, use_fp8=False,
-                                                round_scale=False, use_ue8m0=False, masked=masked)
-        recv, count, handle, _, num_masked = xla.low_latency_dispatch_recv(
-            pending, axis_name="ep", num_ranks=R, num_experts=E, num_max_tokens=M, masked=masked)
-        masked = combine_mask_row[0]
-        returned = xla.low_latency_combine_send(y, handle, idx.shape[0], axis_name="ep", num_ranks=R, masked=masked)
-        out = xla.low_latency_combine_recv(returned, idx, w, num_experts=E, masked=masked)
-        return recv[0], count, handle.src_token_index, num_masked[None], out
 
-    return spmd(R, body)
+@functools.cache
+def masked_ll_fns(R: int, M: int, H: int, E: int):
+    """The dispatch and the combine as two programs, so that masks can change between them."""
+    buf = masking_buffer(R, M, H, E)
+
+    def dispatch(x, idx):
+        res = jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=False)
+        return res.recv_x, res.recv_count, res.handle, res.num_masked[None]
+
+    def combine(y, idx, w, handle):
+        return jax_ep.low_latency_combine(buf, y, idx, w, handle)
+
+    return spmd(R, dispatch), spmd(R, combine)
+
+
+def set_masks(buf: jax_ep.Buffer, masked: np.ndarray) -> None:
+    buf.unmask_ranks()
+    for r in range(buf.num_ranks):
+        buf.mask_ranks(np.flatnonzero(masked[r]).tolist(), on=r)
 
 
 @settings(max_examples=25, **SETTINGS)
 @given(cm=ll_cases(), mask_seed=st.integers(0, 2**16))
 def test_low_latency_masked_ranks_match_the_oracle(cm, mask_seed):
-    """Each rank's mask (any, asymmetric ones too): entries naming a masked rank's experts are not sent and are
-    counted; a rank receives nothing from the ranks it masks, returns them nothing, and sums nothing of theirs; a
-    row travels only between ranks that mask neither one another. Ranks masked between the dispatch and the
-    combine (a wait that timed out in between) are left out of the combine too."""
+    """Each rank's mask set by hand (any, asymmetric ones too): entries naming a masked rank's experts are not sent
+    and are counted; a rank receives nothing from the ranks it masks, returns them nothing and sums nothing of
+    theirs: a row travels only between ranks that mask neither one another. Ranks masked between the dispatch and
+    the combine (as after a wait that timed out in between) are left out of the combine too."""
     c, M = cm
     idx, w, x, y, _ = ll_inputs(c, M, False)
     rng = np.random.default_rng(mask_seed)
@@ -576,16 +585,56 @@ def test_low_latency_masked_ranks_match_the_oracle(cm, mask_seed):
     np.fill_diagonal(masked, False)
     masked_later = masked | (rng.random((c.R, c.R)) < 0.5)
     np.fill_diagonal(masked_later, False)
+    buf = masking_buffer(c.R, M, c.H, c.E)
+    dispatch, combine = masked_ll_fns(c.R, M, c.H, c.E)
+    set_masks(buf, masked)
+    # Masks change between programs, not while one runs: block before changing them (the calls are asynchronous).
+    recv_x, count, handle, num_masked = jax.block_until_ready(dispatch(flat(x), flat(idx)))
+    set_masks(buf, masked_later)
+    out = combine(flat(y), flat(idx), flat(w), handle)
     exp = O.low_latency_dispatch(x, idx, c.E, M, masked=masked)
-    recv_x, count, src, num_masked, out = masked_ll_fn(c.R, M, c.E)(flat(x), flat(idx), flat(y), flat(w),
-                                                                     flat(masked[:, None, :]),
-                                                                     flat(masked_later[:, None, :]))
     split_ranks = lambda a: np.asarray(a).reshape((c.R, c.L) + np.asarray(a).shape[1:])
     assert_same(ranks(count, c.R), exp.recv_count, "recv_count")
-    assert_same(split_ranks(src), exp.src_token_index, "src_token_index")
+    assert_same(split_ranks(handle.src_token_index), exp.src_token_index, "src_token_index")
     assert_same(np.asarray(num_masked), exp.num_masked, "num_masked")
     rx = split_ranks(recv_x)
     np.testing.assert_array_equal(rx[exp.valid].astype(np.float32), exp.recv_x[exp.valid].astype(np.float32))
     acc, mag = O.low_latency_combine(y, idx, w, c.E, exp, masked=masked_later)
     got = ranks(out, c.R).astype(np.float32)
     assert np.all(np.abs(got - acc) <= 2.0**-8 * np.abs(acc) * 1.01 + 1e-5 * mag + 1e-30), "masked combine"
+    buf.unmask_ranks()
+
+
+def test_masked_ranks_read_back_and_clear():
+    """masked_ranks gives each rank's masked peers with the call they took effect at (the dispatches it had run);
+    unmasking restores full results; the ops of a Buffer without Config(on_timeout='mask') read no mask."""
+    R, M, H, E = 4, 8, 128, 8
+    c = Case(R=R, T=M, H=H, K=2, E=E, mode=O.ROUTING_MODES[0], p_neg=0.0, p_invalid=0.0, seed=5)
+    idx, w, x, y, _ = ll_inputs(c, M, False)
+    buf = masking_buffer(R, M, H, E)
+    buf.unmask_ranks()
+    dispatch, combine = masked_ll_fns(R, M, H, E)
+    calls = {r: buf.backend_impl.masks.calls[r] for r in range(R)}
+    jax.block_until_ready(dispatch(flat(x), flat(idx)))  # one more call on every rank
+    buf.mask_ranks(2)  # every rank masks rank 2 (rank 2 itself excepted)
+    buf.mask_ranks([0, 1, 3], on=2)  # rank 2 masks every other: it runs alone
+    assert buf.masked_ranks() == {r: ({p: calls[r] + 1 for p in (0, 1, 3)} if r == 2 else {2: calls[r] + 1})
+                                  for r in range(R)}
+    masked = np.zeros((R, R), bool)
+    masked[:, 2] = masked[2, :] = True
+    np.fill_diagonal(masked, False)
+    for masks in (masked, np.zeros((R, R), bool)):  # rank 2 out, then back in
+        recv_x, count, handle, num_masked = dispatch(flat(x), flat(idx))
+        out = jax.block_until_ready(combine(flat(y), flat(idx), flat(w), handle))
+        exp = O.low_latency_dispatch(x, idx, E, M, masked=masks)
+        assert_same(ranks(count, R), exp.recv_count, "recv_count")
+        assert_same(np.asarray(num_masked), exp.num_masked, "num_masked")
+        acc, mag = O.low_latency_combine(y, idx, w, E, exp, masked=masks)
+        assert np.all(np.abs(ranks(out, R).astype(np.float32) - acc) <= 2.0**-8 * np.abs(acc) * 1.01 + 1e-5 * mag)
+        buf.unmask_ranks()
+    assert buf.masked_ranks() == {r: {} for r in range(R)}
+    plain = ll_buffer(R, M, H, E, "xla")
+    with pytest.raises(ValueError, match="Config\\(on_timeout='mask'\\)"):
+        plain.mask_ranks(1)
+    with pytest.raises(ValueError, match="on must be EP ranks"):
+        buf.mask_ranks(1, on=[R])

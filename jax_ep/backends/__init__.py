@@ -121,15 +121,22 @@ class Backend(abc.ABC):
         raise NotImplementedError(self.name)
 
     def low_latency_dispatch_recv(self, state, *, num_experts: int, num_max_tokens: int,
-                                  cast: LowLatencyCast) -> tuple:
-        """Receive half: (recv leaves [L, R*M, ...], recv_count [L], handle, invalid_ids)."""
+                                  cast: LowLatencyCast, masked=None) -> tuple:
+        """Receive half: (recv leaves [L, R*M, ...], recv_count [L], handle, invalid_ids); nothing from the ranks
+        in `masked` (bool [R], or None: none; see jax_ep.masks)."""
         raise NotImplementedError(self.name)
 
     def low_latency_combine_send(self, y, handle, topk_idx, topk_weights, *, num_experts: int,
-                                 num_max_tokens: int, compression: str | None = None) -> Any:
+                                 num_max_tokens: int, compression: str | None = None, masked=None) -> Any:
         """Send half of the low-latency combine of y bfloat16 [L, R*M, H]: the state its receive half takes.
-        `compression`: None, or one of COMBINE_COMPRESSIONS (the rows travel in that format)."""
+        `compression`: None, or one of COMBINE_COMPRESSIONS (the rows travel in that format); nothing returned to
+        the ranks in `masked`."""
         raise NotImplementedError(self.name)
+
+    def low_latency_mask(self, op: str):
+        """bool [R]: the ranks this rank masks (jax_ep.masks), read when op runs (inside the shard_map)."""
+        raise NotImplementedError(f"jax_ep.{op}: masked ranks (Config(on_timeout='mask')) are not available on "
+                                  f"the {self.name} backend yet")
 
     def low_latency_combine_recv(self, state, *, num_experts: int, num_max_tokens: int,
                                  compression: str | None = None) -> jax.Array:

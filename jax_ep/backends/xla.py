@@ -13,10 +13,12 @@ from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import io_callback
 
 from jax_ep import fp8, logfmt
 from jax_ep._cotangents import zero_cotangent
 from jax_ep.backends import Backend, LowLatencyCast
+from jax_ep.masks import RankMasks
 from jax_ep.types import DispatchLayout, LowLatencyHandle
 
 int32 = jnp.int32
@@ -120,28 +122,20 @@ def combine(y: jax.Array, handle: XlaHandle, *, axis_name, num_ranks) -> jax.Arr
 
 # ---- low latency ---------------------------------------------------------------------------------------
 
-def low_latency_dispatch_send(x, topk_idx, *, axis_name, num_experts, use_fp8, round_scale, use_ue8m0, masked=None):
-    """Send half: cast (FP8 or BF16) and move every token to every rank. Returns the pending state.
-
-    masked: bool [R], the ranks this rank masks (a rank left out of the low-latency ops after a wait on it timed
-    out, or by hand; issue 36), or None: entries naming their experts are not sent (as -1) and counted, the pending
-    state's last element. A row travels only between two ranks that mask neither one another."""
+def low_latency_dispatch_send(x, topk_idx, *, axis_name, num_experts, use_fp8, round_scale, use_ue8m0):
+    """Send half: cast (FP8 or BF16) and move every token to every rank. Returns the pending state. (Entries naming
+    the experts of masked ranks come as -1: jax_ep.ops leaves them out.)"""
     ids, invalid = sanitize_ids(topk_idx, num_experts)
-    num_masked = jnp.zeros((), int32)
-    if masked is not None:
-        experts_per_rank = num_experts // masked.shape[0]
-        to_masked = (ids >= 0) & masked[jnp.maximum(ids, 0) // experts_per_rank]
-        num_masked = jnp.sum(to_masked, dtype=int32)
-        ids = jnp.where(to_masked, -1, ids)
     payload = fp8.per_token_cast_to_fp8(x, round_scale=round_scale, use_ue8m0=use_ue8m0) if use_fp8 else (x.astype(jnp.bfloat16),)
     gathered = tuple(jax.lax.all_gather(p, axis_name) for p in payload)  # [R, T, ...]
-    return gathered, jax.lax.all_gather(ids, axis_name), invalid, num_masked
+    return gathered, jax.lax.all_gather(ids, axis_name), invalid
 
 
 def low_latency_dispatch_recv(pending, *, axis_name, num_ranks, num_experts, num_max_tokens, masked=None):
     """Receive half: pack each local expert's rows by (source rank, source token); none from the ranks in
-    `masked` (bool [R], or None). Returns (recv, recv_count, handle, invalid_ids, num_masked)."""
-    gathered, ids_all, invalid, num_masked = pending
+    `masked` (bool [R], this rank's masked ranks (jax_ep.masks), or None). Returns (recv, recv_count, handle,
+    invalid_ids)."""
+    gathered, ids_all, invalid = pending
     _, num_tokens, _ = ids_all.shape
     experts_per_rank = num_experts // num_ranks
     rank = jax.lax.axis_index(axis_name)
@@ -165,7 +159,7 @@ def low_latency_dispatch_recv(pending, *, axis_name, num_ranks, num_experts, num
         layout_range=jnp.stack([begin, per_source], axis=-1),
         num_tokens=num_tokens,
     )
-    return recv, jnp.sum(selected, axis=1, dtype=int32), handle, invalid, num_masked
+    return recv, jnp.sum(selected, axis=1, dtype=int32), handle, invalid
 
 
 # The low-latency combine's compressions (`compression=`, beside None): the module of each, whose encode(rows) and
@@ -196,18 +190,15 @@ def low_latency_combine_send(y, handle: LowLatencyHandle, num_tokens, *, axis_na
     return jax.lax.all_to_all(send, axis_name, 0, 0)
 
 
-def low_latency_combine_recv(returned, topk_idx, topk_weights, *, num_experts, masked=None):
-    """Receive half: out[t] = sum_k w[t,k] * y_{expert k}[row of t], float32 in k order, BF16 out; entries naming
-    the experts of the ranks in `masked` (bool [R], or None) add nothing. (A rank that masks this one returned no
-    row: its slots hold zeros.)"""
+def low_latency_combine_recv(returned, topk_idx, topk_weights, *, num_experts):
+    """Receive half: out[t] = sum_k w[t,k] * y_{expert k}[row of t], float32 in k order, BF16 out. (Entries naming
+    the experts of masked ranks come as -1; a rank that masks this one returned no row: its slots hold zeros.)"""
     _, num_tokens, experts_per_rank, hidden = returned.shape
     ids, _ = sanitize_ids(topk_idx, num_experts)
     tokens = jnp.arange(num_tokens)
     out = jnp.zeros((num_tokens, hidden), jnp.float32)
     for k in range(ids.shape[1]):
         valid = ids[:, k] >= 0
-        if masked is not None:
-            valid = valid & ~masked[jnp.maximum(ids[:, k], 0) // experts_per_rank]
         e = jnp.where(valid, ids[:, k], 0)
         rows = returned[e // experts_per_rank, tokens, e % experts_per_rank].astype(jnp.float32)
         out = out + jnp.where(valid, topk_weights[:, k], 0.0)[:, None] * rows
@@ -216,31 +207,33 @@ def low_latency_combine_recv(returned, topk_idx, topk_weights, *, num_experts, m
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
 def _compressed_combine_recv(compression, axis_name, num_ranks, num_experts, returned, y, handle, topk_idx,
-                             topk_weights):
-    """The receive half of a compressed combine: decodes `returned` (encoded rows of y) and sums. y and the
-    handle are there for the gradients, those of the uncompressed combine (the encoding counts as the identity;
-    its bit casts would otherwise cut the gradient of y)."""
+                             topk_weights, masked):
+    """The receive half of a compressed combine: decodes `returned` (encoded rows of y) and sums. y, the handle
+    and the send's mask are there for the gradients, those of the uncompressed combine (the encoding counts as the
+    identity; its bit casts would otherwise cut the gradient of y)."""
     decoded = COMBINE_CODECS[compression].decode(returned, y.shape[-1])
     return low_latency_combine_recv(decoded, topk_idx, topk_weights, num_experts=num_experts)
 
 
 def _compressed_combine_recv_fwd(compression, axis_name, num_ranks, num_experts, returned, y, handle, topk_idx,
-                                 topk_weights):
+                                 topk_weights, masked):
     out = _compressed_combine_recv(compression, axis_name, num_ranks, num_experts, returned, y, handle, topk_idx,
-                                   topk_weights)
-    return out, (returned, y, handle, topk_idx, topk_weights)
+                                   topk_weights, masked)
+    return out, (returned, y, handle, topk_idx, topk_weights, masked)
 
 
 def _compressed_combine_recv_bwd(compression, axis_name, num_ranks, num_experts, residuals, cotangent):
-    returned, y, handle, topk_idx, topk_weights = residuals
+    returned, y, handle, topk_idx, topk_weights, masked = residuals
 
     def uncompressed(y, topk_weights):
-        sent = low_latency_combine_send(y, handle, topk_idx.shape[0], axis_name=axis_name, num_ranks=num_ranks)
+        sent = low_latency_combine_send(y, handle, topk_idx.shape[0], axis_name=axis_name, num_ranks=num_ranks,
+                                        masked=masked)
         return low_latency_combine_recv(sent, topk_idx, topk_weights, num_experts=num_experts)
 
     _, vjp = jax.vjp(uncompressed, y, topk_weights)
     d_y, d_weights = vjp(cotangent)
-    return zero_cotangent(returned), d_y, zero_cotangent(handle), zero_cotangent(topk_idx), d_weights
+    return (zero_cotangent(returned), d_y, zero_cotangent(handle), zero_cotangent(topk_idx), d_weights,
+            zero_cotangent(masked))
 
 
 _compressed_combine_recv.defvjp(_compressed_combine_recv_fwd, _compressed_combine_recv_bwd)
@@ -255,6 +248,11 @@ class XlaBackend(Backend):
     name: ClassVar[str] = "xla"
     axis_name: str
     num_ranks: int
+    # The host's copy of each rank's masked peers (jax_ep.masks), which low_latency_mask reads.
+    masks: RankMasks = dataclasses.field(default=None, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "masks", RankMasks(self.num_ranks))
 
     def dispatch(self, x_leaves, topk_idx, topk_weights, *, num_experts, capacity, expert_alignment):
         return dispatch(x_leaves, topk_idx, topk_weights, axis_name=self.axis_name, num_ranks=self.num_ranks,
@@ -277,23 +275,30 @@ class XlaBackend(Backend):
         return low_latency_dispatch_send(x, topk_idx, axis_name=self.axis_name, num_experts=num_experts,
                                          use_fp8=cast.use_fp8, round_scale=cast.round_scale, use_ue8m0=cast.use_ue8m0)
 
-    def low_latency_dispatch_recv(self, state, *, num_experts, num_max_tokens, cast):
+    def low_latency_dispatch_recv(self, state, *, num_experts, num_max_tokens, cast, masked=None):
         return low_latency_dispatch_recv(state, axis_name=self.axis_name, num_ranks=self.num_ranks,
-                                         num_experts=num_experts, num_max_tokens=num_max_tokens)[:4]
+                                         num_experts=num_experts, num_max_tokens=num_max_tokens, masked=masked)
 
     def low_latency_combine_send(self, y, handle, topk_idx, topk_weights, *, num_experts, num_max_tokens,
-                                 compression=None):
+                                 compression=None, masked=None):
         returned = low_latency_combine_send(y, handle, topk_idx.shape[0], axis_name=self.axis_name,
-                                            num_ranks=self.num_ranks, compression=compression)
-        return (returned, topk_idx, topk_weights) + ((y, handle) if compression else ())
+                                            num_ranks=self.num_ranks, compression=compression, masked=masked)
+        return (returned, topk_idx, topk_weights) + ((y, handle, masked) if compression else ())
 
     def low_latency_combine_recv(self, state, *, num_experts, num_max_tokens, compression=None):
         if compression is not None:
-            returned, topk_idx, topk_weights, y, handle = state
+            returned, topk_idx, topk_weights, y, handle, masked = state
             return _compressed_combine_recv(compression, self.axis_name, self.num_ranks, num_experts, returned, y,
-                                            handle, topk_idx, topk_weights)
+                                            handle, topk_idx, topk_weights, masked)
         returned, topk_idx, topk_weights = state
         return low_latency_combine_recv(returned, topk_idx, topk_weights, num_experts=num_experts)
+
+    def low_latency_mask(self, op):
+        # Read from the host at every run of the compiled program, so that a mask set between calls applies to
+        # the next one; a dispatch counts as one more call of its rank (RankMasks.since).
+        rank = jax.lax.axis_index(self.axis_name)
+        return io_callback(lambda r: self.masks.row(int(r), dispatch=op.startswith("low_latency_dispatch")),
+                           jax.ShapeDtypeStruct((self.num_ranks,), jnp.bool_), rank, ordered=False)
 
     def destroy(self):
         return ""  # no memory of its own

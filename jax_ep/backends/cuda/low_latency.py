@@ -283,11 +283,14 @@ class LowLatencyOps:
     def low_latency_dispatch_send(self, x, topk_idx, *, num_experts, num_max_tokens, cast: LowLatencyCast):
         return dispatch_send(x, topk_idx, params=self._low_latency_params(num_experts, num_max_tokens), cast=cast)
 
-    def low_latency_dispatch_recv(self, state, *, num_experts, num_max_tokens, cast: LowLatencyCast):
+    # masked: always None here (the kernels do not mask ranks yet; a Buffer asking for it is refused when made).
+    def low_latency_dispatch_recv(self, state, *, num_experts, num_max_tokens, cast: LowLatencyCast, masked=None):
+        assert masked is None
         return dispatch_recv(state, params=self._low_latency_params(num_experts, num_max_tokens), cast=cast)
 
     def low_latency_combine_send(self, y, handle, topk_idx, topk_weights, *, num_experts, num_max_tokens,
-                                 compression=None):
+                                 compression=None, masked=None):
+        assert masked is None
         return combine_send(y, handle, topk_idx, topk_weights, compression=compression,
                             params=self._low_latency_params(num_experts, num_max_tokens))
 
