@@ -5,6 +5,8 @@ import itertools
 import warnings
 from typing import Literal
 
+import jax
+import numpy as np
 from jax.sharding import Mesh
 
 from jax_ep import environment
@@ -157,33 +159,43 @@ class Buffer:
             raise ValueError(f"jax_ep.Buffer.{what}: create the Buffer with Config(on_timeout='mask') to mask ranks")
         return self.backend_impl.masks
 
-    def _ranks(self, what: str, name: str, ranks) -> list[int]:
-        ranks = list(range(self.num_ranks)) if ranks is None else [ranks] if is_int(ranks) else list(ranks)
+    def _local_ranks(self) -> list[int]:
+        """The EP ranks of this process's devices (all of them with one process driving every GPU)."""
+        axis = self.mesh.axis_names.index(self.axis_name)
+        return sorted({index[axis] for index, device in np.ndenumerate(self.mesh.devices)
+                       if device.process_index == jax.process_index()})
+
+    def _ranks(self, what: str, name: str, ranks, default=None) -> list[int]:
+        if ranks is None:
+            ranks = list(range(self.num_ranks)) if default is None else default
+        ranks = [ranks] if is_int(ranks) else list(ranks)
         bad = [r for r in ranks if not (is_int(r) and 0 <= r < self.num_ranks)]
         if bad:
             raise ValueError(f"jax_ep.Buffer.{what}: {name} must be EP ranks in [0, {self.num_ranks}), got {bad}")
         return [int(r) for r in ranks]
 
     def mask_ranks(self, ranks, *, on=None) -> None:
-        """From its next low-latency call on, each rank of `on` (default: all) masks `ranks` (an EP rank or several;
-        a rank never masks itself): it sends them nothing and waits for nothing of theirs (jax_ep.masks). Call it
-        between calls, with none of this Buffer's programs still running (calls are asynchronous: block on the last
-        one's results first); a program reads the masks when it runs. To take a rank out of the group on purpose, mask it on every rank, the rank itself masking
-        every other."""
+        """From its next low-latency call on, each rank of `on` (default: this process's) masks `ranks` (an EP rank
+        or several; a rank never masks itself): it sends them nothing and waits for nothing of theirs
+        (jax_ep.masks). Call it between calls, with none of this Buffer's programs still running (calls are
+        asynchronous: block on the last one's results first); a program reads the masks when it runs. To take a
+        rank out on purpose, mask it on every rank, and on it every other rank."""
         masks = self._masks("mask_ranks")
-        masks.mask(self._ranks("mask_ranks", "ranks", ranks), self._ranks("mask_ranks", "on", on))
+        masks.mask(self._ranks("mask_ranks", "ranks", ranks),
+                   self._ranks("mask_ranks", "on", on, default=self._local_ranks()))
 
     def unmask_ranks(self, ranks=None, *, on=None) -> None:
-        """Each rank of `on` (default: all) stops masking `ranks` (default: all), from its next call on. A rank let
-        back in must have stopped running low-latency calls while it was masked, or rejoin with every rank
-        unmasking it at the same point of the program (the xla backend keeps no state between calls)."""
+        """Each rank of `on` (default: this process's) stops masking `ranks` (default: all), from its next call on,
+        under the same rule as mask_ranks. A rank let back in resumes with results from every rank at once (the xla
+        backend keeps no state between calls)."""
         masks = self._masks("unmask_ranks")
-        masks.unmask(self._ranks("unmask_ranks", "ranks", ranks), self._ranks("unmask_ranks", "on", on))
+        masks.unmask(self._ranks("unmask_ranks", "ranks", ranks),
+                     self._ranks("unmask_ranks", "on", on, default=self._local_ranks()))
 
     def masked_ranks(self) -> dict[int, dict[int, int]]:
-        """{rank: {masked peer: the call of that rank from which it masks the peer}} for every rank: the number of
-        low-latency dispatches the rank had started when the mask took effect."""
-        return self._masks("masked_ranks").masked(range(self.num_ranks))
+        """{rank: {masked peer: the call of that rank from which it masks the peer}} for this process's ranks: the
+        number of low-latency dispatches the rank had started when the mask took effect."""
+        return self._masks("masked_ranks").masked(self._local_ranks())
 
     def errors(self) -> list[str]:
         """One line per rank of this process whose kernel timed out waiting for a peer (op, rank, peer, call); the
