@@ -1,6 +1,7 @@
 """Multi-process test (docs/design.md, "Tests"): 4 `jax.distributed` processes on localhost, 2 virtual CPU
 devices each, gloo collectives, one global 8-rank EP mesh. Each process runs tests/worker.py (mode xla_check),
-which checks its own shards of dispatch -> (recv_x * 2) -> combine against the NumPy oracle."""
+which checks its own shards of dispatch -> (recv_x * 2) -> combine, and of a low-latency dispatch -> combine with
+masked ranks set by each process for its own ranks, against the NumPy oracle."""
 from __future__ import annotations
 
 from process_harness import launch_processes, report

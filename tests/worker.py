@@ -193,6 +193,42 @@ def check_dispatch_combine_on_xla(process_id: int) -> int:
     step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
     global_array = lambda v: jax.make_array_from_callback(v.shape, sharding, lambda index: v[index])  # noqa: E731
     got = jax.block_until_ready(step(global_array(x), global_array(topk_idx), global_array(topk_weights)))
+    normal = _compare_shards(process_id, "dispatch -> combine", got, want, devices)
+
+    # The low-latency ops with masked ranks (docs/design.md, "Masked ranks"): every even rank masks the next one,
+    # each process setting the masks of its own ranks; the masks are asymmetric, so the odd ranks still send.
+    M = T
+    masked = np.zeros((R, R), bool)
+    for r in range(0, R, 2):
+        masked[r, (r + 1) % R] = r != (r + 1) % R
+    ll_x = rng.standard_normal((R, T, CHECK_HIDDEN)).astype(np.float32).astype(O.BF16)
+    ll_idx = per_rank(topk_idx)
+    ll_y = rng.standard_normal((R, E // R, R * M, CHECK_HIDDEN)).astype(np.float32).astype(O.BF16)
+    exp = O.low_latency_dispatch(ll_x, ll_idx, E, M, masked=masked)
+    acc, _ = O.low_latency_combine(ll_y, ll_idx, per_rank(topk_weights), E, exp, masked=masked)
+    ll_want = dict(recv_count=flat(exp.recv_count[..., None]), num_masked=exp.num_masked,
+                   combined=flat(acc.astype(O.BF16)))
+    ll_buffer = jax_ep.Buffer(mesh, "ep", backend="xla", config=jax_ep.Config(on_timeout="mask"),
+                              num_max_dispatch_tokens_per_rank=M, hidden=CHECK_HIDDEN, num_experts=E)
+    for r in ll_buffer.masked_ranks():  # this process's ranks
+        ll_buffer.mask_ranks(np.flatnonzero(masked[r]).tolist(), on=r)
+
+    def ll_body(x, topk_idx, topk_weights, y):
+        res = jax_ep.low_latency_dispatch(ll_buffer, x, topk_idx, use_fp8=False)
+        return dict(recv_count=res.recv_count[:, None], num_masked=res.num_masked[None],
+                    combined=jax_ep.low_latency_combine(ll_buffer, y, topk_idx, topk_weights, res.handle))
+
+    ll_step = jax.jit(jax.shard_map(ll_body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    ll_got = jax.block_until_ready(ll_step(global_array(flat(ll_x)), global_array(topk_idx),
+                                           global_array(topk_weights), global_array(flat(ll_y))))
+    return max(normal, _compare_shards(process_id, "masked low-latency dispatch -> combine", ll_got, ll_want,
+                                       devices))
+
+
+def _compare_shards(process_id: int, what: str, got: dict, want: dict, devices) -> int:
+    """0 when every shard of `got` this process holds equals `want`'s (global arrays), else 1 (what differed on
+    stderr)."""
+    import jax
 
     failures, checked = [], 0
     for name, array in got.items():
@@ -207,11 +243,12 @@ def check_dispatch_combine_on_xla(process_id: int) -> int:
                     f"differing positions {bad}\n  got  {actual.ravel()[:8]}\n  want {expected.ravel()[:8]}")
     local = [d.id for d in jax.local_devices()]
     if failures:
-        print(f"process {process_id} (devices {local}): {len(failures)} of {checked} shards differ:", file=sys.stderr)
+        print(f"process {process_id} (devices {local}), {what}: {len(failures)} of {checked} shards differ:",
+              file=sys.stderr)
         for line in failures:
             print("  " + line, file=sys.stderr)
         return 1
-    print(f"process {process_id} (devices {local}): all {checked} shards match the oracle")
+    print(f"process {process_id} (devices {local}), {what}: all {checked} shards match the oracle")
     return 0
 
 
