@@ -10,6 +10,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import oracle as O  # noqa: E402
 import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 from flax.linen import meta  # noqa: E402
@@ -28,6 +29,31 @@ from flax_moe_harness import (D_FF, D_MODEL, EXPERTS, RANKS, SHARED_D_FF, TOKENS
 @pytest.mark.parametrize("dispatcher, rtol", [("xla", 1e-5), ("normal", 1e-5), ("low_latency", 2e-2)])
 def test_dispatcher_matches_dense_reference(dispatcher, rtol):
     assert_matches_reference(run(make_moe(dispatcher)), reference("softmax"), rtol)
+
+
+def test_low_latency_block_counts_entries_to_masked_ranks():
+    """With a masking Buffer (jax_ep.masks) and rank 1 masked by every rank and masking every other, the block's
+    num_dropped counts the top-k entries that named a rank across that cut, as the oracle's num_masked does."""
+    if RANKS < 2:
+        pytest.skip("needs two ranks")
+    buf = jax_ep.Buffer(mesh_of(RANKS), "ep", backend="xla", config=jax_ep.Config(on_timeout="mask"),
+                        num_max_dispatch_tokens_per_rank=TOKENS, hidden=D_MODEL, num_experts=EXPERTS)
+    moe = make_moe("low_latency", buffer=buf)
+    x, _ = inputs()
+    masked = np.zeros((RANKS, RANKS), bool)
+    masked[:, 1] = masked[1, :] = True
+    np.fill_diagonal(masked, False)
+    for r in range(RANKS):
+        buf.mask_ranks(np.flatnonzero(masked[r]).tolist(), on=r)
+    _, aux = jax.block_until_ready(moe(x))
+    buf.unmask_ranks()
+    weights = moe._weights()
+    idx = np.asarray(route(x, weights["router_kernel"], weights["expert_bias"], moe.router_config).topk_idx)
+    idx = idx.reshape(RANKS, TOKENS, TOPK)
+    expected = O.low_latency_dispatch(np.zeros((RANKS, TOKENS, D_MODEL), O.BF16), idx, EXPERTS, TOKENS,
+                                      masked=masked).num_masked.sum()
+    assert expected > 0, "the case should route some tokens across the cut"
+    assert int(aux.num_dropped) == expected
 
 
 @pytest.mark.parametrize("dispatcher", ["xla", "normal"])

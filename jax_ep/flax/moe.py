@@ -32,7 +32,9 @@ class MoEAux(NamedTuple):
     load_balancing_loss: jax.Array  # float32: E/(K T) sum_e count_e P_e over all tokens; 1 when balanced
     router_z_loss: jax.Array  # float32: mean logsumexp(logits)^2
     tokens_per_expert: jax.Array  # int32 [E]: (token, expert) assignments over all tokens
-    num_dropped: jax.Array  # int32: received (token, expert) pairs that did not fit the capacity, over the ranks
+    # int32, over the ranks: received (token, expert) pairs that did not fit the capacity; with the low_latency
+    # dispatcher, top-k entries not sent because their expert's rank is masked (jax_ep.masks)
+    num_dropped: jax.Array
 
 
 def _axis_bound(axis_name: str) -> bool:
@@ -266,6 +268,8 @@ class MoE(nnx.Module):
             expert_out = swiglu(recv_x, *experts)  # [L, R*M, D]; combine reads only the recv_count valid rows
             y = jax_ep.low_latency_combine(self.buffer, expert_out.astype(jnp.bfloat16), routing.topk_idx,
                                            routing.topk_weights, ll.handle)
+            # With masked ranks (Config(on_timeout="mask")), the entries naming their experts went nowhere.
+            num_dropped = jax.lax.psum(ll.num_masked, axis_name)
         else:
             # Rows are (token, local expert) pairs grouped by expert: the grouped matmuls take them as they come,
             # and combine applies the gate weights while it sums each token's pairs. With num_chunks > 1 each
