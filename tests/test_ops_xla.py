@@ -638,3 +638,35 @@ def test_masked_ranks_read_back_and_clear():
         plain.mask_ranks(1)
     with pytest.raises(ValueError, match="on must be EP ranks"):
         buf.mask_ranks(1, on=[R])
+
+
+def test_masked_entries_get_no_gradient():
+    """d topk_weights through a masked dispatch -> combine (rank 0 masks rank 1): 0 for the entries whose row
+    cannot cross the mask, and the sum of the token's row (y = the dispatched rows, out = sum_k w_k * x) for the
+    others."""
+    R, M, H, E = 4, 8, 128, 8
+    buf = masking_buffer(R, M, H, E)
+    buf.unmask_ranks()
+    buf.mask_ranks(1, on=0)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((R * M, H)).astype(np.float32).astype(O.BF16)
+    idx = rng.integers(0, E, (R * M, 2)).astype(np.int32)
+    w = rng.random((R * M, 2)).astype(np.float32)
+
+    def body(x, w, idx):
+        def loss(w):
+            d = jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=False)
+            return jnp.sum(jax_ep.low_latency_combine(buf, d.recv_x, idx, w, d.handle).astype(jnp.float32))
+        return jax.grad(loss)(w)
+
+    d_w = np.asarray(jax.block_until_ready(spmd(R, body)(x, w, idx)))
+    buf.unmask_ranks()
+    # Rank 0's entries naming rank 1's experts, and rank 1's naming rank 0's: a row crosses between ranks only
+    # where neither masks the other.
+    masked = np.zeros_like(idx, bool)
+    masked[:M] = idx[:M] // (E // R) == 1
+    masked[M:2 * M] = idx[M:2 * M] // (E // R) == 0
+    assert masked[:M].any() and masked[M:2 * M].any()
+    assert (d_w[masked] == 0).all()
+    row_sums = np.broadcast_to(x.astype(np.float32).sum(axis=1, keepdims=True), idx.shape)
+    np.testing.assert_allclose(d_w[~masked], row_sums[~masked], rtol=2e-2, atol=2e-1)
