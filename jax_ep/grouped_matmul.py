@@ -118,8 +118,7 @@ _MANY_EXPERTS = dict(m=_BLOCK_ROWS_RANGE, groups=(129, 512), k=(1024, 8192), n=(
 # H200, each kernel alone; docs/perf-log.md, 2026-11-28): the down projection (N=7168) on 256-column tiles in stripes
 # of 8 for fwd, dx and dw (fwd 15 %, dw 10 % faster than 128 columns); the gate and up projections' dw (K=7168) in
 # stripes of 2 (15 %); their fwd and dx keep the default 128 x 128 tiles, fastest at 128 experts. 32 experts (V3 at
-# EP8) were not measured and take 64's rules.
-_V3_SLICES = dict(m=_BLOCK_ROWS_RANGE, groups=(32, 128))
+# EP8) were not measured and take 64's rules. (Their groups are _MANY_GROUPS'.)
 _WIDE_MODEL = (4097, 8192)  # D of V3-like models: the down projection's N, the gate and up projections' K
 _PROJECTION = (1024, 4096)  # F and 2F of those models: the other dimension
 # 256-column tiles in stripes of 8: dw; the forward of moe-a's projections (its down projection's 15 % faster than
@@ -130,11 +129,11 @@ BLOCK_CONFIG_TABLE: tuple[BlockConfigRule, ...] = (
     BlockConfigRule("pallas", "dw", **_MANY_EXPERTS, config=_WIDE_STRIPES_8),
     BlockConfigRule("pallas", "fwd", **_MANY_EXPERTS, config=_WIDE_ROWS),
     BlockConfigRule("pallas", "dx", **{**_MANY_EXPERTS, "k": (1024, 4096)}, config=_WIDE_ROWS),
-    BlockConfigRule("pallas", "dw", **_V3_SLICES, k=_WIDE_MODEL, n=_PROJECTION,
+    BlockConfigRule("pallas", "dw", **_MANY_GROUPS, k=_WIDE_MODEL, n=_PROJECTION,
                     config=BlockConfig(block_n=256, num_stages=3, grid_tile_width=2)),
-    BlockConfigRule("pallas", "dw", **_V3_SLICES, k=_PROJECTION, n=_WIDE_MODEL, config=_WIDE_STRIPES_8),
-    BlockConfigRule("pallas", "fwd", **_V3_SLICES, k=_PROJECTION, n=_WIDE_MODEL, config=_WIDE_STRIPES_8),
-    BlockConfigRule("pallas", "dx", **_V3_SLICES, k=_PROJECTION, n=_WIDE_MODEL, config=_WIDE_STRIPES_8),
+    BlockConfigRule("pallas", "dw", **_MANY_GROUPS, k=_PROJECTION, n=_WIDE_MODEL, config=_WIDE_STRIPES_8),
+    BlockConfigRule("pallas", "fwd", **_MANY_GROUPS, k=_PROJECTION, n=_WIDE_MODEL, config=_WIDE_STRIPES_8),
+    BlockConfigRule("pallas", "dx", **_MANY_GROUPS, k=_PROJECTION, n=_WIDE_MODEL, config=_WIDE_STRIPES_8),
     BlockConfigRule("pallas", "dw", **_EXPERT_PROJECTIONS, config=_WIDE_STRIPES_8),
     BlockConfigRule("pallas", "dw", **_EXPERT_PROJECTIONS,
                     config=BlockConfig(block_m=256, block_n=128, num_stages=3, grid_tile_width=8)),

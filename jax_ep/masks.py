@@ -24,7 +24,6 @@ class RankMasks:
     a lock keeps each read whole."""
 
     def __init__(self, num_ranks: int):
-        self.num_ranks = num_ranks
         self.since = np.full((num_ranks, num_ranks), NOT_MASKED, np.int64)
         self.calls = np.zeros(num_ranks, np.int64)  # dispatches each rank has started
         self._lock = threading.Lock()

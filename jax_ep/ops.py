@@ -478,9 +478,8 @@ def _masked_entries(op: str, buffer: Buffer, topk_idx, spec: _LowLatencySpec):
     if buffer.config.on_timeout != "mask":
         return None, topk_idx, jnp.zeros((), jnp.int32)
     masked = buffer.backend_impl.low_latency_mask(op)
-    experts_per_rank = spec.num_experts // spec.num_ranks
-    valid = (topk_idx >= 0) & (topk_idx < spec.num_experts)  # invalid ids stay as they are: counted as invalid
-    to_masked = valid & masked[jnp.where(valid, topk_idx, 0) // experts_per_rank]
+    ids, _ = xla.sanitize_ids(topk_idx, spec.num_experts)  # invalid ids stay as they are: counted as invalid
+    to_masked = (ids >= 0) & masked[jnp.maximum(ids, 0) // (spec.num_experts // spec.num_ranks)]
     return masked, jnp.where(to_masked, -1, topk_idx), jnp.sum(to_masked, dtype=jnp.int32)
 
 

@@ -75,6 +75,7 @@ from jax_ep.bench.swiglu import (
     swiglu_loss,
 )
 from jax_ep.grouped_matmul import (
+    GROUP_ROW_ALIGNMENT,
     OPS,
     PALLAS_KERNELS,
     BlockConfig,
@@ -284,7 +285,7 @@ def run_sweep(problem: Problem, args, report) -> list[str]:
 
 
 OPS_LAYOUTS = ("routed", "even", "one")
-ROUTED_ALIGNMENT = 8  # rows: jax_ep.flax.MoE's default expert_alignment
+ROUTED_ALIGNMENT = GROUP_ROW_ALIGNMENT  # rows: jax_ep.flax.MoE's default expert_alignment
 
 
 def layout_group_sizes(layout: str, rng: np.random.Generator, num_rows: int, groups: int) -> np.ndarray:
