@@ -147,7 +147,8 @@ __device__ __forceinline__ CombineJob load_job(const ExpertMajorCombineArgs& a, 
 
 // What a job reads and writes (every lane calls it: ballots).
 struct JobShape {
-  int pairs;       // pass 1: its kept pairs here (kept pairs come first in pair_row)
+  uint32_t kept;   // pass 1: the lanes holding its kept pairs here (any columns of pair_row), none if !writes
+  int pairs;       // pass 1: how many (popcount of kept)
   uint32_t peers;  // pass 2: the other ranks that hold a partial of the token
   bool me_holds;   // pass 2: this rank received the token
   bool writes;     // pass 1: this rank received the item; pass 2: a valid token
@@ -157,18 +158,22 @@ struct JobShape {
 template <bool kOwnTokens>
 __device__ __forceinline__ JobShape shape_of(const CombineJob& j, const ExpertMajorCombineArgs& a, int me) {
   JobShape shape;
-  shape.pairs = __popc(__ballot_sync(kFullMask, j.pair >= 0 && j.pair < a.capacity));
   const uint32_t holders = __ballot_sync(kFullMask, j.held);
   shape.peers = holders & ~(1u << me);
   shape.me_holds = (holders >> me) & 1u;
   shape.writes = kOwnTokens ? j.valid : j.valid && __shfl_sync(kFullMask, j.pair, 0) != -1;
+  // A dispatch writes kept pairs first, but a handle made by hand may not: the kept lanes are found wherever they
+  // are, and a job that writes nothing reads nothing (the staged stream and its consumer skip the same jobs).
+  const uint32_t kept = __ballot_sync(kFullMask, j.pair >= 0 && j.pair < a.capacity);
+  shape.kept = shape.writes ? kept : 0u;
+  shape.pairs = __popc(shape.kept);
   return shape;
 }
 
-// The rank of the n-th set bit of `ranks`.
-__device__ __forceinline__ int nth_rank(uint32_t ranks, int n) {
-  for (; n > 0; --n) ranks &= ranks - 1;
-  return __ffs(ranks) - 1;
+// The index of the n-th set bit of `bits` (a lane or a rank).
+__device__ __forceinline__ int nth_set_bit(uint32_t bits, int n) {
+  for (; n > 0; --n) bits &= bits - 1;
+  return __ffs(bits) - 1;
 }
 
 // Source rows are read through shared memory by cp.async: each warp keeps kStages stages of one source row's chunk
@@ -254,11 +259,11 @@ struct SourceStream {
     if (!done) {
       const char* src;
       if (source < shape.pairs) {
-        const int32_t row = __shfl_sync(kFullMask, job.pair, source);
+        const int32_t row = __shfl_sync(kFullMask, job.pair, nth_set_bit(shape.kept, source));
         src = rows.y + row * rows.row_bytes;
         if (a.weights) cp_async_word(&stages.weights[stage][lane], a.weights + row);
       } else {  // a peer's partial (pass 2)
-        const int peer = nth_rank(shape.peers, source - shape.pairs);
+        const int peer = nth_set_bit(shape.peers, source - shape.pairs);
         src = rows.own_slots + (slot_region(peer, me) * a.num_tokens + job.token) * rows.row_bytes;
       }
 #pragma unroll
@@ -389,8 +394,8 @@ __device__ void combine_pass_by_element(const IntranodeRank& g, const CallContex
       const int64_t e = first + lane;
       if constexpr (!kOwnTokens) {
         float partial[1] = {0.f};
-        for (int q = 0; q < shape.pairs; ++q) {
-          const int64_t row = __shfl_sync(kFullMask, job.pair, q);
+        for (uint32_t todo = shape.kept; todo; todo &= todo - 1) {
+          const int64_t row = __shfl_sync(kFullMask, job.pair, __ffs(todo) - 1);
           if (e < a.row_elements)
             add_pair<In, 1>(partial, Pack<In, 1>{{LoadNonCoherent{}(y + row * a.row_elements + e)}},
                             a.weights ? a.weights[row] : 1.f, a.weights);

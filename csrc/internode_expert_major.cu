@@ -152,13 +152,15 @@ __device__ void stage_partials(const InternodeRank& g, const ExpertMajorCombineA
     const int32_t lane_pair = lane < columns ? a.pair_row[item * columns + lane] : -1;
     if (__shfl_sync(kFullMask, lane_pair, 0) < 0) continue;  // no pair here: nothing staged, none read
     const bool kept = lane_pair >= 0 && lane_pair < capacity;
-    const int pairs = __popc(__ballot_sync(kFullMask, kept));  // kept pairs come first
+    // A dispatch writes kept pairs first, but a handle made by hand may not: the kept lanes wherever they are.
+    const uint32_t kept_lanes = __ballot_sync(kFullMask, kept);
     const float lane_weight = kept && a.weights ? a.weights[lane_pair] : 1.f;
     In* out = reinterpret_cast<In*>(staged + item * layout.staged_row_bytes);
     for (int64_t first = 0; first < vecs; first += 32 * kUnroll) {  // every lane: the pairs' rows are shuffled
       const int64_t v0 = first + lane;
       float sum[kUnroll][kVec] = {};
-      for (int q = 0; q < pairs; ++q) {
+      for (uint32_t todo = kept_lanes; todo; todo &= todo - 1) {
+        const int q = __ffs(todo) - 1;
         const int64_t row = __shfl_sync(kFullMask, lane_pair, q);
         const float weight = __shfl_sync(kFullMask, lane_weight, q);
         InPack packs[kUnroll];

@@ -290,6 +290,45 @@ def test_expert_major_combine_gradient_rows(R):
     check_em_combine_gradient_rows(R, buffer(R, "cuda"))
 
 
+def pair_rows_made_by_hand(pair_row, capacity: int):
+    """pair_row rewritten as a handle made by hand may have it, naming the same pairs: an item whose kept pairs
+    start its row and leave a column free gets a dropped entry (the capacity) in front of them; an item this rank
+    holds nothing of ([-1, -1, ...], which the combine skips) gets a kept row in its second column."""
+    kept = (pair_row >= 0) & (pair_row < capacity)
+    dropped_first = jnp.concatenate([jnp.full_like(pair_row[:, :1], capacity), pair_row[:, :-1]], axis=1)
+    shift = kept[:, 0] & (kept.sum(axis=1) < pair_row.shape[1])
+    lure = pair_row.at[:, 1].set(0)
+    skipped = (pair_row == -1).all(axis=1)
+    return jnp.where(shift[:, None], dropped_first, jnp.where(skipped[:, None], lure, pair_row))
+
+
+@pytest.mark.parametrize("R", RANKS)
+@pytest.mark.parametrize("H", [EM_H, 100], ids=["whole-vectors", "elements"])  # 200-byte rows: the element path
+def test_expert_major_combine_finds_kept_pairs_in_any_column(R, H):
+    """A pair_row whose kept pairs do not come first (a dropped entry ahead of them), and a skipped item ([-1, ...])
+    with a kept row in a later column: the combine sums the same pairs as along the dispatch's own pair_row, bit
+    for bit, reading no other row (before, it read row `capacity`, past y, and the skipped item's copies shifted
+    every later row of its warp)."""
+    x, idx, w = em_case(R, O.BF16, seed=41, H=H)
+    backend = buffer(R, "cuda").backend_impl
+    capacity = O.expert_major_capacity(R, EM_T, EM_K, EM_E // R, 1)
+
+    def body(x, idx, w):
+        recv, weights, *_, handle, _ = backend.expert_major_dispatch(
+            (x,), idx, w, num_experts=EM_E, capacity=capacity, expert_alignment=1)
+        hand_made = pair_rows_made_by_hand(handle.pair_row, capacity)
+        changed = jnp.sum(jnp.any(hand_made != handle.pair_row, axis=1))
+        def combine(pair_row):
+            return backend._expert_major_combine_call(recv[0], weights, pair_row, handle, None, x.dtype)
+
+        return combine(handle.pair_row), combine(hand_made), changed[None]
+
+    own, hand_made, changed = (ranks(a, R) for a in jax.device_get(spmd(R, body)(flat(x), flat(idx), flat(w))))
+    assert (changed > 0).all(), "every rank should have rewritten items"
+    assert_bits(hand_made, own, "combine along the hand-made pair_row vs the dispatch's")
+    assert buffer(R, "cuda").errors() == []
+
+
 @pytest.mark.parametrize("R", RANKS)
 def test_expert_major_repeated_runs_identical(R):
     """The same jitted expert-major dispatch, cached dispatch and combines, run again: the same bits (the
