@@ -16,6 +16,12 @@ loads), one per kind of grouped product:
   from the group's first row (rounded down to a multiple of 8), so only a group's first and last steps hold
   rows of other groups: those rows of the lhs block are zeroed in shared memory before the matmul.
 
+With `clustered=True` the rows kernel runs in 2-CTA clusters over `paired_row_tile_schedule`'s pairs of tiles: the
+two tiles of one group share each weight block, which the two CTAs load half each and multicast to both. With
+many experts the weights stream from HBM, and one SM's loads of them run at a bounded rate (2026-11-28, H100 and
+H200: the weight traffic moved per second grew with the number of tiles reading distinct weight blocks at once,
+not with the pipeline's depth); sharing the loads of a block between two SMs is meant to double that rate.
+
 Shapes the kernels take: lhs/rhs in bfloat16 or float16 (one dtype), float32 accumulation; the contracted
 dimension a multiple of `block_k` (rows kernel), output columns a multiple of `block_n`, K a multiple of
 `block_rows` (contraction kernel), at least 128 rows. `grouped_matmul` checks these before it picks these kernels.
@@ -65,7 +71,9 @@ MEMORY_WARPGROUP_REGISTERS = 40
 # warpgroup leaves, in multiples of 8 (as JAX's warp-specialized pipeline splits them).
 COMPUTE_WARPGROUP_REGISTERS = (512 - MEMORY_WARPGROUP_REGISTERS) // NUM_COMPUTE_WARPGROUPS // 8 * 8
 _WARPGROUP_AXIS = "wg"
-_SM_AXIS = "sm"
+_SM_AXIS = "sm"  # the persistent grid's axis: SMs, or SM pairs with clustered=True
+_CLUSTER_AXIS = "cluster"  # the CTA of a 2-CTA cluster (rows kernel, clustered=True)
+CLUSTER_SIZE = 2
 _FILL_TILE = -1  # tile_group value of a tile that writes zero rows
 
 
@@ -101,6 +109,52 @@ def row_tile_schedule(group_sizes: jax.Array, num_rows: int) -> tuple[jax.Array,
     end_row = jnp.where(tile_range <= num_groups, jnp.minimum(tile_start + BLOCK_ROWS, range_ends[r]), first_row)
     tile_group = jnp.where(r < num_groups, r, _FILL_TILE)
     return tile_group.astype(jnp.int32), first_row.astype(jnp.int32), end_row.astype(jnp.int32)
+
+
+def paired_row_tile_schedule(group_sizes: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`row_tile_schedule`'s tiles, in pairs for `ragged_rows_matmul(clustered=True)` (tiles 2p and 2p + 1 run
+    in one 2-CTA cluster): each group's tiles two at a time in order (one weight block per pair, multicast), then,
+    where a group has an odd number of tiles, its last tile beside the next such group's last tile (each loading
+    its own weights; that pair comes right after the first group's pairs, so both tiles run near the other tiles
+    of their groups, whose weight blocks are then in L2). The zero-row tiles past the groups pair up the same
+    way. Same three int32 vectors, of an even static length; unused entries (first == end, group -1) fill the
+    end and the place of a last lone tile's missing partner."""
+    num_groups = group_sizes.shape[0]
+    max_tiles = (num_rows + (num_groups + 1) * (BLOCK_ROWS - 1 + ROW_ALIGNMENT - 1)) // BLOCK_ROWS
+    max_pairs = (max_tiles + 1) // 2 + 1
+    group_ends = jnp.cumsum(group_sizes)
+    # As in row_tile_schedule, the zero rows past the last group are one more range, whose tiles get group -1.
+    range_ends = jnp.append(group_ends, num_rows)
+    range_starts = jnp.append(group_ends - group_sizes, group_ends[-1])
+    aligned_starts = range_starts - range_starts % ROW_ALIGNMENT
+    tiles = jnp.where(range_ends > range_starts, (range_ends - aligned_starts + BLOCK_ROWS - 1) // BLOCK_ROWS, 0)
+    full_pairs, lone = tiles // 2, tiles % 2
+    lone_through = jnp.cumsum(lone)  # lone tiles of ranges 0..r
+    lone_before = lone_through - lone
+    leads_a_lone_pair = lone * (lone_before % 2 == 0)
+    pairs = full_pairs + leads_a_lone_pair  # the pairs placed at range r
+    pair_ends = jnp.cumsum(pairs)
+    pair = jnp.arange(max_pairs, dtype=jnp.int32)
+    # compare_all: one fused comparison, not XLA's while loop (see row_tile_schedule).
+    r = jnp.minimum(jnp.searchsorted(pair_ends, pair, side="right", method="compare_all"), num_groups)
+    used = pair < pair_ends[-1]
+    j = pair - (pair_ends[r] - pairs[r])
+    full = j < full_pairs[r]
+    # The range holding the next lone tile after r's.
+    partner = jnp.minimum(jnp.searchsorted(lone_through, lone_before[r] + 2, side="left", method="compare_all"),
+                          num_groups)
+    second_used = used & (full | (lone_through[-1] >= lone_before[r] + 2))
+
+    def tile(range_index, tile_index, valid):
+        start = aligned_starts[range_index] + tile_index * BLOCK_ROWS
+        first = jnp.where(valid, jnp.maximum(start, range_starts[range_index]), 0)
+        end = jnp.where(valid, jnp.minimum(start + BLOCK_ROWS, range_ends[range_index]), 0)
+        group = jnp.where(valid & (range_index < num_groups), range_index, _FILL_TILE)
+        return group, first, end
+
+    first_tiles = tile(r, jnp.where(full, 2 * j, tiles[r] - 1), used)
+    second_tiles = tile(jnp.where(full, r, partner), jnp.where(full, 2 * j + 1, tiles[partner] - 1), second_used)
+    return tuple(jnp.stack([a, b], axis=1).reshape(-1).astype(jnp.int32) for a, b in zip(first_tiles, second_tiles))
 
 
 def _operand_transforms(block_minor: int, dtype) -> tuple:
@@ -149,28 +203,34 @@ def _striped_order(index, num_row_blocks: int, num_col_blocks: int, stripe_width
     return row_block, col_block
 
 
-def _kernel(body, out_type, num_sms: int):
+def _kernel(body, out_type, num_sms: int, clustered: bool = False):
+    """A persistent kernel of num_sms CTAs (clustered: num_sms // 2 clusters of two)."""
+    cluster = dict(cluster=(CLUSTER_SIZE,), cluster_names=(_CLUSTER_AXIS,)) if clustered else {}
     return plgpu.kernel(
         body,
         out_type=out_type,
-        grid=(num_sms,),
+        grid=(num_sms // CLUSTER_SIZE,) if clustered else (num_sms,),
         grid_names=(_SM_AXIS,),
+        **cluster,
         num_threads=NUM_COMPUTE_WARPGROUPS + 1,
         thread_name=_WARPGROUP_AXIS,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
 
 
-def _stage_ring(num_stages: int, lhs_block, rhs_block) -> dict:
+def _stage_ring(num_stages: int, lhs_block, rhs_block, clustered: bool = False) -> dict:
     """Shared memory of the pipeline both kernels run (`_run_pipeline`): num_stages stages of an lhs and an
     rhs block (plgpu.SMEM allocations of one stage each), a barrier per stage that its two copies completed,
-    and one that both compute warpgroups have released it."""
+    and one that both compute warpgroups have released it: of both CTAs of the cluster where clustered (a
+    multicast copy writes the stage in both, so neither CTA reloads it before the other released it)."""
     def stages(block):
         return plgpu.SMEM((num_stages, *block.shape), block.dtype, transforms=block.transforms)
 
     return dict(lhs_smem=stages(lhs_block), rhs_smem=stages(rhs_block),
                 loaded=plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),  # _load_steps' two copies
-                consumed=plgpu.Barrier(num_arrivals=NUM_COMPUTE_WARPGROUPS, num_barriers=num_stages))
+                consumed=plgpu.ClusterBarrier(collective_axes=(_CLUSTER_AXIS,), num_arrivals=NUM_COMPUTE_WARPGROUPS,
+                                              num_barriers=num_stages) if clustered else
+                plgpu.Barrier(num_arrivals=NUM_COMPUTE_WARPGROUPS, num_barriers=num_stages))
 
 
 def _stages_bytes(num_stages: int, *blocks) -> int:
@@ -178,9 +238,11 @@ def _stages_bytes(num_stages: int, *blocks) -> int:
     return num_stages * sum(math.prod(block.shape) * jnp.dtype(block.dtype).itemsize for block in blocks)
 
 
-def _load_steps(num_steps, step, num_stages: int, ring: dict, lhs_at, rhs_at):
+def _load_steps(num_steps, step, num_stages: int, ring: dict, lhs_at, rhs_at, multicast_rhs=None):
     """The memory warpgroup's part of a tile: loads its num_steps steps (the blocks lhs_at(i), rhs_at(i)
-    of step i) into the stages of the SM's steps step, step + 1, ...; returns the SM's next step."""
+    of step i) into the stages of the SM's steps step, step + 1, ...; returns the SM's next step. Where
+    multicast_rhs (a traced bool, the same in both CTAs of a cluster) holds, the two CTAs load the rhs block
+    together, each half of it, into both CTAs' stages (TMA multicast)."""
     def load_step(step_in_tile, step):
         stage = lax.rem(step, num_stages)
 
@@ -189,7 +251,13 @@ def _load_steps(num_steps, step, num_stages: int, ring: dict, lhs_at, rhs_at):
             plgpu.barrier_wait(ring["consumed"].at[stage])
 
         plgpu.copy_gmem_to_smem(lhs_at(step_in_tile), ring["lhs_smem"].at[stage], ring["loaded"].at[stage])
-        plgpu.copy_gmem_to_smem(rhs_at(step_in_tile), ring["rhs_smem"].at[stage], ring["loaded"].at[stage])
+        rhs_copy = functools.partial(plgpu.copy_gmem_to_smem, rhs_at(step_in_tile), ring["rhs_smem"].at[stage],
+                                     ring["loaded"].at[stage])
+        if multicast_rhs is None:
+            rhs_copy()
+        else:
+            pl.when(multicast_rhs)(lambda: rhs_copy(collective_axes=_CLUSTER_AXIS))
+            pl.when(jnp.logical_not(multicast_rhs))(rhs_copy)
         return step + 1
 
     return lax.fori_loop(0, num_steps, load_step, step)
@@ -285,13 +353,22 @@ def _store_in_pieces(values: jax.Array, buffers, store_piece) -> None:
 
 def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, tile_first_row: jax.Array,
                        tile_end_row: jax.Array, *, transpose_rhs: bool, block_n: int, block_k: int,
-                       num_stages: int, grid_tile_width: int, num_sms: int) -> jax.Array:
+                       num_stages: int, grid_tile_width: int, num_sms: int, clustered: bool = False) -> jax.Array:
     """out[r] = lhs[r] @ rhs[g] (or rhs[g]^T with transpose_rhs) for the rows r each tile of group g writes
     in the schedule from `row_tile_schedule`; zero tiles write zeros.
 
     lhs [M, K]; rhs [G, K, N] ([G, N, K] with transpose_rhs); returns [M, N] in lhs's dtype. The schedule
-    writes every one of the M rows exactly once."""
+    writes every one of the M rows exactly once.
+
+    clustered: the schedule is `paired_row_tile_schedule`'s, and tiles 2p and 2p + 1 run together in a 2-CTA
+    cluster (num_sms even): where both are tiles of one group, each CTA loads half of every weight block and
+    multicasts it to both, so that a weight block streamed from HBM costs each SM half the loads; otherwise each
+    loads its own. The two CTAs step through their pair together (a CTA whose tile has no rows loads and skips
+    its matmuls while the other computes)."""
     _check_operands(lhs, rhs, block_n, block_k, num_stages)
+    if clustered and (tile_group.shape[0] % CLUSTER_SIZE or num_sms % CLUSTER_SIZE):
+        raise ValueError(f"clustered: the schedule needs an even number of tiles and num_sms must be even, got "
+                         f"{tile_group.shape[0]} tiles and num_sms={num_sms}")
     num_rows, contracted = lhs.shape
     if transpose_rhs:
         _, out_cols, rhs_contracted = rhs.shape
@@ -312,16 +389,34 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
         rhs_block = plgpu.SMEM((block_k, block_n), dtype, transforms=_operand_transforms(block_n, dtype))
 
     def body(tile_group_gmem, tile_first_row_gmem, tile_end_row_gmem, lhs_gmem, rhs_gmem, out_gmem):
+        def computes(tile):
+            return (tile_end_row_gmem[tile] > tile_first_row_gmem[tile]) & (tile_group_gmem[tile] != _FILL_TILE)
+
         def tile_at(index):
-            """The index-th (tile, column block): its group, first and end rows, first row rounded down to 8,
-            number of steps (0 for a zero tile or an unused entry) and columns."""
-            tile, col_block = _striped_order(index, num_tiles, col_blocks, grid_tile_width)
+            """The index-th (tile, column block): its group (0 for a zero tile or an unused entry, whose loads
+            are never used), first and end rows, first row rounded down to 8, number of steps (0 for a zero
+            tile or an unused entry, unless clustered beside a tile with steps), columns, whether it computes,
+            and (clustered) whether the cluster multicasts its rhs blocks."""
+            if not clustered:
+                tile, col_block = _striped_order(index, num_tiles, col_blocks, grid_tile_width)
+                partner = None
+            else:
+                pair, col_block = _striped_order(index, num_tiles // CLUSTER_SIZE, col_blocks, grid_tile_width)
+                cta = lax.axis_index(_CLUSTER_AXIS)
+                tile, partner = CLUSTER_SIZE * pair + cta, CLUSTER_SIZE * pair + 1 - cta
             group = tile_group_gmem[tile]
             first_row = tile_first_row_gmem[tile]
             end_row = tile_end_row_gmem[tile]
             tile_start = pl.multiple_of(first_row - first_row % ROW_ALIGNMENT, ROW_ALIGNMENT)
-            num_steps = jnp.where((end_row > first_row) & (group != _FILL_TILE), steps_per_tile, 0)
-            return group, first_row, end_row, tile_start, num_steps, col_block
+            mine = computes(tile)
+            if partner is None:
+                return group, first_row, end_row, tile_start, jnp.where(mine, steps_per_tile, 0), col_block, mine, None
+            theirs = computes(partner)
+            multicast = mine & theirs & (group == tile_group_gmem[partner])
+            num_steps = jnp.where(mine | theirs, steps_per_tile, 0)
+            # A CTA that computes nothing loads its partner's weights (L2 hits beside the partner's loads).
+            load_group = jnp.maximum(jnp.where(mine, group, tile_group_gmem[partner]), 0)
+            return load_group, first_row, end_row, tile_start, num_steps, col_block, mine, multicast
 
         # out_smem is not swizzled so that a store can start at any row: a warpgroup writes its rows of a
         # tile with one TMA store per set bit of their count (64, 32, ..., 1 rows).
@@ -330,13 +425,13 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
             out_smem=_store_buffers(ROWS_PER_WARPGROUP, block_n, dtype,
                                     _stages_bytes(num_stages, lhs_block, rhs_block), swizzled=False),
             collective_axes=_WARPGROUP_AXIS,
-            **_stage_ring(num_stages, lhs_block, rhs_block),
+            **_stage_ring(num_stages, lhs_block, rhs_block, clustered),
         )
         def scope(out_smem, **ring):
             wg = lax.axis_index(_WARPGROUP_AXIS)
 
             def load_tile(index, step):
-                group, _, _, tile_start, num_steps, col_block = tile_at(index)
+                group, _, _, tile_start, num_steps, col_block, _, multicast = tile_at(index)
                 cols = pl.ds(col_block * block_n, block_n)
                 tile_rows = pl.ds(tile_start, BLOCK_ROWS)
 
@@ -347,10 +442,10 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
                     return rhs_gmem.at[group, contracted_block, cols]
 
                 return _load_steps(num_steps, step, num_stages, ring,
-                                   lambda i: lhs_gmem.at[tile_rows, pl.ds(i * block_k, block_k)], rhs_at)
+                                   lambda i: lhs_gmem.at[tile_rows, pl.ds(i * block_k, block_k)], rhs_at, multicast)
 
             def compute_tile(index, step):
-                group, first_row, end_row, tile_start, num_steps, col_block = tile_at(index)
+                _, first_row, end_row, tile_start, num_steps, col_block, computing, _ = tile_at(index)
                 # This warpgroup's slab of the tile, and the part of it the tile writes.
                 my_start = tile_start + wg * ROWS_PER_WARPGROUP
                 my_begin = jnp.clip(first_row - my_start, 0, ROWS_PER_WARPGROUP)
@@ -373,14 +468,15 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
                         size //= 2
 
                 def mma(_, lhs_smem, rhs_smem, acc_ref):
-                    # In a group's last tile, a warpgroup whose rows are all past the group's end skips.
-                    @pl.when(my_rows > 0)
+                    # In a group's last tile, a warpgroup whose rows are all past the group's end skips; so does a
+                    # zero tile or an unused entry stepping beside its cluster partner (its stages hold no weights).
+                    @pl.when((my_rows > 0) & computing)
                     def _():
                         rhs_operand = rhs_smem.transpose((1, 0)) if transpose_rhs else rhs_smem
                         plgpu.wgmma(acc_ref, lhs_smem.at[pl.ds(wg * ROWS_PER_WARPGROUP, ROWS_PER_WARPGROUP)],
                                     rhs_operand)
 
-                # A zero tile has no steps: it stores the accumulator's initial zeros.
+                # A zero tile computes nothing: it stores the accumulator's initial zeros.
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((ROWS_PER_WARPGROUP, block_n), jnp.float32))
                 def step_after_tile(acc_ref):
                     step_after = _mma_steps(num_steps, step, acc_ref, num_stages, ring, mma)
@@ -393,9 +489,10 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
 
                 return step_after_tile
 
-            _run_pipeline(num_tiles * col_blocks, load_tile, compute_tile, num_stages, ring)
+            _run_pipeline((num_tiles // CLUSTER_SIZE if clustered else num_tiles) * col_blocks, load_tile,
+                          compute_tile, num_stages, ring)
 
-    return _kernel(body, jax.ShapeDtypeStruct((num_rows, out_cols), dtype), num_sms)(
+    return _kernel(body, jax.ShapeDtypeStruct((num_rows, out_cols), dtype), num_sms, clustered)(
         tile_group, tile_first_row, tile_end_row, lhs, rhs)
 
 

@@ -64,12 +64,16 @@ class BlockConfig:
     num_stages: pipeline depth, i.e. steps in flight (JAX's max_concurrent_steps).
     grid_tile_width: column blocks per stripe of the tile order (JAX's grid_block_n); wider stripes read
       lhs rows fewer times from HBM, narrower ones keep fewer weight columns in L2.
+    clustered: (jax_ep's fwd and dx) tiles run in 2-CTA clusters, a group's tiles two by two, each pair loading
+      every weight block once by TMA multicast (`ragged_rows_matmul`); for many experts, whose weights stream
+      from HBM.
     """
     block_m: int = 128
     block_n: int = 128
     block_k: int = 64
     num_stages: int = 4
     grid_tile_width: int = 4
+    clustered: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,6 +227,8 @@ def config_unsupported_reason(kernels: str, op: str, config: BlockConfig, m: int
     min_rows = 128 if op == "dw" else config.block_m
     if m < min_rows:
         return f"{op}: M={m} is below the {min_rows} rows the kernels load at least"
+    if config.clustered and (kernels != "pallas" or op == "dw"):
+        return f"{op}: only jax_ep's fwd and dx kernels run clustered, not {kernels}'s {op} ({config})"
     block_m_choices = (128, 256) if op == "dw" else (128,)
     if kernels == "pallas" and (config.block_m not in block_m_choices or config.block_n % 64
                                 or config.block_k % 64 or config.block_n > 256):
@@ -267,13 +273,18 @@ def pallas_grouped_op(op: str, kernels: str, lhs: jax.Array, rhs: jax.Array, gro
     kernels (grouped_matmul's). The benchmark's sweep calls this."""
     modules = _pallas_modules()
     if kernels == "pallas":
+        sms = _num_sms(num_sms)
+        # 2-CTA clusters take an even number of SMs within the budget; a budget of one SM runs unclustered.
+        clustered = config.clustered and sms >= 2
         kernel_args = dict(block_n=config.block_n, block_k=config.block_k, num_stages=config.num_stages,
-                           grid_tile_width=config.grid_tile_width, num_sms=_num_sms(num_sms))
+                           grid_tile_width=config.grid_tile_width, num_sms=sms - sms % 2 if clustered else sms)
         if op == "dw":
             return modules.ours.ragged_contraction_matmul(lhs, rhs, group_sizes, block_rows=config.block_m,
                                                           **kernel_args)
-        schedule = modules.ours.row_tile_schedule(group_sizes, lhs.shape[0])
-        return modules.ours.ragged_rows_matmul(lhs, rhs, *schedule, transpose_rhs=op == "dx", **kernel_args)
+        schedule = (modules.ours.paired_row_tile_schedule if clustered else
+                    modules.ours.row_tile_schedule)(group_sizes, lhs.shape[0])
+        return modules.ours.ragged_rows_matmul(lhs, rhs, *schedule, transpose_rhs=op == "dx", clustered=clustered,
+                                               **kernel_args)
     kernel_args = dict(group_sizes=group_sizes, block_m=config.block_m, block_n=config.block_n,
                        block_k=config.block_k, max_concurrent_steps=config.num_stages,
                        grid_block_n=config.grid_tile_width)

@@ -17,6 +17,7 @@ from jax.test_util import check_grads
 from jax_ep import grouped_matmul
 from jax_ep.grouped_matmul import (
     BLOCK_CONFIG_TABLE,
+    BlockConfig,
     DEFAULT_BLOCK_CONFIG,
     config_unsupported_reason,
     pallas_unsupported_reason,
@@ -235,6 +236,35 @@ def test_row_tile_schedule_writes_every_row_once(sizes, num_rows):
         assert np.sum(used & (tile_group == g)) == tiles
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _paired_schedule(group_sizes, num_rows):
+    return kernels.paired_row_tile_schedule(group_sizes, num_rows)
+
+
+@needs_pallas
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 400), min_size=1, max_size=9), st.sampled_from([700, 1024, 3000]))
+def test_paired_row_tile_schedule_pairs_each_groups_tiles(sizes, num_rows):
+    """The clustered kernel's schedule: the same tiles as row_tile_schedule (so every row written once), in pairs
+    (entries 2p, 2p + 1) of which all but at most one tile per group pair with another tile of its group, in row
+    order; unused entries write nothing and never come first in a pair."""
+    sizes = np.asarray(gm_module._clamp_group_sizes(jnp.asarray(sizes, jnp.int32), num_rows))
+    group, first, end = (np.asarray(a) for a in _paired_schedule(jnp.asarray(sizes), num_rows))
+    assert len(group) % 2 == 0
+    used = first < end
+    expected = sorted((g, lo, hi) for g, lo, hi in zip(*(np.asarray(a) for a in _schedule(jnp.asarray(sizes),
+                                                                                           num_rows))) if lo < hi)
+    assert sorted(zip(group[used].tolist(), first[used].tolist(), end[used].tolist())) == expected
+    assert (group[~used] == -1).all()
+    pair_group, pair_first, pair_used = group.reshape(-1, 2), first.reshape(-1, 2), used.reshape(-1, 2)
+    assert not (pair_used[:, 1] & ~pair_used[:, 0]).any(), "an unused entry comes first in a pair"
+    same = pair_used.all(axis=1) & (pair_group[:, 0] == pair_group[:, 1])
+    assert (pair_first[same, 0] < pair_first[same, 1]).all()
+    for g in range(len(sizes)):
+        tiles = np.sum(used & (group == g))
+        assert tiles - 2 * np.sum(same & (pair_group[:, 0] == g)) in (0, 1), f"group {g}: more than one lone tile"
+
+
 @needs_pallas
 def test_expert_major_gradient_zeroes_the_rows_dw_reads_past_a_group():
     """dw's kernels read up to block_k - 1 rows of dy past a group's end (and need them finite); the cuda
@@ -265,7 +295,7 @@ KERNEL_CONFIG = dict(block_n=128, block_k=64, num_stages=4, grid_tile_width=4, n
 
 
 @needs_pallas
-@pytest.mark.parametrize("op", ["fwd", "dx", "dw", "dw with 256-row tiles"])
+@pytest.mark.parametrize("op", ["fwd", "dx", "dw", "dw with 256-row tiles", "fwd clustered", "dx clustered"])
 def test_kernels_lower_to_mosaic_gpu(op):
     """Lowering runs Mosaic GPU's layout inference and shared-memory sizing: what a compile on the device
     would reject first. (The final PTX compile needs the device.)"""
@@ -277,12 +307,15 @@ def test_kernels_lower_to_mosaic_gpu(op):
         config = dict(KERNEL_CONFIG, num_stages=3, block_rows=256) if "256" in op else KERNEL_CONFIG
         fn = functools.partial(kernels.ragged_contraction_matmul, **config)
     else:
-        rows_k, out_n = (k, n) if op == "fwd" else (n, k)
+        transpose_rhs, clustered = op.startswith("dx"), op.endswith("clustered")
+        rows_k = n if transpose_rhs else k
         args = (jax.ShapeDtypeStruct((m, rows_k), bf16), jax.ShapeDtypeStruct((groups, k, n), bf16), sizes)
 
         def fn(lhs, rhs, group_sizes):
-            schedule = kernels.row_tile_schedule(group_sizes, lhs.shape[0])
-            return kernels.ragged_rows_matmul(lhs, rhs, *schedule, transpose_rhs=op == "dx", **KERNEL_CONFIG)
+            schedule = (kernels.paired_row_tile_schedule if clustered else
+                        kernels.row_tile_schedule)(group_sizes, lhs.shape[0])
+            return kernels.ragged_rows_matmul(lhs, rhs, *schedule, transpose_rhs=transpose_rhs, clustered=clustered,
+                                              **KERNEL_CONFIG)
     lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
 
@@ -357,3 +390,8 @@ def test_block_config_table_rules_fit_their_shapes():
     assert block_config("pallas", "dw", 24576, 1408, 2048, 8) == DEFAULT_BLOCK_CONFIG  # few groups: not measured
     assert block_config("jax_pallas", "dw", 24576, 1408, 2048, 64) == DEFAULT_BLOCK_CONFIG
     assert all(rule.kernels == "pallas" for rule in BLOCK_CONFIG_TABLE)
+    clustered = BlockConfig(clustered=True)
+    assert config_unsupported_reason("pallas", "fwd", clustered, 24576, 2048, 1408) is None
+    for kernels_name, op in (("pallas", "dw"), ("jax_pallas", "fwd")):
+        assert "only jax_ep's fwd and dx kernels run clustered" in config_unsupported_reason(
+            kernels_name, op, clustered, 24576, 2048, 1408)

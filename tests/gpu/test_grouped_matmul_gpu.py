@@ -101,11 +101,14 @@ def test_sm_budget_matches_oracle(num_sms):
 
 
 TILE_TEST_SHAPE = (2048, 768, 768, 16)  # (M, K, N, G): every tile shape below fits it (768 = 3 x 256 = 4 x 192)
-# Each tile configuration the table gives an op of jax_ep's kernels, and the default, with that op; and 192-column
-# tiles, whose stores go in three 64-column pieces.
+# Each tile configuration the table gives an op of jax_ep's kernels, and the default, with that op; 192-column
+# tiles, whose stores go in three 64-column pieces; and fwd and dx in 2-CTA clusters (a group's tiles in pairs).
 TABLE_CONFIGS = list(dict.fromkeys([(rule.op, rule.config) for rule in BLOCK_CONFIG_TABLE if rule.kernels == "pallas"]
                                    + [(op, DEFAULT_BLOCK_CONFIG) for op in OPS]
-                                   + [(op, BlockConfig(block_n=192, num_stages=3)) for op in OPS]))
+                                   + [(op, BlockConfig(block_n=192, num_stages=3)) for op in OPS]
+                                   + [(op, config) for op in ("fwd", "dx") for config in
+                                      (BlockConfig(clustered=True),
+                                       BlockConfig(block_n=256, num_stages=3, grid_tile_width=16, clustered=True))]))
 
 
 @needs_hopper
