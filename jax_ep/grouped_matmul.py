@@ -115,34 +115,45 @@ _BLOCK_ROWS_RANGE = (16384, 1 << 21)
 _MANY_GROUPS = dict(m=_BLOCK_ROWS_RANGE, groups=(32, 128))
 _EXPERT_PROJECTIONS = dict(k=(1024, 4096), n=(1024, 4096), **_MANY_GROUPS)
 # A DeepSeek-V3-like rank holding many experts (256 at D=7168, F=2048; M=32768): 256-column tiles for dw (a
-# third faster), fwd and the down projection's dx (a few per cent); the gate and up projections' dx (K=7168, past
-# the dx rule's K range) keeps 128 columns, which measured faster there (docs/perf-log.md).
+# third faster than 128); fwd and dx in 2-CTA clusters on 256-column tiles (15-21 % faster than unclustered;
+# the down projection's dx in stripes of 8, the rest of 16), as for V3's slices below (docs/perf-log.md).
 _MANY_EXPERTS = dict(m=_BLOCK_ROWS_RANGE, groups=(129, 512), k=(1024, 8192), n=(1024, 8192))
 # V3's slices per rank at EP2 and EP4 (128 and 64 experts at D=7168, F=2048; M=32768, routed group sizes; one
-# H200, each kernel alone; docs/perf-log.md, 2026-11-28): the down projection (N=7168) on 256-column tiles in stripes
-# of 8 for fwd, dx and dw (fwd 15 %, dw 10 % faster than 128 columns); the gate and up projections' dw (K=7168) in
-# stripes of 2 (15 %); their fwd and dx keep the default 128 x 128 tiles, fastest at 128 experts. 32 experts (V3 at
-# EP8) were not measured and take 64's rules. (Their groups are _MANY_GROUPS'.)
+# H200, each kernel alone; docs/perf-log.md, 2026-11-28): the down projection (N=7168) on 256-column tiles; the
+# gate and up projections' dw (K=7168) in stripes of 2 (15 %), the down projection's dw in stripes of 8. Their
+# fwd and dx run in 2-CTA clusters on 256-column tiles (each weight block fetched once per pair of row tiles: 10-20 %
+# faster than the best unclustered tiles at 64, 128 and 256 experts), in stripes of 16, the down projection's dx in
+# stripes of 8 (2-3 % faster there). 32 experts (V3 at EP8) were not measured and take 64's rules. (Their groups
+# are _MANY_GROUPS'.)
 _WIDE_MODEL = (4097, 8192)  # D of V3-like models: the down projection's N, the gate and up projections' K
 _PROJECTION = (1024, 4096)  # F and 2F of those models: the other dimension
-# 256-column tiles in stripes of 8: dw; the forward of moe-a's projections (its down projection's 15 % faster than
-# in stripes of 16 with routed group sizes) and of V3's down projection, and that one's dx.
+# 256-column tiles in stripes of 8: dw; the forward of moe-a's down projection (15 % faster than in stripes of 16
+# with routed group sizes).
 _WIDE_STRIPES_8 = BlockConfig(block_n=256, num_stages=3, grid_tile_width=8)
 _WIDE_ROWS = BlockConfig(block_n=256, num_stages=3, grid_tile_width=16)  # fwd and dx
+_CLUSTERED_ROWS = dataclasses.replace(_WIDE_ROWS, clustered=True)
+_CLUSTERED_STRIPES_8 = dataclasses.replace(_WIDE_STRIPES_8, clustered=True)
 BLOCK_CONFIG_TABLE: tuple[BlockConfigRule, ...] = (
     BlockConfigRule("pallas", "dw", **_MANY_EXPERTS, config=_WIDE_STRIPES_8),
-    BlockConfigRule("pallas", "fwd", **_MANY_EXPERTS, config=_WIDE_ROWS),
-    BlockConfigRule("pallas", "dx", **{**_MANY_EXPERTS, "k": (1024, 4096)}, config=_WIDE_ROWS),
+    BlockConfigRule("pallas", "dx", **{**_MANY_EXPERTS, "k": _PROJECTION, "n": _WIDE_MODEL},
+                    config=_CLUSTERED_STRIPES_8),
+    BlockConfigRule("pallas", "fwd", **_MANY_EXPERTS, config=_CLUSTERED_ROWS),
+    BlockConfigRule("pallas", "dx", **_MANY_EXPERTS, config=_CLUSTERED_ROWS),
     BlockConfigRule("pallas", "dw", **_MANY_GROUPS, k=_WIDE_MODEL, n=_PROJECTION,
                     config=BlockConfig(block_n=256, num_stages=3, grid_tile_width=2)),
     BlockConfigRule("pallas", "dw", **_MANY_GROUPS, k=_PROJECTION, n=_WIDE_MODEL, config=_WIDE_STRIPES_8),
-    BlockConfigRule("pallas", "fwd", **_MANY_GROUPS, k=_PROJECTION, n=_WIDE_MODEL, config=_WIDE_STRIPES_8),
-    BlockConfigRule("pallas", "dx", **_MANY_GROUPS, k=_PROJECTION, n=_WIDE_MODEL, config=_WIDE_STRIPES_8),
+    BlockConfigRule("pallas", "dx", **_MANY_GROUPS, k=_PROJECTION, n=_WIDE_MODEL, config=_CLUSTERED_STRIPES_8),
+    BlockConfigRule("pallas", "fwd", **_MANY_GROUPS, k=_PROJECTION, n=_WIDE_MODEL, config=_CLUSTERED_ROWS),
+    BlockConfigRule("pallas", "fwd", **_MANY_GROUPS, k=_WIDE_MODEL, n=_PROJECTION, config=_CLUSTERED_ROWS),
+    BlockConfigRule("pallas", "dx", **_MANY_GROUPS, k=_WIDE_MODEL, n=_PROJECTION, config=_CLUSTERED_ROWS),
     BlockConfigRule("pallas", "dw", **_EXPERT_PROJECTIONS, config=_WIDE_STRIPES_8),
     BlockConfigRule("pallas", "dw", **_EXPERT_PROJECTIONS,
                     config=BlockConfig(block_m=256, block_n=128, num_stages=3, grid_tile_width=8)),
     BlockConfigRule("pallas", "dw", **_EXPERT_PROJECTIONS,
                     config=BlockConfig(block_n=128, num_stages=6, grid_tile_width=1)),
+    # moe-a's gate and up projection (K=2048 < N=2816): clustered, 7 % faster than unclustered; its down
+    # projection (K=1408) was 20 % slower clustered, and keeps stripes of 8.
+    BlockConfigRule("pallas", "fwd", **{**_EXPERT_PROJECTIONS, "k": (2048, 4096)}, config=_CLUSTERED_ROWS),
     BlockConfigRule("pallas", "fwd", **_EXPERT_PROJECTIONS, config=_WIDE_STRIPES_8),
     BlockConfigRule("pallas", "fwd", **_EXPERT_PROJECTIONS, config=BlockConfig(grid_tile_width=8)),
     BlockConfigRule("pallas", "dx", **_EXPERT_PROJECTIONS, config=_WIDE_ROWS),
