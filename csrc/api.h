@@ -47,6 +47,9 @@ struct NormalCall {
   Rank group;
   int32_t num_sms = 0;
   int64_t timeout_ns = 0;
+  // Config(on_timeout="mask"): a wait past timeout_ns masks its peer (LowLatencyHeader::masked) and gives up on it
+  // instead of trapping, and no wait, row or flag involves a masked peer. Else every wait past the bound traps.
+  bool mask_on_timeout = false;
   cudaStream_t stream = nullptr;
 };
 
@@ -493,6 +496,9 @@ struct LowLatencyCall {
   int64_t hidden = 0;          // H, a multiple of 128
   int64_t num_experts = 0;     // E, a multiple of the ranks
   int64_t timeout_ns = 0;
+  // Config(on_timeout="mask"): a wait past timeout_ns masks its peer (LowLatencyHeader::masked) and gives up on it
+  // instead of trapping, and no wait, row or flag involves a masked peer. Else every wait past the bound traps.
+  bool mask_on_timeout = false;
   cudaStream_t stream = nullptr;
 };
 
@@ -548,6 +554,21 @@ struct LowLatencyCombineRecvArgs {
   LowLatencyCompression compression = LowLatencyCompression::kNone;  // the send's
 };
 cudaError_t low_latency_combine_recv(const LowLatencyCall& call, const LowLatencyCombineRecvArgs& args);
+
+// masked [R] int32: 1 for each peer this rank masks (LowLatencyHeader::masked), else 0; stream-ordered.
+cudaError_t low_latency_read_masks(const LowLatencyCall& call, int32_t* masked);
+// Per device of `device_ordinals` (this process's) holding a rank of buffer_id: its LL header's masked words [R]
+// (LowLatencyHeader::masked), then the dispatches it has started. Call only while no kernel of the buffer runs.
+std::vector<std::vector<uint64_t>> low_latency_masks(int64_t buffer_id, const std::vector<int>& device_ordinals,
+                                                     LowLatencyTransport transport, int64_t ll_offset);
+// Writes the masked words [R] of the rank of buffer_id on `device_ordinal`; same rule.
+void low_latency_set_masks(int64_t buffer_id, int device_ordinal, LowLatencyTransport transport, int64_t ll_offset,
+                           const std::vector<uint64_t>& masked);
+// Zeroes the LL state of the rank of buffer_id on `device_ordinal` (call counters, credits, flags, counters, masks:
+// as when made), for a rank let back in after the job re-synchronised: every rank of the group resets, while no
+// kernel of the buffer runs on any of them.
+void low_latency_reset(int64_t buffer_id, int device_ordinal, LowLatencyTransport transport, int64_t ll_offset,
+                       int64_t num_max_tokens, int64_t hidden, int64_t num_experts);
 
 // One line per device of `device_ordinals` whose LL kernel of `buffer_id` timed out (readable after the trap).
 std::vector<std::string> low_latency_errors(int64_t buffer_id, const std::vector<int>& device_ordinals);

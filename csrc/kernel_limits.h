@@ -138,6 +138,8 @@ inline constexpr int64_t kLowLatencyMaxEntries = 8192;
 inline constexpr int64_t kLowLatencyAlign = 256;
 // The region's first bytes: LowLatencyHeader, call counters and credits (2 KB of them at kMaxLowLatencyRanks).
 inline constexpr int64_t kLowLatencyHeaderBytes = 4096;
+// A masked peer's word in the LL header (LowLatencyHeader::masked): this bit | the dispatches started when masked.
+inline constexpr unsigned long long kLowLatencyMaskedBit = 1ull << 32;
 
 // The LL kernels, as indexed in the header's per-kernel fields and in the trace.
 enum LowLatencyKernel : int { kDispatchSendKernel = 0, kDispatchRecvKernel, kCombineSendKernel, kCombineRecvKernel,

@@ -64,6 +64,7 @@ __device__ __forceinline__ void raise_combine_flag(const LowLatencyCall& c, cons
                                                    uint32_t call, int64_t p) {
   const int num_ranks = c.group.num_ranks;
   const int64_t experts_per_rank = c.num_experts / num_ranks;
+  if (peer_masked(c, static_cast<int>(p % num_ranks))) return;
   Transport::signal(c, static_cast<int>(p % num_ranks),
                     layout.set_offset(call & 1) + layout.combine_flags +
                         (c.group.rank * experts_per_rank + p / num_ranks) * static_cast<int64_t>(sizeof(uint64_t)),
@@ -136,8 +137,10 @@ __global__ void __launch_bounds__(kCombineSendThreads) combine_send_kernel(
     const PairRows pair(a.layout_range, p, max_tokens, rows_per_expert);
     const int64_t item = (p / num_ranks) * rows_per_expert + pair.begin + (row - first_row[p]);
     const int32_t t = a.src_token_index[item], k = a.src_topk_index[item];
-    if (t >= 0 && t < max_tokens && k >= 0 && k < kLowLatencyMaxTopk && begin < end) {  // else not from a dispatch
-      const int source = static_cast<int>(p % num_ranks);   // handle (or an empty last piece)
+    const int source = static_cast<int>(p % num_ranks);
+    const bool masked = __shfl_sync(kFullMask, peer_masked(c, source), 0);  // one answer for the warp's collectives
+    // (Else not from a dispatch handle, an empty last piece, or a source this rank masks.)
+    if (t >= 0 && t < max_tokens && k >= 0 && k < kLowLatencyMaxTopk && begin < end && !masked) {
       const int64_t slot = layout.set_offset(set) + layout.combine_rows +
                            (static_cast<int64_t>(t) * kLowLatencyMaxTopk + k) * layout.combine_slot_bytes;
       // A source that stores do not reach gets the piece from its staging row (puts read symmetric memory only).
@@ -243,11 +246,17 @@ __global__ void __launch_bounds__(kThreads, kCombineRecvBlocksPerSm)
       const int32_t other = __shfl_sync(kFullMask, expert, k);
       if (k < lane && other == expert && slot == lane) slot = k;
     }
-    if (expert >= 0 && slot == lane)
-      wait_until(c, LowLatencyOp::kCombineRecv, LowLatencyWait::kFlag, expert / experts_per_rank, call,
-                 [&] { return load_acquire_sys(flags + expert); },
-                 [&](uint64_t v) { return static_cast<uint32_t>(v) == call; }, kCombineFlagPollNs);
+    bool returned = true;
+    if (expert >= 0 && slot == lane) {
+      uint64_t seen = 0;
+      returned = wait_until(c, LowLatencyOp::kCombineRecv, LowLatencyWait::kFlag, expert / experts_per_rank, call,
+                            [&] { return load_acquire_sys(flags + expert); },
+                            [&](uint64_t v) { return static_cast<uint32_t>(v) == call; }, seen, kCombineFlagPollNs);
+    }
     __syncwarp();  // the lanes' acquires order every lane's row loads below
+    // An expert whose rank this rank masks returned nothing: its entries add nothing.
+    const unsigned not_returned = __ballot_sync(kFullMask, !returned);
+    if (expert >= 0 && (not_returned >> slot & 1u)) expert = -1;
     uint64_t ready = 0;
     if (kInstrumented && lane == 0) {
       ready = now_ns();

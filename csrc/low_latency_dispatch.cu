@@ -40,7 +40,8 @@ __device__ void count_toward_flag(const LowLatencyCall& c, const LowLatencyLayou
   const int32_t experts_per_rank = static_cast<int32_t>(c.num_experts / num_ranks);
   const int64_t flag = layout.set_offset(call & 1) + layout.dispatch_flags +
                        ((e % experts_per_rank) * num_ranks + c.group.rank) * static_cast<int64_t>(sizeof(uint64_t));
-  Transport::signal(c, e / experts_per_rank, flag, (uint64_t{call} << 32) | (total >> 32));
+  if (!peer_masked(c, e / experts_per_rank))
+    Transport::signal(c, e / experts_per_rank, flag, (uint64_t{call} << 32) | (total >> 32));
   trace_flag_now(c, layout, kDispatchSendKernel, call);
 }
 
@@ -385,10 +386,11 @@ __global__ void __launch_bounds__(kThreads, kDispatchRecvBlocksPerSm)
     const int32_t j = static_cast<int32_t>(unit / splits), split = static_cast<int32_t>(unit % splits);
     if (threadIdx.x < num_ranks) {
       const int s = threadIdx.x;
-      const uint64_t seen = wait_until(c, LowLatencyOp::kDispatchRecv, LowLatencyWait::kFlag, s, call,
-                                       [&] { return load_acquire_sys(flags + j * num_ranks + s); },
-                                       [&](uint64_t v) { return static_cast<uint32_t>(v >> 32) == call; });
-      counts[s] = min(static_cast<int32_t>(static_cast<uint32_t>(seen)), static_cast<int32_t>(max_tokens));
+      uint64_t seen = 0;  // a masked source sends nothing
+      const bool sent = wait_until(c, LowLatencyOp::kDispatchRecv, LowLatencyWait::kFlag, s, call,
+                                   [&] { return load_acquire_sys(flags + j * num_ranks + s); },
+                                   [&](uint64_t v) { return static_cast<uint32_t>(v >> 32) == call; }, seen);
+      counts[s] = sent ? min(static_cast<int32_t>(static_cast<uint32_t>(seen)), static_cast<int32_t>(max_tokens)) : 0;
     }
     __syncthreads();
     if (threadIdx.x == 0) {

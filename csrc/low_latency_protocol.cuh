@@ -21,7 +21,8 @@
 //         once its experts' flags do; when every block is done it writes "set c % 2 read up to call c" into the
 //         credit words of every sender.
 // Every wait is bounded by timeout_ns: on expiry the kernel fills the host-mapped error record (op, rank,
-// peer, call) and traps. A third send of one op before the receive of the first waits for a credit that
+// peer, call) and traps, or under Config(on_timeout="mask") masks that peer and goes on without it (docs/design.md,
+// "Masked ranks"). A third send of one op before the receive of the first waits for a credit that
 // cannot come: that misuse ends in such a timeout, naming the credit wait.
 // Blocks never wait for other blocks of their own kernel, so grids need not be co-resident.
 #pragma once
@@ -68,42 +69,72 @@ __host__ __device__ constexpr int64_t credit_offset(bool dispatch, int from, uin
 __device__ __forceinline__ int global_warp() { return (blockIdx.x * blockDim.x + threadIdx.x) / 32; }
 __device__ __forceinline__ int num_global_warps() { return gridDim.x * blockDim.x / 32; }
 
-// ---- bounded waits -----------------------------------------------------------------------------------------
+// ---- masked peers and bounded waits ----------------------------------------------------------------------------
 
-// Spins until done(load()), pausing backoff_ns between loads, and returns the last value loaded, or fails after
-// c.timeout_ns.
+// Whether this rank masks `peer` (Config(on_timeout="mask"), LowLatencyHeader::masked): then no wait, row or flag of
+// this rank's kernels involves it. Read at every use: a wait of another block or kernel may mask it meanwhile.
+__device__ __forceinline__ bool peer_masked(const LowLatencyCall& c, int peer) {
+  return c.mask_on_timeout &&
+         *reinterpret_cast<const volatile unsigned long long*>(own_header(c)->masked + peer) != 0;
+}
+
+// Masks `peer` from now on (its first masking counts): `started` is the dispatches this rank had started.
+__device__ __noinline__ void mask_peer(const LowLatencyCall& c, int peer, uint32_t started) {
+  atomicCAS(own_header(c)->masked + peer, 0ull, kLowLatencyMaskedBit | started);
+  __threadfence();
+}
+
+// The dispatches this rank has started, in a kernel of `op` running call `call` of its op.
+__device__ __forceinline__ uint32_t dispatches_started(const LowLatencyCall& c, LowLatencyOp op, uint32_t call) {
+  const bool dispatch = op == LowLatencyOp::kDispatchSend || op == LowLatencyOp::kDispatchRecv;
+  return dispatch ? call : *reinterpret_cast<const volatile uint32_t*>(&own_header(c)->dispatch_calls);
+}
+
+// Spins until done(load()), pausing backoff_ns between loads, with the last value loaded in `seen`; returns true.
+// Past c.timeout_ns the kernel fails (fail_on_timeout), or with c.mask_on_timeout masks `peer` and returns false;
+// it also returns false at once for a peer masked before or during the wait (its value is not waited for).
 template <typename Load, typename Done>
-__device__ __forceinline__ uint64_t wait_until(const LowLatencyCall& c, LowLatencyOp op, LowLatencyWait wait,
-                                               int peer, uint32_t call, Load load, Done done, unsigned backoff_ns = 0) {
-  uint64_t seen = load();
-  if (done(seen)) return seen;
+__device__ __forceinline__ bool wait_until(const LowLatencyCall& c, LowLatencyOp op, LowLatencyWait wait, int peer,
+                                           uint32_t call, Load load, Done done, uint64_t& seen,
+                                           unsigned backoff_ns = 0) {
+  if (peer_masked(c, peer)) return false;
+  seen = load();
+  if (done(seen)) return true;
   const uint64_t start = now_ns();
   while (!done(seen = load())) {
     if (backoff_ns) __nanosleep(backoff_ns);
+    if (peer_masked(c, peer)) return false;
     const int64_t waited = static_cast<int64_t>(now_ns() - start);
-    if (waited > c.timeout_ns)
+    if (waited > c.timeout_ns) {
+      if (c.mask_on_timeout && peer != c.group.rank) {  // (a wait on itself is a misuse: it traps)
+        mask_peer(c, peer, dispatches_started(c, op, call));
+        return false;
+      }
       fail_on_timeout(&own_header(c)->error_claimed, c.group.error, c.group.rank, static_cast<int32_t>(op),
                       static_cast<int32_t>(wait), peer, call, seen, waited);
+    }
   }
-  return seen;
+  return true;
 }
 
 // Send halves, before writing into set call % 2 of the peers: peer `peer`'s receive of call - 2 (the previous
 // user of that set) has finished reading it, as the credit word it wrote into this rank's header says. A thread
-// waits for one or more peers; a barrier after it holds the block's other threads back.
+// waits for one or more peers; a barrier after it holds the block's other threads back. A masked peer is not
+// waited for (and gets nothing).
 __device__ __forceinline__ void wait_for_credit(const LowLatencyCall& c, LowLatencyOp op, uint32_t call, bool dispatch,
                                                 int peer) {
   const uint64_t* credit = reinterpret_cast<const uint64_t*>(c.region + credit_offset(dispatch, peer, call & 1));
+  uint64_t seen = 0;
   wait_until(c, op, LowLatencyWait::kCredit, peer, call, [&] { return load_acquire_sys(credit); },
-             [&](uint64_t seen) { return call_reached(static_cast<uint32_t>(seen), call - 2); });
+             [&](uint64_t v) { return call_reached(static_cast<uint32_t>(v), call - 2); }, seen);
 }
 
 // Receive halves, in the last block once every block finished reading set call % 2: tells every sender
-// (a thread each) that it may write into that set again.
+// (a thread each) that it may write into that set again; a masked one is told nothing (its sends then time out).
 template <typename Transport>
 __device__ __forceinline__ void give_credits(const LowLatencyCall& c, uint32_t call, bool dispatch) {
   for (int peer = threadIdx.x; peer < c.group.num_ranks; peer += blockDim.x)
-    Transport::signal(c, peer, credit_offset(dispatch, c.group.rank, call & 1), call);
+    if (!peer_masked(c, peer)) Transport::signal(c, peer, credit_offset(dispatch, c.group.rank, call & 1), call);
 }
 
 // The call number of a send half: one more than the calls this rank completed. Every thread reads it at its

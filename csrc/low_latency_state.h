@@ -57,6 +57,10 @@ struct LowLatencyHeader {
   // reading. 64-bit words: NVSHMEM signals are 64-bit. Only the low 32 bits (the call number) count.
   uint64_t dispatch_credit[kMaxLowLatencyRanks][2];
   uint64_t combine_credit[kMaxLowLatencyRanks][2];
+  // Masked peers (Config(on_timeout="mask"); docs/design.md, "Masked ranks"): [p] is 0 while this rank does not
+  // mask p, else kLowLatencyMaskedBit | (the dispatches this rank had started when it masked p). Set by this rank's
+  // kernels (a wait on p that passed the bound), set and cleared by the host between calls; zero when made.
+  unsigned long long masked[kMaxLowLatencyRanks];
 };
 static_assert(sizeof(LowLatencyHeader) <= kLowLatencyHeaderBytes, "the header fits its reserved bytes");
 

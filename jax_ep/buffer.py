@@ -120,6 +120,7 @@ class Buffer:
         # GPUs per node: the internode backend's (given or found from the hosts), else as given (or None).
         self.ranks_per_node = getattr(self.backend_impl, "ranks_per_node", ranks_per_node)
         self._alive = True
+        self._low_latency_resets = 0  # reset_low_latency calls so far (names its barriers)
 
     @property
     def backend(self) -> str:
@@ -187,10 +188,21 @@ class Buffer:
     def unmask_ranks(self, ranks=None, *, on=None) -> None:
         """Each rank of `on` (default: this process's) stops masking `ranks` (default: all), from its next call on,
         under the same rule as mask_ranks. A rank let back in resumes with results from every rank at once (the xla
-        backend keeps no state between calls)."""
+        backend keeps no state between calls). The cuda backend refuses: there reset_low_latency lets ranks back in."""
         masks = self._masks("unmask_ranks")
         masks.unmask(self._ranks("unmask_ranks", "ranks", ranks),
                      self._ranks("unmask_ranks", "on", on, default=self._local_ranks()))
+
+    def reset_low_latency(self) -> None:
+        """Collective (every process of the Buffer calls it, between calls, with none of the Buffer's programs
+        running): every rank's low-latency state back to a new Buffer's, with no masks and calls counted from 0.
+        How a masked rank is let back in once the job has re-synchronised; on the cuda backend the only way (the
+        kernels' call numbers, credits and flags restart on every rank together), where each process waits for the
+        others before and after (each wait bounded by Config.host_timeout_s)."""
+        self.check_alive()
+        self._low_latency_resets += 1
+        self.backend_impl.reset_low_latency(num_max_tokens=self.num_max_dispatch_tokens_per_rank, hidden=self.hidden,
+                                            num_experts=self.num_experts, resets=self._low_latency_resets)
 
     def masked_ranks(self) -> dict[int, dict[int, int]]:
         """{rank: {masked peer: the call of that rank from which it masks the peer}} for this process's ranks: the

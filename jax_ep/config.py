@@ -50,7 +50,8 @@ class Config:
         $JAX_EP_COMBINE_PUSH_WARPS.
     on_timeout: what a low-latency op does when a wait on a peer passes timeout_s: "trap" (the program fails; the
         process must restart) or "mask" (the rank masks that peer and goes on; jax_ep.masks, Buffer.mask_ranks).
-        "mask" also makes the low-latency ops honour masks set by hand. So far on the xla backend only.
+        "mask" also makes the low-latency ops honour masks set by hand; Buffer.reset_low_latency lets ranks back
+        in. Both backends; the normal-mode ops always trap (docs/design.md, "Masked ranks").
     """
 
     num_sms: int = 24

@@ -6,7 +6,8 @@ naming the peer's experts are not sent (counted in `LowLatencyDispatchResult.num
 combine, and nothing from the peer is received. A row travels only between two ranks that mask neither one
 another, so each rank's results are those of the oracle with the masks of both ends.
 
-`RankMasks` is the host's copy of every local rank's view, which the `xla` backend's ops read at every call.
+`RankMasks` is the host's copy of every local rank's view, which the `xla` backend's ops read at every call; the
+`cuda` backend keeps each rank's view on its GPU (jax_ep.backends.cuda.low_latency.DeviceRankMasks).
 """
 from __future__ import annotations
 
@@ -48,6 +49,12 @@ class RankMasks:
         with self._lock:
             for r in ranks:
                 self.since[r, list(peers)] = NOT_MASKED
+
+    def reset(self) -> None:
+        """Every rank as new: no masks, no calls."""
+        with self._lock:
+            self.since[:] = NOT_MASKED
+            self.calls[:] = 0
 
     def masked(self, ranks) -> dict[int, dict[int, int]]:
         """{rank: {masked peer: since call}} for each of `ranks`."""

@@ -77,13 +77,15 @@ def buffer(num_ranks: int, backend: str, combine: str | None = None) -> jax_ep.B
     return jax_ep.Buffer(mesh_of(num_ranks), "ep", backend=backend, config=jax_ep.Config(combine=combine))
 
 
-def new_ll_buffer(num_ranks: int, M: int, H: int, E: int, backend: str, timeout_s: float = 30.0) -> jax_ep.Buffer:
+def new_ll_buffer(num_ranks: int, M: int, H: int, E: int, backend: str, timeout_s: float = 30.0,
+                  on_timeout: str = "trap") -> jax_ep.Buffer:
     """A Buffer of R ranks for low-latency ops (M tokens per rank, hidden H, E experts) and no normal-mode staging
     (num_nvl_bytes=0, num_rdma_bytes=0: with processes sharing a GPU a gigabyte for each of a suite's Buffers would
     not fit); a cuda one is an internode Buffer where LL_RANKS_PER_NODE is set."""
     nodes = dict(ranks_per_node=LL_RANKS_PER_NODE, num_rdma_bytes=0) if LL_RANKS_PER_NODE and backend == "cuda" else {}
     return jax_ep.Buffer(mesh_of(num_ranks), "ep", backend=backend, num_max_dispatch_tokens_per_rank=M, hidden=H,
-                         num_experts=E, config=jax_ep.Config(timeout_s=timeout_s), num_nvl_bytes=0, **nodes)
+                         num_experts=E, config=jax_ep.Config(timeout_s=timeout_s, on_timeout=on_timeout),
+                         num_nvl_bytes=0, **nodes)
 
 
 ll_buffer = functools.cache(new_ll_buffer)  # the suites' low-latency Buffers, alive until the process ends

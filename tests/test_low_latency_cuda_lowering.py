@@ -21,12 +21,12 @@ from jax_ep.config import LOW_LATENCY_MAX_TOPK
 R, T, H, K, E, M = 4, 8, 512, 3, 8, 16
 
 
-def cuda_standin(low_latency_offset=0, num_max_tokens=M):
+def cuda_standin(low_latency_offset=0, num_max_tokens=M, on_timeout="trap"):
     """A cuda Buffer whose low-latency region (peer stores) starts at `low_latency_offset`; None: it has none."""
     if not low_latency.available():
         pytest.skip("this build has no CUDA low-latency kernels")
     buf = jax_ep.Buffer(mesh_of(R), "ep", backend="xla", num_max_dispatch_tokens_per_rank=num_max_tokens, hidden=H,
-                        num_experts=E)
+                        num_experts=E, config=jax_ep.Config(on_timeout=on_timeout))
     return with_standin_backend(buf, intranode.IntranodeBackend,
                                 low_latency_transport=None if low_latency_offset is None else "peer_stores",
                                 low_latency_offset=low_latency_offset)
@@ -61,6 +61,24 @@ def test_ops_and_gradients_lower_to_the_custom_calls():
     assert sorted(set(calls)) == ["jax_ep_low_latency_combine_recv", "jax_ep_low_latency_combine_send",
                                   "jax_ep_low_latency_dispatch_recv", "jax_ep_low_latency_dispatch_send"], calls
     assert "payload = 2" in text  # FP8 with UE8M0 scales
+
+
+@pytest.mark.parametrize("on_timeout", ["trap", "mask"])
+def test_masking_buffer_reads_each_ops_masks_on_the_device(on_timeout):
+    """Config(on_timeout="mask"): each op first reads its rank's masks from the GPU (a side-effecting custom call,
+    which XLA neither merges nor drops) and every kernel is told to mask instead of trapping; "trap" reads none."""
+    buf = cuda_standin(on_timeout=on_timeout)
+
+    def body(x, idx, w):
+        d = jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=False)
+        return d.num_masked[None], jax_ep.low_latency_combine(buf, d.recv_x, idx, w, d.handle)
+
+    text = lower(buf, body, X, IDX, W)
+    masking = int(on_timeout == "mask")
+    kernels = re.findall(rf"custom_call @jax_ep_low_latency_\w+\([^\n]*mask_on_timeout = {masking}", text)
+    assert len(kernels) == 4, text
+    reads = re.findall(r"custom_call @jax_ep_low_latency_mask\([^\n]*has_side_effect = true", text)
+    assert len(reads) == 2 * masking, text
 
 
 def test_buffer_without_low_latency_region():

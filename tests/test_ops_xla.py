@@ -607,7 +607,8 @@ def test_low_latency_masked_ranks_match_the_oracle(cm, mask_seed):
 
 def test_masked_ranks_read_back_and_clear():
     """masked_ranks gives each rank's masked peers with the call they took effect at (the dispatches it had run);
-    unmasking restores full results; the ops of a Buffer without Config(on_timeout='mask') read no mask."""
+    unmasking restores full results; reset_low_latency clears the masks and the calls; the ops of a Buffer without
+    Config(on_timeout='mask') read no mask."""
     R, M, H, E = 4, 8, 128, 8
     c = Case(R=R, T=M, H=H, K=2, E=E, mode=O.ROUTING_MODES[0], p_neg=0.0, p_invalid=0.0, seed=5)
     idx, w, x, y, _ = ll_inputs(c, M, False)
@@ -633,6 +634,12 @@ def test_masked_ranks_read_back_and_clear():
         assert np.all(np.abs(ranks(out, R).astype(np.float32) - acc) <= 2.0**-8 * np.abs(acc) * 1.01 + 1e-5 * mag)
         buf.unmask_ranks()
     assert buf.masked_ranks() == {r: {} for r in range(R)}
+    buf.mask_ranks(1)
+    buf.reset_low_latency()  # no masks, and calls counted from 0 again
+    assert buf.masked_ranks() == {r: {} for r in range(R)}
+    buf.mask_ranks(1)
+    assert buf.masked_ranks() == {r: ({1: 0} if r != 1 else {}) for r in range(R)}
+    buf.unmask_ranks()
     plain = ll_buffer(R, M, H, E, "xla")
     with pytest.raises(ValueError, match="Config\\(on_timeout='mask'\\)"):
         plain.mask_ranks(1)

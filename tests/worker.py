@@ -20,6 +20,8 @@ collectives; its ranks are its devices in the global mesh. MODE:
   third_send  three low-latency dispatch sends before the first receive: each third send waits for a credit that
               never comes and times out; prints RAISED and RECORD lines as timeout does. The transport follows
               $JAX_EP_LL_TRANSPORT and $JAX_EP_TEST_RANKS_PER_NODE, which the launcher sets.
+  masked_ranks  (one process per GPU) Config(on_timeout="mask"): masks set by hand, a reset, the last process
+              away for some steps and back (masked_ranks_go_on); prints MASKED lines; exits 0, or 1 if any differed.
   nvshmem     (one process per GPU) bootstraps NVSHMEM through the key-value store and runs its ring check;
               prints "RING <rank> <value read>".
 With several processes every mode but xla_check (which shuts jax.distributed down) ends in
@@ -145,6 +147,99 @@ def third_send_times_out(R: int) -> None:
         return sum(jax_ep.low_latency_dispatch_recv(buf, p).recv_count for p in (first, sends[1], sends[2]))
 
     report_timeout(lambda: spmd(R, body, gather=False)(flat(x), flat(idx)), buf)
+
+
+# masked_ranks: steps run while the last process is away, and the bound on the time they may take all together
+# (the first waits for the absent rank up to the Buffer's timeout, the others wait for nothing).
+MASKED_STEPS, MASKED_STEPS_EXTRA_S = 3, 1.0
+
+
+def masked_ranks_go_on(process_id: int, R: int) -> int:
+    """One process per GPU, a cuda Buffer with Config(on_timeout="mask"); each process checks its ranks' results
+    against the NumPy oracle (prints MASKED lines, returns 0 or 1):
+    1. ranks 2i and 2i + 1 mask one another by hand: results as the oracle's with those masks, read back by
+       masked_ranks (one-sided masks are tested with one process: tests/gpu/test_low_latency.py);
+    2. Buffer.reset_low_latency on every process: full results;
+    3. the last process stops calling: the others run MASKED_STEPS steps, all within timeout_s + MASKED_STEPS_EXTRA_S,
+       each from the second on as the oracle's with the last rank masked (the first masks it by timing out, so its
+       dispatch counts no entry as masked); then the last process comes back and runs one step (its waits on the
+       others time out: it masks the ranks it waited for, without trapping), every process resets, and one step gives
+       full results again."""
+    import jax
+    import oracle as O
+    from conftest import LL_RANKS_PER_NODE, mesh_of, spmd
+    from jax._src import distributed
+
+    import jax_ep
+    from gpu.gpu_harness import make_ll_inputs
+
+    T, H, K, E, M = 8, 128, 2, 2 * R, 8
+    nodes = dict(ranks_per_node=LL_RANKS_PER_NODE, num_rdma_bytes=0) if LL_RANKS_PER_NODE else {}
+    buf = jax_ep.Buffer(mesh_of(R), "ep", backend="cuda", num_max_dispatch_tokens_per_rank=M, hidden=H, num_experts=E,
+                        config=jax_ep.Config(timeout_s=TIMEOUT_S, on_timeout="mask"), num_nvl_bytes=0, **nodes)
+    x, idx, w, y, _ = make_ll_inputs(R, T, H, K, E, M)
+    me, last = jax.process_index(), R - 1
+
+    def body(x, idx, w, y):
+        d = jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=False)
+        return d.recv_count, d.num_masked[None], jax_ep.low_latency_combine(buf, y, idx, w, d.handle)
+
+    step = spmd(R, body, gather=False)
+    flat = lambda a: a.reshape(-1, *a.shape[2:])  # noqa: E731
+
+    def run_and_check(what: str, masked, check_masked_count: bool = True) -> int:
+        count, num_masked, out = jax.block_until_ready(step(flat(x), flat(idx), flat(w), flat(y)))
+        exp = O.low_latency_dispatch(x, idx, E, M, masked=masked)
+        acc, mag = O.low_latency_combine(y, idx, w, E, exp, masked=masked)
+        got_count, got_masked = np.asarray(count.addressable_data(0)), int(num_masked.addressable_data(0)[0])
+        got = np.asarray(out.addressable_data(0)).astype(np.float32)
+        bad = []
+        if not np.array_equal(got_count, exp.recv_count[me]):
+            bad.append(f"recv_count {got_count.tolist()} want {exp.recv_count[me].tolist()}")
+        if check_masked_count and got_masked != exp.num_masked[me]:
+            bad.append(f"num_masked {got_masked} want {exp.num_masked[me]}")
+        if not np.all(np.abs(got - acc[me]) <= 2.0**-8 * np.abs(acc[me]) * 1.01 + 1e-5 * mag[me] + 1e-30):
+            bad.append("combined rows differ")
+        print(f"MASKED {what} rank {me}: " + ("ok" if not bad else "; ".join(bad)), flush=True)
+        return int(bool(bad))
+
+    failures = run_and_check("unmasked", None)
+    hand = np.zeros((R, R), bool)
+    for r in range(0, R - 1, 2):  # both ends of each pair: no rank waits for a masked one
+        hand[r, r + 1] = hand[r + 1, r] = True
+    buf.mask_ranks(np.flatnonzero(hand[me]).tolist())
+    failures += run_and_check("by hand", hand)
+    seen = set(buf.masked_ranks()[me])
+    want = set(np.flatnonzero(hand[me] | hand[:, me]))
+    print(f"MASKED read back rank {me}: {sorted(seen)} want {sorted(want)}", flush=True)
+    failures += seen != want
+    buf.reset_low_latency()
+    failures += run_and_check("after reset", None)
+
+    client = distributed.global_state.client
+    away = np.zeros((R, R), bool)
+    away[:, last] = away[last, :] = True
+    np.fill_diagonal(away, False)
+    if me != last:
+        start = time.monotonic()
+        for i in range(MASKED_STEPS):
+            failures += run_and_check(f"last rank away, step {i}", away, check_masked_count=i > 0)
+        elapsed = time.monotonic() - start
+        print(f"MASKED rank {me}: {MASKED_STEPS} steps with the last rank away in {elapsed:.2f} s", flush=True)
+        failures += elapsed > TIMEOUT_S + MASKED_STEPS_EXTRA_S
+        failures += set(buf.masked_ranks()[me]) != {last}
+        client.key_value_set(f"masked_steps_done/{me}", "1")
+    else:
+        for p in range(last):
+            client.blocking_key_value_get(f"masked_steps_done/{p}", 120_000)
+        start = time.monotonic()
+        jax.block_until_ready(step(flat(x), flat(idx), flat(w), flat(y)))  # every wait on the others times out
+        print(f"MASKED rank {me}: back for one step in {time.monotonic() - start:.2f} s, masking "
+              f"{sorted(buf.masked_ranks()[me])}", flush=True)
+        failures += not set(buf.masked_ranks()[me]) or not set(buf.masked_ranks()[me]) <= set(range(last))
+    buf.reset_low_latency()
+    failures += run_and_check("after the last rank's return and a reset", None)
+    return int(failures > 0)
 
 
 def check_dispatch_combine_on_xla(process_id: int) -> int:
@@ -293,6 +388,8 @@ def process_of_several(mode: str, process_id: int, num_processes: int, port: int
         last_process_absent_times_out(R, ranks_per_node=max(R // 2, 1))
     if mode == "third_send":
         third_send_times_out(R)
+    if mode == "masked_ranks":
+        leave_together(masked_ranks_go_on(process_id, R))
     if mode == "nvshmem":
         from jax_ep import nvshmem
 
@@ -306,7 +403,7 @@ def main(argv: list[str]) -> int:
     args = argv[argv.index("--") + 1:] if "--" in argv else []
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=["pytest", "xla_check", "timeout", "internode_timeout", "third_send",
-                                         "nvshmem"])
+                                         "nvshmem", "masked_ranks"])
     parser.add_argument("--ranks", type=int, help="one process driving this many devices")
     parser.add_argument("--process", type=int, help="this process's index among --processes")
     parser.add_argument("--processes", type=int)

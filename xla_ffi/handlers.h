@@ -325,6 +325,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyDispatchSend);  // low_latency_handlers
 XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyDispatchRecv);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyCombineSend);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyCombineRecv);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyMask);
 #endif
 #if defined(JAX_EP_WITH_NVSHMEM)
 XLA_FFI_DECLARE_HANDLER_SYMBOL(InternodeDispatch);  // internode_handlers.cc

@@ -16,21 +16,22 @@ namespace {
 struct LowLatencyAttrs {
   cudaStream_t stream;
   int32_t device;
-  int64_t buffer_id, transport, ll_offset, num_max_tokens, num_experts, timeout_ns;
+  int64_t buffer_id, transport, ll_offset, num_max_tokens, num_experts, timeout_ns, mask_on_timeout;
 };
 
 inline auto LowLatencyBinding() {
   return Int64Attrs(CudaBinding(), "buffer_id", "transport", "ll_offset", "num_max_tokens", "num_experts",
-                    "timeout_ns");
+                    "timeout_ns", "mask_on_timeout");
 }
 
 // The implementation of an LL handler bound by LowLatencyBinding(): body(op, attrs, the op's decoded operands...).
 template <typename Body>
 auto LowLatencyHandler(const char* op, Body body) {
   return [op, body](cudaStream_t stream, int32_t device, int64_t buffer_id, int64_t transport, int64_t ll_offset,
-                    int64_t num_max_tokens, int64_t num_experts, int64_t timeout_ns, auto... operands) -> ffi::Error {
+                    int64_t num_max_tokens, int64_t num_experts, int64_t timeout_ns, int64_t mask_on_timeout,
+                    auto... operands) -> ffi::Error {
     const LowLatencyAttrs attrs{stream, device, buffer_id, transport, ll_offset, num_max_tokens, num_experts,
-                                timeout_ns};
+                                timeout_ns, mask_on_timeout};
     return body(op, attrs, std::move(operands)...);
   };
 }
@@ -68,6 +69,7 @@ ffi::Error MakeCall(const char* op, const LowLatencyAttrs& attrs, int64_t hidden
   call->hidden = hidden;
   call->num_experts = num_experts;
   call->timeout_ns = attrs.timeout_ns;
+  call->mask_on_timeout = attrs.mask_on_timeout != 0;
   call->stream = attrs.stream;
   return ffi::Error::Success();
 }
@@ -208,7 +210,31 @@ ffi::Error CombineRecv(const char* op, const LowLatencyAttrs& attrs, ffi::AnyBuf
   return Launched(op, low_latency_combine_recv(call, a), NeverTooSmall);
 }
 
+// masked [R] int32: this rank's view of its peers (LowLatencyHeader::masked). Reads the header only: no sizes.
+ffi::Error Mask(cudaStream_t stream, int32_t device, int64_t buffer_id, int64_t transport, int64_t ll_offset,
+                ffi::Result<ffi::AnyBuffer> masked) {
+  const char* op = "low_latency_mask";
+  if (transport != static_cast<int64_t>(LowLatencyTransport::kPeerStores) &&
+      transport != static_cast<int64_t>(LowLatencyTransport::kNvshmem))
+    return Invalid(op, "unknown transport " + std::to_string(transport));
+  LowLatencyCall call;
+  int64_t available = 0;
+  if (const std::string missing = low_latency_lookup(buffer_id, device, static_cast<LowLatencyTransport>(transport),
+                                                     ll_offset, &call, &available);
+      !missing.empty())
+    return Invalid(op, missing);
+  if (masked->element_type() != ffi::DataType::S32 ||
+      masked->element_count() != static_cast<size_t>(call.group.num_ranks))
+    return Invalid(op, "masked must be int32 [num_ranks]");
+  call.stream = stream;
+  return Launched(op, low_latency_read_masks(call, MutableDataOf<int32_t>(*masked)), NeverTooSmall);
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyMask, Mask,
+                              Int64Attrs(CudaBinding(), "buffer_id", "transport", "ll_offset").Ret<ffi::AnyBuffer>(),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchSend, LowLatencyHandler("low_latency_dispatch (send)", DispatchSend),
                               Int64Attrs(AnyBufferArgs<2>(LowLatencyBinding())  // x, topk_idx

@@ -43,6 +43,7 @@ constexpr const char* kTargetKeys[] = {
     "expert_major_dispatch", "expert_major_cached_dispatch", "expert_major_combine", "expert_major_combine_backward",
     "store_probe",
     "low_latency_dispatch_send", "low_latency_dispatch_recv", "low_latency_combine_send", "low_latency_combine_recv",
+    "low_latency_mask",
     "internode_dispatch", "internode_cached_dispatch", "internode_combine",
     "internode_expert_major_dispatch", "internode_expert_major_cached_dispatch", "internode_expert_major_combine",
     "internode_expert_major_combine_backward",
@@ -120,6 +121,7 @@ nb::dict Registrations() {
   cuda_only("low_latency_dispatch_recv", Capsule(LowLatencyDispatchRecv));
   cuda_only("low_latency_combine_send", Capsule(LowLatencyCombineSend));
   cuda_only("low_latency_combine_recv", Capsule(LowLatencyCombineRecv));
+  cuda_only("low_latency_mask", Capsule(LowLatencyMask));
 #if defined(JAX_EP_WITH_NVSHMEM)
   JAX_EP_REGISTER_NORMAL_OPS("internode_", Internode);
 #endif
@@ -167,6 +169,7 @@ nb::dict Limits() {
   limits["low_latency_max_entries"] = jax_ep::kLowLatencyMaxEntries;
   limits["low_latency_align"] = jax_ep::kLowLatencyAlign;
   limits["low_latency_header_bytes"] = jax_ep::kLowLatencyHeaderBytes;
+  limits["low_latency_masked_bit"] = static_cast<int64_t>(jax_ep::kLowLatencyMaskedBit);
   limits["low_latency_trace_calls"] = jax_ep::kLowLatencyTraceCalls;
   limits["low_latency_trace_bytes"] = jax_ep::kLowLatencyTraceBytes;
   limits["low_latency_row_header_bytes"] = jax_ep::kLowLatencyRowHeaderBytes;
@@ -278,6 +281,34 @@ NB_MODULE(_C, m) {
         "One line per rank of buffer_id whose kernel timed out waiting for a peer (readable after the trap).");
   m.def("low_latency_errors", &jax_ep::low_latency_errors, nb::arg("buffer_id"), nb::arg("device_ordinals"),
         "One line per device whose low-latency kernel of buffer_id timed out (op, rank, peer, call).");
+  const auto transport_of = [](int transport) { return static_cast<jax_ep::LowLatencyTransport>(transport); };
+  m.def(
+      "low_latency_masks",
+      [transport_of](int64_t buffer_id, const std::vector<int>& device_ordinals, int transport, int64_t ll_offset) {
+        return jax_ep::low_latency_masks(buffer_id, device_ordinals, transport_of(transport), ll_offset);
+      },
+      nb::arg("buffer_id"), nb::arg("device_ordinals"), nb::arg("transport"), nb::arg("ll_offset"),
+      "Per device: the LL header's masked words [R] (0, or 2**32 | the dispatches started when masked), then the "
+      "dispatches started. Only while no kernel of the buffer runs.");
+  m.def(
+      "low_latency_set_masks",
+      [transport_of](int64_t buffer_id, int device_ordinal, int transport, int64_t ll_offset,
+                     const std::vector<uint64_t>& masked) {
+        jax_ep::low_latency_set_masks(buffer_id, device_ordinal, transport_of(transport), ll_offset, masked);
+      },
+      nb::arg("buffer_id"), nb::arg("device_ordinal"), nb::arg("transport"), nb::arg("ll_offset"), nb::arg("masked"),
+      "Writes the LL header's masked words [R] of the device's rank. Only while no kernel of the buffer runs.");
+  m.def(
+      "low_latency_reset",
+      [transport_of](int64_t buffer_id, int device_ordinal, int transport, int64_t ll_offset, int64_t num_max_tokens,
+                     int64_t hidden, int64_t num_experts) {
+        jax_ep::low_latency_reset(buffer_id, device_ordinal, transport_of(transport), ll_offset, num_max_tokens, hidden,
+                                  num_experts);
+      },
+      nb::arg("buffer_id"), nb::arg("device_ordinal"), nb::arg("transport"), nb::arg("ll_offset"),
+      nb::arg("num_max_tokens"), nb::arg("hidden"), nb::arg("num_experts"),
+      "Zeroes the device's LL state (counters, credits, flags, masks) as when made; every rank of the group, while "
+      "no kernel of the buffer runs on any of them.");
 #if defined(JAX_EP_INSTRUMENT)
   m.def(
       "low_latency_trace",

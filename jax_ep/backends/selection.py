@@ -110,9 +110,6 @@ def create_backend(spec: BackendSpec, backend: str, low_latency_transport: str,
     """The backend of a new Buffer (`backend` and `low_latency_transport` as the Buffer was given them;
     `forced_transport` the environment's override), its device memory allocated."""
     resolved = resolve_backend(backend, platform_of(spec.mesh))
-    if spec.config.on_timeout == "mask" and resolved == "cuda":
-        raise ValueError("jax_ep.Buffer: Config(on_timeout='mask') runs on the xla backend only so far (the cuda "
-                         "kernels do not mask ranks yet); create the Buffer with backend='xla'")
     transport = resolve_low_latency_transport(
         low_latency_transport, backend=resolved, low_latency=spec.has_low_latency_sizes,
         one_process_per_gpu=one_process_per_gpu(spec.mesh), forced=forced_transport)

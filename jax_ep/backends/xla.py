@@ -293,6 +293,9 @@ class XlaBackend(Backend):
         returned, topk_idx, topk_weights = state
         return low_latency_combine_recv(returned, topk_idx, topk_weights, num_experts=num_experts)
 
+    def reset_low_latency(self, *, num_max_tokens, hidden, num_experts, resets):
+        self.masks.reset()  # the ops keep no other state between calls
+
     def low_latency_mask(self, op):
         # Read from the host at every run of the compiled program, so that a mask set between calls applies to
         # the next one; a dispatch counts as one more call of its rank (RankMasks.since).

@@ -5,13 +5,14 @@ and NVSHMEM puts between nodes) against the NumPy oracle and the `xla` backend: 
 scale mode), the handle, recv_count, statistics and invalid ids; combine bit for bit against the oracle's
 float32 k-order sum; determinism; several calls in a row (both buffer sets, two results in flight, receives
 out of order) and in a jitted loop, with default and forced command buffers; two micro-batches overlapped
-with computation between send and receive; DeepEP hidden sizes; M=512 with K=11; gradients; and the bounded
-wait that a third send in flight runs into.
+with computation between send and receive; DeepEP hidden sizes; M=512 with K=11; gradients; the bounded
+wait that a third send in flight runs into; and masked ranks (Config(on_timeout="mask")).
 """
 from __future__ import annotations
 
 import functools
 import os
+import time
 import warnings
 
 import jax
@@ -441,3 +442,76 @@ def test_third_send_in_flight_times_out(R):
     assert "RAISED" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     record = [line for line in proc.stdout.splitlines() if line.startswith("RECORD")]
     assert record and "low_latency_dispatch (send) timed out" in record[0] and "credit" in record[0], proc.stdout
+
+
+# Masked ranks: the Buffer's bound on each wait (the asymmetric masks below make one rank wait that long once).
+MASK_TIMEOUT_S = 2.0
+
+
+@pytest.mark.parametrize("R", RANKS)
+def test_masked_ranks_by_hand_then_reset(R):
+    """Config(on_timeout="mask") on the kernels (docs/design.md, "Masked ranks"), against the oracle with the masks:
+    1. every rank masks rank 1 and rank 1 every other (no wait on a masked rank): dispatch bit for bit, num_masked,
+       combine within the k-order sum's rounding; masked_ranks reads the masks back with the call they took
+       effect at; the GPUs' memory in use is the same after 1,000 more steps and after 1,000 after those;
+    2. rank 0 alone masks rank 1: rank 1's waits on rank 0 pass the bound and mask it, without a trap; the
+       results are still the oracle's (a row travels only between ranks that mask neither one another). (With a
+       third rank waiting on rank 1 meanwhile, that one could time out on rank 1 in turn: docs/design.md.)
+    3. Buffer.reset_low_latency: no masks, full results; unmask_ranks refuses on this backend."""
+    T, H, K, E, M = 16, 256, 4, 4 * R, 16
+    buf = new_ll_buffer(R, M, H, E, "cuda", timeout_s=MASK_TIMEOUT_S, on_timeout="mask")
+    x, idx, w, y, _ = make_ll_inputs(R, T, H, K, E, M, seed=7)
+
+    def body(x, idx, w, y):
+        d = jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=False)
+        return d.recv_x, d.recv_count, d.num_masked[None], jax_ep.low_latency_combine(buf, y, idx, w, d.handle)
+
+    step = spmd(R, body)
+    args = (flat(x), flat(idx), flat(w), flat(y))
+
+    def check(masked, what):
+        recv_x, count, num_masked, out = jax.block_until_ready(step(*args))
+        exp = O.low_latency_dispatch(x, idx, E, M, masked=masked)
+        assert_bits(ranks(count, R), exp.recv_count, f"{what}: recv_count")
+        assert_bits(np.asarray(num_masked), exp.num_masked, f"{what}: num_masked")
+        rx = np.asarray(recv_x).reshape((R, E // R) + np.asarray(recv_x).shape[1:])
+        assert_bits(rx[exp.valid], exp.recv_x[exp.valid], f"{what}: recv_x")
+        acc, mag = O.low_latency_combine(y, idx, w, E, exp, masked=masked)
+        got = ranks(out, R).astype(np.float32)
+        assert np.all(np.abs(got - acc) <= 2.0**-8 * np.abs(acc) * 1.01 + 1e-5 * mag + 1e-30), f"{what}: combine"
+
+    def set_masks(masked):
+        for r in range(R):  # (with one process per GPU each process sets its own ranks')
+            buf.mask_ranks(np.flatnonzero(masked[r]).tolist(), on=r)
+
+    check(None, "before")
+    out_of_job = np.zeros((R, R), bool)
+    out_of_job[:, 1] = out_of_job[1, :] = True
+    np.fill_diagonal(out_of_job, False)
+    set_masks(out_of_job)
+    local = buf.masked_ranks()
+    assert local == {r: {p: 1 for p in np.flatnonzero(out_of_job[r])} for r in local}, local  # after one call
+    check(out_of_job, "rank 1 out")
+    in_use = []
+    for _ in range(2):  # memory in use after 1,000 steps, then after 1,000 more: the same
+        for _ in range(1000):
+            outs = step(*args)
+        jax.block_until_ready(outs)
+        time.sleep(0.5)  # (buffers of the last calls' inputs are freed once their programs are done)
+        in_use.append([d.memory_stats()["bytes_in_use"] for d in jax.local_devices()])
+    del outs
+    assert all(later <= first for later, first in zip(*in_use)), in_use  # no growth
+
+    buf.reset_low_latency()
+    one_sided = np.zeros((R, R), bool)
+    one_sided[0, 1] = True
+    set_masks(one_sided)
+    check(one_sided, "rank 0 masks rank 1")
+    local = buf.masked_ranks()
+    assert {r: set(v) for r, v in local.items()} == {r: {1} if r == 0 else {0} if r == 1 else set() for r in local}
+
+    buf.reset_low_latency()
+    assert buf.masked_ranks() == {r: {} for r in local}
+    check(None, "after the reset")
+    with pytest.raises(ValueError, match="reset_low_latency"):
+        buf.unmask_ranks()

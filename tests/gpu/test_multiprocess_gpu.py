@@ -182,6 +182,22 @@ def test_low_latency_third_send_times_out(transport, R, tmp_path):
         assert "to finish receiving call 1 (a credit" in records[0], records[0]
 
 
+@pytest.mark.bounded_wait
+@pytest.mark.parametrize("R", RANKS)
+@pytest.mark.parametrize("transport", [*TRANSPORT_ENV, "internode"])
+def test_low_latency_masked_ranks_go_on(transport, R, tmp_path):
+    """Config(on_timeout="mask") on the cuda kernels (tests/worker.py masked_ranks_go_on): masks set by hand, a
+    reset, the last process away for some steps (the others go on within the bound plus a second, with the
+    oracle's results for that rank masked) and back; no process traps, and every result matches the oracle. On
+    both transports of an intranode Buffer, and on an internode Buffer of 2 nodes."""
+    needs_nvshmem("nvshmem" if transport == "internode" else transport)
+    env = internode_env(max(R // 2, 1)) if transport == "internode" else TRANSPORT_ENV[transport]
+    codes, outputs = launch("masked_ranks", R, [], 240, tmp_path, env)
+    assert codes == [0] * R, report(codes, outputs)
+    for out in outputs:  # (a process's exit code says whether its checks passed; its lines say which ran)
+        assert sum(line.startswith("MASKED") for line in out.splitlines()) >= 5, out
+
+
 @pytest.mark.parametrize("R, ranks_per_node", [(4, 2), (4, 1), (8, 2)])
 def test_low_latency_internode_suite(R, ranks_per_node, tmp_path):
     """tests/gpu/test_low_latency.py on internode Buffers of R / ranks_per_node nodes: rows, flags and credits go

@@ -39,6 +39,7 @@ DISPATCH_SEND_TARGET = _native.target("low_latency_dispatch_send")
 DISPATCH_RECV_TARGET = _native.target("low_latency_dispatch_recv")
 COMBINE_SEND_TARGET = _native.target("low_latency_combine_send")
 COMBINE_RECV_TARGET = _native.target("low_latency_combine_recv")
+MASK_TARGET = _native.target("low_latency_mask")
 
 # Limits of the low-latency kernels (csrc/kernel_limits.h): ranks of a group, experts of a Buffer (ids travel as
 # int16), and top-k entries of one dispatch, tokens * top-k (the send keeps the routing in shared memory);
@@ -46,6 +47,8 @@ COMBINE_RECV_TARGET = _native.target("low_latency_combine_recv")
 MAX_RANKS = _native.limit("max_low_latency_ranks")
 MAX_EXPERTS = _native.limit("low_latency_max_experts")
 MAX_ENTRIES = _native.limit("low_latency_max_entries")
+# A masked peer's word in a rank's LL header: this bit | the dispatches the rank had started when it masked the peer.
+MASKED_BIT = _native.limit("low_latency_masked_bit")
 # The FFI attributes' enums (csrc/api.h, through _C): what the dispatch rows carry, how the LL region is reached
 # (Buffer.low_latency_transport), the combine's row format (compression=, None for "none").
 PAYLOADS = _native.enum("low_latency_payload")
@@ -76,12 +79,14 @@ class LowLatencyParams:
     num_max_tokens: int
     num_experts: int
     timeout_ns: int
+    mask_on_timeout: bool  # Config(on_timeout="mask")
     axis_name: str
     num_ranks: int
 
     def attributes(self) -> dict:
         return {name: np.int64(getattr(self, name))
-                for name in ("buffer_id", "transport", "ll_offset", "num_max_tokens", "num_experts", "timeout_ns")}
+                for name in ("buffer_id", "transport", "ll_offset", "num_max_tokens", "num_experts", "timeout_ns",
+                             "mask_on_timeout")}
 
 
 def available() -> bool:
@@ -231,6 +236,61 @@ def _combine_recv_bwd(params, compression, residual, cotangent):
 _combine_recv.defvjp(_combine_recv_fwd, _combine_recv_bwd)
 
 
+# ---- masked ranks (Config(on_timeout="mask"); jax_ep.masks, docs/design.md "Masked ranks") -----------------------
+
+def read_mask(buffer_id: int, transport: int, ll_offset: int, axis_name: str, num_ranks: int):
+    """bool [R] (per rank, inside shard_map): the peers this rank masks, read from its LL header on the GPU when the
+    program runs (a side effect: never merged with another read or moved across the LL kernels it depends on)."""
+    aval = jax.typeof(jax.lax.axis_index(axis_name)).update(shape=(num_ranks,), dtype=int32)
+    masked = jax.ffi.ffi_call(MASK_TARGET, aval, has_side_effect=True)(
+        buffer_id=np.int64(buffer_id), transport=np.int64(transport), ll_offset=np.int64(ll_offset))
+    return masked != 0
+
+
+class DeviceRankMasks:
+    """The masks of a cuda Backend's ranks (the `xla` backend's RankMasks, same methods): each rank's view is in its
+    LL header on its GPU, where its kernels read it at every wait and a wait past the bound sets it; the host reads
+    and writes it between calls (nothing of the Buffer running)."""
+
+    def __init__(self, backend):
+        self._backend = backend
+
+    def _devices(self, ranks) -> list[tuple[int, int]]:
+        """(CUDA ordinal, EP rank) of this process's devices whose EP rank is in `ranks`."""
+        mesh = self._backend.mesh
+        axis = mesh.axis_names.index(self._backend.axis_name)
+        return [(int(d.local_hardware_id), index[axis]) for index, d in np.ndenumerate(mesh.devices)
+                if d.process_index == jax.process_index() and index[axis] in set(ranks)]
+
+    def _views(self, ranks):
+        """(ordinal, rank, masked words [R], dispatches started) per device of `ranks`."""
+        b = self._backend
+        devices = self._devices(ranks)
+        words = _native._C.low_latency_masks(b.buffer_id, [o for o, _ in devices], TRANSPORTS[b.low_latency_transport],
+                                             b.low_latency_offset)
+        return [(o, r, list(w[:-1]), w[-1]) for (o, r), w in zip(devices, words)]
+
+    def mask(self, peers, ranks) -> None:
+        b = self._backend
+        for ordinal, rank, words, started in self._views(ranks):
+            for p in peers:
+                if p != rank and words[p] == 0:
+                    words[p] = MASKED_BIT | started
+            _native._C.low_latency_set_masks(b.buffer_id, ordinal, TRANSPORTS[b.low_latency_transport],
+                                             b.low_latency_offset, words)
+
+    def unmask(self, peers, ranks) -> None:
+        raise ValueError("jax_ep.Buffer.unmask_ranks: on the cuda backend a rank is let back in by "
+                         "Buffer.reset_low_latency() on every process (the kernels' call numbers and credits restart "
+                         "together)")
+
+    def masked(self, ranks) -> dict[int, dict[int, int]]:
+        views = {}
+        for _, rank, words, _ in self._views(ranks):
+            views.setdefault(rank, {}).update({p: int(w) & (MASKED_BIT - 1) for p, w in enumerate(words) if w})
+        return {r: views.get(r, {}) for r in ranks}
+
+
 # ---- bounded-wait records and the benchmark's trace ---------------------------------------------------------------
 
 def errors(buffer_id: int, ordinals) -> list[str]:
@@ -277,26 +337,53 @@ class LowLatencyOps:
 
     def _low_latency_params(self, num_experts: int, num_max_tokens: int) -> LowLatencyParams:
         return LowLatencyParams(self.buffer_id, TRANSPORTS[self.low_latency_transport], self.low_latency_offset,
-                                num_max_tokens, num_experts, runtime.timeout_ns(self.config), self.axis_name,
-                                self.num_ranks)
+                                num_max_tokens, num_experts, runtime.timeout_ns(self.config),
+                                self.config.on_timeout == "mask", self.axis_name, self.num_ranks)
 
     def low_latency_dispatch_send(self, x, topk_idx, *, num_experts, num_max_tokens, cast: LowLatencyCast):
         return dispatch_send(x, topk_idx, params=self._low_latency_params(num_experts, num_max_tokens), cast=cast)
 
-    # masked: always None here (the kernels do not mask ranks yet; a Buffer asking for it is refused when made).
+    # masked: unused here: the kernels read each rank's masks on its GPU at every wait (DeviceRankMasks).
     def low_latency_dispatch_recv(self, state, *, num_experts, num_max_tokens, cast: LowLatencyCast, masked=None):
-        assert masked is None
         return dispatch_recv(state, params=self._low_latency_params(num_experts, num_max_tokens), cast=cast)
 
     def low_latency_combine_send(self, y, handle, topk_idx, topk_weights, *, num_experts, num_max_tokens,
                                  compression=None, masked=None):
-        assert masked is None
         return combine_send(y, handle, topk_idx, topk_weights, compression=compression,
                             params=self._low_latency_params(num_experts, num_max_tokens))
 
     def low_latency_combine_recv(self, state, *, num_experts, num_max_tokens, compression=None):
         return combine_recv(state, compression=compression,
                             params=self._low_latency_params(num_experts, num_max_tokens))
+
+    @property
+    def masks(self) -> DeviceRankMasks:
+        return DeviceRankMasks(self)
+
+    def low_latency_mask(self, op):
+        return read_mask(self.buffer_id, TRANSPORTS[self.low_latency_transport], self.low_latency_offset,
+                         self.axis_name, self.num_ranks)
+
+    def reset_low_latency(self, *, num_max_tokens, hidden, num_experts, resets: int) -> None:
+        """Every rank of this process back to a new Buffer's low-latency state (call numbers, credits, flags, no
+        masks), between two barriers of every process of the Buffer (the `resets`-th reset): no rank resets while
+        another still runs, and none calls again before all reset."""
+        processes = sorted({d.process_index for d in self.mesh.devices.flat})
+        key = f"{self.collective_name}/low_latency_reset/{resets}/{{}}/{{}}".format
+        timeout_s = self.config.host_timeout_s
+
+        def barrier(step: str) -> None:
+            if self.collective_name is not None and len(processes) > 1:  # else no group spans processes
+                runtime.require_published(runtime.exchange({key(step, jax.process_index()): "1"},
+                                                           [key(step, p) for p in processes], timeout_s),
+                                          [f"process {p}" for p in processes], "reach Buffer.reset_low_latency",
+                                          timeout_s)
+
+        barrier("before")
+        for ordinal in runtime.local_ordinals(self.mesh):
+            _native._C.low_latency_reset(self.buffer_id, ordinal, TRANSPORTS[self.low_latency_transport],
+                                         self.low_latency_offset, num_max_tokens, hidden, num_experts)
+        barrier("after")
 
     def low_latency_errors(self) -> list[str]:
         """The low-latency kernels' timeout records of this process's devices."""
