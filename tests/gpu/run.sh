@@ -62,8 +62,9 @@ if [ "$mode" = accept ]; then
   want matmul_moe && step matmul_moe 420 "${tests[@]}" --durations=12 -m "$one_process" -k "grouped_matmul or flax_moe"
   want processes && step processes 300 "${tests[@]}" "${xdist[@]}" --basetemp="$OUT/mp_tmp/processes" \
     -m "processes and not bounded_wait and not many_ranks"
-  # One after another: each ends in traps, which should not land beside other tests' kernels.
-  want bounded_waits && step bounded_waits 300 "${tests[@]}" --basetemp="$OUT/mp_tmp/bounded_waits" -m bounded_wait
+  # One after another: each ends in traps, which should not land beside other tests' kernels, or (masked ranks)
+  # times its steps against the bound.
+  want bounded_waits && step bounded_waits 450 "${tests[@]}" --basetemp="$OUT/mp_tmp/bounded_waits" -m bounded_wait
   want many_ranks && step many_ranks 300 "${tests[@]}" --basetemp="$OUT/mp_tmp/many_ranks" -m many_ranks
   want demo && step demo 60 python3 -m jax_ep.demo
   tar czf "$OUT/mp_logs.tgz" -C "$OUT" --exclude=gather mp_tmp && rm -rf "$OUT/mp_tmp"
