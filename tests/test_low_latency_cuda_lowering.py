@@ -81,6 +81,17 @@ def test_masking_buffer_reads_each_ops_masks_on_the_device(on_timeout):
     assert len(reads) == 2 * masking, text
 
 
+def test_masks_need_a_region_and_come_back_by_a_reset():
+    """The cuda backend's host API of masks: a Buffer without a low-latency region says so; unmask_ranks refuses
+    (its ranks come back through reset_low_latency). Nothing here touches a GPU."""
+    buf = cuda_standin(low_latency_offset=None, on_timeout="mask")
+    for call in (lambda: buf.mask_ranks(1), buf.masked_ranks, buf.reset_low_latency):
+        with pytest.raises(ValueError, match="this Buffer has no low-latency region"):
+            call()
+    with pytest.raises(ValueError, match="reset_low_latency"):
+        cuda_standin(on_timeout="mask").unmask_ranks()
+
+
 def test_buffer_without_low_latency_region():
     buf = cuda_standin(low_latency_offset=None)
     with pytest.raises(RuntimeError, match="the cuda Buffer has no low-latency region"):

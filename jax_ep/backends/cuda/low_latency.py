@@ -265,6 +265,7 @@ class DeviceRankMasks:
     def _views(self, ranks):
         """(ordinal, rank, masked words [R], dispatches started) per device of `ranks`."""
         b = self._backend
+        b.require_low_latency_region("masked ranks")
         devices = self._devices(ranks)
         words = _native._C.low_latency_masks(b.buffer_id, [o for o, _ in devices], TRANSPORTS[b.low_latency_transport],
                                              b.low_latency_offset)
@@ -368,6 +369,7 @@ class LowLatencyOps:
         """Every rank of this process back to a new Buffer's low-latency state (call numbers, credits, flags, no
         masks), between two barriers of every process of the Buffer (the `resets`-th reset): no rank resets while
         another still runs, and none calls again before all reset."""
+        self.require_low_latency_region("reset_low_latency")
         processes = sorted({d.process_index for d in self.mesh.devices.flat})
         key = f"{self.collective_name}/low_latency_reset/{resets}/{{}}/{{}}".format
         timeout_s = self.config.host_timeout_s
@@ -389,10 +391,13 @@ class LowLatencyOps:
         """The low-latency kernels' timeout records of this process's devices."""
         return errors(self.buffer_id, runtime.local_ordinals(self.mesh))
 
+    def require_low_latency_region(self, what: str) -> None:
+        if self.low_latency_offset is None:
+            raise ValueError(f"jax_ep.Buffer.{what}: this Buffer has no low-latency region (create it with "
+                             "num_max_dispatch_tokens_per_rank, hidden and num_experts on the cuda backend)")
+
     def low_latency_trace(self, reset: bool = False) -> list[dict[str, dict]]:
         """The low-latency kernels' trace of their recent calls per local device (see `trace`)."""
-        if self.low_latency_offset is None:
-            raise ValueError("jax_ep: this Buffer has no low-latency region (create it with "
-                             "num_max_dispatch_tokens_per_rank, hidden and num_experts on the cuda backend)")
+        self.require_low_latency_region("low_latency_trace")
         return trace(self.buffer_id, runtime.local_ordinals(self.mesh), self.low_latency_transport,
                      self.low_latency_offset, reset)
