@@ -136,7 +136,7 @@ inline constexpr int kLowLatencyMaxExperts = 4096;
 inline constexpr int64_t kLowLatencyMaxEntries = 8192;
 // Alignment of the region's start (its offset in the workspace or symmetric allocation) and of its arrays.
 inline constexpr int64_t kLowLatencyAlign = 256;
-// The region's first bytes: LowLatencyHeader, call counters and credits (2 KB of them at kMaxLowLatencyRanks).
+// The region's first bytes: LowLatencyHeader, call counters, credits and masks (2.5 KB of them at kMaxLowLatencyRanks).
 inline constexpr int64_t kLowLatencyHeaderBytes = 4096;
 // A masked peer's word in the LL header (LowLatencyHeader::masked): this bit | the dispatches started when masked.
 inline constexpr unsigned long long kLowLatencyMaskedBit = 1ull << 32;
