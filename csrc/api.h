@@ -47,9 +47,6 @@ struct NormalCall {
   Rank group;
   int32_t num_sms = 0;
   int64_t timeout_ns = 0;
-  // Config(on_timeout="mask"): a wait past timeout_ns masks its peer (LowLatencyHeader::masked) and gives up on it
-  // instead of trapping, and no wait, row or flag involves a masked peer. Else every wait past the bound traps.
-  bool mask_on_timeout = false;
   cudaStream_t stream = nullptr;
 };
 

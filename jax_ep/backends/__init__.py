@@ -138,6 +138,11 @@ class Backend(abc.ABC):
         raise NotImplementedError(f"jax_ep.{op}: masked ranks (Config(on_timeout='mask')) are not available on "
                                   f"the {self.name} backend yet")
 
+    def reset_low_latency(self, *, num_max_tokens: int, hidden: int, num_experts: int, resets: int) -> None:
+        """Buffer.reset_low_latency (collective; its `resets`-th call): every local rank's low-latency state as new,
+        with no masks."""
+        raise NotImplementedError(self.name)
+
     def low_latency_combine_recv(self, state, *, num_experts: int, num_max_tokens: int,
                                  compression: str | None = None) -> jax.Array:
         """Receive half: bfloat16 [T, H], the top-k weighted sum of each token's expert rows."""

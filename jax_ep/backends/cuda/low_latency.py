@@ -257,10 +257,10 @@ class DeviceRankMasks:
 
     def _devices(self, ranks) -> list[tuple[int, int]]:
         """(CUDA ordinal, EP rank) of this process's devices whose EP rank is in `ranks`."""
-        mesh = self._backend.mesh
+        mesh, wanted = self._backend.mesh, set(ranks)
         axis = mesh.axis_names.index(self._backend.axis_name)
         return [(int(d.local_hardware_id), index[axis]) for index, d in np.ndenumerate(mesh.devices)
-                if d.process_index == jax.process_index() and index[axis] in set(ranks)]
+                if d.process_index == jax.process_index() and index[axis] in wanted]
 
     def _views(self, ranks):
         """(ordinal, rank, masked words [R], dispatches started) per device of `ranks`."""
