@@ -454,9 +454,10 @@ def test_masked_ranks_by_hand_then_reset(R):
     1. every rank masks rank 1 and rank 1 every other (no wait on a masked rank): dispatch bit for bit, num_masked,
        combine within the k-order sum's rounding; masked_ranks reads the masks back with the call they took
        effect at; the GPUs' memory in use is the same after 1,000 more steps and after 1,000 after those;
-    2. rank 0 alone masks rank 1: rank 1's waits on rank 0 pass the bound and mask it, without a trap; the
-       results are still the oracle's (a row travels only between ranks that mask neither one another). (With a
-       third rank waiting on rank 1 meanwhile, that one could time out on rank 1 in turn: docs/design.md.)
+    2. every other rank masks rank 1, which masks none: rank 1's waits pass the bound and mask them all, without
+       a trap; the results are still the oracle's (a row travels only between ranks that mask neither one
+       another). (Only rank 0 masking rank 1 would leave a third rank waiting on the stalled rank 1, and that one
+       could time out on it in turn, or not: docs/design.md, the cascade.)
     3. Buffer.reset_low_latency: no masks, full results; unmask_ranks refuses on this backend."""
     T, H, K, E, M = 16, 256, 4, 4 * R, 16
     buf = new_ll_buffer(R, M, H, E, "cuda", timeout_s=MASK_TIMEOUT_S, on_timeout="mask")
@@ -500,15 +501,17 @@ def test_masked_ranks_by_hand_then_reset(R):
         time.sleep(0.5)  # (buffers of the last calls' inputs are freed once their programs are done)
         in_use.append([d.memory_stats()["bytes_in_use"] for d in jax.local_devices()])
     del outs
-    assert all(later <= first for later, first in zip(*in_use)), in_use  # no growth
+    assert all(later <= first for first, later in zip(*in_use)), in_use  # no growth
 
     buf.reset_low_latency()
     one_sided = np.zeros((R, R), bool)
-    one_sided[0, 1] = True
+    one_sided[:, 1] = True
+    one_sided[1, 1] = False
     set_masks(one_sided)
-    check(one_sided, "rank 0 masks rank 1")
+    check(one_sided, "the others mask rank 1")
     local = buf.masked_ranks()
-    assert {r: set(v) for r, v in local.items()} == {r: {1} if r == 0 else {0} if r == 1 else set() for r in local}
+    others = set(range(R)) - {1}
+    assert {r: set(v) for r, v in local.items()} == {r: others if r == 1 else {1} for r in local}, local
 
     buf.reset_low_latency()
     assert buf.masked_ranks() == {r: {} for r in local}
