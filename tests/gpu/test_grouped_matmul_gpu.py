@@ -174,3 +174,31 @@ def test_gradients_inside_shard_map(implementation):
                 ((x, P("ep")), (w, P("ep")), (dy, P("ep")), (jnp.asarray(sizes), P()))]
     for name, actual, expected in zip(("y", "dx", "dw"), sharded(*operands), oracle(x, w, dy, sizes)):
         assert relative_error(actual, expected) <= BF16_TOLERANCE, name
+
+
+@pytest.mark.parametrize("num_rows, cols, end", [(48, 192, 37), (88, 320, 17), (49376, 1408, 24581),
+                                                 (66432, 2048, 32224), (4096, 2048, 0)])
+def test_silu_mul_in_groups_kernels_match_oracle(num_rows, cols, end):
+    """grouped_swiglu's elementwise step on the kernels' path (jax_ep.grouped_activation's Pallas Triton kernels,
+    compiled) against the float64 oracle on the groups' rows, rounded once to bfloat16; its gradient zero on the
+    rows_read_past_groups() rows after them (the rest is unspecified)."""
+    import oracle as O
+    from jax_ep.grouped_activation import silu_mul_in_groups
+    from jax_ep.grouped_matmul import rows_read_past_groups
+
+    rng = np.random.default_rng(3)
+    gate_up = jnp.asarray(rng.standard_normal((num_rows, 2 * cols)) * 3, jnp.bfloat16)
+    dh = jnp.asarray(rng.standard_normal((num_rows, cols)), jnp.bfloat16)
+    sizes = jnp.array([end // 3, end - end // 3], jnp.int32)
+
+    @jax.jit
+    def forward_and_grad(a, g):
+        h, vjp = jax.vjp(lambda a: silu_mul_in_groups(a, sizes, "pallas"), a)
+        return h, vjp(g)[0]
+
+    h, d = forward_and_grad(gate_up, dh)
+    for got, want, what in ((h, O.silu_mul(gate_up[:end]), "h"), (d, O.silu_mul_vjp(gate_up[:end], dh[:end]), "d")):
+        got = np.asarray(got[:end], np.float64)
+        bad = np.abs(got - want) > 2.0**-8 * np.abs(want) + 1e-6
+        assert not bad.any(), f"{what}: {bad.sum()} of {bad.size} off"
+    assert not np.asarray(d[end:end + rows_read_past_groups()], np.float32).any(), "d past the groups"
