@@ -33,8 +33,8 @@ from jax_ep.grouped_matmul import rows_read_past_groups
 
 # Rows x columns (of the gate's F, and the same of the up's) of one program of the kernels: up to 16 x 256
 # bfloat16, 8 KB of each input per program, enough loads in flight for an elementwise pass at the copy's
-# bandwidth. The blocks tile the arrays exactly: Pallas's Triton lowering does not mask a block that reaches past
-# an array's edge (on an H200 with jax 0.11.2, 256-column blocks of F=1408 and F=200 stored past their rows).
+# bandwidth. The blocks tile the arrays exactly: blocks reaching past F (256 columns of F=1408 and of F=200, on an
+# H200 with jax 0.11.2) gave wrong values at the start of the next rows, as stores past F left unmasked would.
 MAX_BLOCK_ROWS = 16
 MIN_BLOCK_ROWS = 8
 MAX_BLOCK_COLS = 256
