@@ -15,7 +15,7 @@ gradient):
   Pallas Triton kernels that stop at the last group, so
   that their work follows the rows the groups hold, not M (the expert-major capacity, which by default never
   drops: R * T * min(K, L) rows per rank, about R times what the groups fill). h past the groups is unspecified
-  (grouped_matmul never reads those rows of its x); the gradient is zero on the first `rows_read_past_groups()`
+  (no output of grouped_matmul depends on those rows of its x); the gradient is zero on the first `rows_read_past_groups()`
   rows past them (grouped_matmul's dw kernels read that many of their rhs past a group's end and multiply them by
   zero, so they must be finite) and unspecified after them.
 * any other: XLA's elementwise ops over all M rows, zero past the groups (forward and gradient).
@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_ep._cotangents import typed_like
-from jax_ep.grouped_matmul import rows_read_past_groups
+from jax_ep.grouped_matmul import IMPLEMENTATIONS, rows_read_past_groups
 
 # Rows x columns (of the gate's F, and the same of the up's) of one program of the kernels: up to 16 x 256
 # bfloat16, 8 KB of each input per program, enough loads in flight for an elementwise pass at the copy's
@@ -49,10 +49,16 @@ def kernel_blocks(num_rows: int, cols: int) -> tuple[int, int] | None:
     return (rows, block_cols) if rows >= MIN_BLOCK_ROWS and block_cols >= MIN_BLOCK_COLS else None
 
 
+RESOLVED_IMPLEMENTATIONS = tuple(i for i in IMPLEMENTATIONS if i != "auto")
+
+
 def silu_mul_in_groups(gate_up: jax.Array, group_sizes: jax.Array, implementation: str) -> jax.Array:
     """h [M, F] from gate_up [M, 2F] (module docstring); group_sizes int32 [G]; implementation: that of the
     grouped_matmul that gave gate_up, resolved ("pallas", "jax_pallas" or "ragged_dot"). Differentiable in
     gate_up."""
+    if implementation not in RESOLVED_IMPLEMENTATIONS:
+        raise ValueError(f"jax_ep: implementation must be one of {RESOLVED_IMPLEMENTATIONS} (grouped_matmul's, "
+                         f"resolved), got {implementation!r}")
     if gate_up.ndim != 2 or gate_up.shape[1] % 2:
         raise ValueError(f"jax_ep: gate_up must be [M, 2F] (an even number of columns), got {gate_up.shape}")
     end = jnp.minimum(jnp.sum(jnp.maximum(group_sizes, 0)), gate_up.shape[0]).astype(jnp.int32)
@@ -81,7 +87,7 @@ def _rows_before(end, num_rows):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _silu_mul(gate_up, end, kernels: bool):
     if kernels:
-        return typed_like(forward_kernel(gate_up, end[None]), gate_up)
+        return forward_kernel(gate_up, end[None])
     h = _forward_math(*_gate_and_up_f32(gate_up))
     return jnp.where(_rows_before(end, gate_up.shape[0]), h, 0).astype(gate_up.dtype)
 
@@ -120,6 +126,17 @@ def _grid_and_specs(num_rows: int, cols: int):
     return block_rows, grid, half, rows_spec, pair_spec, scalar_spec
 
 
+def _varying_together(*arrays):
+    """`arrays` each varying over the union of the shard_map axes they vary over: under shard_map's check_vma a
+    pallas_call's out_shape says how its result varies (`_like`), and its operands must agree."""
+    return [typed_like(a, *arrays) for a in arrays]
+
+
+def _like(a, shape):
+    """The out_shape of a kernel result of `shape` in a's dtype, varying as a does."""
+    return jax.ShapeDtypeStruct(shape, a.dtype, manual_axis_type=jax.typeof(a).manual_axis_type)
+
+
 def forward_kernel(gate_up: jax.Array, end: jax.Array, interpret: bool = False) -> jax.Array:
     """h [M, F] on the rows before end[0] (int32 [1]); unwritten after the last block holding such a row."""
     from jax.experimental import pallas as pl
@@ -127,6 +144,7 @@ def forward_kernel(gate_up: jax.Array, end: jax.Array, interpret: bool = False) 
 
     num_rows, cols = gate_up.shape[0], gate_up.shape[1] // 2
     block_rows, grid, (gate_spec, up_spec), rows_spec, _, scalar_spec = _grid_and_specs(num_rows, cols)
+    gate_up, end = _varying_together(gate_up, end)
 
     def kernel(end_ref, gate_ref, up_ref, h_ref):
         @pl.when(pl.program_id(0) * block_rows < end_ref[0])
@@ -136,7 +154,7 @@ def forward_kernel(gate_up: jax.Array, end: jax.Array, interpret: bool = False) 
 
     pairs = gate_up.reshape(num_rows, 2, cols)
     return pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct((num_rows, cols), gate_up.dtype), grid=grid,
+        kernel, out_shape=_like(gate_up, (num_rows, cols)), grid=grid,
         in_specs=[scalar_spec, gate_spec, up_spec], out_specs=rows_spec,
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
         name="jax_ep_silu_mul_in_groups")(end, pairs, pairs)
@@ -151,6 +169,7 @@ def backward_kernel(gate_up: jax.Array, dh: jax.Array, end: jax.Array, zero_rows
 
     num_rows, cols = gate_up.shape[0], gate_up.shape[1] // 2
     block_rows, grid, (gate_spec, up_spec), rows_spec, pair_spec, scalar_spec = _grid_and_specs(num_rows, cols)
+    gate_up, dh, end = _varying_together(gate_up, dh, end)
 
     def kernel(end_ref, gate_ref, up_ref, dh_ref, d_ref):
         first_row = pl.program_id(0) * block_rows
@@ -165,7 +184,7 @@ def backward_kernel(gate_up: jax.Array, dh: jax.Array, end: jax.Array, zero_rows
 
     pairs = gate_up.reshape(num_rows, 2, cols)
     d_pairs = pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct((num_rows, 2, cols), gate_up.dtype), grid=grid,
+        kernel, out_shape=_like(gate_up, (num_rows, 2, cols)), grid=grid,
         in_specs=[scalar_spec, gate_spec, up_spec, rows_spec], out_specs=pair_spec,
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
         name="jax_ep_silu_mul_in_groups_grad")(end, pairs, pairs, dh)

@@ -21,8 +21,8 @@ def grouped_swiglu(rows, group_sizes, w_gate_up, w_down):
     """The local experts on rows sorted by expert (an expert-major dispatch's recv_x [C, D]): rows
     group_sizes[0] rows of expert 0, then expert 1's, ...; two jax_ep.grouped_matmul calls (gate and up together,
     then down) with silu(gate) * up between them (`silu_mul_in_groups`, rounded once); rows past the groups give
-    zeros, and on grouped_matmul's own kernels cost no work in any of the three steps. w_gate_up [L, D, 2F],
-    w_down [L, F, D]."""
+    zeros. On grouped_matmul's own kernels (and the activation's, where their blocks tile the shape) the three
+    steps do no arithmetic on those rows. w_gate_up [L, D, 2F], w_down [L, F, D]."""
     implementation = resolve_implementation(rows, w_gate_up)
     gate_up = grouped_matmul(rows, w_gate_up, group_sizes, implementation=implementation)
     return grouped_matmul(silu_mul_in_groups(gate_up, group_sizes, implementation), w_down, group_sizes)
