@@ -11,13 +11,14 @@ the VJP's d gate = dh * up * s * (1 + gate * (1 - s)) and d up = dh * gate * s w
 Rows past the groups depend on `implementation`, that of the grouped_matmul that gave gate_up (whose dw reads the
 gradient):
 
-* "pallas" (grouped_matmul's own kernels, on a CUDA GPU), where M is a multiple of 8 and F of 64 (`kernel_blocks`):
-  Pallas Triton kernels that stop at the last group, so
-  that their work follows the rows the groups hold, not M (the expert-major capacity, which by default never
-  drops: R * T * min(K, L) rows per rank, about R times what the groups fill). h past the groups is unspecified
-  (no output of grouped_matmul depends on those rows of its x); the gradient is zero on the first `rows_read_past_groups()`
-  rows past them (grouped_matmul's dw kernels read that many of their rhs past a group's end and multiply them by
-  zero, so they must be finite) and unspecified after them.
+* "pallas" (grouped_matmul's own kernels, on a CUDA GPU), where M is a multiple of 8 and F of 64
+  (`kernel_blocks`): Pallas Triton kernels that stop at the last group, so that their work follows the rows the
+  groups hold, not M (the expert-major capacity, which by default never drops: R * T * min(K, L) rows per rank,
+  about R times what the groups fill). h past the groups is unspecified (no output of grouped_matmul depends on
+  those rows of its x); the gradient is zero on the first `rows_read_past_groups()` rows past them
+  (grouped_matmul's dw kernels read that many of their rhs past a group's end and multiply them by zero, so they
+  must be finite) and unspecified after them. Inside shard_map the kernels' results vary over the mesh axes
+  their operands vary over (their out_shape says so, as shard_map's vma checks need).
 * any other: XLA's elementwise ops over all M rows, zero past the groups (forward and gradient).
 """
 from __future__ import annotations
