@@ -161,6 +161,12 @@ BLOCK_CONFIG_TABLE: tuple[BlockConfigRule, ...] = (
 )
 
 
+def rows_read_past_groups() -> int:
+    """The most rows past a group's end that the dw kernels read of their rhs (and multiply by zero): block_k - 1
+    of the table's largest block_k. A cotangent past sum(group_sizes) must be finite on that many rows."""
+    return max(config.block_k for config in (DEFAULT_BLOCK_CONFIG, *(rule.config for rule in BLOCK_CONFIG_TABLE))) - 1
+
+
 def block_config(kernels: str, op: str, m: int, k: int, n: int, groups: int) -> BlockConfig:
     """The block configuration of `op` for the grouped_matmul problem x [m, k], w [groups, k, n]: the first
     rule of BLOCK_CONFIG_TABLE that matches and whose tiles fit the shape, else DEFAULT_BLOCK_CONFIG."""

@@ -819,3 +819,19 @@ def make_fp8_pair(rng: np.random.Generator, shape) -> tuple[np.ndarray, np.ndarr
     q = rng.standard_normal(shape, dtype=np.float32).astype(E4M3)
     scales = rng.uniform(0.01, 4.0, size=tuple(shape[:-1]) + (shape[-1] // FP8_GROUP,)).astype(F32)
     return q, scales
+
+
+def silu_mul(gate_up: np.ndarray) -> np.ndarray:
+    """SwiGLU's elementwise step in float64 (jax_ep.grouped_activation rounds it once from float32): gate_up
+    [M, 2F], the gate's F columns then the up's -> gate * sigmoid(gate) * up [M, F]."""
+    gate, up = np.split(np.asarray(gate_up, np.float64), 2, axis=-1)
+    return gate / (1 + np.exp(-gate)) * up
+
+
+def silu_mul_vjp(gate_up: np.ndarray, dh: np.ndarray) -> np.ndarray:
+    """The cotangent of gate_up [M, 2F] for dh [M, F], in float64: d gate = dh * up * s * (1 + gate * (1 - s)),
+    d up = dh * gate * s, s = sigmoid(gate) (the derivative of gate * s is s + gate * s * (1 - s))."""
+    gate, up = np.split(np.asarray(gate_up, np.float64), 2, axis=-1)
+    dh = np.asarray(dh, np.float64)
+    s = 1 / (1 + np.exp(-gate))
+    return np.concatenate([dh * up * (s + gate * s * (1 - s)), dh * gate * s], axis=-1)

@@ -1,12 +1,11 @@
 """Expert computation: one SwiGLU, applied with the matmul each layout needs."""
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
-from jax_ep.grouped_matmul import grouped_matmul
+from jax_ep.grouped_activation import silu_mul_in_groups
+from jax_ep.grouped_matmul import grouped_matmul, resolve_implementation
 
 
 def swiglu(x, w_gate_up, w_down, matmul=jnp.matmul):
@@ -21,8 +20,12 @@ def swiglu(x, w_gate_up, w_down, matmul=jnp.matmul):
 def grouped_swiglu(rows, group_sizes, w_gate_up, w_down):
     """The local experts on rows sorted by expert (an expert-major dispatch's recv_x [C, D]): rows
     group_sizes[0] rows of expert 0, then expert 1's, ...; two jax_ep.grouped_matmul calls (gate and up together,
-    then down); rows past the groups give zeros and cost no matmul work. w_gate_up [L, D, 2F], w_down [L, F, D]."""
-    return swiglu(rows, w_gate_up, w_down, matmul=functools.partial(grouped_matmul, group_sizes=group_sizes))
+    then down) with silu(gate) * up between them (`silu_mul_in_groups`, rounded once); rows past the groups give
+    zeros. On grouped_matmul's own kernels (and the activation's, where their blocks tile the shape) the three
+    steps do no arithmetic on those rows. w_gate_up [L, D, 2F], w_down [L, F, D]."""
+    implementation = resolve_implementation(rows, w_gate_up)
+    gate_up = grouped_matmul(rows, w_gate_up, group_sizes, implementation=implementation)
+    return grouped_matmul(silu_mul_in_groups(gate_up, group_sizes, implementation), w_down, group_sizes)
 
 
 def dense_gates(topk_idx, topk_weights, num_experts):

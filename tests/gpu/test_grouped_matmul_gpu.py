@@ -174,3 +174,77 @@ def test_gradients_inside_shard_map(implementation):
                 ((x, P("ep")), (w, P("ep")), (dy, P("ep")), (jnp.asarray(sizes), P()))]
     for name, actual, expected in zip(("y", "dx", "dw"), sharded(*operands), oracle(x, w, dy, sizes)):
         assert relative_error(actual, expected) <= BF16_TOLERANCE, name
+
+
+@pytest.mark.parametrize("num_rows, cols, end", [(48, 192, 37), (88, 320, 17), (49376, 1408, 24581),
+                                                 (66432, 2048, 32224), (4096, 2048, 0)])
+def test_silu_mul_in_groups_kernels_match_oracle(num_rows, cols, end):
+    """grouped_swiglu's elementwise step on the kernels' path (jax_ep.grouped_activation's Pallas Triton kernels,
+    compiled) against the float64 oracle on the groups' rows, rounded once to bfloat16; its gradient zero on the
+    rows_read_past_groups() rows after them (the rest is unspecified)."""
+    import oracle as O
+    from jax_ep.grouped_activation import silu_mul_in_groups
+    from jax_ep.grouped_matmul import rows_read_past_groups
+
+    rng = np.random.default_rng(3)
+    gate_up = jnp.asarray(rng.standard_normal((num_rows, 2 * cols)) * 3, jnp.bfloat16)
+    dh = jnp.asarray(rng.standard_normal((num_rows, cols)), jnp.bfloat16)
+    sizes = jnp.array([end // 3, end - end // 3], jnp.int32)
+
+    @jax.jit
+    def forward_and_grad(a, g):
+        h, vjp = jax.vjp(lambda a: silu_mul_in_groups(a, sizes, "pallas"), a)
+        return h, vjp(g)[0]
+
+    h, d = forward_and_grad(gate_up, dh)
+    for got, want, what in ((h, O.silu_mul(gate_up[:end]), "h"), (d, O.silu_mul_vjp(gate_up[:end], dh[:end]), "d")):
+        got = np.asarray(got[:end], np.float64)
+        bad = ~(np.abs(got - want) <= 2.0**-8 * np.abs(want) + 1e-6)  # (a NaN is bad)
+        assert not bad.any(), f"{what}: {bad.sum()} of {bad.size} off"
+    assert not np.asarray(d[end:end + rows_read_past_groups()], np.float32).any(), "d past the groups"
+
+
+@needs_hopper
+def test_grouped_swiglu_ignores_rows_past_the_groups():
+    """The Flax block's expert FFN (jax_ep.flax.experts.grouped_swiglu: grouped_matmul's kernels and the
+    activation kernels between them) with NaN in the rows past the groups, as the cuda expert-major dispatch may
+    leave them: y on the groups' rows against a float64 NumPy oracle, and y, dx and both dW against the same
+    block on lax.ragged_dot and XLA's elementwise ops (which zero those rows first); all finite."""
+    from jax_ep.flax.experts import grouped_swiglu, swiglu
+    from jax_ep.grouped_matmul import grouped_matmul
+
+    rng = np.random.default_rng(5)
+    num_rows, d, f, sizes = 1024, 256, 192, np.array([300, 0, 250, 150], np.int32)
+    end = int(sizes.sum())
+    x = rng.standard_normal((num_rows, d)).astype(np.float32)
+    x[end:] = np.nan
+    w_gu = (rng.standard_normal((4, d, 2 * f)) / np.sqrt(d)).astype(np.float32)
+    w_d = (rng.standard_normal((4, f, d)) / np.sqrt(f)).astype(np.float32)
+    dy = rng.standard_normal((num_rows, d)).astype(np.float32)
+    dy[end:end + 256] = 0  # as the combine's gradient leaves them
+    args = [jnp.asarray(a, jnp.bfloat16) for a in (x, w_gu, w_d, dy)]
+    group_sizes = jnp.asarray(sizes)
+
+    def reference(x, g, a, b):
+        return swiglu(x, a, b, matmul=functools.partial(grouped_matmul, group_sizes=g, implementation="ragged_dot"))
+
+    def fwd_and_grads(fn):
+        @jax.jit
+        def run(x, a, b, dy):
+            y, vjp = jax.vjp(lambda x, a, b: fn(x, group_sizes, a, b), x, a, b)
+            return (y, *vjp(dy))
+        return [np.asarray(v, np.float32) for v in run(*args)]
+
+    got, want = fwd_and_grads(grouped_swiglu), fwd_and_grads(reference)
+    bf = [np.asarray(a, np.float64) for a in args]
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    expected_y = np.zeros((end, d))
+    for g, (start, size) in enumerate(zip(starts, sizes)):
+        gate, up = np.split(bf[0][start:start + size] @ bf[1][g], 2, axis=-1)
+        expected_y[start:start + size] = (gate / (1 + np.exp(-gate)) * up) @ bf[2][g]
+    assert relative_error(got[0][:end], expected_y) <= BF16_TOLERANCE, "y against the oracle"
+    for name, a, b in zip(("y", "dx", "dw_gate_up", "dw_down"), got, want):
+        if name in ("y", "dx"):
+            a, b = a[:end], b[:end]
+        assert np.isfinite(a).all(), f"{name}: not finite"
+        assert relative_error(a, b) <= BF16_TOLERANCE, name

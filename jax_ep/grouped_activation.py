@@ -1,0 +1,192 @@
+"""SwiGLU's elementwise step, silu(gate) * up, on rows sorted by group (the MoE block's expert-major rows), with
+its VJP:
+
+    h = silu_mul_in_groups(gate_up, group_sizes, implementation)   # gate_up [M, 2F] -> h [M, F]
+
+gate_up holds each row's gate (its first F columns) and up (the last F), as `grouped_matmul` of the rows with
+the experts' [D, 2F] weights gives them. For a row r below sum(group_sizes) (sizes clamped as grouped_matmul
+clamps them) h[r] = silu(gate[r]) * up[r], computed in float32 from the inputs and rounded once to their dtype;
+the VJP's d gate = dh * up * s * (1 + gate * (1 - s)) and d up = dh * gate * s with s = sigmoid(gate), likewise.
+
+Rows past the groups depend on `implementation`, that of the grouped_matmul that gave gate_up (whose dw reads the
+gradient):
+
+* "pallas" (grouped_matmul's own kernels, on a CUDA GPU), where M is a multiple of 8 and F of 64
+  (`kernel_blocks`): Pallas Triton kernels that stop at the last group, so that their work follows the rows the
+  groups hold, not M (the expert-major capacity, which by default never drops: R * T * min(K, L) rows per rank,
+  about R times what the groups fill). h past the groups is unspecified (no output of grouped_matmul depends on
+  those rows of its x); the gradient is zero on the first `rows_read_past_groups()` rows past them
+  (grouped_matmul's dw kernels read that many of their rhs past a group's end and multiply them by zero, so they
+  must be finite) and unspecified after them. Inside shard_map the kernels' results vary over the mesh axes
+  their operands vary over (their out_shape says so, as shard_map's vma checks need).
+* any other: XLA's elementwise ops over all M rows, zero past the groups (forward and gradient).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jax_ep._cotangents import typed_like
+from jax_ep.grouped_matmul import IMPLEMENTATIONS, rows_read_past_groups
+
+# Rows x columns (of the gate's F, and the same of the up's) of one program of the kernels: up to 16 x 256
+# bfloat16, 8 KB of each input per program, enough loads in flight for an elementwise pass at the copy's
+# bandwidth. The blocks tile the arrays exactly: blocks reaching past F (256 columns of F=1408 and of F=200, on an
+# H200 with jax 0.11.2) gave wrong values at the start of the next rows, as stores past F left unmasked would.
+MAX_BLOCK_ROWS = 16
+MIN_BLOCK_ROWS = 8
+MAX_BLOCK_COLS = 256
+MIN_BLOCK_COLS = 64
+
+
+def kernel_blocks(num_rows: int, cols: int) -> tuple[int, int] | None:
+    """(rows, columns) of the kernels' blocks for gate_up [num_rows, 2 * cols]: the largest powers of two up to
+    MAX_BLOCK_ROWS x MAX_BLOCK_COLS that divide num_rows and cols; None (the XLA path) where those would be below
+    MIN_BLOCK_ROWS x MIN_BLOCK_COLS."""
+    rows, block_cols = math.gcd(num_rows, MAX_BLOCK_ROWS), math.gcd(cols, MAX_BLOCK_COLS)  # (powers of two)
+    return (rows, block_cols) if rows >= MIN_BLOCK_ROWS and block_cols >= MIN_BLOCK_COLS else None
+
+
+RESOLVED_IMPLEMENTATIONS = tuple(i for i in IMPLEMENTATIONS if i != "auto")
+
+
+def silu_mul_in_groups(gate_up: jax.Array, group_sizes: jax.Array, implementation: str) -> jax.Array:
+    """h [M, F] from gate_up [M, 2F] (module docstring); group_sizes int32 [G]; implementation: that of the
+    grouped_matmul that gave gate_up, resolved ("pallas", "jax_pallas" or "ragged_dot"). Differentiable in
+    gate_up."""
+    if implementation not in RESOLVED_IMPLEMENTATIONS:
+        raise ValueError(f"jax_ep: implementation must be one of {RESOLVED_IMPLEMENTATIONS} (grouped_matmul's, "
+                         f"resolved), got {implementation!r}")
+    if gate_up.ndim != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"jax_ep: gate_up must be [M, 2F] (an even number of columns), got {gate_up.shape}")
+    end = jnp.minimum(jnp.sum(jnp.maximum(group_sizes, 0)), gate_up.shape[0]).astype(jnp.int32)
+    kernels = implementation == "pallas" and kernel_blocks(gate_up.shape[0], gate_up.shape[1] // 2) is not None
+    return _silu_mul(gate_up, end, kernels)
+
+
+def _gate_and_up_f32(gate_up):
+    gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
+    return gate, up
+
+
+def _forward_math(gate, up):
+    return gate * jax.nn.sigmoid(gate) * up
+
+
+def _backward_math(gate, up, dh):
+    s = jax.nn.sigmoid(gate)
+    return dh * up * s * (1 + gate * (1 - s)), dh * gate * s
+
+
+def _rows_before(end, num_rows):
+    return (jnp.arange(num_rows) < end)[:, None]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _silu_mul(gate_up, end, kernels: bool):
+    if kernels:
+        return forward_kernel(gate_up, end[None])
+    h = _forward_math(*_gate_and_up_f32(gate_up))
+    return jnp.where(_rows_before(end, gate_up.shape[0]), h, 0).astype(gate_up.dtype)
+
+
+def _silu_mul_fwd(gate_up, end, kernels):
+    return _silu_mul(gate_up, end, kernels), (gate_up, end)
+
+
+def _silu_mul_bwd(kernels, residuals, dh):
+    gate_up, end = residuals
+    if kernels:
+        return typed_like(backward_kernel(gate_up, dh, end[None], rows_read_past_groups()), gate_up), None
+    d_gate, d_up = _backward_math(*_gate_and_up_f32(gate_up), dh.astype(jnp.float32))
+    d_gate_up = jnp.concatenate([d_gate, d_up], axis=-1)
+    return jnp.where(_rows_before(end, gate_up.shape[0]), d_gate_up, 0).astype(gate_up.dtype), None
+
+
+_silu_mul.defvjp(_silu_mul_fwd, _silu_mul_bwd)
+
+
+def _grid_and_specs(num_rows: int, cols: int):
+    """The kernels' block rows, grid (row blocks, column blocks of F) and the block specs of the gate and the up
+    in gate_up viewed as [M, 2, F] (a free reshape), of h [M, F], and of d gate_up [M, 2, F]."""
+    from jax.experimental import pallas as pl
+
+    blocks = kernel_blocks(num_rows, cols)
+    if blocks is None:
+        raise ValueError(f"jax_ep: the activation kernels need gate_up's rows a multiple of {MIN_BLOCK_ROWS} and F "
+                         f"of {MIN_BLOCK_COLS}, got [{num_rows}, 2 * {cols}]")
+    block_rows, block_cols = blocks
+    grid = (num_rows // block_rows, cols // block_cols)
+    half = [pl.BlockSpec((block_rows, None, block_cols), lambda i, j, part=part: (i, part, j)) for part in (0, 1)]
+    rows_spec = pl.BlockSpec((block_rows, block_cols), lambda i, j: (i, j))
+    pair_spec = pl.BlockSpec((block_rows, 2, block_cols), lambda i, j: (i, 0, j))
+    scalar_spec = pl.BlockSpec((1,), lambda i, j: (0,))
+    return block_rows, grid, half, rows_spec, pair_spec, scalar_spec
+
+
+def _varying_together(*arrays):
+    """`arrays` each varying over the union of the shard_map axes they vary over: under shard_map's check_vma a
+    pallas_call's out_shape says how its result varies (`_like`), and its operands must agree."""
+    return [typed_like(a, *arrays) for a in arrays]
+
+
+def _like(a, shape):
+    """The out_shape of a kernel result of `shape` in a's dtype, varying as a does."""
+    return jax.ShapeDtypeStruct(shape, a.dtype, manual_axis_type=jax.typeof(a).manual_axis_type)
+
+
+def forward_kernel(gate_up: jax.Array, end: jax.Array, interpret: bool = False) -> jax.Array:
+    """h [M, F] on the rows before end[0] (int32 [1]); unwritten after the last block holding such a row."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pltriton
+
+    num_rows, cols = gate_up.shape[0], gate_up.shape[1] // 2
+    block_rows, grid, (gate_spec, up_spec), rows_spec, _, scalar_spec = _grid_and_specs(num_rows, cols)
+    gate_up, end = _varying_together(gate_up, end)
+
+    def kernel(end_ref, gate_ref, up_ref, h_ref):
+        @pl.when(pl.program_id(0) * block_rows < end_ref[0])
+        def _():
+            h = _forward_math(gate_ref[...].astype(jnp.float32), up_ref[...].astype(jnp.float32))
+            h_ref[...] = h.astype(h_ref.dtype)
+
+    pairs = gate_up.reshape(num_rows, 2, cols)
+    return pl.pallas_call(
+        kernel, out_shape=_like(gate_up, (num_rows, cols)), grid=grid,
+        in_specs=[scalar_spec, gate_spec, up_spec], out_specs=rows_spec,
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
+        name="jax_ep_silu_mul_in_groups")(end, pairs, pairs)
+
+
+def backward_kernel(gate_up: jax.Array, dh: jax.Array, end: jax.Array, zero_rows: int,
+                    interpret: bool = False) -> jax.Array:
+    """d gate_up [M, 2F] on the rows before end[0], zero on the next zero_rows rows (and on the rest of their
+    blocks), unwritten after them."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pltriton
+
+    num_rows, cols = gate_up.shape[0], gate_up.shape[1] // 2
+    block_rows, grid, (gate_spec, up_spec), rows_spec, pair_spec, scalar_spec = _grid_and_specs(num_rows, cols)
+    gate_up, dh, end = _varying_together(gate_up, dh, end)
+
+    def kernel(end_ref, gate_ref, up_ref, dh_ref, d_ref):
+        first_row = pl.program_id(0) * block_rows
+
+        @pl.when(first_row < end_ref[0] + zero_rows)
+        def _():
+            d_gate, d_up = _backward_math(gate_ref[...].astype(jnp.float32), up_ref[...].astype(jnp.float32),
+                                          dh_ref[...].astype(jnp.float32))
+            in_groups = (first_row + jax.lax.broadcasted_iota(jnp.int32, d_gate.shape, 0)) < end_ref[0]
+            d_ref[:, 0, :] = jnp.where(in_groups, d_gate, 0).astype(d_ref.dtype)
+            d_ref[:, 1, :] = jnp.where(in_groups, d_up, 0).astype(d_ref.dtype)
+
+    pairs = gate_up.reshape(num_rows, 2, cols)
+    d_pairs = pl.pallas_call(
+        kernel, out_shape=_like(gate_up, (num_rows, 2, cols)), grid=grid,
+        in_specs=[scalar_spec, gate_spec, up_spec, rows_spec], out_specs=pair_spec,
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
+        name="jax_ep_silu_mul_in_groups_grad")(end, pairs, pairs, dh)
+    return d_pairs.reshape(num_rows, 2 * cols)

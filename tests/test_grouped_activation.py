@@ -1,0 +1,146 @@
+"""jax_ep.grouped_activation (SwiGLU's silu(gate) * up on grouped rows) against the float64 oracle: the XLA
+path on every row, the Pallas Triton kernels (interpreted on CPU; tests/gpu runs them compiled) on the rows they
+promise, through the custom VJP too."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import oracle as O
+import pytest
+from conftest import mesh_of
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_ep import grouped_activation as ga
+from jax_ep.grouped_matmul import rows_read_past_groups
+
+# One rounding to bfloat16 of a float32 result (8 bits of mantissa), plus the float32 math's own error.
+BF16_RTOL, BF16_ATOL = 2.0**-8, 1e-6
+
+
+def inputs(num_rows, cols, seed=0):
+    rng = np.random.default_rng(seed)
+    gate_up = jnp.asarray(rng.standard_normal((num_rows, 2 * cols)) * 3, jnp.bfloat16)
+    dh = jnp.asarray(rng.standard_normal((num_rows, cols)), jnp.bfloat16)
+    return gate_up, dh
+
+
+def assert_close(got, want, what):
+    got = np.asarray(got, np.float64)
+    bad = ~(np.abs(got - want) <= BF16_RTOL * np.abs(want) + BF16_ATOL)  # (a NaN is bad)
+    assert not bad.any(), f"{what}: {bad.sum()} of {bad.size} off, first at {np.argwhere(bad)[0]}"
+
+
+def group_sizes_ending_at(end, groups=4):
+    sizes = np.full(groups, end // groups)
+    sizes[-1] += end - sizes.sum()
+    return jnp.asarray(sizes, jnp.int32)
+
+
+@pytest.mark.parametrize("num_rows, cols, end", [(48, 192, 37), (64, 256, 64), (40, 128, 0), (88, 320, 17)])
+def test_kernels_on_the_rows_they_promise(num_rows, cols, end):
+    """Forward: the oracle on rows before the groups' end. Gradient: the oracle there, zeros on the next rows
+    (as many as the caller asks, here 5), both rounded once to bfloat16. Blocks of 8 and 16 rows, of 64 to 256
+    columns (F a multiple of 64, not of 256, too)."""
+    gate_up, dh = inputs(num_rows, cols)
+    h = ga.forward_kernel(gate_up, jnp.array([end], jnp.int32), interpret=True)
+    d = ga.backward_kernel(gate_up, dh, jnp.array([end], jnp.int32), 5, interpret=True)
+    assert h.shape == (num_rows, cols) and h.dtype == jnp.bfloat16 and d.shape == gate_up.shape
+    assert_close(h[:end], O.silu_mul(gate_up)[:end], "h")
+    assert_close(d[:end], O.silu_mul_vjp(gate_up, dh)[:end], "d gate_up")
+    assert not np.asarray(d[end:end + 5], np.float32).any(), "d gate_up past the groups"
+
+
+def interpret_kernels(monkeypatch):
+    """The kernels interpreted: the path grouped_matmul's own kernels take on a GPU."""
+    monkeypatch.setattr(ga, "forward_kernel", functools.partial(ga.forward_kernel, interpret=True))
+    monkeypatch.setattr(ga, "backward_kernel", functools.partial(ga.backward_kernel, interpret=True))
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+@pytest.mark.parametrize("sizes, end", [([100, -5, 70, 30], 200), ([200, 150], 304)])
+def test_silu_mul_in_groups_and_its_vjp(monkeypatch, kernels, sizes, end):
+    """Through the custom VJP: the oracle on the groups' rows; on the XLA path zeros past them, forward and
+    gradient; on the kernels' path zeros on the rows_read_past_groups() rows after them. Group sizes are clamped
+    as grouped_matmul clamps them (a negative size counts as 0, groups end at row M)."""
+    num_rows, cols = 304, 128
+    if kernels:
+        interpret_kernels(monkeypatch)
+    gate_up, dh = inputs(num_rows, cols, seed=1)
+    sizes = jnp.array(sizes, jnp.int32)
+    h, vjp = jax.vjp(lambda a: ga.silu_mul_in_groups(a, sizes, "pallas" if kernels else "ragged_dot"), gate_up)
+    (d,) = vjp(dh)
+    assert_close(h[:end], O.silu_mul(gate_up)[:end], "h")
+    assert_close(d[:end], O.silu_mul_vjp(gate_up, dh)[:end], "d gate_up")
+    zeroed = num_rows if not kernels else end + rows_read_past_groups()
+    assert not np.asarray(d[end:zeroed], np.float32).any(), "d gate_up past the groups"
+    if not kernels:
+        assert not np.asarray(h[end:], np.float32).any(), "h past the groups"
+
+
+def test_gate_up_needs_an_even_number_of_columns():
+    with pytest.raises(ValueError, match="gate_up"):
+        ga.silu_mul_in_groups(jnp.zeros((4, 5)), jnp.array([4], jnp.int32), "ragged_dot")
+
+
+@pytest.mark.parametrize("num_rows, cols, blocks", [(49376, 1408, (16, 128)), (66432, 2048, (16, 256)),
+                                                    (40, 192, (8, 64)), (300, 128, None), (304, 96, None)])
+def test_kernel_blocks_tile_the_arrays_or_leave_them_to_xla(monkeypatch, num_rows, cols, blocks):
+    """The kernels' blocks divide the rows and F exactly (moe-a's and v3's EP2 capacity rows above); where only
+    blocks under 8 rows or 64 columns would, the XLA path runs instead, even on "pallas"."""
+    assert ga.kernel_blocks(num_rows, cols) == blocks
+    if blocks is None:
+        monkeypatch.setattr(ga, "forward_kernel", lambda *a, **k: pytest.fail("the kernels ran"))
+        h = ga.silu_mul_in_groups(jnp.ones((num_rows, 2 * cols), jnp.bfloat16), jnp.array([5], jnp.int32), "pallas")
+        assert not np.asarray(h[5:], np.float32).any()
+        with pytest.raises(ValueError, match="multiple of 8"):
+            ga.backward_kernel(jnp.ones((num_rows, 2 * cols)), jnp.ones((num_rows, cols)), jnp.array([5]), 5)
+
+
+def test_unresolved_implementation_is_refused():
+    with pytest.raises(ValueError, match="implementation"):
+        ga.silu_mul_in_groups(jnp.zeros((8, 128)), jnp.array([4], jnp.int32), "auto")
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_inside_shard_map(monkeypatch, kernels):
+    """Per rank, inside shard_map, forward and gradient as on one device: the oracle on each rank's groups. The
+    XLA path under shard_map's vma checks (the MoE block's); the interpreted kernels without them (JAX's Pallas
+    interpreter slices the varying operands with unvarying block indices, which the checks refuse; compiled
+    kernels have no such slices: test_kernels_lower_for_cuda_inside_shard_map)."""
+    R, num_rows, cols = 4, 48, 128
+    if kernels:
+        interpret_kernels(monkeypatch)
+    gate_up, dh = inputs(R * num_rows, cols, seed=2)
+    sizes = np.array([[10, 20], [0, 0], [48, 9], [5, 1]], np.int32)
+
+    def body(a, g, s):
+        h, vjp = jax.vjp(lambda a: ga.silu_mul_in_groups(a, s, "pallas" if kernels else "ragged_dot"), a)
+        return h, vjp(g)[0]
+
+    mesh = mesh_of(R)
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"), check_vma=not kernels))
+    h, d = step(np.asarray(gate_up), np.asarray(dh), sizes.reshape(-1))
+    for r in range(R):
+        rows = slice(r * num_rows, r * num_rows + min(int(sizes[r].sum()), num_rows))
+        assert_close(h[rows], O.silu_mul(gate_up[rows]), f"rank {r}: h")
+        assert_close(d[rows], O.silu_mul_vjp(gate_up[rows], dh[rows]), f"rank {r}: d gate_up")
+
+
+def test_kernels_lower_for_cuda_inside_shard_map():
+    """The kernels' path under shard_map's vma checks, as the MoE block runs it: forward and gradient lower for
+    CUDA (two Triton kernels), their results typed as the rank's rows vary."""
+    mesh = mesh_of(2)
+    rows = jax.ShapeDtypeStruct((2 * 48, 2 * 128), jnp.bfloat16, sharding=NamedSharding(mesh, P("ep")))
+    sizes = jax.ShapeDtypeStruct((4,), jnp.int32, sharding=NamedSharding(mesh, P("ep")))
+
+    def body(a, s):
+        h, vjp = jax.vjp(lambda a: ga.silu_mul_in_groups(a, s, "pallas"), a)
+        return h, vjp(h)[0]
+
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    text = step.trace(rows, sizes).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 2, "the forward and the gradient kernel"
