@@ -36,24 +36,32 @@ auto LowLatencyHandler(const char* op, Body body) {
   };
 }
 
-// The launch of an LL op: the Buffer's rank on this device, its LL region under the Buffer's transport and the
-// sizes that region was made for (hidden: from the op's arrays).
-ffi::Error MakeCall(const char* op, const LowLatencyAttrs& attrs, int64_t hidden, LowLatencyCall* call) {
-  const int64_t transport = attrs.transport, ll_offset = attrs.ll_offset, max_tokens = attrs.num_max_tokens;
-  const int64_t num_experts = attrs.num_experts;
+// The Buffer's rank on this device and its LL region under the Buffer's transport (call->group, the region's
+// pointers), and the region's bytes from ll_offset (available): what every LL handler looks up first.
+ffi::Error FindRegion(const char* op, int32_t device, int64_t buffer_id, int64_t transport, int64_t ll_offset,
+                      LowLatencyCall* call, int64_t* available) {
   if (transport != static_cast<int64_t>(LowLatencyTransport::kPeerStores) &&
       transport != static_cast<int64_t>(LowLatencyTransport::kNvshmem))
     return Invalid(op, "unknown transport " + std::to_string(transport));
   if (ll_offset < 0 || ll_offset % kLowLatencyAlign)
     return Invalid(op, "the low-latency region offset " + std::to_string(ll_offset) + " is not " +
                            std::to_string(kLowLatencyAlign) + "-byte aligned");
-  int64_t available = 0;
-  if (const std::string missing = low_latency_lookup(attrs.buffer_id, attrs.device,
-                                                     static_cast<LowLatencyTransport>(transport), ll_offset, call,
-                                                     &available);
+  if (const std::string missing = low_latency_lookup(buffer_id, device, static_cast<LowLatencyTransport>(transport),
+                                                     ll_offset, call, available);
       !missing.empty())
     return Invalid(op, missing + " (create the Buffer with backend='cuda' over a mesh holding this device and keep "
                                  "it alive while programs that use it run)");
+  return ffi::Error::Success();
+}
+
+// The launch of an LL op: FindRegion, then the sizes that region was made for (hidden: from the op's arrays).
+ffi::Error MakeCall(const char* op, const LowLatencyAttrs& attrs, int64_t hidden, LowLatencyCall* call) {
+  const int64_t ll_offset = attrs.ll_offset, max_tokens = attrs.num_max_tokens;
+  const int64_t num_experts = attrs.num_experts;
+  int64_t available = 0;
+  if (auto err = FindRegion(op, attrs.device, attrs.buffer_id, attrs.transport, ll_offset, call, &available);
+      err.failure())
+    return err;
   const int num_ranks = call->group.num_ranks;
   if (max_tokens < 1 || hidden < 128 || hidden % 128 || attrs.timeout_ns < 1)
     return Invalid(op, "num_max_tokens, timeout_ns must be positive and hidden a multiple of 128");
@@ -214,15 +222,9 @@ ffi::Error CombineRecv(const char* op, const LowLatencyAttrs& attrs, ffi::AnyBuf
 ffi::Error Mask(cudaStream_t stream, int32_t device, int64_t buffer_id, int64_t transport, int64_t ll_offset,
                 ffi::Result<ffi::AnyBuffer> masked) {
   const char* op = "low_latency_mask";
-  if (transport != static_cast<int64_t>(LowLatencyTransport::kPeerStores) &&
-      transport != static_cast<int64_t>(LowLatencyTransport::kNvshmem))
-    return Invalid(op, "unknown transport " + std::to_string(transport));
   LowLatencyCall call;
   int64_t available = 0;
-  if (const std::string missing = low_latency_lookup(buffer_id, device, static_cast<LowLatencyTransport>(transport),
-                                                     ll_offset, &call, &available);
-      !missing.empty())
-    return Invalid(op, missing);
+  if (auto err = FindRegion(op, device, buffer_id, transport, ll_offset, &call, &available); err.failure()) return err;
   if (masked->element_type() != ffi::DataType::S32 ||
       masked->element_count() != static_cast<size_t>(call.group.num_ranks))
     return Invalid(op, "masked must be int32 [num_ranks]");
