@@ -123,8 +123,14 @@ _MANY_EXPERTS = dict(m=_BLOCK_ROWS_RANGE, groups=(129, 512), k=(1024, 8192), n=(
 # gate and up projections' dw (K=7168) in stripes of 2 (15 %), the down projection's dw in stripes of 8. Their
 # fwd and dx run in 2-CTA clusters on 256-column tiles (each weight block fetched once per pair of row tiles: 10-20 %
 # faster than the best unclustered tiles at 64, 128 and 256 experts), in stripes of 16, the down projection's dx in
-# stripes of 8 (2-3 % faster there). 32 experts (V3 at EP8) were not measured and take 64's rules. (Their groups
-# are _MANY_GROUPS'.)
+# stripes of 8 (2-3 % faster there). 32 experts (V3 at EP8) take 64's rules, measured there too: each the fastest
+# of the sweep or within 3 % of it. (Their groups are _MANY_GROUPS'.)
+# moe-a's slices at EP4 and EP8 (16 and 8 experts per rank, 1536 and 3072 rows each; M=24576, routed group sizes;
+# one H200, each kernel alone; docs/perf-log.md, 2026-11-28, fourth session), where the default tiles ran: fwd and
+# dx in 2-CTA clusters on 256-column tiles (the gate and up projection's fwd in stripes of 16, the rest of 8), dx
+# with 128-column output tiles in stripes of 16 where 256 do not divide, dw on 256 columns with 4 stages in stripes
+# of 2: 1-19 % faster than the default tiles per kernel, 10-13 % over the six kernels of the SwiGLU.
+_FEW_GROUPS = dict(m=_BLOCK_ROWS_RANGE, groups=(8, 31), k=(1024, 4096), n=(1024, 4096))
 _WIDE_MODEL = (4097, 8192)  # D of V3-like models: the down projection's N, the gate and up projections' K
 _PROJECTION = (1024, 4096)  # F and 2F of those models: the other dimension
 # 256-column tiles in stripes of 8: dw; the forward of moe-a's down projection (15 % faster than in stripes of 16
@@ -158,6 +164,11 @@ BLOCK_CONFIG_TABLE: tuple[BlockConfigRule, ...] = (
     BlockConfigRule("pallas", "fwd", **_EXPERT_PROJECTIONS, config=BlockConfig(grid_tile_width=8)),
     BlockConfigRule("pallas", "dx", **_EXPERT_PROJECTIONS, config=_WIDE_ROWS),
     BlockConfigRule("pallas", "dx", **_EXPERT_PROJECTIONS, config=BlockConfig(num_stages=5, grid_tile_width=8)),
+    BlockConfigRule("pallas", "fwd", **{**_FEW_GROUPS, "k": (2048, 4096)}, config=_CLUSTERED_ROWS),
+    BlockConfigRule("pallas", "fwd", **_FEW_GROUPS, config=_CLUSTERED_STRIPES_8),
+    BlockConfigRule("pallas", "dx", **_FEW_GROUPS, config=_CLUSTERED_STRIPES_8),
+    BlockConfigRule("pallas", "dx", **_FEW_GROUPS, config=BlockConfig(num_stages=4, grid_tile_width=16)),
+    BlockConfigRule("pallas", "dw", **_FEW_GROUPS, config=BlockConfig(block_n=256, num_stages=4, grid_tile_width=2)),
 )
 
 

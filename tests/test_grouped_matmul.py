@@ -388,7 +388,10 @@ def test_block_config_table_rules_fit_their_shapes():
             block_config("pallas", "dw", 24576, 1408, 1664, 64).block_n) == (128, 128)
     # 256-row tiles are dw's alone: the rows kernels take 128.
     assert config_unsupported_reason("pallas", "fwd", gate_dw, 24576, 2048, 1408) is not None
-    assert block_config("pallas", "dw", 24576, 1408, 2048, 8) == DEFAULT_BLOCK_CONFIG  # few groups: not measured
+    # 8 to 31 groups (moe-a at EP4 and EP8) have rules of their own; fewer were not measured.
+    assert block_config("pallas", "dw", 24576, 1408, 2048, 16) != DEFAULT_BLOCK_CONFIG
+    assert block_config("pallas", "dx", 24576, 1408, 2048, 8).block_n == 128  # 1408 columns: no 256-column tiles
+    assert block_config("pallas", "dw", 24576, 1408, 2048, 4) == DEFAULT_BLOCK_CONFIG
     assert block_config("jax_pallas", "dw", 24576, 1408, 2048, 64) == DEFAULT_BLOCK_CONFIG
     assert all(rule.kernels == "pallas" for rule in BLOCK_CONFIG_TABLE)
     clustered = BlockConfig(clustered=True)
