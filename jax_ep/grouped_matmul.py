@@ -106,7 +106,7 @@ DEFAULT_BLOCK_CONFIG = BlockConfig(block_m=128, block_n=128, block_k=64, num_sta
 # two 128-column tiles) where they divide the output's columns, for fwd, dx and dw alike (dw's short tiles, a
 # group's rows / block_k steps each, gain from fewer, larger tiles too). Where 256 columns do not divide: 256
 # rows of dw[g], else deeper prefetch; fwd and dx 128 columns in wider stripes, dx with 5 stages. Three stages
-# are fastest with 256-column tiles (two are 15 % slower). Other shapes keep the default until measured.
+# are fastest with 256-column tiles at these shapes (two are 15 % slower). Other shapes keep the default until measured.
 # M in the rules spans the rows of jax_ep.flax.MoE's expert-major layout at EP1 to EP8 (its capacity, R * T * K rows
 # plus the experts' padding, of which the groups fill about 1/R): rows past the groups cost the kernels no matmul
 # work, so the rows the groups hold, not M, decide the tiles. (Before 2026-11-28 the ranges ended at the one-rank

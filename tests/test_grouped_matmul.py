@@ -389,9 +389,17 @@ def test_block_config_table_rules_fit_their_shapes():
     # 256-row tiles are dw's alone: the rows kernels take 128.
     assert config_unsupported_reason("pallas", "fwd", gate_dw, 24576, 2048, 1408) is not None
     # 8 to 31 groups (moe-a at EP4 and EP8) have rules of their own; fewer were not measured.
-    assert block_config("pallas", "dw", 24576, 1408, 2048, 16) != DEFAULT_BLOCK_CONFIG
-    assert block_config("pallas", "dx", 24576, 1408, 2048, 8).block_n == 128  # 1408 columns: no 256-column tiles
-    assert block_config("pallas", "dw", 24576, 1408, 2048, 4) == DEFAULT_BLOCK_CONFIG
+    few_groups_dw = BlockConfig(block_n=256, num_stages=4, grid_tile_width=2)
+    for groups in (8, 16, 31):
+        assert block_config("pallas", "dw", 24576, 1408, 2048, groups) == few_groups_dw
+        assert block_config("pallas", "fwd", 24576, 2048, 2816, groups) == BlockConfig(
+            block_n=256, num_stages=3, grid_tile_width=16, clustered=True)
+        # dx of the down projection writes 1408 columns: no 256-column tiles, the next rule's 128.
+        assert block_config("pallas", "dx", 24576, 1408, 2048, groups) == BlockConfig(num_stages=4,
+                                                                                      grid_tile_width=16)
+    assert block_config("pallas", "dw", 24576, 1408, 2048, 32) == BlockConfig(block_n=256, num_stages=3,
+                                                                               grid_tile_width=8)
+    assert block_config("pallas", "dw", 24576, 1408, 2048, 7) == DEFAULT_BLOCK_CONFIG
     assert block_config("jax_pallas", "dw", 24576, 1408, 2048, 64) == DEFAULT_BLOCK_CONFIG
     assert all(rule.kernels == "pallas" for rule in BLOCK_CONFIG_TABLE)
     clustered = BlockConfig(clustered=True)

@@ -211,10 +211,15 @@ def test_grouped_swiglu_ignores_rows_past_the_groups():
     leave them: y on the groups' rows against a float64 NumPy oracle, and y, dx and both dW against the same
     block on lax.ragged_dot and XLA's elementwise ops (which zero those rows first); all finite."""
     from jax_ep.flax.experts import grouped_swiglu, swiglu
-    from jax_ep.grouped_matmul import grouped_matmul
+    from jax_ep.grouped_matmul import grouped_matmul, resolve_implementation
 
     rng = np.random.default_rng(5)
-    num_rows, d, f, sizes = 1024, 256, 192, np.array([300, 0, 250, 150], np.int32)
+    # F=384: every product, the down projection's included, fits jax_ep's kernels (ragged_dot would zero the
+    # activation's rows past the groups before the down projection read them).
+    num_rows, d, f, sizes = 1024, 256, 384, np.array([300, 0, 250, 150], np.int32)
+    for shape, w_shape in (((num_rows, d), (4, d, 2 * f)), ((num_rows, f), (4, f, d))):
+        assert resolve_implementation(jax.ShapeDtypeStruct(shape, jnp.bfloat16),
+                                      jax.ShapeDtypeStruct(w_shape, jnp.bfloat16)) == "pallas"
     end = int(sizes.sum())
     x = rng.standard_normal((num_rows, d)).astype(np.float32)
     x[end:] = np.nan
