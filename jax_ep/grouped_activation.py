@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_ep._cotangents import typed_like
-from jax_ep.grouped_matmul import IMPLEMENTATIONS, rows_read_past_groups
+from jax_ep.grouped_matmul import IMPLEMENTATIONS, groups_end, rows_read_past_groups
 
 # Rows x columns (of the gate's F, and the same of the up's) of one program of the kernels: up to 16 x 256
 # bfloat16, 8 KB of each input per program, enough loads in flight for an elementwise pass at the copy's
@@ -62,7 +62,7 @@ def silu_mul_in_groups(gate_up: jax.Array, group_sizes: jax.Array, implementatio
                          f"resolved), got {implementation!r}")
     if gate_up.ndim != 2 or gate_up.shape[1] % 2:
         raise ValueError(f"jax_ep: gate_up must be [M, 2F] (an even number of columns), got {gate_up.shape}")
-    end = jnp.minimum(jnp.sum(jnp.maximum(group_sizes, 0)), gate_up.shape[0]).astype(jnp.int32)
+    end = groups_end(group_sizes, gate_up.shape[0])
     kernels = implementation == "pallas" and kernel_blocks(gate_up.shape[0], gate_up.shape[1] // 2) is not None
     return _silu_mul(gate_up, end, kernels)
 

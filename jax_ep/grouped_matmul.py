@@ -330,9 +330,15 @@ def _clamp_group_sizes(group_sizes: jax.Array, num_rows: int) -> jax.Array:
     return jnp.diff(ends, prepend=0).astype(jnp.int32)
 
 
+def groups_end(group_sizes: jax.Array, num_rows: int) -> jax.Array:
+    """int32 []: the row where the groups of an [num_rows, ...] operand end, their sizes clamped as grouped_matmul
+    clamps them (negative sizes 0, groups cut at row num_rows)."""
+    return jnp.minimum(jnp.sum(jnp.maximum(group_sizes, 0)), num_rows).astype(jnp.int32)
+
+
 def _rows_in_groups(a, group_sizes):
-    """a [M, ...] with its rows past sum(group_sizes) (sizes clamped as ragged_dot clamps them) zeroed."""
-    end = jnp.sum(jnp.maximum(group_sizes, 0))
+    """a [M, ...] with its rows past the groups' end (groups_end) zeroed."""
+    end = groups_end(group_sizes, a.shape[0])
     return jnp.where((jnp.arange(a.shape[0]) < end).reshape(-1, *(1,) * (a.ndim - 1)), a, jnp.zeros((), a.dtype))
 
 
