@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(kThreads, 1) expert_major_combine_backward_ker
 // added in rank order from 0 + bias, cast. Warps take jobs of home ranks interleaved so that consecutive partials go
 // to different ranks.
 
-// Jobs of a pass, per warp: index = its global warp, then every num_global_warps()-th.
+// A job of a pass (each warp takes its WarpJobs).
 struct CombineJob {
   int64_t index;
   bool valid;     // index < the pass's jobs
@@ -235,10 +235,12 @@ struct SourceStream {
   int source = 0;
   bool done = false;
 
-  __device__ SourceStream(const ExpertMajorCombineArgs& args, const CombineRows& r, int ranks, int rank, int lane_)
-      : a(args), rows(r), num_ranks(ranks), me(rank), lane(lane_) {
-    job = load_job<kOwnTokens>(a, num_ranks, me, global_warp(), lane);
-    ahead = load_job<kOwnTokens>(a, num_ranks, me, job.index + num_global_warps(), lane);
+  const WarpJobs& jobs;
+  __device__ SourceStream(const ExpertMajorCombineArgs& args, const CombineRows& r, int ranks, int rank, int lane_,
+                          const WarpJobs& warp_jobs)
+      : a(args), rows(r), num_ranks(ranks), me(rank), lane(lane_), jobs(warp_jobs) {
+    job = load_job<kOwnTokens>(a, num_ranks, me, jobs.start, lane);
+    ahead = load_job<kOwnTokens>(a, num_ranks, me, jobs.next(job.index), lane);
     skip_jobs_without_sources();
   }
 
@@ -251,7 +253,7 @@ struct SourceStream {
       shape = shape_of<kOwnTokens>(job, a, me);
       if (shape.sources() > 0) return;
       job = ahead;
-      ahead = load_job<kOwnTokens>(a, num_ranks, me, job.index + num_global_warps(), lane);
+      ahead = load_job<kOwnTokens>(a, num_ranks, me, jobs.next(job.index), lane);
     }
   }
 
@@ -276,7 +278,7 @@ struct SourceStream {
         if (++chunk == rows.chunks) {
           chunk = 0;
           job = ahead;
-          ahead = load_job<kOwnTokens>(a, num_ranks, me, job.index + num_global_warps(), lane);
+          ahead = load_job<kOwnTokens>(a, num_ranks, me, jobs.next(job.index), lane);
           skip_jobs_without_sources();
         }
       }
@@ -291,7 +293,8 @@ __device__ void combine_pass_staged(const IntranodeRank& g, const CallContext& c
                                     const CombineRows& rows, CombineStages<kStages>& stages) {
   const int num_ranks = g.num_ranks, me = g.rank, lane = threadIdx.x % 32;
   const bool weighted = a.weights != nullptr;
-  SourceStream<kOwnTokens, kStages> stream(a, rows, num_ranks, me, lane);
+  const WarpJobs jobs(kOwnTokens ? a.num_tokens : num_ranks * a.num_tokens);
+  SourceStream<kOwnTokens, kStages> stream(a, rows, num_ranks, me, lane, jobs);
 #pragma unroll 1
   for (int k = 0; k < kStages; ++k) stream.issue(stages, k);
   int stage = 0;  // where the next copy consumed is
@@ -308,9 +311,9 @@ __device__ void combine_pass_staged(const IntranodeRank& g, const CallContext& c
     stream.issue(stages, stage);  // into the stage just read: its copies land after these reads
     stage = stage + 1 == kStages ? 0 : stage + 1;
   };
-  CombineJob job = load_job<kOwnTokens>(a, num_ranks, me, global_warp(), lane);
-  CombineJob ahead = load_job<kOwnTokens>(a, num_ranks, me, job.index + num_global_warps(), lane);
-  for (; job.valid; job = ahead, ahead = load_job<kOwnTokens>(a, num_ranks, me, job.index + num_global_warps(), lane)) {
+  CombineJob job = load_job<kOwnTokens>(a, num_ranks, me, jobs.start, lane);
+  CombineJob ahead = load_job<kOwnTokens>(a, num_ranks, me, jobs.next(job.index), lane);
+  for (; job.valid; job = ahead, ahead = load_job<kOwnTokens>(a, num_ranks, me, jobs.next(job.index), lane)) {
     const JobShape shape = shape_of<kOwnTokens>(job, a, me);
     if (!shape.writes) continue;
     for (int64_t chunk = 0; chunk < rows.chunks; ++chunk) {

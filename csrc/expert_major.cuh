@@ -25,6 +25,24 @@ static_assert(kExpertMajorMaxExperts <= kThreads, "the dispatch's group arithmet
 
 __device__ __forceinline__ uint32_t lanes_below(int lane) { return (1u << lane) - 1u; }
 
+// A warp's jobs in a pass of `count` jobs: block b takes the b-th contiguous share of ceil(count / blocks) jobs, its
+// warps every kWarps-th job of the share. Jobs of nearby indices touch nearby rows (pair rows lie in (source rank,
+// token) order within each group), so the warps of an SM work near one another; on two H200s this measured 6-9 %
+// faster for the combine and its backward than each warp taking every num_global_warps()-th job of the whole pass
+// (docs/perf-log.md).
+struct WarpJobs {
+  int64_t count;  // jobs in the pass: the index past the last
+  int64_t end;    // past this block's share
+  int64_t start;  // this warp's first job (count where it has none)
+  __device__ explicit WarpJobs(int64_t jobs) : count(jobs) {
+    const int64_t share = (jobs + gridDim.x - 1) / gridDim.x;
+    end = min(jobs, (blockIdx.x + 1) * share);
+    const int64_t first = blockIdx.x * share + threadIdx.x / 32;
+    start = first < end ? first : count;
+  }
+  __device__ int64_t next(int64_t job) const { return job + kWarps < end ? job + kWarps : count; }
+};
+
 // The top-k entries lanes [first_lane, first_lane + num_topk) of a round hold (one token's).
 __device__ __forceinline__ uint32_t token_lanes(int first_lane, int num_topk) {
   return (num_topk >= 32 ? kFullMask : (1u << num_topk) - 1u) << first_lane;
@@ -387,8 +405,36 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// An item (s, t) this rank received, a job of the backward: job i is source rank (me + i) % R, token i / R.
+struct GradientItem {
+  int64_t index;
+  bool valid;     // index < R * T
+  int source;     // s
+  int64_t token;  // t
+  int32_t row;    // lane q < the pair columns: pair_row entry q of the item (a kept row, C or -1); else -1
+  float weight;   // lane q holding a kept row: its weight (1 without weights)
+  uint32_t kept;  // the lanes holding a kept row
+};
+
+__device__ __forceinline__ GradientItem load_item(const ExpertMajorCombineBackwardArgs& a, int num_ranks, int me,
+                                                  int64_t index, int lane) {
+  const ExpertMajorCachedDispatchArgs& r = a.rows;
+  GradientItem item;
+  item.index = index;
+  item.valid = index < num_ranks * r.num_tokens;
+  item.source = static_cast<int>((me + index % num_ranks) % num_ranks);
+  item.token = index / num_ranks;
+  const int64_t entry = (item.source * r.num_tokens + item.token) * r.num_pair_columns + lane;
+  item.row = item.valid && lane < r.num_pair_columns ? r.pair_row[entry] : -1;
+  const bool kept = item.row >= 0 && item.row < r.capacity;
+  item.kept = __ballot_sync(kFullMask, kept);
+  item.weight = kept && a.weights ? a.weights[item.row] : 1.f;
+  return item;
+}
+
 // The combine's backward on rank `me` once the cotangent rows are readable: source_row(s, t) is item (s, t)'s
-// row of d_out, read with Load.
+// row of d_out, read with Load. Each warp takes its WarpJobs; the next item's pair rows and weights load while one
+// is copied. d_y's rows are stored evict-first (__stcs): nothing reads them again in this kernel.
 template <typename T, typename Load, typename SourceRow>
 __device__ void write_combine_gradients(const ExpertMajorCombineBackwardArgs& a, int num_ranks, int me,
                                         SourceRow source_row) {
@@ -401,58 +447,67 @@ __device__ void write_combine_gradients(const ExpertMajorCombineBackwardArgs& a,
   const bool weighted = a.weights != nullptr;
   const Vec* y = static_cast<const Vec*>(a.y);
   Vec* d_y = static_cast<Vec*>(r.recv_x);
-  for_each_item_with_kept_pairs(r, num_ranks, me, lane, [&](int s, int64_t t, int32_t row, uint32_t lanes) {
-    const bool kept = (lanes >> lane) & 1u;
-    const float weight = kept && weighted ? a.weights[row] : 1.f;
-    float dot = 0.f;  // lane q: pair q's
-    const Vec* src = reinterpret_cast<const Vec*>(source_row(s, t));
-    for (int64_t round = 0; round < vecs; round += 32 * kBackwardUnroll) {  // every lane: the rounds shuffle
-      const int64_t first = round + lane;
-      Vec grad[kBackwardUnroll];
+  const WarpJobs jobs(num_ranks * num_tokens);
+  for (GradientItem item = load_item(a, num_ranks, me, jobs.start, lane); item.valid;) {
+    const GradientItem next = load_item(a, num_ranks, me, jobs.next(item.index), lane);
+    if (item.kept) {
+      float dot = 0.f;  // lane q: pair q's
+      const Vec* src = reinterpret_cast<const Vec*>(source_row(item.source, item.token));
+      for (int64_t round = 0; round < vecs; round += 32 * kBackwardUnroll) {  // every lane: the rounds shuffle
+        const int64_t first = round + lane;
+        Vec grad[kBackwardUnroll];
 #pragma unroll
-      for (int u = 0; u < kBackwardUnroll; ++u)
-        if (first + 32 * u < vecs) grad[u] = Load{}(src + first + 32 * u);
-      for (uint32_t todo = lanes; todo; todo &= todo - 1) {
-        const int q = __ffs(todo) - 1;
-        const int64_t pair_row = __shfl_sync(kFullMask, row, q);
-        const float pair_weight = __shfl_sync(kFullMask, weight, q);
-        Vec value[kBackwardUnroll];
-        if (weighted) {
-#pragma unroll
-          for (int u = 0; u < kBackwardUnroll; ++u)
-            if (first + 32 * u < vecs) value[u] = LoadNonCoherent{}(y + pair_row * vecs + first + 32 * u);
-        }
-        float partial = 0.f;
-#pragma unroll
-        for (int u = 0; u < kBackwardUnroll; ++u) {
-          if (first + 32 * u >= vecs) break;
-          Vec out = grad[u];
+        for (int u = 0; u < kBackwardUnroll; ++u)
+          if (first + 32 * u < vecs) grad[u] = Load{}(src + first + 32 * u);
+        for (uint32_t todo = item.kept; todo; todo &= todo - 1) {
+          const int q = __ffs(todo) - 1;
+          const int64_t pair_row = __shfl_sync(kFullMask, item.row, q);
+          const float pair_weight = __shfl_sync(kFullMask, item.weight, q);
+          Vec value[kBackwardUnroll];
           if (weighted) {
 #pragma unroll
-            for (int e = 0; e < kVec; ++e) {
-              const float x = to_float(grad[u].v[e]);
-              out.v[e] = from_float<T>(__fmul_rn(pair_weight, x));
-              partial += x * to_float(value[u].v[e]);
-            }
+            for (int u = 0; u < kBackwardUnroll; ++u)
+              if (first + 32 * u < vecs) value[u] = LoadNonCoherent{}(y + pair_row * vecs + first + 32 * u);
           }
-          d_y[pair_row * vecs + first + 32 * u] = out;
-        }
-        if (weighted) {
-          const float total = warp_sum(partial);
-          if (lane == q) dot += total;
+          float partial = 0.f;
+#pragma unroll
+          for (int u = 0; u < kBackwardUnroll; ++u) {
+            if (first + 32 * u >= vecs) break;
+            Vec out = grad[u];
+            if (weighted) {
+#pragma unroll
+              for (int e = 0; e < kVec; ++e) {
+                const float x = to_float(grad[u].v[e]);
+                out.v[e] = from_float<T>(__fmul_rn(pair_weight, x));
+                partial += x * to_float(value[u].v[e]);
+              }
+            }
+            uint4 bits;
+            memcpy(&bits, &out, 16);
+            __stcs(reinterpret_cast<uint4*>(d_y + pair_row * vecs + first + 32 * u), bits);
+          }
+          if (weighted) {
+            const float total = warp_sum(partial);
+            if (lane == q) dot += total;
+          }
         }
       }
+      if (weighted && ((item.kept >> lane) & 1u)) a.d_weights[item.row] = dot;
     }
-    if (kept && weighted) a.d_weights[row] = dot;
-  });
+    item = next;
+  }
   // Rows of no pair: d_y zero on the alignment padding inside the groups and on kExpertMajorGradZeroRows rows past
-  // them (further rows are not written); d_weights zero on every such row (a word each).
+  // them (further rows are not written); d_weights zero on every such row (a word each). A warp looks at 32 rows at
+  // once.
   const int64_t rows_end = min(capacity, static_cast<int64_t>(*r.rows_end));
   const int64_t zeroed_end = min(capacity, rows_end + kExpertMajorGradZeroRows);
-  for (int64_t row = global_warp(); row < capacity; row += num_global_warps()) {
-    if (row < rows_end && r.recv_src_index[row] != num_ranks * num_tokens) continue;
-    if (row < zeroed_end) warp_zero_row(d_y + row * vecs, r.row_bytes, lane);
-    if (weighted && lane == 0) a.d_weights[row] = 0.f;
+  for (int64_t base = static_cast<int64_t>(global_warp()) * 32; base < capacity;
+       base += static_cast<int64_t>(num_global_warps()) * 32) {
+    const int64_t row = base + lane;
+    const bool no_pair = row < capacity && (row >= rows_end || r.recv_src_index[row] == num_ranks * num_tokens);
+    if (weighted && no_pair) a.d_weights[row] = 0.f;
+    for (uint32_t todo = __ballot_sync(kFullMask, no_pair && row < zeroed_end); todo; todo &= todo - 1)
+      warp_zero_row(d_y + (base + __ffs(todo) - 1) * vecs, r.row_bytes, lane);
   }
 }
 
