@@ -14,6 +14,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 pytest.importorskip("flax")
 
+import jax_ep  # noqa: E402
 from jax_ep import bench  # noqa: E402
 
 STAGES = {"router", "dispatch", "expert FFN", "combine"}
@@ -92,6 +93,16 @@ def test_moe_bench_num_chunks(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "16 tokens per rank (the block in 1 and 2 chunks)" in out and "(xla backend, 2 chunks)" in out, out
     assert out.count("[moe]   breakdown") == 1, out
+
+
+def test_moe_bench_sms(tmp_path, capsys):
+    """--sms N puts the normal dispatcher's kernels on N SMs (its Buffer's Config); the xla dispatcher's Buffer keeps
+    the block's own Config (off a GPU: jax_ep.Config()'s default); the header says so."""
+    record = moe_record(tmp_path, "--shapes", "tiny", "--ranks", "2", "--sms", "16")
+    assert record["setup"]["normal_dispatcher_sms"] == 16
+    sms = {r["dispatcher"]: r["num_sms"] for r in record["results"]}
+    assert sms == {"normal": 16, "xla": jax_ep.Config().num_sms}, sms
+    assert "the normal dispatcher's kernels on 16 SMs" in capsys.readouterr().out
 
 
 def test_moe_bench_remat_memory(tmp_path):

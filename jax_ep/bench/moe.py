@@ -95,6 +95,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--num-chunks", type=int, nargs="+", default=[1],
                         help="the block's num_chunks values, each timed in the same run (its tokens through dispatch, "
                              "experts and combine in chunks; the breakdown's stages take the whole batch)")
+    parser.add_argument("--sms", type=int,
+                        help="the normal dispatcher's kernels on this many SMs (a Buffer with Config(num_sms=N) passed "
+                             "to the block; default: the block's own Buffer, every SM but the 32 that "
+                             "jax_ep.flax.moe.block_config leaves to XLA's collectives)")
     parser.add_argument("--runs", type=int, default=10, help="timed runs per figure (the median is reported)")
     parser.add_argument("--calls", type=int, default=3, help="back-to-back calls per timed run")
     parser.add_argument("--remat", action="store_true",
@@ -257,12 +261,14 @@ def _measure(mesh, shape: MoEShape, dispatcher: str, args, name: str) -> dict:
     x, cotangent = _random(x_key, *tokens), _random(cotangent_key, *tokens)
     figures = dict(blocks={})
     for index, num_chunks in enumerate(args.num_chunks):
+        buffer = (jax_ep.Buffer(mesh, "ep", config=jax_ep.Config(num_sms=args.sms))
+                  if args.sms is not None and dispatcher == "normal" else None)
         moe = MoE(shape.d_model, shape.d_ff, shape.experts, shape.topk, mesh=mesh, dispatcher=dispatcher, dtype=DTYPE,
-                  param_dtype=DTYPE, num_chunks=num_chunks, rngs=nnx.Rngs(0))
+                  param_dtype=DTYPE, num_chunks=num_chunks, buffer=buffer, rngs=nnx.Rngs(0))
         state = nnx.state(moe)  # experts sharded over the EP axis by their partition metadata, the rest replicated
         nnx.update(moe, jax.tree.map(_placed, state, nnx.get_named_sharding(state, mesh)))
         with moe.buffer:  # a cuda Buffer's memory lies outside XLA's pool: freed before the next block
-            figures["backend"] = moe.buffer.backend
+            figures["backend"], figures["num_sms"] = moe.buffer.backend, moe.buffer.config.num_sms
             figures["blocks"][num_chunks] = _block_and_proxy_ms(moe, x, cotangent, shape, args)
             if index == 0:
                 figures["breakdown_ms"] = _breakdown_ms(mesh, moe, x, args)
@@ -281,10 +287,11 @@ def run(args) -> dict:
     num_ranks, device = mesh.devices.size, mesh.devices.flat[0]
     setup = dict(device=device.device_kind, platform=device.platform, jax=jax.__version__, num_ranks=num_ranks,
                  process_model=harness.process_model(args), tokens=args.tokens, num_chunks=list(args.num_chunks),
-                 dtype=jnp.dtype(DTYPE).name, runs=args.runs, calls=args.calls, target_ratio=TARGET_RATIO)
+                 dtype=jnp.dtype(DTYPE).name, runs=args.runs, calls=args.calls, target_ratio=TARGET_RATIO,
+                 normal_dispatcher_sms=args.sms)
     print(f"[moe] {num_ranks} ranks ({device.device_kind}), {setup['process_model']}, {args.tokens} tokens per rank"
           + (f" (the block in {' and '.join(map(str, args.num_chunks))} chunks)" if args.num_chunks != [1] else "")
-          + ", "
+          + (f", the normal dispatcher's kernels on {args.sms} SMs" if args.sms is not None else "") + ", "
           f"{setup['dtype']}, forward + backward; median of {args.runs} runs of {args.calls} calls", flush=True)
     if not harness.on_gpu(mesh):
         setup["not_a_performance_figure"] = harness.NOT_ON_A_GPU
@@ -312,7 +319,8 @@ def run(args) -> dict:
                 bound = roofline(flops, flops / proxy_ms / 1e9, weight_bytes, gbps)
                 record = dict(shape=name, **shape._asdict(), experts_per_rank=shape.experts // num_ranks,
                               rows_per_rank=rows, flops_per_rank=flops, dispatcher=dispatcher, num_chunks=num_chunks,
-                              backend=figures["backend"], block_ms=block_ms, block_tflops=flops / block_ms / 1e9,
+                              backend=figures["backend"], num_sms=figures["num_sms"], block_ms=block_ms,
+                              block_tflops=flops / block_ms / 1e9,
                               dense_proxy_ms=proxy_ms, dense_proxy_tflops=flops / proxy_ms / 1e9,
                               ratio=block_ms / proxy_ms, meets_target=block_ms / proxy_ms <= TARGET_RATIO,
                               breakdown_ms=breakdown, breakdown_sum_ms=sum(breakdown.values()),
