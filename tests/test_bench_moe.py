@@ -50,6 +50,7 @@ def test_moe_bench_record(tmp_path, capsys):
         assert math.isclose(r["block_tflops"], r["flops_per_rank"] / r["block_ms"] / 1e9)
         assert math.isclose(r["dense_proxy_tflops"], r["flops_per_rank"] / r["dense_proxy_ms"] / 1e9)
         assert math.isclose(r["breakdown_sum_ms"], sum(r["breakdown_ms"].values()))
+        assert r["breakdown_gpu_ms"] is None  # no GPU to profile
         compute = r["breakdown_ms"]["router"] + r["breakdown_ms"]["expert FFN"]
         assert math.isclose(r["compute_stages_ms"], compute)
         assert math.isclose(r["block_over_compute_stages"], r["block_ms"] / compute)
@@ -66,6 +67,10 @@ def test_moe_bench_record(tmp_path, capsys):
     assert "[moe] not on a GPU" in out and "dense proxy" in out, out
     assert out.count("[moe]   breakdown") == 2 and out.count("compute stages (router + expert FFN)") == 4, out
     assert out.count("communication hidden") == 2, out
+    # Both dispatchers ran: their communication stages side by side, by the wall clock only (no GPU time on CPU).
+    ratios = [line for line in out.splitlines() if "normal (xla backend) / xla" in line]
+    assert len(ratios) == 1 and "dispatch" in ratios[0] and "combine" in ratios[0], out
+    assert "GPU time" not in out, out
     assert "[moe] HBM bandwidth" in out and out.count("[moe]   roofline") == 2, out
     assert plot.read_bytes().startswith(b"\x89PNG")
 

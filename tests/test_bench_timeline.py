@@ -49,3 +49,42 @@ def test_host_threads_without_devices():
 ])
 def test_kind_of(name, kind):
     assert timeline.kind_of(name) == kind
+
+
+def test_busy_time_per_device_counts_overlaps_once():
+    # GPU 0: stream 13 busy over [100, 150) and [160, 165), stream 20 over [130, 170): the union is [100, 170), 70 us.
+    # GPU 1: [0, 10) and [20, 25) on one stream, 15 us. The host's event is no device's.
+    trace = {"traceEvents": [
+        meta(1, "/host:CPU"), complete(1, 5, 0.0, 1000.0, "step"),
+        meta(2, "/device:GPU:0"), complete(2, 13, 100.0, 50.0, "a"), complete(2, 13, 160.0, 5.0, "b"),
+        complete(2, 20, 130.0, 40.0, "c"),
+        meta(3, "/device:GPU:1"), complete(3, 7, 20.0, 5.0, "d"), complete(3, 7, 0.0, 10.0, "e"),
+    ]}
+    assert timeline.busy_us_per_device(trace) == {"/device:GPU:0": 70.0, "/device:GPU:1": 15.0}
+
+
+def test_busy_time_without_devices():
+    trace = {"traceEvents": [meta(1, "/host:CPU"), complete(1, 5, 0.0, 10.0, "step")]}
+    assert timeline.busy_us_per_device(trace) == {}
+
+
+def test_busy_time_since_a_host_annotation():
+    # The device events that start before the host's "timed" event (a barrier's, at 0-40 us) are left out.
+    trace = {"traceEvents": [
+        meta(1, "/host:CPU"), complete(1, 5, 50.0, 500.0, "timed"), complete(1, 5, 60.0, 5.0, "timed"),
+        meta(2, "/device:GPU:0"), complete(2, 13, 0.0, 40.0, "barrier"), complete(2, 13, 55.0, 20.0, "a"),
+        complete(2, 20, 45.0, 30.0, "late barrier"), complete(2, 13, 80.0, 10.0, "b"),
+    ]}
+    assert timeline.busy_us_per_device(trace, since="timed") == {"/device:GPU:0": 30.0}
+    with pytest.raises(ValueError, match="no host event named 'missing'"):
+        timeline.busy_us_per_device(trace, since="missing")
+
+
+def test_profile_annotates_the_calls():
+    import jax
+    import jax.numpy as jnp
+
+    ran = []
+    trace = timeline.profile(jax.jit(lambda a: a * 2), (jnp.ones(4),), calls=3, before=lambda: ran.append(1))
+    names = [e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"]
+    assert ran == [1] and names.count(timeline.TIMED_CALLS) == 1, names

@@ -27,6 +27,11 @@ Per shape and dispatcher:
   shard_map of its own, on the inputs the stages before it produce from the block's x and weights, with random
   cotangents of its outputs' shapes. Their sum is printed beside the block; the difference is what the block does
   besides (router statistics, casts) and what XLA overlaps or fuses across the stages.
+- GPU time of each stage (on a GPU): the time in which this process's GPU ran the stage's kernels, per call, from a
+  profile of GPU_TIME_CALLS calls after a barrier of the ranks (jax_ep.bench.timeline.busy_us_per_device). Timed by
+  the wall clock over a few calls, a stage of 0.1-0.5 ms also carries the host's launch of its first call and the
+  wait for its last; inside the block nothing launches a stage alone. Where both dispatchers ran, their dispatch
+  and combine stages are compared both ways.
 - compute stages: router + expert FFN of the breakdown. The block over them says how much of the communication
   the block hides: 1.0 would be all of it (each stage timed alone also pays its own launch, ~0.1 ms).
 - hidden: the share of the communication stages (dispatch + combine) that the block did not add to its time,
@@ -178,7 +183,8 @@ def remat_temp_bytes(moe: MoE, x, cotangent) -> dict[str, int]:
 def _stage_ms(mesh, key, fn, diff, diff_specs, const, args):
     """One stage alone: `fn(*diff, *const) -> (out, aux)` (per rank; aux holds its outputs without a gradient),
     forward + backward with respect to `diff` (partitioned as `diff_specs`; `const` and the outputs per rank),
-    jitted in a shard_map of its own. Returns (ms, out, aux): out and aux of the forward, the next stages' inputs."""
+    jitted in a shard_map of its own. Returns (ms, out, aux): ms {"wall": by the clock, "gpu": _gpu_ms or None off a
+    GPU}; out and aux of the forward, the next stages' inputs."""
     ep = P("ep")
     forward = jax.jit(jax.shard_map(lambda d, c: fn(*d, *c), mesh=mesh, in_specs=(diff_specs, ep), out_specs=ep))
     out, aux = forward(diff, const)
@@ -194,12 +200,34 @@ def _stage_ms(mesh, key, fn, diff, diff_specs, const, args):
 
     step = jax.jit(jax.shard_map(forward_backward, mesh=mesh, in_specs=(diff_specs, ep, ep),
                                  out_specs=(ep, ep, diff_specs)))
-    return harness.median_ms(step, [(diff, const, cotangent)], args.runs, args.calls), out, aux
+    inputs = (diff, const, cotangent)
+    ms = dict(wall=harness.median_ms(step, [inputs], args.runs, args.calls),
+              gpu=_gpu_ms(mesh, step, inputs) if harness.on_gpu(mesh) else None)
+    return ms, out, aux
 
 
-def _breakdown_ms(mesh, moe: MoE, x, args) -> dict[str, float]:
+GPU_TIME_CALLS = 20  # calls profiled for a stage's GPU time: the ranks' skew at the first call weighs a twentieth
+
+
+def _gpu_ms(mesh, step, inputs) -> float:
+    """ms per call in which this process's busiest GPU ran `step`'s kernels, from a profile of GPU_TIME_CALLS
+    back-to-back calls after a barrier of the ranks: the stage's cost on the GPU, without the host's launch of each
+    call (a stage of 0.1-0.5 ms timed by the wall clock over a few calls carries a good part of that launch; inside
+    the block nothing launches a stage)."""
+    barrier = harness.spmd(mesh, lambda v: jax.lax.psum(v, "ep"))
+    ones = harness.global_array(mesh, np.ones(mesh.devices.size, np.float32))
+    jax.block_until_ready(barrier(ones))  # compiled before the profile
+    trace = timeline.profile(step, inputs, GPU_TIME_CALLS, before=lambda: jax.block_until_ready(barrier(ones)))
+    busy = timeline.busy_us_per_device(trace, since=timeline.TIMED_CALLS)
+    if not busy:
+        raise RuntimeError("the profile holds no GPU streams (is CUPTI available?)")
+    return max(busy.values()) / GPU_TIME_CALLS / 1e3
+
+
+def _breakdown_ms(mesh, moe: MoE, x, args) -> tuple[dict[str, float], dict[str, float] | None]:
     """ms of each of STAGES alone, forward + backward, chained as the block chains them (MoE._forward, the
-    normal and xla dispatchers, no capacity limit), on this block's weights and x."""
+    normal and xla dispatchers, no capacity limit), on this block's weights and x: by the wall clock, and on the
+    GPU (_gpu_ms; None off a GPU)."""
     buffer, config, num_experts, alignment = moe.buffer, moe.router_config, moe.num_experts, moe.expert_alignment
     keys = iter(jax.random.split(jax.random.key(3), len(STAGES)))
     ep, replicated = P("ep"), P()
@@ -228,7 +256,8 @@ def _breakdown_ms(mesh, moe: MoE, x, args) -> dict[str, float]:
     ms["expert FFN"], expert_out, _ = _stage_ms(
         mesh, next(keys), expert_ffn, (recv_x, *experts), (ep,) * 3, (group_sizes,), args)
     ms["combine"], _, _ = _stage_ms(mesh, next(keys), combine, (expert_out, recv_weights), (ep, ep), (handle,), args)
-    return ms
+    gpu = {stage: figures["gpu"] for stage, figures in ms.items()}
+    return {stage: figures["wall"] for stage, figures in ms.items()}, (None if None in gpu.values() else gpu)
 
 
 def timeline_path(path: str, shape: str, dispatcher: str) -> str:
@@ -271,7 +300,7 @@ def _measure(mesh, shape: MoEShape, dispatcher: str, args, name: str) -> dict:
             figures["backend"], figures["num_sms"] = moe.buffer.backend, moe.buffer.config.num_sms
             figures["blocks"][num_chunks] = _block_and_proxy_ms(moe, x, cotangent, shape, args)
             if index == 0:
-                figures["breakdown_ms"] = _breakdown_ms(mesh, moe, x, args)
+                figures["breakdown_ms"], figures["breakdown_gpu_ms"] = _breakdown_ms(mesh, moe, x, args)
                 if args.remat:
                     figures["temp_bytes"] = remat_temp_bytes(moe, x, cotangent)
                 if args.timeline:
@@ -324,6 +353,7 @@ def run(args) -> dict:
                               dense_proxy_ms=proxy_ms, dense_proxy_tflops=flops / proxy_ms / 1e9,
                               ratio=block_ms / proxy_ms, meets_target=block_ms / proxy_ms <= TARGET_RATIO,
                               breakdown_ms=breakdown, breakdown_sum_ms=sum(breakdown.values()),
+                              breakdown_gpu_ms=figures["breakdown_gpu_ms"],
                               compute_stages_ms=compute_ms, block_over_compute_stages=block_ms / compute_ms,
                               hidden=(sum(breakdown.values()) - block_ms) / communication_ms,
                               **roofline_fields(block_ms, bound, weight_bytes, gbps),
@@ -349,7 +379,32 @@ def run(args) -> dict:
                   + " + ".join(f"{stage} {breakdown[stage]:.3f}" for stage in STAGES)
                   + f" = {sum(breakdown.values()):.3f} ms; compute stages (router + expert FFN) {compute_ms:.3f} ms",
                   flush=True)
+            if figures["breakdown_gpu_ms"] is not None:
+                print(f"[moe]   each stage's GPU time (a profile of {GPU_TIME_CALLS} calls, without their launch): "
+                      + " + ".join(f"{stage} {figures['breakdown_gpu_ms'][stage]:.3f}" for stage in STAGES) + " ms",
+                      flush=True)
+        _print_communication_ratios(name, [r for r in results if r["shape"] == name])
     return dict(mode="moe", setup=setup, results=results)
+
+
+def _print_communication_ratios(name: str, records: list[dict]) -> None:
+    """The normal dispatcher's dispatch and combine stages over the xla dispatcher's, where both ran."""
+    by_dispatcher = {}
+    for r in records:  # the breakdown is one per dispatcher, whatever num_chunks
+        by_dispatcher.setdefault(r["dispatcher"], r)
+    if not {"normal", "xla"} <= by_dispatcher.keys():
+        return
+    normal, xla = by_dispatcher["normal"], by_dispatcher["xla"]
+    parts = []
+    for stage in ("dispatch", "combine"):
+        text = (f"{stage} {normal['breakdown_ms'][stage]:.3f} / {xla['breakdown_ms'][stage]:.3f} ms "
+                f"({normal['breakdown_ms'][stage] / xla['breakdown_ms'][stage]:.2f}x")
+        if normal["breakdown_gpu_ms"] is not None and xla["breakdown_gpu_ms"] is not None:
+            gpu_normal, gpu_xla = normal["breakdown_gpu_ms"][stage], xla["breakdown_gpu_ms"][stage]
+            text += f"; GPU time {gpu_normal:.3f} / {gpu_xla:.3f} ms, {gpu_normal / gpu_xla:.2f}x"
+        parts.append(text + ")")
+    print(f"[moe] {name}, normal ({normal['backend']} backend) / xla, each stage forward + backward: "
+          + ", ".join(parts), flush=True)
 
 
 def plot(plt, figures: dict, path: str) -> None:

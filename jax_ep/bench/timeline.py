@@ -55,12 +55,54 @@ def lanes_of(trace: dict) -> dict[str, list[Span]]:
             for lane, spans in sorted(lanes.items())}
 
 
-def profile(fn, args) -> dict:
-    """The Perfetto trace (a dict) of one call of `fn(*args)`, after a call that compiles it."""
+# The host annotation under which profile() makes its calls.
+TIMED_CALLS = "jax_ep.bench.timeline: timed calls"
+
+
+def busy_us_per_device(trace: dict, since: str | None = None) -> dict[str, float]:
+    """{device: us in which any of its streams ran an event (the union of their spans: an instant two streams share
+    counts once)}, for the processes whose name starts with "/device:"; {} where the trace has none (a CPU run).
+    With `since`, only the device events that start after the first host event of that name starts."""
+    events = trace["traceEvents"]
+    devices = {e["pid"]: e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e["name"] == "process_name" and e["args"]["name"].startswith("/device:")}
+    first = float("-inf")
+    if since is not None:
+        starts = [float(e["ts"]) for e in events
+                  if e.get("ph") == "X" and e["pid"] not in devices and e["name"] == since]
+        if not starts:
+            raise ValueError(f"the trace holds no host event named {since!r}")
+        first = min(starts)
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e["pid"] in devices and float(e["ts"]) >= first:
+            start = float(e["ts"])
+            spans.setdefault(devices[e["pid"]], []).append((start, start + float(e.get("dur", 0.0))))
+    busy = {}
+    for device, intervals in spans.items():
+        total, covered_to = 0.0, float("-inf")
+        for start, end in sorted(intervals):
+            if end > covered_to:
+                total += end - max(start, covered_to)
+                covered_to = end
+        busy[device] = total
+    return busy
+
+
+def profile(fn, args, calls: int = 1, before=None) -> dict:
+    """The Perfetto trace (a dict) of `calls` back-to-back calls of `fn(*args)`, made under the host annotation
+    TIMED_CALLS, after a call that compiles it; `before()` runs inside the trace ahead of them (a barrier of the
+    processes, so that the first call's collectives do not wait for a peer still starting its profiler)."""
     jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as directory:
         with jax.profiler.trace(directory, create_perfetto_trace=True):
-            jax.block_until_ready(fn(*args))
+            if before is not None:
+                before()
+            with jax.profiler.TraceAnnotation(TIMED_CALLS):
+                out = None
+                for _ in range(calls):
+                    out = fn(*args)
+                jax.block_until_ready(out)
         (path,) = glob.glob(os.path.join(directory, "**", "perfetto_trace.json.gz"), recursive=True)
         with gzip.open(path) as f:
             return json.load(f)
