@@ -132,3 +132,22 @@ def test_moe_bench_timeline(tmp_path, capsys):
     assert spans and all(duration >= 0 and isinstance(name, str) for lane in spans.values()
                          for _, duration, name, _ in lane), spans
     assert f"timeline of one step: {drawn}" in capsys.readouterr().out
+
+
+def test_moe_bench_communication_ratios(capsys):
+    """The line that sets the normal dispatcher's communication stages beside the xla dispatcher's, by the wall
+    clock and on the GPU (ratios written out by hand from the figures)."""
+    from jax_ep.bench import moe
+
+    def record(dispatcher, backend, wall, gpu):
+        return dict(dispatcher=dispatcher, backend=backend, breakdown_ms=dict(zip(("dispatch", "combine"), wall)),
+                    breakdown_gpu_ms=dict(zip(("dispatch", "combine"), gpu)))
+
+    moe._print_communication_ratios("moe-a", [record("normal", "cuda", (0.4, 0.3), (0.25, 0.2)),
+                                              record("xla", "xla", (0.8, 0.5), (0.5, 0.4))])
+    out = capsys.readouterr().out
+    assert out == ("[moe] moe-a, normal (cuda backend) / xla, each stage forward + backward: dispatch 0.400 / 0.800 "
+                   "ms (0.50x; GPU time 0.250 / 0.500 ms, 0.50x), combine 0.300 / 0.500 ms (0.60x; GPU time 0.200 / "
+                   "0.400 ms, 0.50x)\n"), out
+    moe._print_communication_ratios("moe-a", [record("xla", "xla", (0.8, 0.5), (0.5, 0.4))])  # one dispatcher
+    assert capsys.readouterr().out == ""
