@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import itertools
 import json
 import os
@@ -204,6 +205,21 @@ def spmd(mesh: Mesh, body):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"), check_vma=False))
 
 
+@functools.cache
+def rank_barrier(mesh: Mesh):
+    """A function that returns once every rank of `mesh` has reached it (a psum over the EP axis, waited for).
+    With one process per GPU each process times its own calls: without it, a timed run that starts while a peer
+    is still busy also holds that skew, which the first collective or kernel of the ranks waits out."""
+    reduce = spmd(mesh, lambda v: jax.lax.psum(v, "ep"))
+    ones = global_array(mesh, np.ones(mesh.devices.size, np.float32))
+
+    def barrier() -> None:
+        jax.block_until_ready(reduce(ones))
+
+    barrier()  # compiled before anything is timed
+    return barrier
+
+
 # ---- timed loops of communication ops ----------------------------------------------------------------------------
 
 def depend(tree, value):
@@ -272,14 +288,15 @@ def timed_with_kernels(mesh, op, fn_args, args, kernel_times) -> tuple[float, fl
 
 # ---- timed steps of compute --------------------------------------------------------------------------------------
 
-def median_ms(fn, input_sets, runs: int, calls: int, warmup: int = 2) -> float:
+def median_ms(fn, input_sets, runs: int, calls: int, warmup: int = 2, before_run=None) -> float:
     """Median over `runs` of the time per call of `calls` back-to-back calls (one block_until_ready per
     run), the calls rotating through input_sets. Only the last call's outputs are kept and waited for: the
-    calls run in order on each device, and the outputs of a training step can be as large as its weights."""
-    return alternating_median_ms({"": (fn, input_sets)}, runs, calls, warmup)[""]
+    calls run in order on each device, and the outputs of a training step can be as large as its weights.
+    before_run(), where given, runs before each run's clock starts (rank_barrier: the ranks start together)."""
+    return alternating_median_ms({"": (fn, input_sets)}, runs, calls, warmup, before_run)[""]
 
 
-def alternating_median_ms(steps: dict, runs: int, calls: int, warmup: int = 2) -> dict[str, float]:
+def alternating_median_ms(steps: dict, runs: int, calls: int, warmup: int = 2, before_run=None) -> dict[str, float]:
     """median_ms of each of `steps` ({name: (fn, input_sets)}), their runs taken in turn (the order reversed
     every other run): a GPU's clock drifts with its temperature over a benchmark, and figures to be compared
     (a block and its roofline proxy) are then taken under the same conditions rather than one after the other."""
@@ -291,6 +308,8 @@ def alternating_median_ms(steps: dict, runs: int, calls: int, warmup: int = 2) -
     for run in range(runs):
         for name in (list(steps) if run % 2 == 0 else list(reversed(steps))):
             fn, sets = steps[name][0], cycles[name]
+            if before_run is not None:
+                before_run()
             start = time.perf_counter()
             out = None
             for _ in range(calls):

@@ -42,9 +42,11 @@ Per shape and dispatcher:
 - --num-chunks N [M ...]: the block with each num_chunks (its tokens through dispatch, experts and combine in
   chunks, so that XLA may overlap one chunk's communication with another's matmuls), timed in the same run; the
   breakdown is taken once, unchunked.
-Timing (harness.median_ms): median over --runs of --calls back-to-back calls, after a warm-up; the block's runs and
-its proxy's take turns (harness.alternating_median_ms), so that both are timed at the same GPU clock (which drifts
-by several per cent over a run as the GPU warms).
+Timing (harness.median_ms): median over --runs of --calls back-to-back calls, after a warm-up, each run after a
+barrier of the ranks (harness.rank_barrier: with one process per GPU a run's clock would otherwise also hold how far
+this process started ahead of its peers); the block's runs and its proxy's take turns
+(harness.alternating_median_ms), so that both are timed at the same GPU clock (which drifts by several per cent over
+a run as the GPU warms).
 """
 from __future__ import annotations
 
@@ -164,11 +166,13 @@ def _block_step(moe: MoE, remat: bool, layers: int = 1):
     return step
 
 
-def _block_and_proxy_ms(moe: MoE, x, cotangent, shape: MoEShape, args) -> dict[str, float]:
-    """ms of the block's step and of the dense proxy of its FLOPs, their runs taken in turn."""
+def _block_and_proxy_ms(mesh, moe: MoE, x, cotangent, shape: MoEShape, args) -> dict[str, float]:
+    """ms of the block's step and of the dense proxy of its FLOPs, their runs taken in turn, each after a barrier
+    of the ranks."""
     return harness.alternating_median_ms(
         {"block": (_block_step(moe, remat=False), [(nnx.state(moe), x, cotangent)]),
-         "proxy": dense_swiglu_step(args.tokens * shape.topk, shape.d_model, shape.d_ff)}, args.runs, args.calls)
+         "proxy": dense_swiglu_step(args.tokens * shape.topk, shape.d_model, shape.d_ff)}, args.runs, args.calls,
+        before_run=harness.rank_barrier(mesh))
 
 
 def remat_temp_bytes(moe: MoE, x, cotangent) -> dict[str, int]:
@@ -201,7 +205,7 @@ def _stage_ms(mesh, key, fn, diff, diff_specs, const, args):
     step = jax.jit(jax.shard_map(forward_backward, mesh=mesh, in_specs=(diff_specs, ep, ep),
                                  out_specs=(ep, ep, diff_specs)))
     inputs = (diff, const, cotangent)
-    ms = dict(wall=harness.median_ms(step, [inputs], args.runs, args.calls),
+    ms = dict(wall=harness.median_ms(step, [inputs], args.runs, args.calls, before_run=harness.rank_barrier(mesh)),
               gpu=_gpu_ms(mesh, step, inputs) if harness.on_gpu(mesh) else None)
     return ms, out, aux
 
@@ -214,10 +218,7 @@ def _gpu_ms(mesh, step, inputs) -> float:
     back-to-back calls after a barrier of the ranks: the stage's cost on the GPU, without the host's launch of each
     call (a stage of 0.1-0.5 ms timed by the wall clock over a few calls carries a good part of that launch; inside
     the block nothing launches a stage)."""
-    barrier = harness.spmd(mesh, lambda v: jax.lax.psum(v, "ep"))
-    ones = harness.global_array(mesh, np.ones(mesh.devices.size, np.float32))
-    jax.block_until_ready(barrier(ones))  # compiled before the profile
-    trace = timeline.profile(step, inputs, GPU_TIME_CALLS, before=lambda: jax.block_until_ready(barrier(ones)))
+    trace = timeline.profile(step, inputs, GPU_TIME_CALLS, before=harness.rank_barrier(mesh))
     busy = timeline.busy_us_per_device(trace, since=timeline.TIMED_CALLS)
     if not busy:
         raise RuntimeError("the profile holds no GPU streams (is CUPTI available?)")
@@ -298,7 +299,7 @@ def _measure(mesh, shape: MoEShape, dispatcher: str, args, name: str) -> dict:
         nnx.update(moe, jax.tree.map(_placed, state, nnx.get_named_sharding(state, mesh)))
         with moe.buffer:  # a cuda Buffer's memory lies outside XLA's pool: freed before the next block
             figures["backend"], figures["num_sms"] = moe.buffer.backend, moe.buffer.config.num_sms
-            figures["blocks"][num_chunks] = _block_and_proxy_ms(moe, x, cotangent, shape, args)
+            figures["blocks"][num_chunks] = _block_and_proxy_ms(mesh, moe, x, cotangent, shape, args)
             if index == 0:
                 figures["breakdown_ms"], figures["breakdown_gpu_ms"] = _breakdown_ms(mesh, moe, x, args)
                 if args.remat:
