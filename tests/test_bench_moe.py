@@ -151,3 +151,44 @@ def test_moe_bench_communication_ratios(capsys):
                    "0.400 ms, 0.50x)\n"), out
     moe._print_communication_ratios("moe-a", [record("xla", "xla", (0.8, 0.5), (0.5, 0.4))])  # one dispatcher
     assert capsys.readouterr().out == ""
+
+
+def test_timed_runs_start_after_the_barrier(monkeypatch):
+    """harness.alternating_median_ms calls before_run once before each run of each step, and the run's clock starts
+    after it: a barrier that takes 50 ms adds nothing to the figures (the steps here take no time)."""
+    import time
+
+    from jax_ep.bench import harness
+
+    order = []
+
+    def barrier():
+        order.append("barrier")
+        time.sleep(0.05)
+
+    def step(name):
+        def fn():
+            order.append(name)
+        return fn
+
+    ms = harness.alternating_median_ms({"a": (step("a"), [()]), "b": (step("b"), [()])}, runs=3, calls=2, warmup=1,
+                                       before_run=barrier)
+    # Warm-up (no barrier), then each run of each step, the order reversed every other run.
+    assert order == ["a", "b"] + ["barrier", "a", "a", "barrier", "b", "b",
+                                  "barrier", "b", "b", "barrier", "a", "a",
+                                  "barrier", "a", "a", "barrier", "b", "b"]
+    assert ms["a"] < 25 and ms["b"] < 25, ms  # ms per call, the barrier's 50 ms outside the clock
+
+
+def test_rank_barrier_returns_on_cpu():
+    """harness.rank_barrier(mesh) is one compiled barrier per mesh that returns once every rank reached it."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from jax_ep.bench import harness
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
+    barrier = harness.rank_barrier(mesh)
+    assert harness.rank_barrier(mesh) is barrier
+    assert barrier() is None
