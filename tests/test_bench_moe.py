@@ -153,7 +153,7 @@ def test_moe_bench_communication_ratios(capsys):
     assert capsys.readouterr().out == ""
 
 
-def test_timed_runs_start_after_the_barrier(monkeypatch):
+def test_timed_runs_start_after_the_barrier():
     """harness.alternating_median_ms calls before_run once before each run of each step, and the run's clock starts
     after it: a barrier that takes 50 ms adds nothing to the figures (the steps here take no time)."""
     import time
