@@ -1,7 +1,7 @@
 // Intranode expert-major kernels (docs/design.md, "Expert-major layout"): dispatch, cached dispatch and combine of
 // the layout whose rows are (token, local expert) pairs grouped by local expert, each group in (source rank, source
 // token) order. Each is one launch in the call protocol of intranode_call.cuh (arrival barrier, the op's work,
-// release barrier), in both process models.
+// release barrier; the combine needs none: CallEnd::kPeersDone), in both process models.
 //
 // Dispatch. A token crosses NVLink once to each rank that holds one of its experts and is written there into the
 // row of every pair it has on that rank (local HBM stores).
@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(kThreads, 1) expert_major_combine_backward_ker
 // added in rank order from 0 + bias, cast. Warps take jobs of home ranks interleaved so that consecutive partials go
 // to different ranks.
 
-// A job of a pass (each warp takes its WarpJobs).
+// A job of a pass (warps take them from their block's BlockJobs).
 struct CombineJob {
   int64_t index;
   bool valid;     // index < the pass's jobs
@@ -177,20 +177,27 @@ __device__ __forceinline__ int nth_set_bit(uint32_t bits, int n) {
 }
 
 // Source rows are read through shared memory by cp.async: each warp keeps kStages stages of one source row's chunk
-// (kChunkVecs 16-byte vectors per lane, 1 KB a warp) in flight. kMostCombineStages = 10 (160 KB of rows per SM, 180
-// KB with the weights) is about what one SM needs to read at its full rate (one row per pair: the rank-major combine
-// reads a quarter of these bytes at EP2 and DeepSeek's shape); registers would hold a tenth of that beside the
-// sums. (On an H200 an SM reads consecutive chunks this way at ~93 GB/s, pair rows scattered over y at ~37 GB/s
-// whatever the depth: docs/perf-log.md.) GPUs that give a block less shared memory (A100: 163 KB, sm_86/89: 99 KB)
-// take kFewestCombineStages. Each lane reads back only what it copied itself (the chunk's vectors and the pair's
-// weight), so the warp needs no barrier.
-constexpr int kChunkVecs = 2;
+// (kChunkVecs 16-byte vectors per lane, 2 KB a warp) in flight. kMostCombineStages = 5 (160 KB of rows per SM, 170
+// KB with the weights and job rings) is about what one SM needs to read at its full rate (one row per pair: the
+// rank-major combine reads a quarter of these bytes at EP2 and DeepSeek's shape); registers would hold a tenth of
+// that beside the sums. (On an H200 an SM reads consecutive chunks this way at ~93 GB/s, pair rows scattered over y
+// at ~37 GB/s whatever the depth: docs/perf-log.md.) A stage costs the stream's bookkeeping and a wait whatever its
+// size: 2 KB stages ran the combine 4 % faster than 1 KB ones, in spite of the registers they spill. GPUs that give
+// a block less shared memory (A100: 163 KB, sm_86/89: 99 KB) take kFewestCombineStages. Each lane reads back only
+// what it copied itself (the chunk's vectors and the pair's weight), so the warp needs no barrier.
+constexpr int kChunkVecs = 4;
 constexpr int kChunkUnits = 32 * kChunkVecs;  // 16-byte units of a chunk
-constexpr int kMostCombineStages = 10, kFewestCombineStages = 4;
+constexpr int kMostCombineStages = 5, kFewestCombineStages = 2;
+// The jobs a warp's stream took and its consumer has not yet finished, in order: a job takes at least one stage
+// (an empty one where it has no sources), so the stream runs at most kStages jobs ahead of the consumer, and
+// holds one more taken ahead.
+template <int kStages>
+constexpr int kJobRing = kStages + 2;
 template <int kStages>
 struct CombineStages {  // a warp's
   uint4 rows[kStages][kChunkUnits];
   float weights[kStages][32];
+  int64_t jobs[kJobRing<kStages>];
 };
 template <int kStages>
 constexpr int kCombineSmemBytes = kWarps * static_cast<int>(sizeof(CombineStages<kStages>));
@@ -220,45 +227,56 @@ struct CombineRows {
   int64_t chunks;           // of kChunkUnits vectors
 };
 
-// The warp's stream of copies, in the order the pass consumes them: per job with sources, per chunk, per source.
-// issue() copies the next one into a stage and commits a group of cp.async (empty past the end), so that a lane
-// always has kStages groups committed ahead of the one it consumes. It keeps the next job's pair_row entries
-// loaded one job ahead, so that starting a job does not wait for memory.
+// The warp's stream of copies, in the order the pass consumes them: per job with sources, per chunk, per source;
+// a job without sources (a pass-1 item all of whose pairs were dropped, or that this rank did not receive; a pass-2
+// token no peer holds) takes one empty stage. issue() copies the next one into a stage and commits a group of
+// cp.async (empty past the end), so that a lane always has kStages groups committed ahead of the one it consumes.
+// It takes the warp's jobs from the block's BlockJobs one ahead (their pair_row entries load before they start)
+// and writes each job it takes into the ring, where the consumer finds them in the same order.
 template <bool kOwnTokens, int kStages>
 struct SourceStream {
   const ExpertMajorCombineArgs& a;
   const CombineRows& rows;
+  const BlockJobs& jobs;
+  int64_t* ring;
   int num_ranks, me, lane;
   CombineJob job, ahead;
   JobShape shape;
+  int64_t taken = 0;  // jobs written into the ring
   int64_t chunk = 0;
   int source = 0;
   bool done = false;
 
-  const WarpJobs& jobs;
-  __device__ SourceStream(const ExpertMajorCombineArgs& args, const CombineRows& r, int ranks, int rank, int lane_,
-                          const WarpJobs& warp_jobs)
-      : a(args), rows(r), num_ranks(ranks), me(rank), lane(lane_), jobs(warp_jobs) {
-    job = load_job<kOwnTokens>(a, num_ranks, me, jobs.start, lane);
-    ahead = load_job<kOwnTokens>(a, num_ranks, me, jobs.next(job.index), lane);
-    skip_jobs_without_sources();
+  __device__ SourceStream(const ExpertMajorCombineArgs& args, const CombineRows& r, const BlockJobs& block_jobs,
+                          int64_t* job_ring, int ranks, int rank, int lane_)
+      : a(args), rows(r), jobs(block_jobs), ring(job_ring), num_ranks(ranks), me(rank), lane(lane_) {
+    job = take();
+    ahead = take();
+    start_job();
   }
 
-  __device__ void skip_jobs_without_sources() {
-    for (;;) {
-      if (!job.valid) {
-        done = true;
-        return;
-      }
-      shape = shape_of<kOwnTokens>(job, a, me);
-      if (shape.sources() > 0) return;
-      job = ahead;
-      ahead = load_job<kOwnTokens>(a, num_ranks, me, jobs.next(job.index), lane);
-    }
+  __device__ CombineJob take() {
+    const int64_t index = jobs.take(lane);
+    if (lane == 0) ring[taken % kJobRing<kStages>] = index;
+    ++taken;
+    return load_job<kOwnTokens>(a, num_ranks, me, index, lane);
+  }
+
+  __device__ void start_job() {
+    done = !job.valid;
+    if (!done) shape = shape_of<kOwnTokens>(job, a, me);
+  }
+
+  __device__ void next_job() {
+    job = ahead;
+    if (job.valid) ahead = take();
+    start_job();
   }
 
   __device__ void issue(CombineStages<kStages>& stages, int stage) {
-    if (!done) {
+    if (!done && shape.sources() == 0) {
+      next_job();  // its empty stage
+    } else if (!done) {
       const char* src;
       if (source < shape.pairs) {
         const int32_t row = __shfl_sync(kFullMask, job.pair, nth_set_bit(shape.kept, source));
@@ -277,9 +295,7 @@ struct SourceStream {
         source = 0;
         if (++chunk == rows.chunks) {
           chunk = 0;
-          job = ahead;
-          ahead = load_job<kOwnTokens>(a, num_ranks, me, jobs.next(job.index), lane);
-          skip_jobs_without_sources();
+          next_job();
         }
       }
     }
@@ -293,8 +309,9 @@ __device__ void combine_pass_staged(const IntranodeRank& g, const CallContext& c
                                     const CombineRows& rows, CombineStages<kStages>& stages) {
   const int num_ranks = g.num_ranks, me = g.rank, lane = threadIdx.x % 32;
   const bool weighted = a.weights != nullptr;
-  const WarpJobs jobs(kOwnTokens ? a.num_tokens : num_ranks * a.num_tokens);
-  SourceStream<kOwnTokens, kStages> stream(a, rows, num_ranks, me, lane, jobs);
+  __shared__ unsigned long long next_job;
+  const BlockJobs jobs(kOwnTokens ? a.num_tokens : num_ranks * a.num_tokens, &next_job);
+  SourceStream<kOwnTokens, kStages> stream(a, rows, jobs, stages.jobs, num_ranks, me, lane);
 #pragma unroll 1
   for (int k = 0; k < kStages; ++k) stream.issue(stages, k);
   int stage = 0;  // where the next copy consumed is
@@ -311,10 +328,22 @@ __device__ void combine_pass_staged(const IntranodeRank& g, const CallContext& c
     stream.issue(stages, stage);  // into the stage just read: its copies land after these reads
     stage = stage + 1 == kStages ? 0 : stage + 1;
   };
-  CombineJob job = load_job<kOwnTokens>(a, num_ranks, me, jobs.start, lane);
-  CombineJob ahead = load_job<kOwnTokens>(a, num_ranks, me, jobs.next(job.index), lane);
-  for (; job.valid; job = ahead, ahead = load_job<kOwnTokens>(a, num_ranks, me, jobs.next(job.index), lane)) {
+  // The stream's jobs, from its ring: job `position`, and the next one (the stream took it when it started
+  // issuing this one's copies, at least one stage ahead).
+  const auto ring_job = [&](int64_t position) {
+    __syncwarp();  // lane 0 wrote the ring
+    return load_job<kOwnTokens>(a, num_ranks, me, stages.jobs[position % kJobRing<kStages>], lane);
+  };
+  int64_t position = 0;
+  CombineJob following;
+  for (CombineJob job = ring_job(0); job.valid; job = following, ++position) {
+    following = ring_job(position + 1);
     const JobShape shape = shape_of<kOwnTokens>(job, a, me);
+    if (shape.sources() == 0) {  // its empty stage
+      Pack<In, kVec> unused_packs[kChunkVecs];
+      float unused_weight;
+      consume(unused_packs, unused_weight);
+    }
     if (!shape.writes) continue;
     for (int64_t chunk = 0; chunk < rows.chunks; ++chunk) {
       if constexpr (!kOwnTokens) {  // the item's partial: into its home rank's slot for this rank, or out[t]
@@ -469,7 +498,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     exchange_partials(g, ctx, timeout_ns);
     combine_pass_by_element<true, In, Bias, Out>(g, ctx, a);
   }
-  finish_call(g, ctx, IntranodeOp::kExpertMajorCombine, timeout_ns, [] {});
+  finish_call(g, ctx, IntranodeOp::kExpertMajorCombine, timeout_ns, [] {}, CallEnd::kPeersDone);
 }
 
 // ---- launches ------------------------------------------------------------------------------------------------------

@@ -121,14 +121,22 @@ __device__ __forceinline__ void wait_for_arrivals(const IntranodeRank& g, CallCo
   __syncthreads();
 }
 
+// How a call ends. kReleaseBarrier: step 5 as intranode.cu describes it. kPeersDone: no release barrier, for an
+// op after whose last wait on the peers none of them touches this rank's memory in the call (the expert-major
+// combine: every peer stored its partials here, and each of its blocks read this rank's view, before it raised
+// the flag this rank waits for before its second pass). A peer's next call then stores into this rank only after
+// this rank arrived for it, so after this call ended; its skew stays bounded the same way.
+enum class CallEnd { kReleaseBarrier, kPeersDone };
+
 // Step 5 (every block, after its work). The last block runs `epilogue` (with every other block's writes
 // visible) before the release barrier.
 template <typename Epilogue>
 __device__ __forceinline__ void finish_call(const IntranodeRank& g, CallContext& ctx, IntranodeOp op,
-                                            int64_t timeout_ns, Epilogue epilogue) {
+                                            int64_t timeout_ns, Epilogue epilogue,
+                                            CallEnd end = CallEnd::kReleaseBarrier) {
   IntranodeState* own = g.states[g.rank];
   const auto release = [&] {
-    if (threadIdx.x < g.num_ranks) {
+    if (end == CallEnd::kReleaseBarrier && threadIdx.x < g.num_ranks) {
       const int peer = threadIdx.x;
       __threadfence_system();
       store_release_sys(&g.states[peer]->released[g.rank], ctx.call);
