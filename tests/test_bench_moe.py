@@ -22,7 +22,8 @@ STAGES = {"router", "dispatch", "expert FFN", "combine"}
 
 def moe_record(tmp_path, *argv: str) -> dict:
     path = tmp_path / "moe.json"
-    assert bench.main(["moe", "--tokens", "16", "--runs", "1", "--calls", "1", "--json", str(path), *argv]) == 0
+    assert bench.main(["moe", "--tokens", "16", "--runs", "1", "--calls", "1", "--stage-calls", "1",
+                       "--json", str(path), *argv]) == 0
     return json.loads(path.read_text())
 
 

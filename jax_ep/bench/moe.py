@@ -42,11 +42,12 @@ Per shape and dispatcher:
 - --num-chunks N [M ...]: the block with each num_chunks (its tokens through dispatch, experts and combine in
   chunks, so that XLA may overlap one chunk's communication with another's matmuls), timed in the same run; the
   breakdown is taken once, unchunked.
-Timing (harness.median_ms): median over --runs of --calls back-to-back calls, after a warm-up, each run after a
-barrier of the ranks (harness.rank_barrier: with one process per GPU a run's clock would otherwise also hold how far
-this process started ahead of its peers); the block's runs and its proxy's take turns
-(harness.alternating_median_ms), so that both are timed at the same GPU clock (which drifts by several per cent over
-a run as the GPU warms).
+Timing (harness.median_ms): median over --runs of --calls back-to-back calls (--stage-calls for each stage of the
+breakdown: a short stage timed over a few calls mostly measures the first call's launch), after a warm-up, each run
+after a barrier of the ranks (harness.rank_barrier: with one process per GPU a run's clock would otherwise also hold
+how far this process started ahead of its peers); the block's runs and its proxy's take turns
+(harness.alternating_median_ms), so that both are timed at the same GPU clock (which drifts by several per cent
+over a run as the GPU warms).
 """
 from __future__ import annotations
 
@@ -82,6 +83,9 @@ from jax_ep.flax.routing import route
 
 
 DISPATCHERS = ("normal", "xla")
+# Calls per timed run of a stage (--stage-calls): a run of 3 calls of a 0.2 ms stage also holds a third of the
+# first call's launch and of the wait for the last, ~0.1 ms per call for either dispatcher (docs/perf-log.md).
+STAGE_CALLS = 20
 STAGES = ("router", "dispatch", "expert FFN", "combine")
 TARGET_RATIO = 1.5  # issue 20's acceptance: the block's forward + backward at most 1.5x the dense proxy
 
@@ -107,7 +111,10 @@ def add_arguments(parser) -> None:
                              "to the block; default: the block's own Buffer, every SM but the 32 that "
                              "jax_ep.flax.moe.block_config leaves to XLA's collectives)")
     parser.add_argument("--runs", type=int, default=10, help="timed runs per figure (the median is reported)")
-    parser.add_argument("--calls", type=int, default=3, help="back-to-back calls per timed run")
+    parser.add_argument("--calls", type=int, default=3, help="back-to-back calls per timed run of the block and its "
+                                                             "proxy")
+    parser.add_argument("--stage-calls", type=int, default=STAGE_CALLS,
+                        help="back-to-back calls per timed run of each stage of the breakdown (default %(default)s)")
     parser.add_argument("--remat", action="store_true",
                         help="also print XLA's temporary memory of a few blocks in a row with and without jax.checkpoint")
     parser.add_argument("--timeline", help="write a PNG of one block step's kernels per GPU stream, per shape and "
@@ -205,7 +212,8 @@ def _stage_ms(mesh, key, fn, diff, diff_specs, const, args):
     step = jax.jit(jax.shard_map(forward_backward, mesh=mesh, in_specs=(diff_specs, ep, ep),
                                  out_specs=(ep, ep, diff_specs)))
     inputs = (diff, const, cotangent)
-    ms = dict(wall=harness.median_ms(step, [inputs], args.runs, args.calls, before_run=harness.rank_barrier(mesh)),
+    ms = dict(wall=harness.median_ms(step, [inputs], args.runs, args.stage_calls,
+                                     before_run=harness.rank_barrier(mesh)),
               gpu=_gpu_ms(mesh, step, inputs) if harness.on_gpu(mesh) else None)
     return ms, out, aux
 
@@ -317,12 +325,14 @@ def run(args) -> dict:
     num_ranks, device = mesh.devices.size, mesh.devices.flat[0]
     setup = dict(device=device.device_kind, platform=device.platform, jax=jax.__version__, num_ranks=num_ranks,
                  process_model=harness.process_model(args), tokens=args.tokens, num_chunks=list(args.num_chunks),
-                 dtype=jnp.dtype(DTYPE).name, runs=args.runs, calls=args.calls, target_ratio=TARGET_RATIO,
+                 dtype=jnp.dtype(DTYPE).name, runs=args.runs, calls=args.calls, stage_calls=args.stage_calls,
+                 target_ratio=TARGET_RATIO,
                  normal_dispatcher_sms=args.sms)
     print(f"[moe] {num_ranks} ranks ({device.device_kind}), {setup['process_model']}, {args.tokens} tokens per rank"
           + (f" (the block in {' and '.join(map(str, args.num_chunks))} chunks)" if args.num_chunks != [1] else "")
           + (f", the normal dispatcher's kernels on {args.sms} SMs" if args.sms is not None else "") + ", "
-          f"{setup['dtype']}, forward + backward; median of {args.runs} runs of {args.calls} calls", flush=True)
+          f"{setup['dtype']}, forward + backward; median of {args.runs} runs of {args.calls} calls (each stage "
+          f"alone: of {args.stage_calls})", flush=True)
     if not harness.on_gpu(mesh):
         setup["not_a_performance_figure"] = harness.NOT_ON_A_GPU
         print(f"[moe] {harness.NOT_ON_A_GPU}", flush=True)
