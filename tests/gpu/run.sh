@@ -17,6 +17,8 @@
 # MP_WORKERS (default 4): multi-process tests run at once (pytest-xdist, where installed).
 # By hand: the Ampere path (sm_80 + PTX only, which the driver compiles for a Hopper GPU at load time):
 #   JAX_EP_CUDA_ARCHS=80 bash tests/gpu/run.sh accept kernels
+# with an extension built elsewhere (its _C*.so in DIR, built for the same Python, jax and NVSHMEM wheel):
+#   JAX_EP_PREBUILT=DIR bash tests/gpu/run.sh accept
 # the NVSHMEM bootstrap probes (an unstripped build, for their backtraces):
 #   python3 -m pip install --no-build-isolation --no-deps --config-settings=install.strip=false -e . &&
 #   OUT=$OUT/nvshmem_probe bash tests/gpu/nvshmem_probe/run.sh
@@ -45,8 +47,16 @@ step() {  # step NAME LIMIT_S COMMAND...: run it (if LIMIT_S fits the budget) in
 case "$mode" in accept) build=() ;; bench) build=(--config-settings=cmake.define.JAX_EP_INSTRUMENT=ON) ;;
   *) sed -n '2,22p' "$0"; exit 2 ;; esac
 nvidia-smi -L; python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
-step build 240 python3 -m pip install --no-build-isolation --no-deps -v "${build[@]}" -e . ||
-  { tail -40 "$OUT/build.log"; exit 1; }
+if [ -n "${JAX_EP_PREBUILT:-}" ]; then
+  # An extension built on another machine against this one's Python, jax and NVSHMEM wheel (the build takes
+  # minutes of device time): put it in the package and run from the checkout.
+  cp "$JAX_EP_PREBUILT"/_C*.so jax_ep/ || exit 1
+  nvshmem_lib=$(python3 -c "import nvidia.nvshmem as m; print(list(m.__path__)[0])" 2>/dev/null)/lib
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" LD_LIBRARY_PATH="$nvshmem_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+else
+  step build 240 python3 -m pip install --no-build-isolation --no-deps -v "${build[@]}" -e . ||
+    { tail -40 "$OUT/build.log"; exit 1; }
+fi
 python3 -c "import jax_ep._native as n; print('cuda:', n.with_cuda(), 'nvshmem:', n.with_nvshmem())"
 
 if [ "$mode" = accept ]; then
