@@ -1,10 +1,11 @@
 // Probe: how fast do a few SMs move rows with bulk copies (TMA), and what does that cost a matmul running beside
 // them? Two GPUs; each gathers `rows` rows of `row_bytes` from random rows of its source and scatters them to
-// random rows of a destination, the peer's (over NVLink) or its own (HBM). A persistent mover on S SMs, one
-// thread of one CTA each, loads a row into shared memory (cp.async.bulk, completion on an mbarrier) and stores it
-// from there (cp.async.bulk bulk groups), kAhead loads and kStages - kAhead stores of each CTA in flight.
-// Prints each rate alone, then beside a chain of cuBLAS bf16 GEMMs on another stream of the same GPU: how much
-// longer the GEMMs took against the mover's time alone ("hidden"). Built and run by run.sh here.
+// random rows (shuffled_row) of a destination, the peer's (over NVLink) or its own (HBM). A persistent mover on S
+// SMs, one CTA each, runs pipelines on one thread of each of its warps: each loads a row into shared memory
+// (cp.async.bulk, completion on an mbarrier) and stores it from there (cp.async.bulk bulk groups), kAhead loads and
+// kStages - kAhead stores in flight (each configuration whose rows fit in shared memory). Prints each rate alone,
+// then beside a chain of cuBLAS bf16 GEMMs on another stream of the same GPU: how much longer the GEMMs took
+// against the mover's time alone ("hidden"). Built and run by run.sh here.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -13,8 +14,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <numeric>
-#include <random>
 #include <vector>
 
 #define CK(x)                                                                               \
@@ -28,42 +27,62 @@
     if (s != CUBLAS_STATUS_SUCCESS) { printf("cublas %d line %d\n", s, __LINE__); exit(1); } \
   } while (0)
 
+// A row's random place: a bijection of [0, rows) for rows a power of two (an odd multiplier is invertible mod 2^k),
+// computed rather than read so that the mover's one thread never waits on an index load.
+__host__ __device__ __forceinline__ int shuffled_row(int i, int rows, uint32_t salt) {
+  return (int)((((uint32_t)i ^ salt) * 2654435761u) & (uint32_t)(rows - 1));
+}
+
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
-template <int kStages, int kAhead>
-__global__ void __launch_bounds__(32) mover(const char* src, char* dst, const int* src_row, const int* dest_row, int rows,
-                                            int row_bytes, int reps) {
-  extern __shared__ __align__(128) char stage_mem[];
-  __shared__ __align__(8) uint64_t bars[kStages];
-  if (threadIdx.x != 0) return;
+// kWarps pipelines a CTA, each run by lane 0 of its warp with kStages rows of shared memory of its own.
+template <int kWarps, int kStages, int kAhead>
+__global__ void __launch_bounds__(32 * kWarps) mover(const char* src, char* dst, uint32_t src_salt,
+                                                     uint32_t dest_salt, int rows, int row_bytes, int copies,
+                                                     int reps) {
+  extern __shared__ __align__(128) char shared_rows[];
+  __shared__ __align__(8) uint64_t all_bars[kWarps * kStages];
+  const int warp = (int)threadIdx.x / 32;
+  if (threadIdx.x % 32 != 0) return;
+  uint64_t* bars = all_bars + warp * kStages;
+  char* stage_mem = shared_rows + (size_t)warp * kStages * row_bytes;
   for (int s = 0; s < kStages; ++s)
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&bars[s])));
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  int mine = (rows - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;
-  int total = mine * reps;
-  auto row_of = [&](int j) { return (int)blockIdx.x + (j % mine) * (int)gridDim.x; };
+  const int pipeline = (int)blockIdx.x * kWarps + warp, pipelines = (int)gridDim.x * kWarps;
+  const int mine = (rows - pipeline + pipelines - 1) / pipelines;
+  const int total = mine * reps;
+  auto row_of = [&](int j) { return pipeline + (j % mine) * pipelines; };
   auto load = [&](int j) {
     int s = j % kStages;
     uint32_t bar = smem_addr(&bars[s]);
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(row_bytes) : "memory");
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
                      smem_addr(stage_mem + (size_t)s * row_bytes)),
-                 "l"(src + (size_t)src_row[row_of(j)] * row_bytes), "r"(row_bytes), "r"(bar)
+                 "l"(src + (size_t)shuffled_row(row_of(j), rows, src_salt) * row_bytes), "r"(row_bytes), "r"(bar)
                  : "memory");
   };
   for (int j = 0; j < kAhead && j < total; ++j) load(j);
   for (int j = 0; j < total; ++j) {
     int s = j % kStages;
     uint32_t phase = (j / kStages) & 1, done = 0;
-    while (!done)
+    const long long give_up = clock64() + (1ll << 32);
+    while (!done) {
       asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
                    : "=r"(done)
                    : "r"(smem_addr(&bars[s])), "r"(phase)
                    : "memory");
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(
-                     dst + (size_t)dest_row[row_of(j)] * row_bytes),
-                 "r"(smem_addr(stage_mem + (size_t)s * row_bytes)), "r"(row_bytes)
-                 : "memory");
+      if (!done && clock64() > give_up) __trap();  // a bounded wait: ~2 s at 2 GHz
+    }
+    if (dst == nullptr) {  // reads only: the stage is free again once its load has landed
+      if (j + kAhead < total) load(j + kAhead);
+      continue;
+    }
+    for (int c = 0; c < copies; ++c)  // the row's `copies` stores, one bulk group
+      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(
+                       dst + (size_t)shuffled_row(row_of(j) * copies + c, rows * copies, dest_salt) * row_bytes),
+                   "r"(smem_addr(stage_mem + (size_t)s * row_bytes)), "r"(row_bytes)
+                   : "memory");
     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
     if (j + kAhead < total) {
       // The stage of row j + kAhead last held row j + kAhead - kStages: its store must have read it.
@@ -74,9 +93,15 @@ __global__ void __launch_bounds__(32) mover(const char* src, char* dst, const in
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
-using Mover = void (*)(const char*, char*, const int*, const int*, int, int, int);
-struct Depth { const char* name; Mover kernel; int stages; };
-const Depth kDepths[] = {{"8 stages, 4 loads ahead", mover<8, 4>, 8}, {"14 stages, 7 loads ahead", mover<14, 7>, 14}};
+using Mover = void (*)(const char*, char*, uint32_t, uint32_t, int, int, int, int);
+struct Depth { const char* name; Mover kernel; int warps, stages; };  // stages: each warp's
+const Depth kDepths[] = {{"1 warp: 14 stages, 7 loads ahead", mover<1, 14, 7>, 1, 14},
+                         {"2 warps: 7 stages, 4 loads ahead", mover<2, 7, 4>, 2, 7},
+                         {"4 warps: 3 stages, 2 loads ahead", mover<4, 3, 2>, 4, 3},
+                         {"4 warps: 12 stages, 6 loads ahead", mover<4, 12, 6>, 4, 12},
+                         {"8 warps: 6 stages, 3 loads ahead", mover<8, 6, 3>, 8, 6}};
+constexpr int kMostSharedBytes = 227 * 1024;
+constexpr int kFanOutCopies = 4;  // stores of each row loaded, in the fan-out case (a dispatch's local experts)
 
 __global__ void fill_rows(int* rows_data, int rows, int ints_per_row, int tag) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < (size_t)rows * ints_per_row;
@@ -86,8 +111,7 @@ __global__ void fill_rows(int* rows_data, int rows, int ints_per_row, int tag) {
 
 struct Gpu {
   char *src, *dst;
-  int *src_row, *dest_row;
-  std::vector<int> src_row_host, dest_row_host;
+  uint32_t src_salt, dest_salt;
   __nv_bfloat16 *a, *b, *c;
   cudaStream_t mover_stream, gemm_stream;
   cublasHandle_t blas;
@@ -98,25 +122,21 @@ int main(int argc, char** argv) {
   const int row_bytes = argc > 1 ? atoi(argv[1]) : 14336, rows = argc > 2 ? atoi(argv[2]) : 4096;
   const int n = 8192, gemms = 12;
   const size_t bytes = (size_t)rows * row_bytes;
+  if (rows & (rows - 1)) { printf("rows must be a power of two\n"); return 1; }
   Gpu g[2];
   for (int d = 0; d < 2; ++d) {
     CK(cudaSetDevice(d));
     CK(cudaDeviceEnablePeerAccess(1 - d, 0));
     for (const Depth& depth : kDepths)
-      CK(cudaFuncSetAttribute(depth.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, depth.stages * row_bytes));
+      if (depth.warps * depth.stages * row_bytes <= kMostSharedBytes)
+        CK(cudaFuncSetAttribute(depth.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                depth.warps * depth.stages * row_bytes));
     CK(cudaMalloc(&g[d].src, bytes));
-    CK(cudaMalloc(&g[d].dst, bytes));
+    CK(cudaMalloc(&g[d].dst, bytes * kFanOutCopies));
     fill_rows<<<264, 256>>>((int*)g[d].src, rows, row_bytes / 4, d);
     CK(cudaGetLastError());
-    for (auto* perm : {&g[d].src_row_host, &g[d].dest_row_host}) {
-      perm->resize(rows);
-      std::iota(perm->begin(), perm->end(), 0);
-      std::shuffle(perm->begin(), perm->end(), std::mt19937(perm == &g[d].src_row_host ? 2 * d : 2 * d + 1));
-    }
-    CK(cudaMalloc(&g[d].src_row, rows * sizeof(int)));
-    CK(cudaMalloc(&g[d].dest_row, rows * sizeof(int)));
-    CK(cudaMemcpy(g[d].src_row, g[d].src_row_host.data(), rows * sizeof(int), cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(g[d].dest_row, g[d].dest_row_host.data(), rows * sizeof(int), cudaMemcpyHostToDevice));
+    g[d].src_salt = 0x1234u + 2 * d;
+    g[d].dest_salt = 0x5678u + 2 * d;
     int least, greatest;
     CK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
     CK(cudaStreamCreateWithPriority(&g[d].mover_stream, cudaStreamNonBlocking, greatest));
@@ -140,10 +160,19 @@ int main(int argc, char** argv) {
                       CUDA_R_16BF, n, &beta, g[d].c, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     CK(cudaEventRecord(g[d].g1, g[d].gemm_stream));
   };
-  auto move = [&](const Depth& depth, bool to_peer, int d, int sms, int reps) {
+  enum Destination { kPeer, kOwn, kFanOut, kPeerFanOut, kNone };
+  const char* kDestinationNames[] = {"to the peer (NVLink)", "to its own HBM",
+                                     "fan-out: each row stored to 4 rows of its own HBM (GB/s of stores)",
+                                     "fan-out of the peer's rows (read over NVLink) to 4 rows each of its own HBM "
+                                     "(GB/s of stores)",
+                                     "reads only (no stores)"};
+  auto copies_of = [](Destination where) { return where == kFanOut || where == kPeerFanOut ? kFanOutCopies : 1; };
+  auto move = [&](const Depth& depth, Destination where, int d, int sms, int reps) {
     CK(cudaEventRecord(g[d].e0, g[d].mover_stream));
-    depth.kernel<<<sms, 32, depth.stages * row_bytes, g[d].mover_stream>>>(
-        g[d].src, to_peer ? g[1 - d].dst : g[d].dst, g[d].src_row, g[d].dest_row, rows, row_bytes, reps);
+    depth.kernel<<<sms, 32 * depth.warps, depth.warps * depth.stages * row_bytes, g[d].mover_stream>>>(
+        where == kPeerFanOut ? g[1 - d].src : g[d].src,
+        where == kPeer ? g[1 - d].dst : where == kNone ? nullptr : g[d].dst, g[d].src_salt,
+        g[d].dest_salt, rows, row_bytes, copies_of(where), reps);
     CK(cudaGetLastError());
     CK(cudaEventRecord(g[d].e1, g[d].mover_stream));
   };
@@ -157,42 +186,57 @@ int main(int argc, char** argv) {
     gemm_alone = std::min(gemm_alone, ms(g[0].g0, g[0].g1));
   }
   printf("GEMMs alone: %.3f ms (%.0f TFLOP/s)\n", gemm_alone, 2.0 * n * n * n * gemms / gemm_alone / 1e9);
-  for (bool to_peer : {true, false}) {
-    for (const Depth& depth : kDepths) {
-      // Check one pass: dst[dest_row[i]] holds src[src_row[i]] of the sender.
-      for (int d = 0; d < 2; ++d) { CK(cudaSetDevice(d)); CK(cudaMemset(g[d].dst, 0xff, bytes)); }
-      sync_all();
-      for (int d = 0; d < 2; ++d) { CK(cudaSetDevice(d)); move(depth, to_peer, d, 16, 1); }
-      sync_all();
-      long wrong = 0;
-      for (int d = 0; d < 2; ++d) {
-        const int sender = to_peer ? 1 - d : d, ints = row_bytes / 4;
-        std::vector<int> got(bytes / 4);
-        CK(cudaSetDevice(d));
-        CK(cudaMemcpy(got.data(), g[d].dst, bytes, cudaMemcpyDeviceToHost));
-        for (int i = 0; i < rows; ++i)
+  // One pass, then each destination row dst[shuffled_row(i * copies + c, dest_salt)] holds the source row
+  // src[shuffled_row(i, src_salt)] (its index * 2 + the source's GPU): the count of ints that do not.
+  auto wrong_after_one_pass = [&](const Depth& depth, Destination where) {
+    const int copies = copies_of(where);
+    for (int d = 0; d < 2; ++d) { CK(cudaSetDevice(d)); CK(cudaMemset(g[d].dst, 0xff, bytes * copies)); }
+    sync_all();
+    for (int d = 0; d < 2; ++d) { CK(cudaSetDevice(d)); move(depth, where, d, 16, 1); }
+    sync_all();
+    long wrong = 0;
+    for (int d = 0; d < 2; ++d) {
+      // The GPU whose kernel wrote d's rows (its salts), and the GPU whose source rows it read.
+      const int writer = where == kPeer ? 1 - d : d, source = where == kPeer || where == kPeerFanOut ? 1 - d : d;
+      const int ints = row_bytes / 4;
+      std::vector<int> got(bytes * copies / 4);
+      CK(cudaSetDevice(d));
+      CK(cudaMemcpy(got.data(), g[d].dst, bytes * copies, cudaMemcpyDeviceToHost));
+      for (int i = 0; i < rows; ++i)
+        for (int c = 0; c < copies; ++c)
           for (int k = 0; k < ints; ++k)
-            wrong += got[(size_t)g[sender].dest_row_host[i] * ints + k] != g[sender].src_row_host[i] * 2 + sender;
-      }
-      printf("\n%s, %s: %ld wrong ints after one pass\n", to_peer ? "to the peer (NVLink)" : "to its own HBM",
-             depth.name, wrong);
+            wrong += got[(size_t)shuffled_row(i * copies + c, rows * copies, g[writer].dest_salt) * ints + k] !=
+                     shuffled_row(i, rows, g[writer].src_salt) * 2 + source;
+    }
+    return wrong;
+  };
+  for (Destination where : {kPeer, kOwn, kFanOut, kPeerFanOut, kNone}) {
+    const double counted = bytes * copies_of(where);  // the bytes a rate counts: stored, or loaded without stores
+    for (const Depth& depth : kDepths) {
+      if (depth.warps * depth.stages * row_bytes > kMostSharedBytes) continue;
+      if (where == kNone)
+        printf("\n%s, %s\n", kDestinationNames[where], depth.name);
+      else
+        printf("\n%s, %s: %ld wrong ints after one pass\n", kDestinationNames[where], depth.name,
+               wrong_after_one_pass(depth, where));
       for (int sms : {1, 2, 4, 8, 16, 24, 32, 132}) {
         float alone = 1e9;
         for (int it = 0; it < 3; ++it) {
-          for (int d = 0; d < 2; ++d) { CK(cudaSetDevice(d)); move(depth, to_peer, d, sms, 1); }
+          for (int d = 0; d < 2; ++d) { CK(cudaSetDevice(d)); move(depth, where, d, sms, 1); }
           sync_all();
           alone = std::min(alone, std::max(ms(g[0].e0, g[0].e1), ms(g[1].e0, g[1].e1)));
         }
-        printf("  %3d SMs alone: %7.1f us, %4.0f GB/s (%3.0f per SM)", sms, alone * 1e3, bytes / alone / 1e6,
-               bytes / alone / 1e6 / sms);
+        printf("  %3d SMs alone: %7.1f us, %4.0f GB/s (%3.0f per SM)", sms, alone * 1e3, counted / alone / 1e6,
+               counted / alone / 1e6 / sms);
         if (sms > 32) { printf("\n"); continue; }
         // Beside the GEMMs: as many passes as fit in about half the chain, the mover launched first.
         const int reps = std::max(1, (int)(0.5f * gemm_alone / alone));
-        for (int d = 0; d < 2; ++d) { CK(cudaSetDevice(d)); move(depth, to_peer, d, sms, reps); gemm_chain(d); }
+        for (int d = 0; d < 2; ++d) { CK(cudaSetDevice(d)); move(depth, where, d, sms, reps); gemm_chain(d); }
         sync_all();
         const float moved = ms(g[0].e0, g[0].e1), gemm = ms(g[0].g0, g[0].g1);
         printf(" | beside the GEMMs: %3d passes in %.3f ms (%4.0f GB/s), GEMMs +%.3f ms, hidden %3.0f %%\n", reps,
-               moved, bytes * reps / moved / 1e6, gemm - gemm_alone, 100.0 * (1.0 - (gemm - gemm_alone) / (alone * reps)));
+               moved, counted * reps / moved / 1e6, gemm - gemm_alone,
+               100.0 * (1.0 - (gemm - gemm_alone) / (alone * reps)));
       }
     }
   }
