@@ -1,8 +1,8 @@
 // Probe: how fast can S SMs do the expert-major combine's local fan-in at DeepEP's shape? Each of `tokens` tokens
 // has kPairs pair rows of `hidden` bf16 scattered over y (a bijection of its rows, as a token's pairs lie in
-// different experts' groups); a warp sums a token's pairs weighted, in pair order, in float32, a 4 KB column chunk
+// different experts' groups); a warp sums a token's pairs weighted, in pair order, in float32, a 2 KB column chunk
 // at a time, and stores the chunk of its partial row rounded to bf16. Two ways to read the pair rows:
-//   bulk:  lane 0 of each warp streams the chunks (cp.async.bulk, 4 KB each, completion on an mbarrier) through
+//   bulk:  lane 0 of each warp streams the chunks (cp.async.bulk, 2 KB each, completion on an mbarrier) through
 //          kStages stages of shared memory, kAhead ahead; every lane reads back its 16-byte vectors;
 //   plain: each lane loads its vectors of the job's kPairs chunks straight from global memory, all in flight.
 // Defaults: 8192 tokens x 4 pairs x 7168 = 470 MB of pair rows (what one rank of two reads at T=4096, K=8, E=256)
@@ -29,9 +29,9 @@
   } while (0)
 
 constexpr int kPairs = 4;                       // pair rows a token sums (K = 8 over two ranks)
-constexpr int kChunkBytes = 4096;               // a job: one token's 4 KB column chunk
+constexpr int kChunkBytes = 2048;               // a job: one token's 2 KB column chunk (the combine kernel's)
 constexpr int kChunkVecs = kChunkBytes / 16;    // 16-byte vectors of a chunk
-constexpr int kLaneVecs = kChunkVecs / 32;      // a lane's vectors of a chunk (8: 64 bf16, 64 float sums)
+constexpr int kLaneVecs = kChunkVecs / 32;      // a lane's vectors of a chunk (4: 32 bf16, 32 float sums)
 
 // A token's pair k lies in row pair_row(t * kPairs + k) of y: a bijection of [0, rows) for rows a power of two.
 __host__ __device__ __forceinline__ int pair_row(int i, int rows) {
@@ -131,7 +131,7 @@ __global__ void __launch_bounds__(32 * kWarps) sums_bulk(const __nv_bfloat16* y,
   }
 }
 
-__global__ void __launch_bounds__(256) sums_plain(const __nv_bfloat16* y, __nv_bfloat16* out, int tokens, int rows,
+__global__ void __launch_bounds__(512) sums_plain(const __nv_bfloat16* y, __nv_bfloat16* out, int tokens, int rows,
                                                   int hidden) {
   const int lane = (int)threadIdx.x % 32, chunks = hidden * 2 / kChunkBytes, jobs = num_jobs(tokens, hidden);
   const int grid_warps = (int)(gridDim.x * blockDim.x / 32);
@@ -159,11 +159,12 @@ __global__ void __launch_bounds__(256) sums_plain(const __nv_bfloat16* y, __nv_b
 using Sums = void (*)(const __nv_bfloat16*, __nv_bfloat16*, int, int, int);
 struct Way { const char* name; Sums kernel; int threads, smem; };
 const Way kWays[] = {
-    {"plain loads, 8 warps a block, 4 pairs x 8 vectors a lane in flight", sums_plain, 256, 0},
-    {"bulk, 4 warps x 12 stages, 8 ahead", sums_bulk<4, 12, 8>, 128, 4 * 12 * kChunkBytes},
-    {"bulk, 8 warps x 6 stages, 4 ahead", sums_bulk<8, 6, 4>, 256, 8 * 6 * kChunkBytes},
-    {"bulk, 12 warps x 4 stages, 3 ahead", sums_bulk<12, 4, 3>, 384, 12 * 4 * kChunkBytes},
-    {"bulk, 16 warps x 3 stages, 2 ahead", sums_bulk<16, 3, 2>, 512, 16 * 3 * kChunkBytes},
+    {"plain loads, 16 warps a block, 4 pairs x 4 vectors a lane in flight", sums_plain, 512, 0},
+    {"bulk, 4 warps x 24 stages, 16 ahead", sums_bulk<4, 24, 16>, 128, 4 * 24 * kChunkBytes},
+    {"bulk, 8 warps x 12 stages, 8 ahead", sums_bulk<8, 12, 8>, 256, 8 * 12 * kChunkBytes},
+    {"bulk, 16 warps x 6 stages, 4 ahead", sums_bulk<16, 6, 4>, 512, 16 * 6 * kChunkBytes},
+    {"bulk, 16 warps x 5 stages, 4 ahead (about the combine kernel's depth)", sums_bulk<16, 5, 4>, 512,
+     16 * 5 * kChunkBytes},
 };
 
 int main(int argc, char** argv) {
