@@ -17,7 +17,8 @@
 # MP_WORKERS (default 4): multi-process tests run at once (pytest-xdist, where installed).
 # By hand: the Ampere path (sm_80 + PTX only, which the driver compiles for a Hopper GPU at load time):
 #   JAX_EP_CUDA_ARCHS=80 bash tests/gpu/run.sh accept kernels
-# with an extension built elsewhere (its _C*.so in DIR, built for the same Python, jax and NVSHMEM wheel):
+# with an extension built elsewhere (its _C*.so in DIR, built for the same Python, jax and NVSHMEM wheel; for
+# bench, built with -DJAX_EP_INSTRUMENT=ON):
 #   JAX_EP_PREBUILT=DIR bash tests/gpu/run.sh accept
 # the NVSHMEM bootstrap probes (an unstripped build, for their backtraces):
 #   python3 -m pip install --no-build-isolation --no-deps --config-settings=install.strip=false -e . &&
