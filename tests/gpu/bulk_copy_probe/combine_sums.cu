@@ -9,34 +9,21 @@
 // and 117 MB of partials. Checks every job's output against a float32 sum on the host. One GPU.
 //   combine_sums [TOKENS [HIDDEN]]
 #include <cuda_bf16.h>
-#include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
-#include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
 
-#define CK(x)                                                                                         \
-  do {                                                                                                \
-    cudaError_t err_ = (x);                                                                           \
-    if (err_ != cudaSuccess) {                                                                        \
-      printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(err_));                            \
-      exit(1);                                                                                        \
-    }                                                                                                 \
-  } while (0)
+#include "bulk_copy.cuh"
 
 constexpr int kPairs = 4;                       // pair rows a token sums (K = 8 over two ranks)
 constexpr int kChunkBytes = 2048;               // a job: one token's 2 KB column chunk (the combine kernel's)
 constexpr int kChunkVecs = kChunkBytes / 16;    // 16-byte vectors of a chunk
 constexpr int kLaneVecs = kChunkVecs / 32;      // a lane's vectors of a chunk (4: 32 bf16, 32 float sums)
 
-// A token's pair k lies in row pair_row(t * kPairs + k) of y: a bijection of [0, rows) for rows a power of two.
-__host__ __device__ __forceinline__ int pair_row(int i, int rows) {
-  return (int)((((uint32_t)i ^ 0x2545u) * 2654435761u) & (uint32_t)(rows - 1));
-}
+// A token's pair k lies in row pair_row(t * kPairs + k) of y.
+__host__ __device__ __forceinline__ int pair_row(int i, int rows) { return shuffled_row(i, rows, 0x2545u); }
 // Values small multiples of 1/8 (exact in bf16) and weights multiples of 1/16: the float32 sums are exact until the
 // final rounding, so the host's sum gives the same bits.
 __host__ __device__ __forceinline__ float y_value(int row, int column) {
@@ -49,8 +36,6 @@ __global__ void fill_y(__nv_bfloat16* y, int rows, int hidden) {
        i += (size_t)gridDim.x * blockDim.x)
     y[i] = __float2bfloat16(y_value((int)(i / hidden), (int)(i % hidden)));
 }
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
 __device__ __forceinline__ void add_weighted(float (&acc)[kLaneVecs * 8], int u, uint4 v, float w) {
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
@@ -86,9 +71,7 @@ __global__ void __launch_bounds__(32 * kWarps) sums_bulk(const __nv_bfloat16* y,
   const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
   uint4* stages = stages_mem + (size_t)warp * kStages * kChunkVecs;
   uint64_t* bars = all_bars + warp * kStages;
-  if (lane == 0)
-    for (int s = 0; s < kStages; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&bars[s])));
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  if (lane == 0) init_barriers(bars, kStages);
   __syncwarp();
   const int chunks = hidden * 2 / kChunkBytes, jobs = num_jobs(tokens, hidden);
   const int grid_warp = (int)blockIdx.x * kWarps + warp, grid_warps = (int)gridDim.x * kWarps;
@@ -99,12 +82,8 @@ __global__ void __launch_bounds__(32 * kWarps) sums_bulk(const __nv_bfloat16* y,
     const int job = grid_warp + (n / kPairs) * grid_warps, token = job / chunks, chunk = job % chunks;
     const int row = pair_row(token * kPairs + n % kPairs, rows);
     const int s = n % kStages;
-    const uint32_t bar = smem_addr(&bars[s]);
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(kChunkBytes) : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                     smem_addr(stages + (size_t)s * kChunkVecs)),
-                 "l"(y + (size_t)row * hidden + (size_t)chunk * (kChunkBytes / 2)), "r"(kChunkBytes), "r"(bar)
-                 : "memory");
+    bulk_load(stages + (size_t)s * kChunkVecs, y + (size_t)row * hidden + (size_t)chunk * (kChunkBytes / 2),
+              kChunkBytes, &bars[s]);
   };
   for (int n = 0; n < kAhead; ++n) issue(n);
   float acc[kLaneVecs * 8];
@@ -113,15 +92,7 @@ __global__ void __launch_bounds__(32 * kWarps) sums_bulk(const __nv_bfloat16* y,
     const int job = grid_warp + (n / kPairs) * grid_warps, token = job / chunks;
     if (k == 0)
       for (float& a : acc) a = 0.f;
-    uint32_t done = 0;
-    const long long give_up = clock64() + (1ll << 32);
-    while (!done) {
-      asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                   : "=r"(done)
-                   : "r"(smem_addr(&bars[s])), "r"((uint32_t)((n / kStages) & 1))
-                   : "memory");
-      if (!done && clock64() > give_up) __trap();  // a bounded wait: ~2 s at 2 GHz
-    }
+    wait_loaded(&bars[s], (n / kStages) & 1);
     const float w = pair_weight(pair_row(token * kPairs + k, rows));
 #pragma unroll
     for (int u = 0; u < kLaneVecs; ++u) add_weighted(acc, u, stages[(size_t)s * kChunkVecs + u * 32 + lane], w);

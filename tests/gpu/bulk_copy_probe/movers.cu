@@ -8,32 +8,17 @@
 // against the mover's time alone ("hidden"). Built and run by run.sh here.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
-#include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <vector>
 
-#define CK(x)                                                                               \
-  do {                                                                                      \
-    cudaError_t err_ = (x);                                                                    \
-    if (err_ != cudaSuccess) { printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(err_)); exit(1); } \
-  } while (0)
-#define CB(x)                                                                  \
-  do {                                                                         \
-    cublasStatus_t s = (x);                                                    \
-    if (s != CUBLAS_STATUS_SUCCESS) { printf("cublas %d line %d\n", s, __LINE__); exit(1); } \
-  } while (0)
+#include "bulk_copy.cuh"
 
-// A row's random place: a bijection of [0, rows) for rows a power of two (an odd multiplier is invertible mod 2^k),
-// computed rather than read so that the mover's one thread never waits on an index load.
-__host__ __device__ __forceinline__ int shuffled_row(int i, int rows, uint32_t salt) {
-  return (int)((((uint32_t)i ^ salt) * 2654435761u) & (uint32_t)(rows - 1));
-}
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+#define CB(x)                                                                                   \
+  do {                                                                                          \
+    cublasStatus_t s = (x);                                                                     \
+    if (s != CUBLAS_STATUS_SUCCESS) { printf("cublas %d line %d\n", s, __LINE__); exit(1); }   \
+  } while (0)
 
 // kWarps pipelines a CTA, each run by lane 0 of its warp with kStages rows of shared memory of its own.
 template <int kWarps, int kStages, int kAhead>
@@ -46,34 +31,20 @@ __global__ void __launch_bounds__(32 * kWarps) mover(const char* src, char* dst,
   if (threadIdx.x % 32 != 0) return;
   uint64_t* bars = all_bars + warp * kStages;
   char* stage_mem = shared_rows + (size_t)warp * kStages * row_bytes;
-  for (int s = 0; s < kStages; ++s)
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&bars[s])));
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  init_barriers(bars, kStages);
   const int pipeline = (int)blockIdx.x * kWarps + warp, pipelines = (int)gridDim.x * kWarps;
   const int mine = (rows - pipeline + pipelines - 1) / pipelines;
   const int total = mine * reps;
   auto row_of = [&](int j) { return pipeline + (j % mine) * pipelines; };
   auto load = [&](int j) {
-    int s = j % kStages;
-    uint32_t bar = smem_addr(&bars[s]);
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(row_bytes) : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                     smem_addr(stage_mem + (size_t)s * row_bytes)),
-                 "l"(src + (size_t)shuffled_row(row_of(j), rows, src_salt) * row_bytes), "r"(row_bytes), "r"(bar)
-                 : "memory");
+    const int s = j % kStages;
+    bulk_load(stage_mem + (size_t)s * row_bytes, src + (size_t)shuffled_row(row_of(j), rows, src_salt) * row_bytes,
+              row_bytes, &bars[s]);
   };
   for (int j = 0; j < kAhead && j < total; ++j) load(j);
   for (int j = 0; j < total; ++j) {
     int s = j % kStages;
-    uint32_t phase = (j / kStages) & 1, done = 0;
-    const long long give_up = clock64() + (1ll << 32);
-    while (!done) {
-      asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                   : "=r"(done)
-                   : "r"(smem_addr(&bars[s])), "r"(phase)
-                   : "memory");
-      if (!done && clock64() > give_up) __trap();  // a bounded wait: ~2 s at 2 GHz
-    }
+    wait_loaded(&bars[s], (j / kStages) & 1);
     if (dst == nullptr) {  // reads only: the stage is free again once its load has landed
       if (j + kAhead < total) load(j + kAhead);
       continue;
