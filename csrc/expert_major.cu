@@ -25,11 +25,11 @@
 // backward is a cached dispatch of the cotangent that scales each copy by its pair's weight and computes the
 // weight's cotangent on the way.
 //
-// Combine: each rank computes the partial of every other rank's token it received from its pair rows of y, rounded
-// to y's type, and stores it into the token's home rank (slots of (R - 1) * T rows there, one region per sender);
-// after a barrier of the ranks each computes its own tokens' partials and adds them to the peers' in rank order.
-// (A partial exists only where its pairs are, so it is pushed, whatever Config.combine says.) Pair rows are read
-// through shared memory, many in flight per SM (see kMostCombineStages).
+// Combine: each rank computes the partial of every token it received from its pair rows of y, rounded to y's type,
+// and stores it into the token's home rank (slots of (R - 1) * T rows there, one region per sender; its own tokens'
+// into out); after a barrier of the ranks each adds its tokens' partials in rank order. (A partial exists only
+// where its pairs are, so it is pushed, whatever Config.combine says.) Pair rows are read straight into registers,
+// many in flight per lane (see kSourceUnroll).
 #include "expert_major.cuh"
 #include "intranode_call.cuh"
 #include "intranode_state.h"
@@ -152,7 +152,6 @@ struct JobShape {
   uint32_t peers;  // pass 2: the other ranks that hold a partial of the token
   bool me_holds;   // pass 2: this rank received the token
   bool writes;     // pass 1: this rank received the item; pass 2: a valid token
-  __device__ int sources() const { return pairs + __popc(peers); }
 };
 
 template <bool kOwnTokens>
@@ -163,250 +162,84 @@ __device__ __forceinline__ JobShape shape_of(const CombineJob& j, const ExpertMa
   shape.me_holds = (holders >> me) & 1u;
   shape.writes = kOwnTokens ? j.valid : j.valid && __shfl_sync(kFullMask, j.pair, 0) != -1;
   // A dispatch writes kept pairs first, but a handle made by hand may not: the kept lanes are found wherever they
-  // are, and a job that writes nothing reads nothing (the staged stream and its consumer skip the same jobs).
+  // are, and a job that writes nothing reads nothing.
   const uint32_t kept = __ballot_sync(kFullMask, j.pair >= 0 && j.pair < a.capacity);
   shape.kept = shape.writes ? kept : 0u;
   shape.pairs = __popc(shape.kept);
   return shape;
 }
 
-// The index of the n-th set bit of `bits` (a lane or a rank).
-__device__ __forceinline__ int nth_set_bit(uint32_t bits, int n) {
-  for (; n > 0; --n) bits &= bits - 1;
-  return __ffs(bits) - 1;
-}
-
-// Source rows are read through shared memory by cp.async: each warp keeps kStages stages of one source row's chunk
-// (kChunkVecs 16-byte vectors per lane, 2 KB a warp) in flight. kMostCombineStages = 5 (160 KB of rows per SM, 170
-// KB with the weights and job rings) is about what one SM needs to read at its full rate (one row per pair: the
-// rank-major combine reads a quarter of these bytes at EP2 and DeepSeek's shape); registers would hold a tenth of
-// that beside the sums. (On an H200 an SM reads consecutive chunks this way at ~93 GB/s, pair rows scattered over y
-// at ~37 GB/s whatever the depth: docs/perf-log.md.) A stage costs the stream's bookkeeping and a wait whatever its
-// size: 2 KB stages ran the combine 4 % faster than 1 KB ones, in spite of the registers they spill. GPUs that give
-// a block less shared memory (A100: 163 KB, sm_86/89: 99 KB) take kFewestCombineStages. Each lane reads back only
-// what it copied itself (the chunk's vectors and the pair's weight), so the warp needs no barrier.
-constexpr int kChunkVecs = 4;
-constexpr int kChunkUnits = 32 * kChunkVecs;  // 16-byte units of a chunk
-constexpr int kMostCombineStages = 5, kFewestCombineStages = 2;
-// The jobs a warp's stream took and its consumer has not yet finished, in order: a job takes at least one stage
-// (an empty one where it has no sources), so the stream runs at most kStages jobs ahead of the consumer, and
-// holds one more taken ahead.
-template <int kStages>
-constexpr int kJobRing = kStages + 2;
-template <int kStages>
-struct CombineStages {  // a warp's
-  uint4 rows[kStages][kChunkUnits];
-  float weights[kStages][32];
-  int64_t jobs[kJobRing<kStages>];
-};
-template <int kStages>
-constexpr int kCombineSmemBytes = kWarps * static_cast<int>(sizeof(CombineStages<kStages>));
-
-__device__ __forceinline__ void cp_async(void* smem, const void* global, bool copy) {
-  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.cg.shared.global [%0], [%1], 16;\n}\n" ::"r"(address),
-      "l"(global), "r"(static_cast<int>(copy))
-      : "memory");
-}
-__device__ __forceinline__ void cp_async_word(float* smem, const float* global) {
-  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(address), "l"(global) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-
-// What a pass reads and where it writes, per rank.
-struct CombineRows {
-  const char* y;            // y's rows
-  const char* own_slots;    // the partials the peers stored here
-  int64_t row_bytes, vecs;  // of y's rows and of the partials (y's type)
-  int64_t chunks;           // of kChunkUnits vectors
-};
-
-// The warp's stream of copies, in the order the pass consumes them: per job with sources, per chunk, per source;
-// a job without sources (a pass-1 item all of whose pairs were dropped, or that this rank did not receive; a pass-2
-// token no peer holds) takes one empty stage. issue() copies the next one into a stage and commits a group of
-// cp.async (empty past the end), so that a lane always has kStages groups committed ahead of the one it consumes.
-// It takes the warp's jobs from the block's BlockJobs one ahead (their pair_row entries load before they start)
-// and writes each job it takes into the ring, where the consumer finds them in the same order.
-template <bool kOwnTokens, int kStages>
-struct SourceStream {
-  const ExpertMajorCombineArgs& a;
-  const CombineRows& rows;
-  const BlockJobs& jobs;
-  int64_t* ring;
-  int num_ranks, me, lane;
-  CombineJob job, ahead;
-  JobShape shape;
-  int64_t taken = 0;  // jobs written into the ring
-  int64_t chunk = 0;
-  int source = 0;
-  bool done = false;
-
-  __device__ SourceStream(const ExpertMajorCombineArgs& args, const CombineRows& r, const BlockJobs& block_jobs,
-                          int64_t* job_ring, int ranks, int rank, int lane_)
-      : a(args), rows(r), jobs(block_jobs), ring(job_ring), num_ranks(ranks), me(rank), lane(lane_) {
-    job = take();
-    ahead = take();
-    start_job();
-  }
-
-  __device__ CombineJob take() {
-    const int64_t index = jobs.take(lane);
-    if (lane == 0) ring[taken % kJobRing<kStages>] = index;
-    ++taken;
-    return load_job<kOwnTokens>(a, num_ranks, me, index, lane);
-  }
-
-  __device__ void start_job() {
-    done = !job.valid;
-    if (!done) shape = shape_of<kOwnTokens>(job, a, me);
-  }
-
-  __device__ void next_job() {
-    job = ahead;
-    if (job.valid) ahead = take();
-    start_job();
-  }
-
-  __device__ void issue(CombineStages<kStages>& stages, int stage) {
-    if (!done && shape.sources() == 0) {
-      next_job();  // its empty stage
-    } else if (!done) {
-      const char* src;
-      if (source < shape.pairs) {
-        const int32_t row = __shfl_sync(kFullMask, job.pair, nth_set_bit(shape.kept, source));
-        src = rows.y + row * rows.row_bytes;
-        if (a.weights) cp_async_word(&stages.weights[stage][lane], a.weights + row);
-      } else {  // a peer's partial (pass 2)
-        const int peer = nth_set_bit(shape.peers, source - shape.pairs);
-        src = rows.own_slots + (slot_region(peer, me) * a.num_tokens + job.token) * rows.row_bytes;
-      }
-#pragma unroll
-      for (int u = 0; u < kChunkVecs; ++u) {
-        const int64_t vec = chunk * kChunkUnits + u * 32 + lane;
-        cp_async(&stages.rows[stage][u * 32 + lane], src + vec * 16, vec < rows.vecs);
-      }
-      if (++source == shape.sources()) {
-        source = 0;
-        if (++chunk == rows.chunks) {
-          chunk = 0;
-          next_job();
-        }
-      }
-    }
-    cp_async_commit();
-  }
-};
+// Rows are read straight into registers, kSourceUnroll vectors of each of kPairsAtOnce pair rows (pass 1) or
+// kPartialsAtOnce partials (pass 2) in flight per lane (more spill at the 128 registers a thread that one block of
+// kThreads per SM leaves: ~400 bytes at 4 partials).
+constexpr int kPartialsAtOnce = 2;
 
 // One pass over rows of whole 16-byte vectors (kVec elements of In each).
-template <bool kOwnTokens, typename In, typename Bias, typename Out, int kVec, int kStages>
-__device__ void combine_pass_staged(const IntranodeRank& g, const CallContext& ctx, const ExpertMajorCombineArgs& a,
-                                    const CombineRows& rows, CombineStages<kStages>& stages) {
+template <bool kOwnTokens, typename In, typename Bias, typename Out, int kVec>
+__device__ void combine_pass(const IntranodeRank& g, const CallContext& ctx, const ExpertMajorCombineArgs& a) {
+  using InPack = Pack<In, kVec>;
   const int num_ranks = g.num_ranks, me = g.rank, lane = threadIdx.x % 32;
+  const int vecs = static_cast<int>(a.row_elements / kVec);  // a row's vectors (int: fewer registers)
   const bool weighted = a.weights != nullptr;
+  const InPack* y = static_cast<const InPack*>(a.y);
+  const InPack* own_slots = static_cast<const InPack*>(ctx.views[me].pointers[0]);
+  Out* out = static_cast<Out*>(a.out);
   __shared__ unsigned long long next_job;
   const BlockJobs jobs(kOwnTokens ? a.num_tokens : num_ranks * a.num_tokens, &next_job);
-  SourceStream<kOwnTokens, kStages> stream(a, rows, jobs, stages.jobs, num_ranks, me, lane);
-#pragma unroll 1
-  for (int k = 0; k < kStages; ++k) stream.issue(stages, k);
-  int stage = 0;  // where the next copy consumed is
-  // The next stage's data, read back by this lane (the copies it issued), after which the stage takes the stream's
-  // next copy.
-  auto consume = [&](Pack<In, kVec>(&packs)[kChunkVecs], float& weight) {
-    cp_async_wait<kStages - 1>();
-#pragma unroll
-    for (int u = 0; u < kChunkVecs; ++u) {
-      const uint4 bits = stages.rows[stage][u * 32 + lane];
-      memcpy(&packs[u], &bits, 16);
-    }
-    weight = weighted ? stages.weights[stage][lane] : 1.f;
-    stream.issue(stages, stage);  // into the stage just read: its copies land after these reads
-    stage = stage + 1 == kStages ? 0 : stage + 1;
-  };
-  // The stream's jobs, from its ring: job `position`, and the next one (the stream took it when it started
-  // issuing this one's copies, at least one stage ahead).
-  const auto ring_job = [&](int64_t position) {
-    __syncwarp();  // lane 0 wrote the ring
-    return load_job<kOwnTokens>(a, num_ranks, me, stages.jobs[position % kJobRing<kStages>], lane);
-  };
-  int64_t position = 0;
-  CombineJob following;
-  for (CombineJob job = ring_job(0); job.valid; job = following, ++position) {
-    following = ring_job(position + 1);
+  CombineJob job = load_job<kOwnTokens>(a, num_ranks, me, jobs.take(lane), lane);
+  while (job.valid) {
+    // The next job's pair_row entries load while this one runs.
+    const CombineJob next = load_job<kOwnTokens>(a, num_ranks, me, jobs.take(lane), lane);
     const JobShape shape = shape_of<kOwnTokens>(job, a, me);
-    if (shape.sources() == 0) {  // its empty stage
-      Pack<In, kVec> unused_packs[kChunkVecs];
-      float unused_weight;
-      consume(unused_packs, unused_weight);
-    }
-    if (!shape.writes) continue;
-    for (int64_t chunk = 0; chunk < rows.chunks; ++chunk) {
-      if constexpr (!kOwnTokens) {  // the item's partial: into its home rank's slot for this rank, or out[t]
-        float partial[kChunkVecs][kVec] = {};
-        for (int q = 0; q < shape.pairs; ++q) {
-          Pack<In, kVec> packs[kChunkVecs];
-          float weight;
-          consume(packs, weight);
+    if (!shape.writes) {
+    } else if constexpr (!kOwnTokens) {  // the item's partial: into its home rank's slot for this rank, or out[t]
+      const PairSources<InPack> pairs = pair_sources(shape.kept, job.pair, y, vecs, a.weights, lane);
+      In* slot = job.home == me ? nullptr
+                                : static_cast<In*>(const_cast<void*>(ctx.views[job.home].pointers[0])) +
+                                      (slot_region(me, job.home) * a.num_tokens + job.token) * a.row_elements;
+      for (int first = 0; first < vecs; first += 32 * kSourceUnroll) {
+        const int v0 = first + lane;
+        float partial[kSourceUnroll][kVec] = {};
+        add_source_vectors<kPairsAtOnce, In, kVec, kSourceUnroll, LoadNonCoherent>(
+            partial, pairs.lane_row, pairs.lane_weight, weighted, 0, shape.pairs, vecs, v0);
 #pragma unroll
-          for (int u = 0; u < kChunkVecs; ++u) add_pair<In, kVec>(partial[u], packs[u], weight, weighted);
-        }
-#pragma unroll
-        for (int u = 0; u < kChunkVecs; ++u) {
-          const int64_t vec = chunk * kChunkUnits + u * 32 + lane;
-          if (vec >= rows.vecs) break;
-          if (job.home == me) {
-            store_partial<In, Out, kVec>(partial[u], static_cast<Out*>(a.out) + job.token * a.row_elements, vec);
-          } else {
-            In* slot = static_cast<In*>(const_cast<void*>(ctx.views[job.home].pointers[0])) +
-                       (slot_region(me, job.home) * a.num_tokens + job.token) * a.row_elements;
-            store_partial<In, In, kVec>(partial[u], slot, vec);
-          }
-        }
-      } else {  // the holders' partials in rank order
-        Pack<Out, kVec> mine[kChunkVecs];  // this rank's partial, from pass 1
-        if (shape.me_holds) {
-#pragma unroll
-          for (int u = 0; u < kChunkVecs; ++u) {
-            const int64_t vec = chunk * kChunkUnits + u * 32 + lane;
-            if (vec < rows.vecs)
-              mine[u] = reinterpret_cast<const Pack<Out, kVec>*>(static_cast<const Out*>(a.out) +
-                                                                  job.token * a.row_elements)[vec];
-          }
-        }
-        float acc[kChunkVecs][kVec] = {};
-        for (int r = 0; r < num_ranks; ++r) {
-          if (r == me) {
-            if (!shape.me_holds) continue;
-#pragma unroll
-            for (int u = 0; u < kChunkVecs; ++u)
-#pragma unroll
-              for (int e = 0; e < kVec; ++e) acc[u][e] += to_float(mine[u].v[e]);
-          } else if ((shape.peers >> r) & 1u) {
-            Pack<In, kVec> packs[kChunkVecs];
-            float unused;
-            consume(packs, unused);
-#pragma unroll
-            for (int u = 0; u < kChunkVecs; ++u)
-#pragma unroll
-              for (int e = 0; e < kVec; ++e) acc[u][e] += to_float(packs[u].v[e]);
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < kChunkVecs; ++u) {
-          const int64_t vec = chunk * kChunkUnits + u * 32 + lane;
-          if (vec >= rows.vecs) break;
-          add_bias_and_store(acc[u], static_cast<const Bias*>(a.bias), static_cast<Out*>(a.out), a.row_elements,
-                             job.token, vec);
+        for (int u = 0; u < kSourceUnroll; ++u) {
+          if (v0 + 32 * u >= vecs) break;
+          if (job.home == me)
+            store_partial<In, Out, kVec>(partial[u], out + job.token * a.row_elements, v0 + 32 * u);
+          else
+            store_partial<In, In, kVec>(partial[u], slot, v0 + 32 * u);
         }
       }
+    } else {  // the holders' partials in rank order (this rank's from out[t], the peers' from slots)
+      const uint32_t holders = shape.peers | (shape.me_holds ? 1u << me : 0u);
+      const int count = __popc(holders), r = lane < count ? nth_set_bit(holders, lane) : me;
+      const Pack<Out, kVec>* mine = reinterpret_cast<const Pack<Out, kVec>*>(out + job.token * a.row_elements);
+      const InPack* lane_row = r == me ? reinterpret_cast<const InPack*>(mine)
+                                       : own_slots + (slot_region(r, me) * a.num_tokens + job.token) * vecs;
+      // Where Out is In, this rank's partial is one more source; else (float32 out) it is added between the others.
+      constexpr bool kMineIsSource = std::is_same_v<In, Out>;
+      const int mine_at = shape.me_holds && !kMineIsSource ? __popc(holders & lanes_below(me)) : count;
+      for (int first = 0; first < vecs; first += 32 * kSourceUnroll) {
+        const int v0 = first + lane;
+        float acc[kSourceUnroll][kVec] = {};
+        add_source_vectors<kPartialsAtOnce, In, kVec, kSourceUnroll, LoadL2>(acc, lane_row, 1.f, false, 0, mine_at,
+                                                                             vecs, v0);
+        if constexpr (!kMineIsSource) {
+          if (mine_at < count) {  // every lane's `mine` is this rank's partial
+            add_sources_at_once<1, Out, kVec, kSourceUnroll, LoadL2>(acc, mine, 1.f, false, 0, vecs, v0);
+            add_source_vectors<kPartialsAtOnce, In, kVec, kSourceUnroll, LoadL2>(acc, lane_row, 1.f, false,
+                                                                                 mine_at + 1, count, vecs, v0);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kSourceUnroll; ++u)
+          if (v0 + 32 * u < vecs)
+            add_bias_and_store(acc[u], static_cast<const Bias*>(a.bias), out, a.row_elements, job.token, v0 + 32 * u);
+      }
     }
+    job = next;
   }
-  cp_async_wait<0>();
 }
 
 // One pass over rows that are not whole 16-byte vectors (a hidden size no multiple of 16 bytes): the same sums, an
@@ -472,27 +305,18 @@ __device__ __forceinline__ void exchange_partials(const IntranodeRank& g, const 
   __syncthreads();
 }
 
-// kStages > 0: rows of whole 16-byte vectors, read through kCombineSmemBytes<kStages> of dynamic shared memory;
-// 0: rows read an element at a time.
-template <typename In, typename Bias, typename Out, int kStages>
+// kWholeVectors: rows of whole 16-byte vectors; else rows read an element at a time.
+template <typename In, typename Bias, typename Out, bool kWholeVectors>
 __global__ void __launch_bounds__(kThreads, 1)
     expert_major_combine_kernel(const __grid_constant__ IntranodeRank g, const __grid_constant__ ExpertMajorCombineArgs a,
                                 const __grid_constant__ StagePlan plan, int64_t timeout_ns) {
   __shared__ CallContext ctx;
-  extern __shared__ uint4 combine_smem[];  // CombineStages<kStages> per warp
   publish_inputs_and_wait(g, ctx, plan, IntranodeOp::kExpertMajorCombine, timeout_ns);
-  if constexpr (kStages > 0) {
+  if constexpr (kWholeVectors) {
     constexpr int kVec = 16 / sizeof(In);
-    CombineRows rows;
-    rows.y = static_cast<const char*>(a.y);
-    rows.own_slots = static_cast<const char*>(ctx.views[g.rank].pointers[0]);
-    rows.row_bytes = a.row_elements * static_cast<int64_t>(sizeof(In));
-    rows.vecs = rows.row_bytes / 16;
-    rows.chunks = (rows.vecs + kChunkUnits - 1) / kChunkUnits;
-    CombineStages<kStages>& stages = reinterpret_cast<CombineStages<kStages>*>(combine_smem)[threadIdx.x / 32];
-    combine_pass_staged<false, In, Bias, Out, kVec, kStages>(g, ctx, a, rows, stages);
+    combine_pass<false, In, Bias, Out, kVec>(g, ctx, a);
     exchange_partials(g, ctx, timeout_ns);
-    combine_pass_staged<true, In, Bias, Out, kVec, kStages>(g, ctx, a, rows, stages);
+    combine_pass<true, In, Bias, Out, kVec>(g, ctx, a);
   } else {
     combine_pass_by_element<false, In, Bias, Out>(g, ctx, a);
     exchange_partials(g, ctx, timeout_ns);
@@ -511,29 +335,13 @@ cudaError_t launch_combine(const IntranodeCall& call, const ExpertMajorCombineAr
   builder.publish_scratch(args.slots, staging.rows);  // view: where the peers store their partials for this rank
   StagePlan plan;
   if (!builder.finish(&plan, staging.end)) return cudaErrorMemoryAllocation;
-  if (row_bytes % 16 != 0) {  // XLA's buffers are 16-byte aligned: so is every row where the size is
-    expert_major_combine_kernel<In, Bias, Out, 0>
-        <<<grid_size(call), kThreads, 0, call.stream>>>(call.group, args, plan, call.timeout_ns);
-    return cudaGetLastError();
-  }
-  auto launch = [&](auto* kernel, int smem_bytes) {
-    // Above the default 48 KB of dynamic shared memory. The attribute belongs to the current device's copy of the
-    // kernel (one process may drive several GPUs): set at every launch.
-    const cudaError_t attribute = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-    if (attribute != cudaSuccess) return attribute;
-    kernel<<<grid_size(call), kThreads, smem_bytes, call.stream>>>(call.group, args, plan, call.timeout_ns);
+  auto launch = [&](auto* kernel) {
+    kernel<<<grid_size(call), kThreads, 0, call.stream>>>(call.group, args, plan, call.timeout_ns);
     return cudaGetLastError();
   };
-  int device = 0, block_smem = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&block_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  if (err != cudaSuccess) return err;
-  constexpr int kStaticSmemRoom = 1024;  // the kernel's own shared variables (the call context)
-  if (kCombineSmemBytes<kMostCombineStages> + kStaticSmemRoom <= block_smem)
-    return launch(expert_major_combine_kernel<In, Bias, Out, kMostCombineStages>,
-                  kCombineSmemBytes<kMostCombineStages>);
-  return launch(expert_major_combine_kernel<In, Bias, Out, kFewestCombineStages>,
-                kCombineSmemBytes<kFewestCombineStages>);
+  // XLA's buffers are 16-byte aligned: so is every row where the size is.
+  return row_bytes % 16 == 0 ? launch(expert_major_combine_kernel<In, Bias, Out, true>)
+                             : launch(expert_major_combine_kernel<In, Bias, Out, false>);
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
 // What the intranode (expert_major.cu) and internode (internode_expert_major.cu) expert-major kernels share, apart
 // from their call protocols: the dispatch's counting and placing of pairs (steps 2 to 5 in expert_major.cu's
-// notes), the fan-out copies of the cached dispatch, the combine's backward, and the rounding of partials. Each
+// notes), the fan-out copies of the cached dispatch, the combine's backward, and the partials' sums. Each
 // takes where the sources' rows are as a function, read with a Load policy: the intranode kernels read the peers'
 // inputs, which no one writes during the call, non-coherently; the internode kernels read relayed rows that
 // arrived during the call, through L2.
@@ -551,6 +551,83 @@ __device__ __forceinline__ void add_pair(float (&sum)[kVec], const Pack<In, kVec
   for (int e = 0; e < kVec; ++e) {
     const float x = to_float(pack.v[e]);
     sum[e] = __fadd_rn(sum[e], weighted ? __fmul_rn(weight, x) : x);
+  }
+}
+
+// The index of the n-th set bit of `bits` (a lane or a rank).
+__device__ __forceinline__ int nth_set_bit(uint32_t bits, int n) {
+  for (; n > 0; --n) bits &= bits - 1;
+  return __ffs(bits) - 1;
+}
+
+// A job's pair rows as add_source_vectors takes them: lane i < popc(kept) holds the i-th kept pair's row of y and
+// its weight (1 where weights is null), from the lanes set in `kept`, each holding its pair's row in lane_pair.
+template <typename InPack>
+struct PairSources {
+  const InPack* lane_row;
+  float lane_weight;
+};
+template <typename InPack>
+__device__ __forceinline__ PairSources<InPack> pair_sources(uint32_t kept, int32_t lane_pair, const InPack* y,
+                                                            int64_t vecs, const float* weights, int lane) {
+  const int count = __popc(kept);
+  const int32_t row = __shfl_sync(kFullMask, lane_pair, lane < count ? nth_set_bit(kept, lane) : 0);
+  return {lane < count ? y + row * vecs : y, weights && lane < count ? weights[row] : 1.f};
+}
+
+template <typename T>
+__device__ __forceinline__ T* shfl_pointer(T* pointer, int lane) {
+  return reinterpret_cast<T*>(
+      __shfl_sync(kFullMask, static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(pointer)), lane));
+}
+
+// The combines' partials: kSourceUnroll 16-byte vectors of each of kPairsAtOnce pair rows in flight per lane
+// (add_source_vectors), 8 KB a warp on sm_90; sm_80's ptxas spilled kilobytes at 4 vectors, a few hundred bytes
+// at 2.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+constexpr int kSourceUnroll = 2;
+#else
+constexpr int kSourceUnroll = 4;
+#endif
+constexpr int kPairsAtOnce = 4;
+
+// sum[u] += rows_i[v0 + 32 u] (times weight_i where weighted, as add_pair) for the sources i in [first, first +
+// kSources), in that order, u < kUnroll: lane i holds source i's row (`lane_row`, vectors of kVec elements of In)
+// and weight. Every lane calls it (shuffles). All kSources * kUnroll loads are issued before the first sum. A
+// vector past the row's end (v0 + 32 u >= vecs) loads the row's last one again, for the caller to leave unused:
+// predicated loads would keep the packs' old elements, which the compiler then held one per register and spilled.
+template <int kSources, typename In, int kVec, int kUnroll, typename Load>
+__device__ __forceinline__ void add_sources_at_once(float (&sum)[kUnroll][kVec], const Pack<In, kVec>* lane_row,
+                                                    float lane_weight, bool weighted, int first, int vecs, int v0) {
+  Pack<In, kVec> packs[kSources][kUnroll];
+#pragma unroll
+  for (int i = 0; i < kSources; ++i) {
+    const Pack<In, kVec>* row = shfl_pointer(lane_row, first + i);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) packs[i][u] = Load{}(row + min(v0 + 32 * u, vecs - 1));
+  }
+#pragma unroll
+  for (int i = 0; i < kSources; ++i) {
+    const float weight = __shfl_sync(kFullMask, lane_weight, first + i);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) add_pair<In, kVec>(sum[u], packs[i][u], weight, weighted);
+  }
+}
+
+// The same for the sources [begin, end), kAtOnce at a time (a token's pair rows lie all over y: on an H200, 24 SMs
+// read such rows in 2 KB pieces at ~58 GB/s per SM with 16 loads in flight per lane, against ~30-40 GB/s through
+// shared-memory stages of cp.async or bulk copies: tests/gpu/bulk_copy_probe/combine_sums.cu, docs/perf-log.md).
+template <int kAtOnce, typename In, int kVec, int kUnroll, typename Load>
+__device__ __forceinline__ void add_source_vectors(float (&sum)[kUnroll][kVec], const Pack<In, kVec>* lane_row,
+                                                   float lane_weight, bool weighted, int begin, int end, int vecs,
+                                                   int v0) {
+  int first = begin;
+  for (; first + kAtOnce <= end; first += kAtOnce)
+    add_sources_at_once<kAtOnce, In, kVec, kUnroll, Load>(sum, lane_row, lane_weight, weighted, first, vecs, v0);
+  if constexpr (kAtOnce > 1) {
+    if (first < end)  // fewer than kAtOnce left
+      add_source_vectors<kAtOnce - 1, In, kVec, kUnroll, Load>(sum, lane_row, lane_weight, weighted, first, end, vecs,
+                                                               v0);
   }
 }
 

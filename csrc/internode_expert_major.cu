@@ -136,43 +136,32 @@ __global__ void __launch_bounds__(kThreads, 1)
 // ---- combine -------------------------------------------------------------------------------------------------------
 
 // Step 1: the partial of every item this rank received (pair_row's first entry not -1: a token with only dropped
-// pairs has a zero partial) into its staged row (item i at row i), kVec elements of In per lane and step, the
-// pairs' loads of a step issued together.
+// pairs has a zero partial) into its staged row (item i at row i), kVec elements of In per lane and step, as the
+// intranode combine's first pass makes them (add_source_vectors).
 template <typename In, int kVec>
 __device__ void stage_partials(const InternodeRank& g, const ExpertMajorCombineArgs& a,
                                const InternodeCombineLayout& layout) {
-  constexpr int kUnroll = 4;
   using InPack = Pack<In, kVec>;
   const int lane = threadIdx.x % 32;
-  const int64_t items = static_cast<int64_t>(g.num_ranks) * a.num_tokens, vecs = a.row_elements / kVec;
+  const int64_t items = static_cast<int64_t>(g.num_ranks) * a.num_tokens;
+  const int vecs = static_cast<int>(a.row_elements / kVec);  // a row's vectors (int: fewer registers)
   const int64_t columns = a.num_pair_columns, capacity = a.capacity;
   const InPack* y = static_cast<const InPack*>(a.y);
   char* staged = data_of(g.region) + layout.staged;
   for (int64_t item = global_warp(); item < items; item += num_global_warps()) {
     const int32_t lane_pair = lane < columns ? a.pair_row[item * columns + lane] : -1;
     if (__shfl_sync(kFullMask, lane_pair, 0) < 0) continue;  // no pair here: nothing staged, none read
-    const bool kept = lane_pair >= 0 && lane_pair < capacity;
     // A dispatch writes kept pairs first, but a handle made by hand may not: the kept lanes wherever they are.
-    const uint32_t kept_lanes = __ballot_sync(kFullMask, kept);
-    const float lane_weight = kept && a.weights ? a.weights[lane_pair] : 1.f;
+    const uint32_t kept_lanes = __ballot_sync(kFullMask, lane_pair >= 0 && lane_pair < capacity);
+    const PairSources<InPack> pairs = pair_sources(kept_lanes, lane_pair, y, vecs, a.weights, lane);
     In* out = reinterpret_cast<In*>(staged + item * layout.staged_row_bytes);
-    for (int64_t first = 0; first < vecs; first += 32 * kUnroll) {  // every lane: the pairs' rows are shuffled
-      const int64_t v0 = first + lane;
-      float sum[kUnroll][kVec] = {};
-      for (uint32_t todo = kept_lanes; todo; todo &= todo - 1) {
-        const int q = __ffs(todo) - 1;
-        const int64_t row = __shfl_sync(kFullMask, lane_pair, q);
-        const float weight = __shfl_sync(kFullMask, lane_weight, q);
-        InPack packs[kUnroll];
+    for (int first = 0; first < vecs; first += 32 * kSourceUnroll) {
+      const int v0 = first + lane;
+      float sum[kSourceUnroll][kVec] = {};
+      add_source_vectors<kPairsAtOnce, In, kVec, kSourceUnroll, LoadNonCoherent>(
+          sum, pairs.lane_row, pairs.lane_weight, a.weights != nullptr, 0, __popc(kept_lanes), vecs, v0);
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-          if (v0 + 32 * u < vecs) packs[u] = LoadNonCoherent{}(y + row * vecs + v0 + 32 * u);
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-          if (v0 + 32 * u < vecs) add_pair<In, kVec>(sum[u], packs[u], weight, a.weights != nullptr);
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
+      for (int u = 0; u < kSourceUnroll; ++u)
         if (v0 + 32 * u < vecs) store_partial<In, In, kVec>(sum[u], out, v0 + 32 * u);
     }
   }
