@@ -20,7 +20,9 @@ With `clustered=True` the rows kernel runs in 2-CTA clusters over `paired_row_ti
 two tiles of one group share each weight block, which the two CTAs load half each and multicast to both. With
 many experts the weights stream from HBM, and one SM's loads of them run at a bounded rate (2026-11-28, H100 and
 H200: the weight traffic moved per second grew with the number of tiles reading distinct weight blocks at once,
-not with the pipeline's depth); sharing the loads of a block between two SMs is meant to double that rate.
+not with the pipeline's depth); sharing the loads of a block between two SMs is meant to double that rate. With
+pair tails (`paired_row_tile_schedule(fuse_tails=True)`) a group's short odd last tile is computed by its last
+pair from the weight blocks that pair loads anyway, instead of by a tile that streams them from HBM again.
 
 Shapes the kernels take: lhs/rhs in bfloat16 or float16 (one dtype), float32 accumulation; the contracted
 dimension a multiple of `block_k` (rows kernel), output columns a multiple of `block_n`, K a multiple of
@@ -111,14 +113,21 @@ def row_tile_schedule(group_sizes: jax.Array, num_rows: int) -> tuple[jax.Array,
     return tile_group.astype(jnp.int32), first_row.astype(jnp.int32), end_row.astype(jnp.int32)
 
 
-def paired_row_tile_schedule(group_sizes: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def paired_row_tile_schedule(group_sizes: jax.Array, num_rows: int, fuse_tails: bool = False) -> tuple[jax.Array, ...]:
     """`row_tile_schedule`'s tiles, in pairs for `ragged_rows_matmul(clustered=True)` (tiles 2p and 2p + 1 run
     in one 2-CTA cluster): each group's tiles two at a time in order (one weight block per pair, multicast), then,
     where a group has an odd number of tiles, its last tile beside the next such group's last tile (each loading
     its own weights; that pair comes right after the first group's pairs, so both tiles run near the other tiles
     of their groups, whose weight blocks are then in L2). The zero-row tiles past the groups pair up the same
     way. Same three int32 vectors, of an even static length; unused entries (first == end, group -1) fill the
-    end and the place of a last lone tile's missing partner."""
+    end and the place of a last lone tile's missing partner.
+
+    fuse_tails: a group whose tiles are odd in number (3 or more) and whose last tile holds at most
+    ROWS_PER_WARPGROUP rows has no lone tile: its last pair computes those rows too, in the same pass over the
+    weights (`ragged_rows_matmul`'s pair tails). Two int32 vectors more, one entry per pair: pair_tail_first and
+    pair_tail_end, the rows [first, end) of that tail (first a multiple of ROW_ALIGNMENT; first == end where a
+    pair has none). Without it a lone tile reloads its group's weights apart from the pair that loaded them, and
+    with many experts (a few tiles each) they come from HBM a second time."""
     num_groups = group_sizes.shape[0]
     max_tiles = (num_rows + (num_groups + 1) * (BLOCK_ROWS - 1 + ROW_ALIGNMENT - 1)) // BLOCK_ROWS
     max_pairs = (max_tiles + 1) // 2 + 1
@@ -127,7 +136,11 @@ def paired_row_tile_schedule(group_sizes: jax.Array, num_rows: int) -> tuple[jax
     range_ends = jnp.append(group_ends, num_rows)
     range_starts = jnp.append(group_ends - group_sizes, group_ends[-1])
     aligned_starts = range_starts - range_starts % ROW_ALIGNMENT
-    tiles = jnp.where(range_ends > range_starts, (range_ends - aligned_starts + BLOCK_ROWS - 1) // BLOCK_ROWS, 0)
+    all_tiles = jnp.where(range_ends > range_starts, (range_ends - aligned_starts + BLOCK_ROWS - 1) // BLOCK_ROWS, 0)
+    # The groups whose last tile becomes their last pair's tail (not the zero rows' range, which has no weights).
+    fused = (jnp.arange(num_groups + 1) < num_groups) & (all_tiles >= 3) & (all_tiles % 2 == 1) & (
+        range_ends - aligned_starts - (all_tiles - 1) * BLOCK_ROWS <= ROWS_PER_WARPGROUP) & fuse_tails
+    tiles = all_tiles - fused  # the tiles run as tiles: in pairs, or lone
     full_pairs, lone = tiles // 2, tiles % 2
     lone_through = jnp.cumsum(lone)  # lone tiles of ranges 0..r
     lone_before = lone_through - lone
@@ -154,7 +167,13 @@ def paired_row_tile_schedule(group_sizes: jax.Array, num_rows: int) -> tuple[jax
 
     first_tiles = tile(r, jnp.where(full, 2 * j, tiles[r] - 1), used)
     second_tiles = tile(jnp.where(full, r, partner), jnp.where(full, 2 * j + 1, tiles[partner] - 1), second_used)
-    return tuple(jnp.stack([a, b], axis=1).reshape(-1).astype(jnp.int32) for a, b in zip(first_tiles, second_tiles))
+    schedule = tuple(jnp.stack([a, b], axis=1).reshape(-1).astype(jnp.int32)
+                     for a, b in zip(first_tiles, second_tiles))
+    if not fuse_tails:
+        return schedule
+    has_tail = used & full & fused[r] & (j == full_pairs[r] - 1)
+    tail_first = jnp.where(has_tail, aligned_starts[r] + tiles[r] * BLOCK_ROWS, 0).astype(jnp.int32)
+    return (*schedule, tail_first, jnp.where(has_tail, range_ends[r], 0).astype(jnp.int32))
 
 
 def _operand_transforms(block_minor: int, dtype) -> tuple:
@@ -218,16 +237,18 @@ def _kernel(body, out_type, num_sms: int, clustered: bool = False):
     )
 
 
-def _stage_ring(num_stages: int, lhs_block, rhs_block, clustered: bool = False) -> dict:
+def _stage_ring(num_stages: int, lhs_block, rhs_block, clustered: bool = False, tail_block=None) -> dict:
     """Shared memory of the pipeline both kernels run (`_run_pipeline`): num_stages stages of an lhs and an
-    rhs block (plgpu.SMEM allocations of one stage each), a barrier per stage that its two copies completed,
-    and one that both compute warpgroups have released it: of both CTAs of the cluster where clustered (a
-    multicast copy writes the stage in both, so neither CTA reloads it before the other released it)."""
+    rhs block (plgpu.SMEM allocations of one stage each; with tail_block, a pair tail's lhs rows too), a barrier
+    per stage that its copies completed (two, or three with a tail block: `_load_steps`), and one that both
+    compute warpgroups have released it: of both CTAs of the cluster where clustered (a multicast copy writes the
+    stage in both, so neither CTA reloads it before the other released it)."""
     def stages(block):
         return plgpu.SMEM((num_stages, *block.shape), block.dtype, transforms=block.transforms)
 
-    return dict(lhs_smem=stages(lhs_block), rhs_smem=stages(rhs_block),
-                loaded=plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),  # _load_steps' two copies
+    tail = {} if tail_block is None else dict(tail_smem=stages(tail_block))
+    return dict(lhs_smem=stages(lhs_block), rhs_smem=stages(rhs_block), **tail,
+                loaded=plgpu.Barrier(num_arrivals=2 + len(tail), num_barriers=num_stages),
                 consumed=plgpu.ClusterBarrier(collective_axes=(_CLUSTER_AXIS,), num_arrivals=NUM_COMPUTE_WARPGROUPS,
                                               num_barriers=num_stages) if clustered else
                 plgpu.Barrier(num_arrivals=NUM_COMPUTE_WARPGROUPS, num_barriers=num_stages))
@@ -238,11 +259,14 @@ def _stages_bytes(num_stages: int, *blocks) -> int:
     return num_stages * sum(math.prod(block.shape) * jnp.dtype(block.dtype).itemsize for block in blocks)
 
 
-def _load_steps(num_steps, step, num_stages: int, ring: dict, lhs_at, rhs_at, multicast_rhs=None):
+def _load_steps(num_steps, step, num_stages: int, ring: dict, lhs_at, rhs_at, multicast_rhs=None, tail_at=None,
+                has_tail=None):
     """The memory warpgroup's part of a tile: loads its num_steps steps (the blocks lhs_at(i), rhs_at(i)
     of step i) into the stages of the SM's steps step, step + 1, ...; returns the SM's next step. Where
     multicast_rhs (a traced bool, the same in both CTAs of a cluster) holds, the two CTAs load the rhs block
-    together, each half of it, into both CTAs' stages (TMA multicast)."""
+    together, each half of it, into both CTAs' stages (TMA multicast). With a tail block in the ring, also the
+    block tail_at(i) where has_tail (a traced bool) holds; where it does not, the stage's third arrival comes
+    without a copy."""
     def load_step(step_in_tile, step):
         stage = lax.rem(step, num_stages)
 
@@ -258,26 +282,31 @@ def _load_steps(num_steps, step, num_stages: int, ring: dict, lhs_at, rhs_at, mu
         else:
             pl.when(multicast_rhs)(lambda: rhs_copy(collective_axes=_CLUSTER_AXIS))
             pl.when(jnp.logical_not(multicast_rhs))(rhs_copy)
+        if tail_at is not None:
+            pl.when(has_tail)(lambda: plgpu.copy_gmem_to_smem(tail_at(step_in_tile), ring["tail_smem"].at[stage],
+                                                               ring["loaded"].at[stage]))
+            pl.when(jnp.logical_not(has_tail))(lambda: plgpu.barrier_arrive(ring["loaded"].at[stage]))
         return step + 1
 
     return lax.fori_loop(0, num_steps, load_step, step)
 
 
-def _mma_steps(num_steps, step, acc_ref, num_stages: int, ring: dict, mma):
+def _mma_steps(num_steps, step, accs, num_stages: int, ring: dict, mma):
     """A compute warpgroup's part of a tile: for each of its num_steps steps, waits for the stage of the SM's
-    step, calls mma(step_in_tile, lhs stage, rhs stage, acc_ref) and releases the stage once the matmul is
-    done (the other warpgroup keeps the tensor cores busy meanwhile). Returns the SM's next step."""
-    def mma_step(step_in_tile, step_and_acc):
-        step, acc_ref = step_and_acc
+    step, calls mma(step_in_tile, stage, accs) (stage: the ring's shared-memory blocks of that step, by name;
+    accs: the accumulator refs) and releases the stage once the matmul is done (the other warpgroup keeps the
+    tensor cores busy meanwhile). Returns the SM's next step."""
+    def mma_step(step_in_tile, step_and_accs):
+        step, accs = step_and_accs
         stage = lax.rem(step, num_stages)
         plgpu.barrier_wait(ring["loaded"].at[stage])
-        mma(step_in_tile, ring["lhs_smem"].at[stage], ring["rhs_smem"].at[stage], acc_ref)
+        mma(step_in_tile, {name: ref.at[stage] for name, ref in ring.items() if name.endswith("_smem")}, accs)
         plgpu.wgmma_wait(0)
         plgpu.barrier_arrive(ring["consumed"].at[stage])
-        return step + 1, acc_ref
+        return step + 1, accs
 
-    # The accumulator (registers) travels as the loop's carry, as in JAX's warp-specialized pipeline.
-    step, _ = lax.fori_loop(0, num_steps, mma_step, (step, acc_ref))
+    # The accumulators (registers) travel as the loop's carry, as in JAX's warp-specialized pipeline.
+    step, _ = lax.fori_loop(0, num_steps, mma_step, (step, accs))
     return step
 
 
@@ -318,12 +347,13 @@ def _run_pipeline(num_tiles: int, load_tile, compute_tile, num_stages: int, ring
     lax.cond(lax.axis_index(_WARPGROUP_AXIS) < NUM_COMPUTE_WARPGROUPS, compute, memory)
 
 
-def _store_buffers(warpgroup_rows: int, block_n: int, dtype, stages_bytes: int, swizzled: bool):
+def _store_buffers(warpgroup_rows: int, block_n: int, dtype, stages_bytes: int, swizzled: bool,
+                   max_piece_cols: int = STORE_COLS):
     """The shared memory each compute warpgroup stores its warpgroup_rows x block_n part of a tile through, in
-    pieces of 64 rows x gcd(block_n, STORE_COLS) columns (see STORE_COLS): two buffers where a tile has an even
-    count of pieces and they fit beside the pipeline's stages (stages_bytes), else one. Swizzled buffers take
-    a store only at their first row."""
-    piece_cols = math.gcd(block_n, STORE_COLS)
+    pieces of 64 rows x gcd(block_n, max_piece_cols) columns (see STORE_COLS): two buffers where a tile has an
+    even count of pieces and they fit beside the pipeline's stages (stages_bytes), else one. Swizzled buffers
+    take a store only at their first row."""
+    piece_cols = math.gcd(block_n, max_piece_cols)
     num_pieces = warpgroup_rows // ROWS_PER_WARPGROUP * (block_n // piece_cols)
     buffer_bytes = NUM_COMPUTE_WARPGROUPS * ROWS_PER_WARPGROUP * piece_cols * jnp.dtype(dtype).itemsize
     num_buffers = 2 if num_pieces % 2 == 0 and stages_bytes + 2 * buffer_bytes <= SMEM_BYTES else 1
@@ -351,8 +381,25 @@ def _store_in_pieces(values: jax.Array, buffers, store_piece) -> None:
         plgpu.commit_smem_to_gmem_group()
 
 
+def _store_rows(buffer, gmem_rows, begin, count) -> None:
+    """Issues the TMA stores of rows [begin, begin + count) of `buffer` (begin + count <= ROWS_PER_WARPGROUP;
+    both traced) to gmem_rows(offset, size), the global rows of buffer rows [offset, offset + size): one store
+    per set bit of count (64, 32, ..., 1 rows), as a buffer that is not swizzled can start a store at any row.
+    (commit_group=False: the caller commits them as one bulk group.)"""
+    offset = begin
+    size = ROWS_PER_WARPGROUP
+    while size:
+        @pl.when((count & size) != 0)
+        def _(offset=offset, size=size):
+            plgpu.copy_smem_to_gmem(buffer.at[pl.ds(offset, size)], gmem_rows(offset, size), commit_group=False)
+
+        offset += count & size
+        size //= 2
+
+
 def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, tile_first_row: jax.Array,
-                       tile_end_row: jax.Array, *, transpose_rhs: bool, block_n: int, block_k: int,
+                       tile_end_row: jax.Array, pair_tail_first: jax.Array | None = None,
+                       pair_tail_end: jax.Array | None = None, *, transpose_rhs: bool, block_n: int, block_k: int,
                        num_stages: int, grid_tile_width: int, num_sms: int, clustered: bool = False) -> jax.Array:
     """out[r] = lhs[r] @ rhs[g] (or rhs[g]^T with transpose_rhs) for the rows r each tile of group g writes
     in the schedule from `row_tile_schedule`; zero tiles write zeros.
@@ -364,11 +411,22 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
     cluster (num_sms even): where both are tiles of one group, each CTA loads half of every weight block and
     multicasts it to both, so that a weight block streamed from HBM costs each SM half the loads; otherwise each
     loads its own. The two CTAs step through their pair together (a CTA whose tile has no rows loads and skips
-    its matmuls while the other computes)."""
+    its matmuls while the other computes).
+
+    pair_tail_first, pair_tail_end (clustered, from `paired_row_tile_schedule(fuse_tails=True)`; block_n a
+    multiple of 256): pair p also writes its tail rows [pair_tail_first[p], pair_tail_end[p]) (at most
+    ROWS_PER_WARPGROUP, of the pair's group), from the weight blocks already in its stages: each CTA loads the
+    tail's lhs rows beside its own, and each of the cluster's four compute warpgroups multiplies them by its
+    quarter of the block's columns into a second, 64 x block_n / 4 accumulator."""
     _check_operands(lhs, rhs, block_n, block_k, num_stages)
     if clustered and (tile_group.shape[0] % CLUSTER_SIZE or num_sms % CLUSTER_SIZE):
         raise ValueError(f"clustered: the schedule needs an even number of tiles and num_sms must be even, got "
                          f"{tile_group.shape[0]} tiles and num_sms={num_sms}")
+    tails = pair_tail_first is not None
+    tail_quarters = CLUSTER_SIZE * NUM_COMPUTE_WARPGROUPS  # the compute warpgroups of a cluster
+    if tails and (not clustered or block_n % (64 * tail_quarters) or pair_tail_end is None):
+        raise ValueError(f"pair tails need clustered=True, both pair_tail_first and pair_tail_end, and block_n a "
+                         f"multiple of {64 * tail_quarters}, got clustered={clustered}, block_n={block_n}")
     num_rows, contracted = lhs.shape
     if transpose_rhs:
         _, out_cols, rhs_contracted = rhs.shape
@@ -382,13 +440,20 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
     num_tiles = tile_group.shape[0]
     col_blocks = out_cols // block_n
     steps_per_tile = contracted // block_k
+    tail_cols = block_n // tail_quarters
     lhs_block = plgpu.SMEM((BLOCK_ROWS, block_k), dtype, transforms=_operand_transforms(block_k, dtype))
+    tail_block = (plgpu.SMEM((ROWS_PER_WARPGROUP, block_k), dtype, transforms=_operand_transforms(block_k, dtype))
+                  if tails else None)
     if transpose_rhs:
         rhs_block = plgpu.SMEM((block_n, block_k), dtype, transforms=_operand_transforms(block_k, dtype))
     else:
         rhs_block = plgpu.SMEM((block_k, block_n), dtype, transforms=_operand_transforms(block_n, dtype))
+    stages_bytes = _stages_bytes(num_stages, lhs_block, rhs_block, *([tail_block] if tails else []))
 
-    def body(tile_group_gmem, tile_first_row_gmem, tile_end_row_gmem, lhs_gmem, rhs_gmem, out_gmem):
+    def body(tile_group_gmem, tile_first_row_gmem, tile_end_row_gmem, *refs):
+        tail_first_gmem, tail_end_gmem = refs[:2] if tails else (None, None)
+        lhs_gmem, rhs_gmem, out_gmem = refs[-3:]
+
         def computes(tile):
             return (tile_end_row_gmem[tile] > tile_first_row_gmem[tile]) & (tile_group_gmem[tile] != _FILL_TILE)
 
@@ -396,7 +461,7 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
             """The index-th (tile, column block): its group (0 for a zero tile or an unused entry, whose loads
             are never used), first and end rows, first row rounded down to 8, number of steps (0 for a zero
             tile or an unused entry, unless clustered beside a tile with steps), columns, whether it computes,
-            and (clustered) whether the cluster multicasts its rhs blocks."""
+            (clustered) whether the cluster multicasts its rhs blocks, and (with tails) the pair's tail rows."""
             if not clustered:
                 tile, col_block = _striped_order(index, num_tiles, col_blocks, grid_tile_width)
                 partner = None
@@ -410,28 +475,29 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
             tile_start = pl.multiple_of(first_row - first_row % ROW_ALIGNMENT, ROW_ALIGNMENT)
             mine = computes(tile)
             if partner is None:
-                return group, first_row, end_row, tile_start, jnp.where(mine, steps_per_tile, 0), col_block, mine, None
+                return (group, first_row, end_row, tile_start, jnp.where(mine, steps_per_tile, 0), col_block, mine,
+                        None, None)
             theirs = computes(partner)
             multicast = mine & theirs & (group == tile_group_gmem[partner])
             num_steps = jnp.where(mine | theirs, steps_per_tile, 0)
             # A CTA that computes nothing loads its partner's weights (L2 hits beside the partner's loads).
             load_group = jnp.maximum(jnp.where(mine, group, tile_group_gmem[partner]), 0)
-            return load_group, first_row, end_row, tile_start, num_steps, col_block, mine, multicast
+            tail = (pl.multiple_of(tail_first_gmem[pair], ROW_ALIGNMENT), tail_end_gmem[pair]) if tails else None
+            return load_group, first_row, end_row, tile_start, num_steps, col_block, mine, multicast, tail
 
-        # out_smem is not swizzled so that a store can start at any row: a warpgroup writes its rows of a
-        # tile with one TMA store per set bit of their count (64, 32, ..., 1 rows).
         @functools.partial(
             pl.run_scoped,
-            out_smem=_store_buffers(ROWS_PER_WARPGROUP, block_n, dtype,
-                                    _stages_bytes(num_stages, lhs_block, rhs_block), swizzled=False),
+            # With tails, a tile is stored in pieces of a tail's width, and a tail is one more piece.
+            out_smem=_store_buffers(ROWS_PER_WARPGROUP, block_n, dtype, stages_bytes, swizzled=False,
+                                    max_piece_cols=tail_cols if tails else STORE_COLS),
             collective_axes=_WARPGROUP_AXIS,
-            **_stage_ring(num_stages, lhs_block, rhs_block, clustered),
+            **_stage_ring(num_stages, lhs_block, rhs_block, clustered, tail_block),
         )
         def scope(out_smem, **ring):
             wg = lax.axis_index(_WARPGROUP_AXIS)
 
             def load_tile(index, step):
-                group, _, _, tile_start, num_steps, col_block, _, multicast = tile_at(index)
+                group, _, _, tile_start, num_steps, col_block, _, multicast, tail = tile_at(index)
                 cols = pl.ds(col_block * block_n, block_n)
                 tile_rows = pl.ds(tile_start, BLOCK_ROWS)
 
@@ -441,50 +507,83 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
                         return rhs_gmem.at[group, cols, contracted_block]
                     return rhs_gmem.at[group, contracted_block, cols]
 
+                tail_loads = {}
+                if tails:
+                    tail_first, tail_end = tail
+                    tail_loads = dict(has_tail=tail_end > tail_first, tail_at=lambda i: lhs_gmem.at[
+                        pl.ds(tail_first, ROWS_PER_WARPGROUP), pl.ds(i * block_k, block_k)])
                 return _load_steps(num_steps, step, num_stages, ring,
-                                   lambda i: lhs_gmem.at[tile_rows, pl.ds(i * block_k, block_k)], rhs_at, multicast)
+                                   lambda i: lhs_gmem.at[tile_rows, pl.ds(i * block_k, block_k)], rhs_at, multicast,
+                                   **tail_loads)
 
             def compute_tile(index, step):
-                _, first_row, end_row, tile_start, num_steps, col_block, computing, _ = tile_at(index)
+                _, first_row, end_row, tile_start, num_steps, col_block, computing, _, tail = tile_at(index)
                 # This warpgroup's slab of the tile, and the part of it the tile writes.
                 my_start = tile_start + wg * ROWS_PER_WARPGROUP
                 my_begin = jnp.clip(first_row - my_start, 0, ROWS_PER_WARPGROUP)
                 my_end = jnp.clip(end_row - my_start, 0, ROWS_PER_WARPGROUP)
                 my_rows = my_end - my_begin
+                if tails:
+                    tail_first, tail_end = tail
+                    has_tail = tail_end > tail_first
+                    # This warpgroup's quarter of the tile's columns in the pair's tail.
+                    quarter = lax.axis_index(_CLUSTER_AXIS) * NUM_COMPUTE_WARPGROUPS + wg
 
                 def store_piece(buffer, piece_row, piece_col):
                     del piece_row  # a warpgroup's part of a tile is one piece high
                     store_block = pl.ds(col_block * block_n + piece_col, buffer.shape[-1])
-                    offset = my_begin
-                    size = ROWS_PER_WARPGROUP
-                    while size:
-                        @pl.when((my_rows & size) != 0)
-                        def _(offset=offset, size=size):
-                            plgpu.copy_smem_to_gmem(buffer.at[pl.ds(offset, size)],
-                                                    out_gmem.at[pl.ds(my_start + offset, size), store_block],
-                                                    commit_group=False)
+                    _store_rows(buffer, lambda offset, size: out_gmem.at[pl.ds(my_start + offset, size), store_block],
+                                my_begin, my_rows)
 
-                        offset += my_rows & size
-                        size //= 2
+                def mma(_, stage, accs):
+                    acc_ref, tail_acc_ref = accs
+                    rhs_smem = stage["rhs_smem"]
 
-                def mma(_, lhs_smem, rhs_smem, acc_ref):
                     # In a group's last tile, a warpgroup whose rows are all past the group's end skips; so does a
                     # zero tile or an unused entry stepping beside its cluster partner (its stages hold no weights).
                     @pl.when((my_rows > 0) & computing)
                     def _():
                         rhs_operand = rhs_smem.transpose((1, 0)) if transpose_rhs else rhs_smem
-                        plgpu.wgmma(acc_ref, lhs_smem.at[pl.ds(wg * ROWS_PER_WARPGROUP, ROWS_PER_WARPGROUP)],
+                        plgpu.wgmma(acc_ref, stage["lhs_smem"].at[pl.ds(wg * ROWS_PER_WARPGROUP, ROWS_PER_WARPGROUP)],
                                     rhs_operand)
 
+                    if tails:
+                        for q in range(tail_quarters):  # static column slices of the swizzled rhs block
+                            @pl.when(has_tail & (quarter == q))
+                            def _(q=q):
+                                part = pl.ds(q * tail_cols, tail_cols)
+                                rhs_operand = (rhs_smem.at[part].transpose((1, 0)) if transpose_rhs else
+                                               rhs_smem.at[:, part])
+                                plgpu.wgmma(tail_acc_ref, stage["tail_smem"], rhs_operand)
+
+                def store_tail(tail_acc_ref):
+                    # Through the tile's first buffer, once the tile's stores have read it; and read by its own store
+                    # before the next tile writes that buffer (_store_in_pieces awaits the buffer's last store only).
+                    buffer = out_smem.at[wg, 0]
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    buffer[...] = tail_acc_ref[...].astype(dtype)
+                    plgpu.commit_smem()
+                    store_block = pl.ds(col_block * block_n + quarter * tail_cols, tail_cols)
+                    _store_rows(buffer, lambda offset, size: out_gmem.at[pl.ds(tail_first + offset, size), store_block],
+                                0, tail_end - tail_first)
+                    plgpu.commit_smem_to_gmem_group()
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
                 # A zero tile computes nothing: it stores the accumulator's initial zeros.
-                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((ROWS_PER_WARPGROUP, block_n), jnp.float32))
-                def step_after_tile(acc_ref):
-                    step_after = _mma_steps(num_steps, step, acc_ref, num_stages, ring, mma)
+                accumulators = dict(acc_ref=plgpu.ACC((ROWS_PER_WARPGROUP, block_n), jnp.float32))
+                if tails:
+                    accumulators["tail_acc_ref"] = plgpu.ACC((ROWS_PER_WARPGROUP, tail_cols), jnp.float32)
+
+                @functools.partial(pl.run_scoped, **accumulators)
+                def step_after_tile(acc_ref, tail_acc_ref=None):
+                    step_after = _mma_steps(num_steps, step, (acc_ref, tail_acc_ref), num_stages, ring, mma)
 
                     @pl.when(my_rows > 0)
                     def _():
                         _store_in_pieces(acc_ref[...].astype(dtype), out_smem.at[wg], store_piece)
 
+                    if tails:
+                        pl.when(has_tail)(lambda: store_tail(tail_acc_ref))
                     return step_after
 
                 return step_after_tile
@@ -492,8 +591,9 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
             _run_pipeline((num_tiles // CLUSTER_SIZE if clustered else num_tiles) * col_blocks, load_tile,
                           compute_tile, num_stages, ring)
 
+    tail_schedule = (pair_tail_first, pair_tail_end) if tails else ()
     return _kernel(body, jax.ShapeDtypeStruct((num_rows, out_cols), dtype), num_sms, clustered)(
-        tile_group, tile_first_row, tile_end_row, lhs, rhs)
+        tile_group, tile_first_row, tile_end_row, *tail_schedule, lhs, rhs)
 
 
 def ragged_contraction_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, block_n: int,
@@ -566,9 +666,9 @@ def ragged_contraction_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.A
                 start, end, aligned_start, num_steps, group, row_block, col_block = tile_at(index)
                 my_first_out_row = row_block * block_rows + wg * rows_per_warpgroup
 
-                def mma(step_in_tile, lhs_smem, rhs_smem, acc_ref):
+                def mma(step_in_tile, stage, acc_ref):
                     # This warpgroup's K columns of the lhs block: its slab of output rows.
-                    my_lhs = lhs_smem.at[:, pl.ds(wg * rows_per_warpgroup, rows_per_warpgroup)]
+                    my_lhs = stage["lhs_smem"].at[:, pl.ds(wg * rows_per_warpgroup, rows_per_warpgroup)]
                     # The block's rows [begin, stop) are the group's; only the first and last steps have others.
                     step_start = aligned_start + step_in_tile * block_k
                     begin = start - step_start
@@ -581,7 +681,7 @@ def ragged_contraction_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.A
                         my_lhs[...] = jnp.where(keep, my_lhs[...], jnp.zeros((), dtype))
                         plgpu.commit_smem()
 
-                    plgpu.wgmma(acc_ref, my_lhs.transpose((1, 0)), rhs_smem)
+                    plgpu.wgmma(acc_ref, my_lhs.transpose((1, 0)), stage["rhs_smem"])
 
                 def store_piece(buffer, piece_row, piece_col):
                     plgpu.copy_smem_to_gmem(buffer, out_gmem.at[

@@ -67,6 +67,10 @@ class BlockConfig:
     clustered: (jax_ep's fwd and dx) tiles run in 2-CTA clusters, a group's tiles two by two, each pair loading
       every weight block once by TMA multicast (`ragged_rows_matmul`); for many experts, whose weights stream
       from HBM.
+    fused_tails: (clustered, block_n a multiple of 256) a group's last tile of at most 64 rows, where its tiles are
+      odd in number, is computed by the group's last pair in the same pass over the weights, each of the pair's
+      four compute warpgroups on a quarter of the columns (`paired_row_tile_schedule(fuse_tails=True)`), instead
+      of by a tile that reloads the group's weights on its own (from HBM, with many experts).
     """
     block_m: int = 128
     block_n: int = 128
@@ -74,6 +78,7 @@ class BlockConfig:
     num_stages: int = 4
     grid_tile_width: int = 4
     clustered: bool = False
+    fused_tails: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,12 +144,21 @@ _WIDE_STRIPES_8 = BlockConfig(block_n=256, num_stages=3, grid_tile_width=8)
 _WIDE_ROWS = BlockConfig(block_n=256, num_stages=3, grid_tile_width=16)  # fwd and dx
 _CLUSTERED_ROWS = dataclasses.replace(_WIDE_ROWS, clustered=True)
 _CLUSTERED_STRIPES_8 = dataclasses.replace(_WIDE_STRIPES_8, clustered=True)
+# V3's slice at EP2 (128 experts of ~256 rows, about half with a last tile of 8-48 rows): fwd and dx with fused pair
+# tails, 4-8 % faster per kernel (at 64 experts, 512 rows each, 3-6 % slower: docs/perf-log.md, 2026-11-29).
+_FEW_ROWS_PER_GROUP = dict(m=_BLOCK_ROWS_RANGE, groups=(65, 128))
+_FUSED_TAILS_ROWS = dataclasses.replace(_CLUSTERED_ROWS, fused_tails=True)
 BLOCK_CONFIG_TABLE: tuple[BlockConfigRule, ...] = (
     BlockConfigRule("pallas", "dw", **_MANY_EXPERTS, config=_WIDE_STRIPES_8),
     BlockConfigRule("pallas", "dx", **{**_MANY_EXPERTS, "k": _PROJECTION, "n": _WIDE_MODEL},
                     config=_CLUSTERED_STRIPES_8),
     BlockConfigRule("pallas", "fwd", **_MANY_EXPERTS, config=_CLUSTERED_ROWS),
     BlockConfigRule("pallas", "dx", **_MANY_EXPERTS, config=_CLUSTERED_ROWS),
+    BlockConfigRule("pallas", "fwd", **_FEW_ROWS_PER_GROUP, k=_WIDE_MODEL, n=_PROJECTION, config=_FUSED_TAILS_ROWS),
+    BlockConfigRule("pallas", "fwd", **_FEW_ROWS_PER_GROUP, k=_PROJECTION, n=_WIDE_MODEL, config=_FUSED_TAILS_ROWS),
+    BlockConfigRule("pallas", "dx", **_FEW_ROWS_PER_GROUP, k=_WIDE_MODEL, n=_PROJECTION, config=_FUSED_TAILS_ROWS),
+    BlockConfigRule("pallas", "dx", **_FEW_ROWS_PER_GROUP, k=_PROJECTION, n=_WIDE_MODEL,
+                    config=dataclasses.replace(_CLUSTERED_STRIPES_8, fused_tails=True)),
     BlockConfigRule("pallas", "dw", **_MANY_GROUPS, k=_WIDE_MODEL, n=_PROJECTION,
                     config=BlockConfig(block_n=256, num_stages=3, grid_tile_width=2)),
     BlockConfigRule("pallas", "dw", **_MANY_GROUPS, k=_PROJECTION, n=_WIDE_MODEL, config=_WIDE_STRIPES_8),
@@ -257,6 +271,8 @@ def config_unsupported_reason(kernels: str, op: str, config: BlockConfig, m: int
         return f"{op}: M={m} is below the {min_rows} rows the kernels load at least"
     if config.clustered and (kernels != "pallas" or op == "dw"):
         return f"{op}: only jax_ep's fwd and dx kernels run clustered, not {kernels}'s {op} ({config})"
+    if config.fused_tails and (not config.clustered or config.block_n % 256):
+        return f"{op}: fused tails need clustered tiles of a multiple of 256 columns ({config})"
     block_m_choices = (128, 256) if op == "dw" else (128,)
     if kernels == "pallas" and (config.block_m not in block_m_choices or config.block_n % 64
                                 or config.block_k % 64 or config.block_n > 256):
@@ -309,8 +325,8 @@ def pallas_grouped_op(op: str, kernels: str, lhs: jax.Array, rhs: jax.Array, gro
         if op == "dw":
             return modules.ours.ragged_contraction_matmul(lhs, rhs, group_sizes, block_rows=config.block_m,
                                                           **kernel_args)
-        schedule = (modules.ours.paired_row_tile_schedule if clustered else
-                    modules.ours.row_tile_schedule)(group_sizes, lhs.shape[0])
+        schedule = (modules.ours.paired_row_tile_schedule(group_sizes, lhs.shape[0], fuse_tails=config.fused_tails)
+                    if clustered else modules.ours.row_tile_schedule(group_sizes, lhs.shape[0]))
         return modules.ours.ragged_rows_matmul(lhs, rhs, *schedule, transpose_rhs=op == "dx", clustered=clustered,
                                                **kernel_args)
     kernel_args = dict(group_sizes=group_sizes, block_m=config.block_m, block_n=config.block_n,

@@ -237,9 +237,9 @@ def test_row_tile_schedule_writes_every_row_once(sizes, num_rows):
         assert np.sum(used & (tile_group == g)) == tiles
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _paired_schedule(group_sizes, num_rows):
-    return kernels.paired_row_tile_schedule(group_sizes, num_rows)
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _paired_schedule(group_sizes, num_rows, fuse_tails=False):
+    return kernels.paired_row_tile_schedule(group_sizes, num_rows, fuse_tails)
 
 
 @needs_pallas
@@ -256,6 +256,10 @@ def test_paired_row_tile_schedule_pairs_each_groups_tiles(sizes, num_rows):
     expected = sorted((g, lo, hi) for g, lo, hi in zip(*(np.asarray(a) for a in _schedule(jnp.asarray(sizes),
                                                                                            num_rows))) if lo < hi)
     assert sorted(zip(group[used].tolist(), first[used].tolist(), end[used].tolist())) == expected
+    _check_pairs(sizes, group, first, used)
+
+
+def _check_pairs(sizes, group, first, used):
     assert (group[~used] == -1).all()
     pair_group, pair_first, pair_used = group.reshape(-1, 2), first.reshape(-1, 2), used.reshape(-1, 2)
     assert not (pair_used[:, 1] & ~pair_used[:, 0]).any(), "an unused entry comes first in a pair"
@@ -264,6 +268,42 @@ def test_paired_row_tile_schedule_pairs_each_groups_tiles(sizes, num_rows):
     for g in range(len(sizes)):
         tiles = np.sum(used & (group == g))
         assert tiles - 2 * np.sum(same & (pair_group[:, 0] == g)) in (0, 1), f"group {g}: more than one lone tile"
+    return same
+
+
+@needs_pallas
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 700), min_size=1, max_size=9), st.sampled_from([1024, 3000]))
+def test_paired_schedule_with_tails_fuses_each_short_last_tile(sizes, num_rows):
+    """fuse_tails: every row written once, by a tile or by a pair's tail; a group whose tiles (row_tile_schedule's)
+    are odd in number, at least 3, and whose last one holds at most 64 rows has that tile as the tail of its last
+    pair (rows right after the pair's, starting at a multiple of 8) and no lone tile; other groups are as
+    without it."""
+    sizes = np.asarray(gm_module._clamp_group_sizes(jnp.asarray(sizes, jnp.int32), num_rows))
+    group, first, end, tail_first, tail_end = (np.asarray(a) for a in _paired_schedule(jnp.asarray(sizes), num_rows,
+                                                                                       True))
+    used = first < end
+    same = _check_pairs(sizes, group, first, used)
+    written = np.zeros(num_rows, int)
+    for lo, hi in zip(first[used], end[used]):
+        written[lo:hi] += 1
+    has_tail = tail_first < tail_end
+    for p in np.flatnonzero(has_tail):
+        written[tail_first[p]:tail_end[p]] += 1
+    np.testing.assert_array_equal(written, 1)
+    plain_group, plain_first, plain_end = (np.asarray(a) for a in _schedule(jnp.asarray(sizes), num_rows))
+    ranges = oracle_group_ranges(sizes, num_rows)
+    for g, (start, stop) in enumerate(ranges):
+        mine = (plain_group == g) & (plain_first < plain_end)
+        last_rows = (plain_end[mine] - plain_first[mine])[-1] if mine.any() else 0
+        fused = mine.sum() >= 3 and mine.sum() % 2 == 1 and last_rows <= kernels.ROWS_PER_WARPGROUP
+        tails = np.flatnonzero(has_tail & (group.reshape(-1, 2)[:, 0] == g))
+        assert len(tails) == int(fused), f"group {g}"
+        if fused:
+            p = tails[0]
+            assert same[p] and end[2 * p + 1] == tail_first[p] and tail_end[p] == stop
+            assert tail_first[p] % kernels.ROW_ALIGNMENT == 0 and tail_end[p] - tail_first[p] <= 64
+            assert np.sum(used & (group == g)) == mine.sum() - 1  # no lone tile
 
 
 @needs_pallas
@@ -296,7 +336,8 @@ KERNEL_CONFIG = dict(block_n=128, block_k=64, num_stages=4, grid_tile_width=4, n
 
 
 @needs_pallas
-@pytest.mark.parametrize("op", ["fwd", "dx", "dw", "dw with 256-row tiles", "fwd clustered", "dx clustered"])
+@pytest.mark.parametrize("op", ["fwd", "dx", "dw", "dw with 256-row tiles", "fwd clustered", "dx clustered",
+                                "fwd clustered with tails", "dx clustered with tails"])
 def test_kernels_lower_to_mosaic_gpu(op):
     """Lowering runs Mosaic GPU's layout inference and shared-memory sizing: what a compile on the device
     would reject first. (The final PTX compile needs the device.)"""
@@ -308,15 +349,17 @@ def test_kernels_lower_to_mosaic_gpu(op):
         config = dict(KERNEL_CONFIG, num_stages=3, block_rows=256) if "256" in op else KERNEL_CONFIG
         fn = functools.partial(kernels.ragged_contraction_matmul, **config)
     else:
-        transpose_rhs, clustered = op.startswith("dx"), op.endswith("clustered")
+        transpose_rhs, clustered, tails = op.startswith("dx"), "clustered" in op, op.endswith("tails")
+        n = 512 if tails else n  # 256-column tiles (a quarter of 64 per warpgroup of the pair's tails)
         rows_k = n if transpose_rhs else k
+        config = dict(KERNEL_CONFIG, block_n=256, num_stages=3) if tails else KERNEL_CONFIG
         args = (jax.ShapeDtypeStruct((m, rows_k), bf16), jax.ShapeDtypeStruct((groups, k, n), bf16), sizes)
 
         def fn(lhs, rhs, group_sizes):
-            schedule = (kernels.paired_row_tile_schedule if clustered else
-                        kernels.row_tile_schedule)(group_sizes, lhs.shape[0])
+            schedule = (kernels.paired_row_tile_schedule(group_sizes, lhs.shape[0], fuse_tails=tails) if clustered
+                        else kernels.row_tile_schedule(group_sizes, lhs.shape[0]))
             return kernels.ragged_rows_matmul(lhs, rhs, *schedule, transpose_rhs=transpose_rhs, clustered=clustered,
-                                              **KERNEL_CONFIG)
+                                              **config)
     lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
 

@@ -132,6 +132,33 @@ def test_table_tile_shapes_match_oracle(op, config):
         assert not np.any(np.asarray(out[int(sizes.sum()):], np.float32)), "rows past the last group must be zero"
 
 
+# Groups whose tiles are odd in number (3 or 5) with a last tile of at most 64 rows, some starting off a multiple of 8
+# rows (300, 264, 8 rows past such starts), beside groups that have none of that, an empty one and rows past the
+# last group.
+FUSED_TAIL_SIZES = [300, 264, 7, 0, 600, 290, 130, 70]
+
+
+@needs_hopper
+@pytest.mark.parametrize("op", ["fwd", "dx"])
+def test_fused_pair_tails_match_oracle_and_unfused(op):
+    """Clustered fwd and dx with fused_tails: each short last tile of a group computed by the group's last pair, in
+    quarters of the columns, against the float64 oracle; bitwise the unfused kernel's (each output element takes the
+    same steps over K in both); zero rows past the last group."""
+    m, k, n = 2048, 512, 768
+    sizes = np.asarray(FUSED_TAIL_SIZES, np.int32)
+    rng = np.random.default_rng(5)
+    x, w, dy = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+                for shape in ((m, k), (len(sizes), k, n), (m, n)))
+    lhs, rhs = {"fwd": (x, w), "dx": (dy, w)}[op]
+    unfused = BlockConfig(block_n=256, num_stages=3, grid_tile_width=16, clustered=True)
+    fused = BlockConfig(block_n=256, num_stages=3, grid_tile_width=16, clustered=True, fused_tails=True)
+    out_fused, out_unfused = (jax.jit(functools.partial(pallas_grouped_op, op, "pallas", config=config))(
+        lhs, rhs, jnp.asarray(sizes)) for config in (fused, unfused))
+    assert relative_error(out_fused, oracle(x, w, dy, sizes)[OPS.index(op)]) <= BF16_TOLERANCE
+    np.testing.assert_array_equal(np.asarray(out_fused, np.float32), np.asarray(out_unfused, np.float32))
+    assert not np.any(np.asarray(out_fused[int(sizes.sum()):], np.float32)), "rows past the last group must be zero"
+
+
 @needs_hopper
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("implementation", ["pallas", "jax_pallas"])
