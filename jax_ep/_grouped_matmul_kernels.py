@@ -366,8 +366,8 @@ def _store_in_pieces(values: jax.Array, buffers, store_piece) -> None:
     allocation): piece i (64 rows x the buffers' columns, row-major order) is written to buffer
     i % num_buffers, then store_piece(buffer, piece_row, piece_col) issues its copies to global memory
     (commit_group=False), one bulk group per piece. A buffer was last read by the store num_buffers pieces
-    before (in this tile or the previous one, as tiles have a multiple of num_buffers pieces), so only that
-    store's read is awaited."""
+    before (in this tile or the previous one, as tiles have a multiple of num_buffers pieces; a pair tail's
+    store in between is awaited by `ragged_rows_matmul` itself), so only that store's read is awaited."""
     rows, cols = values.shape
     num_buffers, _, piece_cols = buffers.shape
     pieces = [(r, c) for r in range(0, rows, ROWS_PER_WARPGROUP) for c in range(0, cols, piece_cols)]

@@ -132,9 +132,9 @@ def test_table_tile_shapes_match_oracle(op, config):
         assert not np.any(np.asarray(out[int(sizes.sum()):], np.float32)), "rows past the last group must be zero"
 
 
-# Groups whose tiles are odd in number (3 or 5) with a last tile of at most 64 rows, some starting off a multiple of 8
-# rows (300, 264, 8 rows past such starts), beside groups that have none of that, an empty one and rows past the
-# last group.
+# Groups of 3 tiles whose last holds at most 64 rows (300, 264 and 290 rows: tails of 44, 12 and 37), two starting off
+# a multiple of 8 rows, beside groups with no tail (a 5-tile group whose last tile holds 91 rows), an empty one and
+# rows past the last group.
 FUSED_TAIL_SIZES = [300, 264, 7, 0, 600, 290, 130, 70]
 
 
