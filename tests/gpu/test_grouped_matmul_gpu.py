@@ -132,10 +132,11 @@ def test_table_tile_shapes_match_oracle(op, config):
         assert not np.any(np.asarray(out[int(sizes.sum()):], np.float32)), "rows past the last group must be zero"
 
 
-# Groups of 3 tiles whose last holds at most 64 rows (300, 264 and 290 rows: tails of 44, 12 and 37), two starting off
-# a multiple of 8 rows, beside groups with no tail (a 5-tile group whose last tile holds 91 rows), an empty one and
-# rows past the last group.
-FUSED_TAIL_SIZES = [300, 264, 7, 0, 600, 290, 130, 70]
+# Groups whose odd last tile holds at most 64 rows: 3 tiles with tails of 44, 12 (its group starting off a multiple of
+# 8 rows), 64 and 16 rows (the last group's, starting off a multiple of 8), and 5 tiles with a tail of 24 on the
+# group's second pair; beside groups with no tail (a lone tile of 7 rows, a 5-tile group whose last tile holds 90
+# rows, the two paired across groups; a 2-tile group), an empty one and rows past the last group.
+FUSED_TAIL_SIZES = [300, 264, 7, 0, 533, 320, 130, 600, 270]
 
 
 @needs_hopper
@@ -144,7 +145,7 @@ def test_fused_pair_tails_match_oracle_and_unfused(op):
     """Clustered fwd and dx with fused_tails: each short last tile of a group computed by the group's last pair, in
     quarters of the columns, against the float64 oracle; bitwise the unfused kernel's (each output element takes the
     same steps over K in both); zero rows past the last group."""
-    m, k, n = 2048, 512, 768
+    m, k, n = 3072, 512, 768
     sizes = np.asarray(FUSED_TAIL_SIZES, np.int32)
     rng = np.random.default_rng(5)
     x, w, dy = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
