@@ -30,13 +30,23 @@ __device__ __forceinline__ void init_barriers(uint64_t* bars, int count) {
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
 
-// One thread: `bytes` (a multiple of 16) at global `src` into shared `dst`, completing `bar`'s current phase.
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+// One thread: `bar`'s current phase completes once `bytes` have arrived (by bulk_copy calls) and this one arrival.
+__device__ __forceinline__ void expect_bytes(uint64_t* bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+
+// `bytes` (a multiple of 16) at global `src` into shared `dst`, counted against `bar`'s expected bytes.
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
                    smem_addr(dst)),
                "l"(src), "r"(bytes), "r"(smem_addr(bar))
                : "memory");
+}
+
+// One thread: `bytes` (a multiple of 16) at global `src` into shared `dst`, completing `bar`'s current phase.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  expect_bytes(bar, bytes);
+  bulk_copy(dst, src, bytes, bar);
 }
 
 // Until `bar`'s phase of this parity completed; a bounded wait (~2 s at 2 GHz), then a trap.

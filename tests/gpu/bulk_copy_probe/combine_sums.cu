@@ -1,10 +1,12 @@
 // Probe: how fast can S SMs do the expert-major combine's local fan-in at DeepEP's shape? Each of `tokens` tokens
 // has kPairs pair rows of `hidden` bf16 scattered over y (a bijection of its rows, as a token's pairs lie in
 // different experts' groups); a warp sums a token's pairs weighted, in pair order, in float32, a 2 KB column chunk
-// at a time, and stores the chunk of its partial row rounded to bf16. Two ways to read the pair rows:
+// at a time, and stores the chunk of its partial row rounded to bf16. Three ways to read the pair rows:
 //   bulk:  lane 0 of each warp streams the chunks (cp.async.bulk, 2 KB each, completion on an mbarrier) through
 //          kStages stages of shared memory, kAhead ahead; every lane reads back its 16-byte vectors;
-//   plain: each lane loads its vectors of the job's kPairs chunks straight from global memory, all in flight.
+//   plain: each lane loads its vectors of the job's kPairs chunks straight from global memory, all in flight;
+//   rows:  a CTA's thread 0 loads whole pair rows (or halves) by cp.async.bulk, kSlots tokens ahead, and the CTA's
+//          threads sum them from shared memory (sums_rows): a few large copies instead of many 2 KB ones.
 // Defaults: 8192 tokens x 4 pairs x 7168 = 470 MB of pair rows (what one rank of two reads at T=4096, K=8, E=256)
 // and 117 MB of partials. Checks every job's output against a float32 sum on the host. One GPU.
 //   combine_sums [TOKENS [HIDDEN]]
@@ -127,8 +129,68 @@ __global__ void __launch_bounds__(512) sums_plain(const __nv_bfloat16* y, __nv_b
   }
 }
 
+// Whole pair rows (or 1/kSplit of each) by bulk copies, a CTA at a time: thread 0 loads the kPairs rows of the
+// CTA's job n (a token's part) into slot n % kSlots, all kPairs completing on that slot's mbarrier, kSlots jobs ahead;
+// every thread sums 16-byte vectors of the slot and stores them, then the CTA syncs and the slot is loaded again.
+template <int kSlots, int kSplit>
+__global__ void __launch_bounds__(512) sums_rows(const __nv_bfloat16* y, __nv_bfloat16* out, int tokens, int rows,
+                                                 int hidden) {
+  extern __shared__ __align__(128) uint4 slots_mem[];
+  __shared__ __align__(8) uint64_t bars[kSlots];
+  const int part_vecs = hidden * 2 / 16 / kSplit, part_elems = hidden / kSplit;
+  if (threadIdx.x == 0) init_barriers(bars, kSlots);
+  __syncthreads();
+  const int jobs = tokens * kSplit, mine = (jobs - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;
+  auto issue = [&](int n) {
+    if (threadIdx.x != 0 || n >= mine) return;
+    const int job = (int)blockIdx.x + n * (int)gridDim.x, token = job / kSplit, part = job % kSplit;
+    uint4* slot = slots_mem + (size_t)(n % kSlots) * kPairs * part_vecs;
+    expect_bytes(&bars[n % kSlots], kPairs * part_vecs * 16);
+    for (int k = 0; k < kPairs; ++k)
+      bulk_copy(slot + (size_t)k * part_vecs,
+                y + (size_t)pair_row(token * kPairs + k, rows) * hidden + (size_t)part * part_elems, part_vecs * 16,
+                &bars[n % kSlots]);
+  };
+  for (int n = 0; n < kSlots; ++n) issue(n);
+  for (int n = 0; n < mine; ++n) {
+    const int job = (int)blockIdx.x + n * (int)gridDim.x, token = job / kSplit, part = job % kSplit;
+    const uint4* slot = slots_mem + (size_t)(n % kSlots) * kPairs * part_vecs;
+    float w[kPairs];
+#pragma unroll
+    for (int k = 0; k < kPairs; ++k) w[k] = pair_weight(pair_row(token * kPairs + k, rows));
+    wait_loaded(&bars[n % kSlots], (n / kSlots) & 1);
+    uint4* row = reinterpret_cast<uint4*>(out + (size_t)token * hidden + (size_t)part * part_elems);
+    for (int v = (int)threadIdx.x; v < part_vecs; v += (int)blockDim.x) {
+      float acc[8] = {};
+#pragma unroll
+      for (int k = 0; k < kPairs; ++k) {
+        const uint4 x = slot[(size_t)k * part_vecs + v];
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&x);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 f = __bfloat1622float2(h[e]);
+          acc[2 * e] = fmaf(w[k], f.x, acc[2 * e]);
+          acc[2 * e + 1] = fmaf(w[k], f.y, acc[2 * e + 1]);
+        }
+      }
+      uint4 packed;
+      __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&packed);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) h[e] = __floats2bfloat162_rn(acc[2 * e], acc[2 * e + 1]);
+      row[v] = packed;
+    }
+    __syncthreads();  // every thread has read slot n % kSlots before thread 0 loads job n + kSlots into it
+    issue(n + kSlots);
+  }
+}
+
 using Sums = void (*)(const __nv_bfloat16*, __nv_bfloat16*, int, int, int);
-struct Way { const char* name; Sums kernel; int threads, smem; };
+// smem: bytes of shared memory; or, for sums_rows, its slots and split (kPairs rows / split each, at run time).
+struct Way {
+  const char* name;
+  Sums kernel;
+  int threads, smem, row_slots = 0, split = 1;
+};
 const Way kWays[] = {
     {"plain loads, 16 warps a block, 4 pairs x 4 vectors a lane in flight", sums_plain, 512, 0},
     {"bulk, 4 warps x 24 stages, 16 ahead", sums_bulk<4, 24, 16>, 128, 4 * 24 * kChunkBytes},
@@ -136,7 +198,17 @@ const Way kWays[] = {
     {"bulk, 16 warps x 6 stages, 4 ahead", sums_bulk<16, 6, 4>, 512, 16 * 6 * kChunkBytes},
     {"bulk, 16 warps x 5 stages, 4 ahead (about the combine kernel's depth)", sums_bulk<16, 5, 4>, 512,
      16 * 5 * kChunkBytes},
+    {"bulk whole rows, 3 tokens in flight a CTA, 16 warps", sums_rows<3, 1>, 512, 0, 3, 1},
+    {"bulk whole rows, 2 tokens in flight a CTA, 16 warps", sums_rows<2, 1>, 512, 0, 2, 1},
+    {"bulk whole rows, 3 tokens in flight a CTA, 8 warps", sums_rows<3, 1>, 256, 0, 3, 1},
+    {"bulk half rows, 7 halves in flight a CTA, 16 warps", sums_rows<7, 2>, 512, 0, 7, 2},
+    {"bulk half rows, 4 halves in flight a CTA, 16 warps", sums_rows<4, 2>, 512, 0, 4, 2},
 };
+
+// Dynamic shared memory of `way` at this hidden size.
+int smem_bytes(const Way& way, int hidden) {
+  return way.row_slots ? way.row_slots * kPairs * hidden * 2 / way.split : way.smem;
+}
 
 int main(int argc, char** argv) {
   const int tokens = argc > 1 ? atoi(argv[1]) : 8192, hidden = argc > 2 ? atoi(argv[2]) : 7168;
@@ -152,7 +224,8 @@ int main(int argc, char** argv) {
   fill_y<<<528, 256>>>(y, rows, hidden);
   CK(cudaGetLastError());
   for (const Way& way : kWays)
-    if (way.smem) CK(cudaFuncSetAttribute(way.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, way.smem));
+    if (smem_bytes(way, hidden))
+      CK(cudaFuncSetAttribute(way.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(way, hidden)));
   // The host's sums: pair order, float32 fma, rounded to bf16 once.
   std::vector<uint16_t> expected((size_t)tokens * hidden), got((size_t)tokens * hidden);
   for (int t = 0; t < tokens; ++t)
@@ -172,7 +245,7 @@ int main(int argc, char** argv) {
          hidden, read_bytes / 1e6, write_bytes / 1e6);
   for (const Way& way : kWays) {
     CK(cudaMemset(out, 0xff, write_bytes));
-    way.kernel<<<24, way.threads, way.smem>>>(y, out, tokens, rows, hidden);
+    way.kernel<<<24, way.threads, smem_bytes(way, hidden)>>>(y, out, tokens, rows, hidden);
     CK(cudaGetLastError());
     CK(cudaMemcpy(got.data(), out, write_bytes, cudaMemcpyDeviceToHost));
     long wrong = 0;
@@ -182,7 +255,7 @@ int main(int argc, char** argv) {
       float best = 1e9;
       for (int it = 0; it < 5; ++it) {
         CK(cudaEventRecord(e0));
-        way.kernel<<<sms, way.threads, way.smem>>>(y, out, tokens, rows, hidden);
+        way.kernel<<<sms, way.threads, smem_bytes(way, hidden)>>>(y, out, tokens, rows, hidden);
         CK(cudaEventRecord(e1));
         CK(cudaEventSynchronize(e1));
         float ms;
