@@ -33,9 +33,9 @@ Per shape and dispatcher:
   wait for its last; inside the block nothing launches a stage alone. Where both dispatchers ran, their dispatch
   and combine stages are compared both ways. Under the profiler the host issues calls more slowly (about 11 ms a
   call of moe-a's expert FFN stage, jax 0.11.2), so a stage shorter than that runs with the GPU resting between
-  calls, at a higher clock (an H200: 1965 MHz, against 1552 back to back): its GPU time is below what its kernels
-  take back to back (moe-a's expert FFN: 2.35 ms on the GPU, 2.71 ms by the wall clock; docs/perf-log.md,
-  2026-11-29).
+  calls, at a higher clock (an H200: 1965 MHz, against 1400-1550 back to back, where its 700 W power cap holds
+  it): its GPU time is below what its kernels take back to back (moe-a's expert FFN: 2.35 ms on the GPU, 2.71 ms
+  by the wall clock; docs/perf-log.md, 2026-11-29).
 - compute stages: router + expert FFN of the breakdown. The block over them says how much of the communication
   the block hides: 1.0 would be all of it (each stage timed alone also pays its own launch, ~0.1 ms).
 - hidden: the share of the communication stages (dispatch + combine) that the block did not add to its time,
