@@ -141,21 +141,33 @@ FUSED_TAIL_SIZES = [300, 264, 7, 0, 533, 320, 130, 600, 270]
 
 @needs_hopper
 @pytest.mark.parametrize("op", ["fwd", "dx"])
-def test_fused_pair_tails_match_oracle_and_unfused(op):
+@pytest.mark.parametrize("not_finite", [False, True])
+def test_fused_pair_tails_match_oracle_and_unfused(op, not_finite):
     """Clustered fwd and dx with fused_tails: each short last tile of a group computed by the group's last pair, in
     quarters of the columns, against the float64 oracle; bitwise the unfused kernel's (each output element takes the
-    same steps over K in both); zero rows past the last group."""
+    same steps over K in both); zero rows past the last group. not_finite: inf in a tail's row, nan in the row after
+    it (the next group's first, which the tail reads and does not store) and -inf in the last group's last row: each
+    stays in its own row, as in the unfused kernel."""
     m, k, n = 3072, 512, 768
     sizes = np.asarray(FUSED_TAIL_SIZES, np.int32)
     rng = np.random.default_rng(5)
     x, w, dy = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
                 for shape in ((m, k), (len(sizes), k, n), (m, n)))
     lhs, rhs = {"fwd": (x, w), "dx": (dy, w)}[op]
+    if not_finite:
+        ends = np.cumsum(sizes)
+        special = {int(ends[0]) - 1: np.inf, int(ends[0]): np.nan, int(ends[-1]) - 1: -np.inf}
+        for row, value in special.items():
+            lhs = lhs.at[row].set(value)
     unfused = BlockConfig(block_n=256, num_stages=3, grid_tile_width=16, clustered=True)
     fused = BlockConfig(block_n=256, num_stages=3, grid_tile_width=16, clustered=True, fused_tails=True)
     out_fused, out_unfused = (jax.jit(functools.partial(pallas_grouped_op, op, "pallas", config=config))(
         lhs, rhs, jnp.asarray(sizes)) for config in (fused, unfused))
-    assert relative_error(out_fused, oracle(x, w, dy, sizes)[OPS.index(op)]) <= BF16_TOLERANCE
+    if not_finite:
+        finite_rows = np.all(np.isfinite(np.asarray(out_fused, np.float32)), axis=1)
+        assert set(np.flatnonzero(~finite_rows).tolist()) == set(special), "only the rows given inf or nan"
+    else:
+        assert relative_error(out_fused, oracle(x, w, dy, sizes)[OPS.index(op)]) <= BF16_TOLERANCE
     np.testing.assert_array_equal(np.asarray(out_fused, np.float32), np.asarray(out_unfused, np.float32))
     assert not np.any(np.asarray(out_fused[int(sizes.sum()):], np.float32)), "rows past the last group must be zero"
 
