@@ -19,3 +19,14 @@ def test_soak_record(tmp_path):
     assert record["bitwise_identical"] is True
     assert len(record["device_bytes"]) == 2 and len(record["host_rss_bytes"]) == 2
     assert record["host_rss_bytes"][0] > 0
+
+
+def test_soak_block_record(tmp_path):
+    """--block: the Flax MoE block's training step in two chunks, every step's gradients the first's bits."""
+    path = tmp_path / "soak-block.json"
+    assert bench.main(["soak", "--block", "--num-chunks", "2", "--dispatcher", "xla", "--ranks", "4", "--steps",
+                       "12", "--bitwise-steps", "12", "--tokens", "16", "--hidden", "128", "--d-ff", "64",
+                       "--experts", "8", "--topk", "2", "--json", str(path)]) == 0
+    record = json.loads(path.read_text())
+    assert (record["mode"], record["dispatcher"], record["num_chunks"]) == ("block", "xla", 2)
+    assert (record["steps"], record["bitwise_steps"], record["bitwise_identical"]) == (12, 12, True)

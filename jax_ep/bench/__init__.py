@@ -8,7 +8,7 @@ Modes, one module each beside the shared harness (jax_ep/bench/harness.py):
   moe             the jax_ep.flax.MoE block, forward + backward, beside the dense proxy of its FLOPs, and its
                   breakdown (router, dispatch, expert FFN, combine)
   overlap         an expert-major dispatch + combine on a jax_ep side stream beside the expert matmuls
-  soak            many jitted dispatch + combine steps: memory growth and bit-for-bit repeatability
+  soak            many jitted dispatch + combine (or MoE block) steps: memory growth and bit-for-bit repeatability
 Every mode takes --json PATH (every figure); intranode and moe draw --plot PATH.
 """
 from __future__ import annotations

@@ -149,10 +149,28 @@ def _random(key, shape, dtype, sharding) -> jax.Array:
     return _placed(jax.random.normal(key, shape, jnp.float32).astype(dtype), sharding)
 
 
+def make_block(mesh, shape: MoEShape, dispatcher: str, num_chunks: int = 1, buffer=None) -> MoE:
+    """The block at `shape` with `dispatcher`, bfloat16, its state placed on the mesh (the experts sharded over the
+    EP axis by their partition metadata, the rest replicated)."""
+    moe = MoE(shape.d_model, shape.d_ff, shape.experts, shape.topk, mesh=mesh, dispatcher=dispatcher, dtype=DTYPE,
+              param_dtype=DTYPE, num_chunks=num_chunks, buffer=buffer, rngs=nnx.Rngs(0))
+    state = nnx.state(moe)
+    nnx.update(moe, jax.tree.map(_placed, state, nnx.get_named_sharding(state, mesh)))
+    return moe
+
+
+def block_inputs(mesh, tokens: int, d_model: int) -> tuple[jax.Array, jax.Array]:
+    """x and a cotangent of the block's output: [R * tokens, d_model] bfloat16, random, rows sharded over the EP
+    axis (every rank's tokens)."""
+    x_key, cotangent_key = jax.random.split(jax.random.key(1))
+    rows = ((mesh.devices.size * tokens, d_model), DTYPE, NamedSharding(mesh, P("ep")))
+    return _random(x_key, *rows), _random(cotangent_key, *rows)
+
+
 REMAT_LAYERS = 4  # --remat's stack: remat keeps one layer's activations alive instead of every layer's
 
 
-def _block_step(moe: MoE, remat: bool, layers: int = 1):
+def block_step(moe: MoE, remat: bool = False, layers: int = 1):
     """The whole block, forward + backward, as one jitted step(state, x, cotangent), applied `layers` times in
     a row (same weights); with `remat`, each application under jax.checkpoint with nothing saveable (the
     backward pass recomputes its forward: router, dispatch, experts, combine)."""
@@ -181,7 +199,7 @@ def _block_and_proxy_ms(mesh, moe: MoE, x, cotangent, shape: MoEShape, args) -> 
     """ms of the block's step and of the dense proxy of its FLOPs, their runs taken in turn, each after a barrier
     of the ranks."""
     return harness.alternating_median_ms(
-        {"block": (_block_step(moe, remat=False), [(nnx.state(moe), x, cotangent)]),
+        {"block": (block_step(moe, remat=False), [(nnx.state(moe), x, cotangent)]),
          "proxy": dense_swiglu_step(args.tokens * shape.topk, shape.d_model, shape.d_ff)}, args.runs, args.calls,
         before_run=harness.rank_barrier(mesh))
 
@@ -191,7 +209,7 @@ def remat_temp_bytes(moe: MoE, x, cotangent) -> dict[str, int]:
     REMAT_LAYERS blocks in a row, without and with jax.checkpoint: a smaller figure with it shows each block's
     forward is recomputed in the backward pass rather than kept alive."""
     state = nnx.state(moe)
-    return {("remat" if remat else "plain"): _block_step(moe, remat, REMAT_LAYERS).lower(state, x, cotangent)
+    return {("remat" if remat else "plain"): block_step(moe, remat, REMAT_LAYERS).lower(state, x, cotangent)
             .compile().memory_analysis().temp_size_in_bytes for remat in (False, True)}
 
 
@@ -280,7 +298,7 @@ def timeline_path(path: str, shape: str, dispatcher: str) -> str:
 
 def _draw_timeline(moe: MoE, x, cotangent, path: str, title: str) -> None:
     """One profiled step of the block (every process profiles, as every process runs the step; process 0 draws)."""
-    lanes = timeline.lanes_of(timeline.profile(_block_step(moe, remat=False), (nnx.state(moe), x, cotangent)))
+    lanes = timeline.lanes_of(timeline.profile(block_step(moe, remat=False), (nnx.state(moe), x, cotangent)))
     if jax.process_index() != 0:
         return
     if harness.on_gpu(moe.mesh) and not any(lane.startswith("/device:") for lane in lanes):
@@ -298,17 +316,12 @@ def _draw_timeline(moe: MoE, x, cotangent, path: str, title: str) -> None:
 def _measure(mesh, shape: MoEShape, dispatcher: str, args, name: str) -> dict:
     """The block at `shape` with `dispatcher`, for each of --num-chunks, and the (unchunked) breakdown: the backend
     it ran on, {num_chunks: {"block": ms, "proxy": ms}} and the breakdown in ms."""
-    x_key, cotangent_key = jax.random.split(jax.random.key(1))
-    tokens = ((mesh.devices.size * args.tokens, shape.d_model), DTYPE, NamedSharding(mesh, P("ep")))  # every rank's
-    x, cotangent = _random(x_key, *tokens), _random(cotangent_key, *tokens)
+    x, cotangent = block_inputs(mesh, args.tokens, shape.d_model)
     figures = dict(blocks={})
     for index, num_chunks in enumerate(args.num_chunks):
         buffer = (jax_ep.Buffer(mesh, "ep", config=jax_ep.Config(num_sms=args.sms))
                   if args.sms is not None and dispatcher == "normal" else None)
-        moe = MoE(shape.d_model, shape.d_ff, shape.experts, shape.topk, mesh=mesh, dispatcher=dispatcher, dtype=DTYPE,
-                  param_dtype=DTYPE, num_chunks=num_chunks, buffer=buffer, rngs=nnx.Rngs(0))
-        state = nnx.state(moe)  # experts sharded over the EP axis by their partition metadata, the rest replicated
-        nnx.update(moe, jax.tree.map(_placed, state, nnx.get_named_sharding(state, mesh)))
+        moe = make_block(mesh, shape, dispatcher, num_chunks, buffer)
         with moe.buffer:  # a cuda Buffer's memory lies outside XLA's pool: freed before the next block
             figures["backend"], figures["num_sms"] = moe.buffer.backend, moe.buffer.config.num_sms
             figures["blocks"][num_chunks] = _block_and_proxy_ms(mesh, moe, x, cotangent, shape, args)

@@ -1,12 +1,14 @@
-"""soak: many jitted dispatch + combine steps on one Buffer, for leaks and repeatability.
+"""soak: many jitted steps with the same inputs, for leaks and repeatability: dispatch + combine on one Buffer, or
+with --block the Flax MoE block's training step.
 
-One step is one call of a jitted program: normal dispatch of the tokens, then combine of the received rows (the
-Buffer's backend: the cuda kernels where they were built and the devices are GPUs, else the xla backend), with the
-same inputs every time. Printed per process: device memory in use (JAX's memory_stats of this process's devices)
-and host resident memory (VmRSS) after the warm-up and after --steps steps, and their growth; and whether the first
---bitwise-steps steps' outputs all equal the first step's bit for bit (compared on the device: one flag carried
-from step to step, read once at the end). --processes N runs one process per GPU (--allow-shared-gpu where ranks
-share a GPU: correctness only, as every mode labels it).
+One step is one call of a jitted program with the same inputs every time: normal dispatch of the tokens, then
+combine of the received rows (the Buffer's backend: the cuda kernels where they were built and the devices are GPUs,
+else the xla backend); or, with --block, jax_ep.flax.MoE's forward + backward at D=--hidden, F=--d-ff, E=--experts,
+K=--topk (the gradients of every parameter and of x; --dispatcher, --num-chunks). Printed per process: device memory
+in use (JAX's memory_stats of this process's devices) and host resident memory (VmRSS) after the warm-up and after
+--steps steps, and their growth; and whether the first --bitwise-steps steps' outputs all equal the first step's bit
+for bit (compared on the device: one flag carried from step to step, read once at the end). --processes N runs one
+process per GPU (--allow-shared-gpu where ranks share a GPU: correctness only, as every mode labels it).
 """
 from __future__ import annotations
 
@@ -31,6 +33,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--steps", type=int, default=10_000, help="steps after the warm-up (default %(default)s)")
     parser.add_argument("--bitwise-steps", type=int, default=1_000,
                         help="steps whose outputs are compared with the first step's (default %(default)s)")
+    parser.add_argument("--block", action="store_true",
+                        help="soak jax_ep.flax.MoE's training step (forward + backward) instead of dispatch + combine")
+    parser.add_argument("--d-ff", type=int, default=1408, help="with --block: the experts' hidden size F "
+                                                               "(default %(default)s)")
+    parser.add_argument("--dispatcher", choices=("normal", "xla"), default="normal",
+                        help="with --block: the block's dispatcher (default %(default)s)")
+    parser.add_argument("--num-chunks", type=int, default=1,
+                        help="with --block: the block's num_chunks (default %(default)s)")
     harness.add_output_arguments(parser)
 
 
@@ -49,8 +59,8 @@ def _device_bytes_in_use(mesh) -> int:
     return sum((d.memory_stats() or {}).get("bytes_in_use", 0) for d in local)
 
 
-def run(args) -> dict:
-    mesh = harness.ep_mesh(args)
+def _dispatch_combine(mesh, args):
+    """The dispatch + combine step, its inputs, its Buffer and what it is (for the printout and the record)."""
     num_ranks = mesh.devices.size
     _, topk_idx, x, _ = harness.routed_tokens(mesh, args)
     rng = np.random.default_rng(1)
@@ -62,34 +72,70 @@ def run(args) -> dict:
         out = jax_ep.combine(buffer, d.recv_x, d.handle, topk_weights=d.recv_topk_weights)
         return out.x, out.topk_weights
 
-    step = harness.spmd(mesh, body)
-    same = harness.spmd(mesh, lambda a, b, flag: flag & jnp.all(a == b)[None])
+    return harness.spmd(mesh, body), (x, topk_idx, weights), buffer, "dispatch + combine", {}
 
-    first = jax.block_until_ready(step(x, topk_idx, weights))
-    equal = harness.global_array(mesh, np.ones(num_ranks, bool))
-    for _ in range(WARMUP_STEPS):
-        out = step(x, topk_idx, weights)
-        jax.block_until_ready((same(out[0], first[0], equal), same(out[1], first[1], equal)))
-    start_device, start_host = _device_bytes_in_use(mesh), _host_rss_bytes()
-    out = first
-    for i in range(args.steps):
-        out = step(x, topk_idx, weights)
-        if i < args.bitwise_steps:
-            equal = same(out[0], first[0], same(out[1], first[1], equal))
-    jax.block_until_ready(out)
-    end_device, end_host = _device_bytes_in_use(mesh), _host_rss_bytes()
-    bitwise = all(bool(np.all(np.asarray(shard.data))) for shard in equal.addressable_shards)
-    record = dict(backend=buffer.backend, num_ranks=num_ranks, process_model=harness.process_model(args),
-                  tokens=args.tokens, hidden=args.hidden, topk=args.topk, experts=args.experts, steps=args.steps,
-                  device_bytes=[start_device, end_device], host_rss_bytes=[start_host, end_host],
-                  bitwise_steps=min(args.bitwise_steps, args.steps), bitwise_identical=bitwise)
-    print(f"[soak] process {jax.process_index()}: {num_ranks} ranks ({record['process_model']}, {buffer.backend} "
-          f"backend), T={args.tokens} H={args.hidden} K={args.topk} E={args.experts}: {args.steps} steps of "
-          f"dispatch + combine after {WARMUP_STEPS} warm-up steps", flush=True)
+
+def _block(mesh, args):
+    """The MoE block's training step, its inputs, its Buffer and what it is."""
+    from flax import nnx  # flax is optional: the dispatch + combine soak runs without it
+
+    from jax_ep.bench import moe as moe_mode
+    from jax_ep.bench.swiglu import MoEShape
+
+    shape = MoEShape(args.hidden, args.d_ff, args.experts, args.topk)
+    block = moe_mode.make_block(mesh, shape, args.dispatcher, args.num_chunks)
+    x, cotangent = moe_mode.block_inputs(mesh, args.tokens, shape.d_model)
+    what = f"the MoE block's forward + backward ({args.dispatcher} dispatcher, num_chunks={args.num_chunks})"
+    return (moe_mode.block_step(block), (nnx.state(block), x, cotangent), block.buffer, what,
+            dict(d_ff=args.d_ff, dispatcher=args.dispatcher, num_chunks=args.num_chunks))
+
+
+def _bits(x: jax.Array) -> jax.Array:
+    """x's bits, as unsigned integers of its width where it is a float (so that -0 differs from 0, and nan equals
+    itself where its bits do)."""
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{jnp.dtype(x.dtype).itemsize * 8}"))
+
+
+@jax.jit
+def _still_equal(flag, out, first):
+    """flag and whether every leaf of out has first's bits."""
+    leaves = zip(jax.tree.leaves(out), jax.tree.leaves(first))
+    return flag & jnp.all(jnp.stack([jnp.all(_bits(a) == _bits(b)) for a, b in leaves]))
+
+
+def run(args) -> dict:
+    mesh = harness.ep_mesh(args)
+    num_ranks = mesh.devices.size
+    step, inputs, buffer, what, block_fields = (_block if args.block else _dispatch_combine)(mesh, args)
+    with buffer:  # a cuda Buffer's memory lies outside XLA's pool: freed at the end
+        first = jax.block_until_ready(step(*inputs))
+        equal = jnp.asarray(True)
+        for _ in range(WARMUP_STEPS):
+            jax.block_until_ready(_still_equal(equal, step(*inputs), first))
+        start_device, start_host = _device_bytes_in_use(mesh), _host_rss_bytes()
+        out = first
+        for i in range(args.steps):
+            out = step(*inputs)
+            if i < args.bitwise_steps:
+                equal = _still_equal(equal, out, first)
+        jax.block_until_ready((out, equal))
+        end_device, end_host = _device_bytes_in_use(mesh), _host_rss_bytes()
+        bitwise = bool(np.asarray(equal.addressable_shards[0].data))
+        backend = buffer.backend
+    record = dict(mode="block" if args.block else "dispatch + combine", backend=backend, num_ranks=num_ranks,
+                  process_model=harness.process_model(args), tokens=args.tokens, hidden=args.hidden, topk=args.topk,
+                  experts=args.experts, **block_fields, steps=args.steps, device_bytes=[start_device, end_device],
+                  host_rss_bytes=[start_host, end_host], bitwise_steps=min(args.bitwise_steps, args.steps),
+                  bitwise_identical=bitwise)
+    print(f"[soak] process {jax.process_index()}: {num_ranks} ranks ({record['process_model']}, {backend} "
+          f"backend), T={args.tokens} H={args.hidden} K={args.topk} E={args.experts}"
+          + (f" F={args.d_ff}" if args.block else "") + f": {args.steps} steps of {what} after {WARMUP_STEPS} "
+          f"warm-up steps", flush=True)
     print(f"[soak] process {jax.process_index()}: device memory in use {start_device / 2**20:.1f} -> "
           f"{end_device / 2**20:.1f} MiB ({(end_device - start_device) / 2**20:+.1f}); host resident "
           f"{start_host / 2**20:.1f} -> {end_host / 2**20:.1f} MiB ({(end_host - start_host) / 2**20:+.1f})", flush=True)
     print(f"[soak] process {jax.process_index()}: the first {record['bitwise_steps']} steps' outputs equal the "
           f"first step's bit for bit: {bitwise}", flush=True)
-    buffer.destroy()
     return record
