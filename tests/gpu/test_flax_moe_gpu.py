@@ -45,10 +45,11 @@ def test_training_with_cuda_tracks_xla():
     assert abs(cuda[-5:].mean() - xla[-5:].mean()) < 0.15 * xla[-5:].mean() + 0.05
 
 
-def test_repeated_block_steps_are_bitwise_identical():
+@pytest.mark.parametrize("num_chunks", [1, 2])
+def test_repeated_block_steps_are_bitwise_identical(num_chunks):
     """The block's forward + backward (expert-major dispatch, grouped matmuls on the Pallas kernels, weighted
-    combine) run 10 times on the same inputs: every output and gradient the same bits each time, as no step
-    adds floats in an order that varies between runs (no scatter-add, no atomics)."""
+    combine; whole or in two chunks of tokens) run 10 times on the same inputs: every output and gradient the same
+    bits each time, as no step adds floats in an order that varies between runs (no scatter-add, no atomics)."""
     import jax.numpy as jnp
     from flax import nnx
     from jax.sharding import Mesh
@@ -57,7 +58,7 @@ def test_repeated_block_steps_are_bitwise_identical():
 
     mesh = Mesh(np.array(jax.devices()[:1]), ("ep",))
     moe = MoE(256, 256, 8, 2, mesh=mesh, dispatcher="normal", backend="cuda", dtype=jnp.bfloat16,
-              param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+              param_dtype=jnp.bfloat16, num_chunks=num_chunks, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(moe)
     x_key, cotangent_key = jax.random.split(jax.random.key(0))
     x = jax.random.normal(x_key, (512, 256), jnp.bfloat16)
