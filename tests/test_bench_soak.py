@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 from jax_ep import bench  # noqa: E402
@@ -30,3 +32,8 @@ def test_soak_block_record(tmp_path):
     record = json.loads(path.read_text())
     assert (record["mode"], record["dispatcher"], record["num_chunks"]) == ("block", "xla", 2)
     assert (record["steps"], record["bitwise_steps"], record["bitwise_identical"]) == (12, 12, True)
+
+
+def test_block_options_go_with_block():
+    with pytest.raises(SystemExit, match="--num-chunks: only with --block"):
+        bench.main(["soak", "--num-chunks", "2", "--ranks", "2", "--steps", "1"])

@@ -22,6 +22,8 @@ import jax_ep
 from jax_ep.bench import harness
 
 WARMUP_STEPS = 20  # compile, and let allocators reach their working set before the first reading
+# --block's options where not given (F of moe-a, whose D, E and K are --hidden's, --experts' and --topk's defaults).
+BLOCK_DEFAULTS = dict(d_ff=1408, dispatcher="normal", num_chunks=1)
 
 
 def add_arguments(parser) -> None:
@@ -35,12 +37,12 @@ def add_arguments(parser) -> None:
                         help="steps whose outputs are compared with the first step's (default %(default)s)")
     parser.add_argument("--block", action="store_true",
                         help="soak jax_ep.flax.MoE's training step (forward + backward) instead of dispatch + combine")
-    parser.add_argument("--d-ff", type=int, default=1408, help="with --block: the experts' hidden size F "
-                                                               "(default %(default)s)")
-    parser.add_argument("--dispatcher", choices=("normal", "xla"), default="normal",
-                        help="with --block: the block's dispatcher (default %(default)s)")
-    parser.add_argument("--num-chunks", type=int, default=1,
-                        help="with --block: the block's num_chunks (default %(default)s)")
+    parser.add_argument("--d-ff", type=int, help=f"with --block: the experts' hidden size F (default "
+                                                  f"{BLOCK_DEFAULTS['d_ff']})")
+    parser.add_argument("--dispatcher", choices=("normal", "xla"),
+                        help=f"with --block: the block's dispatcher (default {BLOCK_DEFAULTS['dispatcher']})")
+    parser.add_argument("--num-chunks", type=int,
+                        help=f"with --block: the block's num_chunks (default {BLOCK_DEFAULTS['num_chunks']})")
     harness.add_output_arguments(parser)
 
 
@@ -82,12 +84,14 @@ def _block(mesh, args):
     from jax_ep.bench import moe as moe_mode
     from jax_ep.bench.swiglu import MoEShape
 
-    shape = MoEShape(args.hidden, args.d_ff, args.experts, args.topk)
-    block = moe_mode.make_block(mesh, shape, args.dispatcher, args.num_chunks)
+    options = {name: default if getattr(args, name) is None else getattr(args, name)
+               for name, default in BLOCK_DEFAULTS.items()}
+    shape = MoEShape(args.hidden, options["d_ff"], args.experts, args.topk)
+    block = moe_mode.make_block(mesh, shape, options["dispatcher"], options["num_chunks"])
     x, cotangent = moe_mode.block_inputs(mesh, args.tokens, shape.d_model)
-    what = f"the MoE block's forward + backward ({args.dispatcher} dispatcher, num_chunks={args.num_chunks})"
-    return (moe_mode.block_step(block), (nnx.state(block), x, cotangent), block.buffer, what,
-            dict(d_ff=args.d_ff, dispatcher=args.dispatcher, num_chunks=args.num_chunks))
+    what = (f"the MoE block's forward + backward at F={shape.d_ff} ({options['dispatcher']} dispatcher, "
+            f"num_chunks={options['num_chunks']})")
+    return moe_mode.block_step(block), (nnx.state(block), x, cotangent), block.buffer, what, options
 
 
 def _bits(x: jax.Array) -> jax.Array:
@@ -106,6 +110,9 @@ def _still_equal(flag, out, first):
 
 
 def run(args) -> dict:
+    given = [f"--{name.replace('_', '-')}" for name in BLOCK_DEFAULTS if getattr(args, name) is not None]
+    if given and not args.block:
+        raise SystemExit(f"soak: {', '.join(given)}: only with --block")
     mesh = harness.ep_mesh(args)
     num_ranks = mesh.devices.size
     step, inputs, buffer, what, block_fields = (_block if args.block else _dispatch_combine)(mesh, args)
@@ -130,9 +137,8 @@ def run(args) -> dict:
                   host_rss_bytes=[start_host, end_host], bitwise_steps=min(args.bitwise_steps, args.steps),
                   bitwise_identical=bitwise)
     print(f"[soak] process {jax.process_index()}: {num_ranks} ranks ({record['process_model']}, {backend} "
-          f"backend), T={args.tokens} H={args.hidden} K={args.topk} E={args.experts}"
-          + (f" F={args.d_ff}" if args.block else "") + f": {args.steps} steps of {what} after {WARMUP_STEPS} "
-          f"warm-up steps", flush=True)
+          f"backend), T={args.tokens} H={args.hidden} K={args.topk} E={args.experts}: {args.steps} steps of {what} "
+          f"after {WARMUP_STEPS} warm-up steps", flush=True)
     print(f"[soak] process {jax.process_index()}: device memory in use {start_device / 2**20:.1f} -> "
           f"{end_device / 2**20:.1f} MiB ({(end_device - start_device) / 2**20:+.1f}); host resident "
           f"{start_host / 2**20:.1f} -> {end_host / 2**20:.1f} MiB ({(end_host - start_host) / 2**20:+.1f})", flush=True)
