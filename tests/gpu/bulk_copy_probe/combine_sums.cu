@@ -39,27 +39,31 @@ __global__ void fill_y(__nv_bfloat16* y, int rows, int hidden) {
     y[i] = __float2bfloat16(y_value((int)(i / hidden), (int)(i % hidden)));
 }
 
-__device__ __forceinline__ void add_weighted(float (&acc)[kLaneVecs * 8], int u, uint4 v, float w) {
+// acc8 (8 floats) += w * the 8 bf16 of v, in float32.
+__device__ __forceinline__ void add_weighted(float* acc8, uint4 v, float w) {
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
     const float2 f = __bfloat1622float2(h[e]);
-    acc[u * 8 + 2 * e] = fmaf(w, f.x, acc[u * 8 + 2 * e]);
-    acc[u * 8 + 2 * e + 1] = fmaf(w, f.y, acc[u * 8 + 2 * e + 1]);
+    acc8[2 * e] = fmaf(w, f.x, acc8[2 * e]);
+    acc8[2 * e + 1] = fmaf(w, f.y, acc8[2 * e + 1]);
   }
+}
+
+// acc8 rounded to 8 bf16.
+__device__ __forceinline__ uint4 rounded(const float* acc8) {
+  uint4 v;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) h[e] = __floats2bfloat162_rn(acc8[2 * e], acc8[2 * e + 1]);
+  return v;
 }
 
 __device__ __forceinline__ void store_partial(const float (&acc)[kLaneVecs * 8], __nv_bfloat16* out, int token,
                                               int chunk, int hidden, int lane) {
   uint4* row = reinterpret_cast<uint4*>(out + (size_t)token * hidden + (size_t)chunk * (kChunkBytes / 2));
 #pragma unroll
-  for (int u = 0; u < kLaneVecs; ++u) {
-    uint4 v;
-    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) h[e] = __floats2bfloat162_rn(acc[u * 8 + 2 * e], acc[u * 8 + 2 * e + 1]);
-    row[u * 32 + lane] = v;
-  }
+  for (int u = 0; u < kLaneVecs; ++u) row[u * 32 + lane] = rounded(acc + u * 8);
 }
 
 // Jobs (token, chunk) in order, warp w of the grid taking jobs w, w + warps, ...
@@ -97,7 +101,7 @@ __global__ void __launch_bounds__(32 * kWarps) sums_bulk(const __nv_bfloat16* y,
     wait_loaded(&bars[s], (n / kStages) & 1);
     const float w = pair_weight(pair_row(token * kPairs + k, rows));
 #pragma unroll
-    for (int u = 0; u < kLaneVecs; ++u) add_weighted(acc, u, stages[(size_t)s * kChunkVecs + u * 32 + lane], w);
+    for (int u = 0; u < kLaneVecs; ++u) add_weighted(acc + u * 8, stages[(size_t)s * kChunkVecs + u * 32 + lane], w);
     __syncwarp();  // every lane has read stage s before lane 0 loads into it again
     issue(n + kAhead);
     if (k == kPairs - 1) store_partial(acc, out, token, job % chunks, hidden, lane);
@@ -123,7 +127,7 @@ __global__ void __launch_bounds__(512) sums_plain(const __nv_bfloat16* y, __nv_b
     for (int k = 0; k < kPairs; ++k) {
       const float w = pair_weight(pair_row(token * kPairs + k, rows));
 #pragma unroll
-      for (int u = 0; u < kLaneVecs; ++u) add_weighted(acc, u, v[k][u], w);
+      for (int u = 0; u < kLaneVecs; ++u) add_weighted(acc + u * 8, v[k][u], w);
     }
     store_partial(acc, out, token, chunk, hidden, lane);
   }
@@ -163,21 +167,8 @@ __global__ void __launch_bounds__(512) sums_rows(const __nv_bfloat16* y, __nv_bf
     for (int v = (int)threadIdx.x; v < part_vecs; v += (int)blockDim.x) {
       float acc[8] = {};
 #pragma unroll
-      for (int k = 0; k < kPairs; ++k) {
-        const uint4 x = slot[(size_t)k * part_vecs + v];
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&x);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float2 f = __bfloat1622float2(h[e]);
-          acc[2 * e] = fmaf(w[k], f.x, acc[2 * e]);
-          acc[2 * e + 1] = fmaf(w[k], f.y, acc[2 * e + 1]);
-        }
-      }
-      uint4 packed;
-      __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&packed);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) h[e] = __floats2bfloat162_rn(acc[2 * e], acc[2 * e + 1]);
-      row[v] = packed;
+      for (int k = 0; k < kPairs; ++k) add_weighted(acc, slot[(size_t)k * part_vecs + v], w[k]);
+      row[v] = rounded(acc);
     }
     __syncthreads();  // every thread has read slot n % kSlots before thread 0 loads job n + kSlots into it
     issue(n + kSlots);
