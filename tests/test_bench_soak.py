@@ -25,6 +25,7 @@ def test_soak_record(tmp_path):
 
 def test_soak_block_record(tmp_path):
     """--block: the Flax MoE block's training step in two chunks, every step's gradients the first's bits."""
+    pytest.importorskip("flax")  # an optional dependency (the test extra has it)
     path = tmp_path / "soak-block.json"
     assert bench.main(["soak", "--block", "--num-chunks", "2", "--dispatcher", "xla", "--ranks", "4", "--steps",
                        "12", "--bitwise-steps", "12", "--tokens", "16", "--hidden", "128", "--d-ff", "64",
