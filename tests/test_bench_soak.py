@@ -38,3 +38,11 @@ def test_soak_block_record(tmp_path):
 def test_block_options_go_with_block():
     with pytest.raises(SystemExit, match="--num-chunks: only with --block"):
         bench.main(["soak", "--num-chunks", "2", "--ranks", "2", "--steps", "1"])
+
+
+def test_block_refuses_ranks_sharing_a_gpu(capsys):
+    """--block with more processes than GPUs stops before launching: the block's step needs XLA's (NCCL's)
+    collectives, which refuse two ranks on one GPU (seen on one H200 as "Duplicate GPU detected")."""
+    with pytest.raises(SystemExit):
+        bench.main(["soak", "--block", "--processes", "2", "--gpus", "1", "--allow-shared-gpu", "--steps", "1"])
+    assert "NCCL's, which refuse two ranks on one GPU" in capsys.readouterr().err

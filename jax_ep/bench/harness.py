@@ -506,6 +506,9 @@ def run(mode, args, argv: list[str], parser: argparse.ArgumentParser) -> int:
         if args.processes > gpus and not args.allow_shared_gpu:
             parser.error(f"--processes {args.processes} on {gpus} GPU(s): ranks would share GPUs, so no figure would "
                          "be a performance figure; pass --allow-shared-gpu to run anyway (correctness, smoke tests)")
+        # A mode's shared_gpu_refusal(args): why this run cannot have ranks share a GPU, or None.
+        if args.processes > gpus and (reason := getattr(mode, "shared_gpu_refusal", lambda _: None)(args)):
+            parser.error(f"--processes {args.processes} on {gpus} GPU(s): {reason}")
         return _launch(args, argv, gpus)
     if args.process_id is not None:
         _join(args)  # a worker: its launcher has checked the sizes

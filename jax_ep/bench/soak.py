@@ -8,7 +8,8 @@ K=--topk (the gradients of every parameter and of x; --dispatcher, --num-chunks)
 in use (JAX's memory_stats of this process's devices) and host resident memory (VmRSS) after the warm-up and after
 --steps steps, and their growth; and whether the first --bitwise-steps steps' outputs all equal the first step's bit
 for bit (compared on the device: one flag carried from step to step, read once at the end). --processes N runs one
-process per GPU (--allow-shared-gpu where ranks share a GPU: correctness only, as every mode labels it).
+process per GPU (--allow-shared-gpu where ranks share a GPU: correctness only, as every mode labels it; not with
+--block, whose step needs XLA's collectives across the ranks, and NCCL refuses two ranks on one GPU).
 """
 from __future__ import annotations
 
@@ -107,6 +108,14 @@ def _still_equal(flag, out, first):
     """flag and whether every leaf of out has first's bits."""
     leaves = zip(jax.tree.leaves(out), jax.tree.leaves(first))
     return flag & jnp.all(jnp.stack([jnp.all(_bits(a) == _bits(b)) for a, b in leaves]))
+
+
+def shared_gpu_refusal(args) -> str | None:
+    """Why this run cannot have ranks share a GPU (harness.run asks before it launches the processes), or None."""
+    if args.block:
+        return ("--block's training step runs XLA's collectives across the ranks, NCCL's, which refuse two ranks on "
+                "one GPU")
+    return None
 
 
 def run(args) -> dict:
