@@ -376,12 +376,17 @@ def make_ll_inputs(R, T, H, K, E, M, seed=0, mode="distinct", p_neg=0.1, p_inval
     return x, idx, w, y, stats
 
 
-def check_jitted_loop_with_forced_command_buffers(test_file: str, R: int, env_extra: dict | None = None):
-    """test_file's test_jitted_loop_default_flags[R] with every op captured into CUDA graphs, in a fresh process (the
+def check_with_forced_command_buffers(test_file: str, test_name: str, R: int, env_extra: dict | None = None):
+    """test_file's test `test_name` (on R devices) with every op captured into CUDA graphs, in a fresh process (the
     flags apply at backend start), with `env_extra` in its environment: it runs and passes."""
-    proc = run_in_fresh_process("pytest", R, [f"{test_file}::test_jitted_loop_default_flags[{R}]"],
+    proc = run_in_fresh_process("pytest", R, [f"{test_file}::{test_name}"],
                                 {"XLA_FLAGS": FORCED_COMMAND_BUFFER_FLAGS, **(env_extra or {})})
     assert proc.returncode == 0 and "1 passed" in proc.stdout, (env_extra, proc.stdout[-3000:] + proc.stderr[-3000:])
+
+
+def check_jitted_loop_with_forced_command_buffers(test_file: str, R: int, env_extra: dict | None = None):
+    """test_file's test_jitted_loop_default_flags[R] with forced command buffers (check_with_forced_command_buffers)."""
+    check_with_forced_command_buffers(test_file, f"test_jitted_loop_default_flags[{R}]", R, env_extra)
 
 
 def check_em_combine_gradient_rows(R, buf):

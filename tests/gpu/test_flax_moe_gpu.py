@@ -7,7 +7,9 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from flax_moe_harness import ROUTERS, assert_matches_reference, check_capacity_drops, make_moe, reference, run
+from conftest import mesh_of
+from flax_moe_harness import RANKS, ROUTERS, assert_matches_reference, check_capacity_drops, make_moe, reference, run
+from gpu.gpu_harness import check_with_forced_command_buffers
 
 from jax_ep.examples import train_moe
 
@@ -48,15 +50,15 @@ def test_training_with_cuda_tracks_xla():
 @pytest.mark.parametrize("num_chunks", [1, 2])
 def test_repeated_block_steps_are_bitwise_identical(num_chunks):
     """The block's forward + backward (expert-major dispatch, grouped matmuls on the Pallas kernels, weighted
-    combine; whole or in two chunks of tokens) run 10 times on the same inputs: every output and gradient the same
-    bits each time, as no step adds floats in an order that varies between runs (no scatter-add, no atomics)."""
+    combine; whole or in two chunks of tokens) run 10 times on the same inputs, on the harness's RANKS GPUs: every
+    output and gradient the same bits each time, as no step adds floats in an order that varies between runs (no
+    scatter-add, no atomics)."""
     import jax.numpy as jnp
     from flax import nnx
-    from jax.sharding import Mesh
 
     from jax_ep.flax import MoE
 
-    mesh = Mesh(np.array(jax.devices()[:1]), ("ep",))
+    mesh = mesh_of(RANKS)
     moe = MoE(256, 256, 8, 2, mesh=mesh, dispatcher="normal", backend="cuda", dtype=jnp.bfloat16,
               param_dtype=jnp.bfloat16, num_chunks=num_chunks, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(moe)
@@ -75,6 +77,14 @@ def test_repeated_block_steps_are_bitwise_identical(num_chunks):
     for _ in range(9):
         again = jax.tree.leaves(step(state, x))
         assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(first, again))
+
+
+@pytest.mark.parametrize("num_chunks", [1, 2])
+def test_repeated_block_steps_with_forced_command_buffers(num_chunks):
+    """The repeated steps above with every op captured into CUDA graphs (loops and custom calls included), in a
+    fresh process: they run, and stay the same bits."""
+    check_with_forced_command_buffers(__file__, f"test_repeated_block_steps_are_bitwise_identical[{num_chunks}]",
+                                      RANKS)
 
 
 def test_remat_keeps_less_alive_at_a_realistic_shape():
