@@ -46,3 +46,32 @@ def test_block_refuses_ranks_sharing_a_gpu(capsys):
     with pytest.raises(SystemExit):
         bench.main(["soak", "--block", "--processes", "2", "--gpus", "1", "--allow-shared-gpu", "--steps", "1"])
     assert "NCCL's, which refuse two ranks on one GPU" in capsys.readouterr().err
+
+
+def test_comparison_is_per_rank_and_by_bits():
+    """soak's comparison: each rank's flag says whether its own shards kept their bits (a change on one rank clears
+    that rank's flag only; -0.0 differs from 0.0; a nan equals itself), with replicated leaves compared on every rank."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jax_ep.bench import soak
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
+    rows = np.arange(24, dtype=np.float32).reshape(8, 3)
+    rows[5, 1] = np.nan
+
+    def tree(rows, scalar):
+        return dict(rows=jax.device_put(rows, NamedSharding(mesh, P("ep"))),
+                    scalar=jax.device_put(np.float32(scalar), NamedSharding(mesh, P())))
+
+    first = tree(rows, 0.0)
+    flags, still_equal = soak._comparison(mesh, first)
+    assert np.asarray(still_equal(flags, tree(rows.copy(), 0.0), first)).tolist() == [True] * 4
+    changed = rows.copy()
+    changed[4, 0] = np.float32(12.000001)  # rank 2's rows are 4 and 5
+    assert np.asarray(still_equal(flags, tree(changed, 0.0), first)).tolist() == [True, True, False, True]
+    assert np.asarray(still_equal(flags, tree(rows.copy(), -0.0), first)).tolist() == [False] * 4
+    cleared = still_equal(flags, tree(changed, 0.0), first)
+    assert np.asarray(still_equal(cleared, tree(rows.copy(), 0.0), first)).tolist() == [True, True, False, True]

@@ -7,7 +7,8 @@ else the xla backend); or, with --block, jax_ep.flax.MoE's forward + backward at
 K=--topk (the gradients of every parameter and of x; --dispatcher, --num-chunks). Printed per process: device memory
 in use (JAX's memory_stats of this process's devices) and host resident memory (VmRSS) after the warm-up and after
 --steps steps, and their growth; and whether the first --bitwise-steps steps' outputs all equal the first step's bit
-for bit (compared on the device: one flag carried from step to step, read once at the end). --processes N runs one
+for bit (each rank compares its own shards on its device: a flag it carries from step to step, read once at the
+end; a process other than 0 whose ranks saw a change fails, so that the launcher shows it). --processes N runs one
 process per GPU (--allow-shared-gpu where ranks share a GPU: correctness only, as every mode labels it; not with
 --block, whose step needs XLA's collectives across the ranks, and NCCL refuses two ranks on one GPU).
 """
@@ -18,6 +19,9 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from jax_ep.bench import harness
@@ -103,11 +107,21 @@ def _bits(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{jnp.dtype(x.dtype).itemsize * 8}"))
 
 
-@jax.jit
-def _still_equal(flag, out, first):
-    """flag and whether every leaf of out has first's bits."""
-    leaves = zip(jax.tree.leaves(out), jax.tree.leaves(first))
-    return flag & jnp.all(jnp.stack([jnp.all(_bits(a) == _bits(b)) for a, b in leaves]))
+def _comparison(mesh, first):
+    """The first flags (one per rank, True) and a jitted still_equal(flags, out, first): each rank's flag and whether
+    its shards of every leaf of out have first's bits. Each rank compares only its own shards, so the comparison runs
+    no collective across the ranks: XLA's would be NCCL's, which refuses ranks that share a GPU."""
+    ranks = P(*mesh.axis_names)
+    specs = jax.tree.map(lambda leaf: leaf.sharding.spec if isinstance(leaf.sharding, NamedSharding) else P(), first)
+
+    def local(flag, out, first):
+        leaves = zip(jax.tree.leaves(out), jax.tree.leaves(first))
+        return flag & jnp.all(jnp.stack([jnp.all(_bits(a) == _bits(b)) for a, b in leaves]))
+
+    still_equal = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(ranks, specs, specs), out_specs=ranks))
+    flags = jax.make_array_from_callback((mesh.devices.size,), NamedSharding(mesh, ranks),
+                                         lambda index: np.ones(mesh.devices.size, bool)[index])
+    return flags, still_equal
 
 
 def shared_gpu_refusal(args) -> str | None:
@@ -127,21 +141,21 @@ def run(args) -> dict:
     step, inputs, buffer, what, block_fields = (_block if args.block else _dispatch_combine)(mesh, args)
     with buffer:  # a cuda Buffer's memory lies outside XLA's pool: freed at the end
         first = jax.block_until_ready(step(*inputs))
-        equal = jnp.asarray(True)
+        equal, still_equal = _comparison(mesh, first)
         out = first
         for _ in range(WARMUP_STEPS):
             out = step(*inputs)
-            jax.block_until_ready(_still_equal(equal, out, first))
+            jax.block_until_ready(still_equal(equal, out, first))
         # Both readings are taken with the same arrays alive (the first step's outputs and one later step's), so that
         # an output as large as the block's weight gradients does not read as growth.
         start_device, start_host = _device_bytes_in_use(mesh), _host_rss_bytes()
         for i in range(args.steps):
             out = step(*inputs)
             if i < args.bitwise_steps:
-                equal = _still_equal(equal, out, first)
+                equal = still_equal(equal, out, first)
         jax.block_until_ready((out, equal))
         end_device, end_host = _device_bytes_in_use(mesh), _host_rss_bytes()
-        bitwise = bool(np.asarray(equal.addressable_shards[0].data))
+        bitwise = all(bool(np.asarray(shard.data).all()) for shard in equal.addressable_shards)
         backend = buffer.backend
     record = dict(mode="block" if args.block else "dispatch + combine", backend=backend, num_ranks=num_ranks,
                   process_model=harness.process_model(args), tokens=args.tokens, hidden=args.hidden, topk=args.topk,
@@ -156,4 +170,7 @@ def run(args) -> dict:
           f"{start_host / 2**20:.1f} -> {end_host / 2**20:.1f} MiB ({(end_host - start_host) / 2**20:+.1f})", flush=True)
     print(f"[soak] process {jax.process_index()}: the first {record['bitwise_steps']} steps' outputs equal the "
           f"first step's bit for bit: {bitwise}", flush=True)
+    if not bitwise and jax.process_index() != 0:
+        # The launcher shows a worker's output only when it fails; process 0 prints its own ranks' answer.
+        raise SystemExit(f"soak: process {jax.process_index()}: its ranks' outputs changed bits between steps")
     return record
