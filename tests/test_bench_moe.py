@@ -193,3 +193,11 @@ def test_rank_barrier_returns_on_cpu():
     barrier = harness.rank_barrier(mesh)
     assert harness.rank_barrier(mesh) is barrier
     assert barrier() is None
+
+
+def test_moe_refuses_ranks_sharing_a_gpu(capsys):
+    """bench moe refuses ranks sharing a GPU before launching: its block step, with either dispatcher, failed on one
+    H200 with NCCL's "Duplicate GPU detected"."""
+    with pytest.raises(SystemExit):
+        bench.main(["moe", "--shapes", "tiny", "--processes", "2", "--gpus", "1", "--allow-shared-gpu"])
+    assert "NCCL's, which refuse two ranks on one GPU" in capsys.readouterr().err

@@ -337,6 +337,12 @@ def _measure(mesh, shape: MoEShape, dispatcher: str, args, name: str) -> dict:
     return figures
 
 
+def shared_gpu_refusal(args) -> str | None:
+    """Why ranks cannot share a GPU here (harness.run asks before it launches the processes)."""
+    return ("the block's training step runs XLA's collectives across the ranks, NCCL's, which refuse two ranks on one "
+            "GPU")
+
+
 def run(args) -> dict:
     mesh = harness.ep_mesh(args)
     num_ranks, device = mesh.devices.size, mesh.devices.flat[0]
