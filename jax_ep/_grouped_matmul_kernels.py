@@ -539,15 +539,9 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
                     acc_ref, tail_acc_ref = accs
                     rhs_smem = stage["rhs_smem"]
 
-                    # In a group's last tile, a warpgroup whose rows are all past the group's end skips; so does a
-                    # zero tile or an unused entry stepping beside its cluster partner (its stages hold no weights).
-                    @pl.when((my_rows > 0) & computing)
-                    def _():
-                        rhs_operand = rhs_smem.transpose((1, 0)) if transpose_rhs else rhs_smem
-                        plgpu.wgmma(acc_ref, stage["lhs_smem"].at[pl.ds(wg * ROWS_PER_WARPGROUP, ROWS_PER_WARPGROUP)],
-                                    rhs_operand)
-
                     if tails:
+                        # Issued before the tile's own wgmma, whose time then hides this one's latency (issued after
+                        # it, the tail's wgmma added about as much to every step of the pair whatever its width).
                         for q in range(tail_quarters):  # static column slices of the swizzled rhs block
                             @pl.when(has_tail & (quarter == q))
                             def _(q=q):
@@ -555,6 +549,14 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
                                 rhs_operand = (rhs_smem.at[part].transpose((1, 0)) if transpose_rhs else
                                                rhs_smem.at[:, part])
                                 plgpu.wgmma(tail_acc_ref, stage["tail_smem"], rhs_operand)
+
+                    # In a group's last tile, a warpgroup whose rows are all past the group's end skips; so does a
+                    # zero tile or an unused entry stepping beside its cluster partner (its stages hold no weights).
+                    @pl.when((my_rows > 0) & computing)
+                    def _():
+                        rhs_operand = rhs_smem.transpose((1, 0)) if transpose_rhs else rhs_smem
+                        plgpu.wgmma(acc_ref, stage["lhs_smem"].at[pl.ds(wg * ROWS_PER_WARPGROUP, ROWS_PER_WARPGROUP)],
+                                    rhs_operand)
 
                 def store_tail(tail_acc_ref):
                     # Through the tile's first buffer, once the tile's stores have read it; and read by its own store
