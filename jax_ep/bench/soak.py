@@ -19,7 +19,6 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
