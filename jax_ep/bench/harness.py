@@ -37,6 +37,9 @@ from jax_ep import _native, environment
 
 # What every line and JSON record of a run whose ranks share GPUs says.
 SHARED_GPU_LABEL = "[shared GPU: not a performance figure] "
+# Why a mode whose step runs XLA's collectives across the ranks refuses ranks that share a GPU (its
+# shared_gpu_refusal, which run asks before launching).
+NEEDS_NCCL = "its step runs XLA's collectives across the ranks, NCCL's, which refuse two ranks on one GPU"
 # What a run on a machine without a GPU says beside its figures.
 NOT_ON_A_GPU = "not on a GPU: these times are not performance figures"
 

@@ -339,8 +339,7 @@ def _measure(mesh, shape: MoEShape, dispatcher: str, args, name: str) -> dict:
 
 def shared_gpu_refusal(args) -> str | None:
     """Why ranks cannot share a GPU here (harness.run asks before it launches the processes)."""
-    return ("the block's training step runs XLA's collectives across the ranks, NCCL's, which refuse two ranks on one "
-            "GPU")
+    return f"the block's training step: {harness.NEEDS_NCCL}"
 
 
 def run(args) -> dict:

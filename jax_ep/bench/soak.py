@@ -110,7 +110,7 @@ def _comparison(mesh, first):
     """The first flags (one per rank, True) and a jitted still_equal(flags, out, first): each rank's flag and whether
     its shards of every leaf of out have first's bits. Each rank compares only its own shards, so the comparison runs
     no collective across the ranks: XLA's would be NCCL's, which refuses ranks that share a GPU."""
-    ranks = P(*mesh.axis_names)
+    ranks = P("ep")  # harness.global_array's sharding of the flags
     specs = jax.tree.map(lambda leaf: leaf.sharding.spec if isinstance(leaf.sharding, NamedSharding) else P(), first)
 
     def local(flag, out, first):
@@ -118,17 +118,12 @@ def _comparison(mesh, first):
         return flag & jnp.all(jnp.stack([jnp.all(_bits(a) == _bits(b)) for a, b in leaves]))
 
     still_equal = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(ranks, specs, specs), out_specs=ranks))
-    flags = jax.make_array_from_callback((mesh.devices.size,), NamedSharding(mesh, ranks),
-                                         lambda index: np.ones(mesh.devices.size, bool)[index])
-    return flags, still_equal
+    return harness.global_array(mesh, np.ones(mesh.devices.size, bool)), still_equal
 
 
 def shared_gpu_refusal(args) -> str | None:
     """Why this run cannot have ranks share a GPU (harness.run asks before it launches the processes), or None."""
-    if args.block:
-        return ("--block's training step runs XLA's collectives across the ranks, NCCL's, which refuse two ranks on "
-                "one GPU")
-    return None
+    return f"--block's training step: {harness.NEEDS_NCCL}" if args.block else None
 
 
 def run(args) -> dict:
