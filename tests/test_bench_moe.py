@@ -64,6 +64,7 @@ def test_moe_bench_record(tmp_path, capsys):
         assert math.isclose(r["roofline_ms"], max(r["dense_proxy_ms"], r["weight_bytes"] / (r["hbm_gbps"] * 1e6)))
         assert math.isclose(r["ratio_to_roofline"], r["block_ms"] / r["roofline_ms"])
         assert math.isclose(r["expert_ffn_ratio_to_roofline"], r["breakdown_ms"]["expert FFN"] / r["roofline_ms"])
+        assert math.isclose(r["expert_ffn_ratio_to_proxy"], r["breakdown_ms"]["expert FFN"] / r["dense_proxy_ms"])
     out = capsys.readouterr().out
     assert "[moe] not on a GPU" in out and "dense proxy" in out, out
     assert out.count("[moe]   breakdown") == 2 and out.count("compute stages (router + expert FFN)") == 4, out

@@ -5,7 +5,8 @@
 Times the forward and backward pass of an expert SwiGLU block over M rows sorted by expert,
 
     gate, up = split(grouped_matmul(x, W_gate_up)); h = silu(gate) * up; y = grouped_matmul(h, W_down)
-    grads of sum(y * cotangent) with respect to x, W_gate_up [G, D, 2F] and W_down [G, F, D],
+    y, and the pullback of a cotangent of y to x, W_gate_up [G, D, 2F] and W_down [G, F, D]
+    (jax_ep.bench.swiglu.swiglu_forward_backward: y returned, as a layer returns it),
 
 for each implementation ("pallas": jax_ep's kernels, "jax_pallas": JAX's, and "ragged_dot" at 16 groups or
 fewer, or everywhere with --ragged-dot, since it is slow with many groups), with random group sizes (a
@@ -72,7 +73,7 @@ from jax_ep.bench.swiglu import (
     roofline_text,
     shapes_help,
     swiglu_flops,
-    swiglu_loss,
+    swiglu_forward_backward,
 )
 from jax_ep.grouped_matmul import (
     GROUP_ROW_ALIGNMENT,
@@ -138,9 +139,9 @@ def random_group_sizes(rng: np.random.Generator, num_rows: int, groups: int, ali
 
 
 @functools.partial(jax.jit, static_argnames="implementation")
-def grouped_swiglu_grads(x, w_gate_up, w_down, cotangent, group_sizes, implementation):
+def grouped_swiglu_forward_backward(x, w_gate_up, w_down, cotangent, group_sizes, implementation):
     matmul = functools.partial(grouped_matmul, group_sizes=group_sizes, implementation=implementation)
-    return jax.grad(swiglu_loss, argnums=(0, 1, 2))(x, w_gate_up, w_down, cotangent, matmul)
+    return swiglu_forward_backward(x, w_gate_up, w_down, cotangent, matmul)
 
 
 # ---- memory -----------------------------------------------------------------------------------------------------
@@ -225,7 +226,7 @@ def run_block_benchmark(problem: Problem, args, report, gbps: float) -> None:
                 if reason := unsupported_reason(implementation, m, d, f, groups):
                     report(dict(what, skipped=reason))
                     continue
-                fn = functools.partial(grouped_swiglu_grads, implementation=implementation)
+                fn = functools.partial(grouped_swiglu_forward_backward, implementation=implementation)
                 try:
                     ms = harness.median_ms(fn, input_sets, args.runs, args.calls)
                 except jax.errors.JaxRuntimeError as e:

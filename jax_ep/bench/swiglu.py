@@ -1,12 +1,14 @@
 """The expert SwiGLU as the grouped_matmul and moe modes time it: the MoE shapes both take by name (SHAPES), its
-FLOP count, its inputs, its loss, the dense matmul chain of the same FLOPs (the dense proxy), and the roofline
-that both print beside their figures.
+FLOP count, its inputs, its forward + backward step, the dense matmul chain of the same FLOPs (the dense proxy),
+and the roofline that both print beside their figures.
 
     gate, up = split(x @ W_gate_up); h = silu(gate) * up; y = h @ W_down
-    forward + backward: the gradients of sum(y * cotangent) with respect to x, W_gate_up [D, 2F] and W_down [F, D]
+    forward + backward: y, and the pullback of a cotangent of y to x, W_gate_up [D, 2F] and W_down [F, D]
 
-The cotangent is an input (random), not ones: the gradient of a plain sum would let XLA turn a matmul with a
-broadcast of ones into a reduction, flattering the proxy.
+A step returns y beside the gradients, as a layer in a model computes it for the next layer. The gradients alone
+do not read y, so without it jit would drop the forward's last matmul (h @ W_down, a ninth of the FLOPs) and a
+step would do less than swiglu_flops counts. The cotangent is an input (random), not ones: the gradient of a plain
+sum would let XLA turn a matmul with a broadcast of ones into a reduction, flattering the proxy.
 
 The roofline of G experts' SwiGLU, forward + backward, on one GPU: the larger of
 - its FLOPs (swiglu_flops) at the dense proxy's rate (FLOP/s), measured in the same run, and
@@ -56,15 +58,20 @@ def swiglu_flops(rows: int, d_model: int, d_ff: int) -> int:
     return 3 * forward
 
 
-def swiglu_loss(x, w_gate_up, w_down, cotangent, matmul):
-    gate, up = jnp.split(matmul(x, w_gate_up), 2, axis=-1)
-    y = matmul(jax.nn.silu(gate) * up, w_down)
-    return jnp.sum((y * cotangent).astype(jnp.float32))
+def swiglu_forward_backward(x, w_gate_up, w_down, cotangent, matmul):
+    """(y, (dx, dW_gate_up, dW_down)): the SwiGLU's output and the pullback of `cotangent` (see the module's
+    docstring for why y is returned)."""
+    def forward(x, w_gate_up, w_down):
+        gate, up = jnp.split(matmul(x, w_gate_up), 2, axis=-1)
+        return matmul(jax.nn.silu(gate) * up, w_down)
+
+    y, pullback = jax.vjp(forward, x, w_gate_up, w_down)
+    return y, pullback(cotangent)
 
 
 @jax.jit
-def dense_swiglu_grads(x, w_gate_up, w_down, cotangent):
-    return jax.grad(swiglu_loss, argnums=(0, 1, 2))(x, w_gate_up, w_down, cotangent, jnp.dot)
+def dense_swiglu_forward_backward(x, w_gate_up, w_down, cotangent):
+    return swiglu_forward_backward(x, w_gate_up, w_down, cotangent, jnp.dot)
 
 
 def normal(key, shape, scale=1.0):
@@ -94,7 +101,7 @@ def make_inputs(seed: int, rows: int, d_model: int, d_ff: int, groups: int | Non
 
 def dense_swiglu_step(rows: int, d_model: int, d_ff: int, input_sets: int = 1, seed: int = 0):
     """(fn, input sets) of forward + backward of the dense chain on one device, to time with harness.median_ms."""
-    return dense_swiglu_grads, [make_inputs(seed + i, rows, d_model, d_ff, None) for i in range(input_sets)]
+    return dense_swiglu_forward_backward, [make_inputs(seed + i, rows, d_model, d_ff, None) for i in range(input_sets)]
 
 
 def dense_swiglu_ms(rows: int, d_model: int, d_ff: int, *, runs: int, calls: int, input_sets: int = 1,
