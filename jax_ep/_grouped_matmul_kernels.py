@@ -77,6 +77,8 @@ _SM_AXIS = "sm"  # the persistent grid's axis: SMs, or SM pairs with clustered=T
 _CLUSTER_AXIS = "cluster"  # the CTA of a 2-CTA cluster (rows kernel, clustered=True)
 CLUSTER_SIZE = 2
 _FILL_TILE = -1  # tile_group value of a tile that writes zero rows
+# With gate_up_activation, an output column block is this many of the gate's columns and the up's same ones.
+GATE_UP_HALF_COLS = 128
 
 
 def row_tile_schedule(group_sizes: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -237,10 +239,12 @@ def _kernel(body, out_type, num_sms: int, clustered: bool = False):
     )
 
 
-def _stage_ring(num_stages: int, lhs_block, rhs_block, clustered: bool = False, tail_block=None) -> dict:
+def _stage_ring(num_stages: int, lhs_block, rhs_block, clustered: bool = False, tail_block=None,
+                rhs_parts: int = 1) -> dict:
     """Shared memory of the pipeline both kernels run (`_run_pipeline`): num_stages stages of an lhs and an
     rhs block (plgpu.SMEM allocations of one stage each; with tail_block, a pair tail's lhs rows too), a barrier
-    per stage that its copies completed (two, or three with a tail block: `_load_steps`), and one that both
+    per stage that its copies completed (one for the lhs block, rhs_parts for the rhs block and one for a tail
+    block: `_load_steps`), and one that both
     compute warpgroups have released it: of both CTAs of the cluster where clustered (a multicast copy writes the
     stage in both, so neither CTA reloads it before the other released it)."""
     def stages(block):
@@ -248,7 +252,7 @@ def _stage_ring(num_stages: int, lhs_block, rhs_block, clustered: bool = False, 
 
     tail = {} if tail_block is None else dict(tail_smem=stages(tail_block))
     return dict(lhs_smem=stages(lhs_block), rhs_smem=stages(rhs_block), **tail,
-                loaded=plgpu.Barrier(num_arrivals=2 + len(tail), num_barriers=num_stages),
+                loaded=plgpu.Barrier(num_arrivals=1 + rhs_parts + len(tail), num_barriers=num_stages),
                 consumed=plgpu.ClusterBarrier(collective_axes=(_CLUSTER_AXIS,), num_arrivals=NUM_COMPUTE_WARPGROUPS,
                                               num_barriers=num_stages) if clustered else
                 plgpu.Barrier(num_arrivals=NUM_COMPUTE_WARPGROUPS, num_barriers=num_stages))
@@ -262,7 +266,9 @@ def _stages_bytes(num_stages: int, *blocks) -> int:
 def _load_steps(num_steps, step, num_stages: int, ring: dict, lhs_at, rhs_at, multicast_rhs=None, tail_at=None,
                 has_tail=None):
     """The memory warpgroup's part of a tile: loads its num_steps steps (the blocks lhs_at(i), rhs_at(i)
-    of step i) into the stages of the SM's steps step, step + 1, ...; returns the SM's next step. Where
+    of step i) into the stages of the SM's steps step, step + 1, ...; returns the SM's next step. rhs_at(i) may
+    also be a tuple of blocks, each copied into its part of the stage's rhs block (whose leading dimension then
+    indexes the parts: a TMA copy needs a contiguous destination, and a column slice of a tiled block is not). Where
     multicast_rhs (a traced bool, the same in both CTAs of a cluster) holds, the two CTAs load the rhs block
     together, each half of it, into both CTAs' stages (TMA multicast). With a tail block in the ring, also the
     block tail_at(i) where has_tail (a traced bool) holds; where it does not, the stage's third arrival comes
@@ -275,13 +281,17 @@ def _load_steps(num_steps, step, num_stages: int, ring: dict, lhs_at, rhs_at, mu
             plgpu.barrier_wait(ring["consumed"].at[stage])
 
         plgpu.copy_gmem_to_smem(lhs_at(step_in_tile), ring["lhs_smem"].at[stage], ring["loaded"].at[stage])
-        rhs_copy = functools.partial(plgpu.copy_gmem_to_smem, rhs_at(step_in_tile), ring["rhs_smem"].at[stage],
-                                     ring["loaded"].at[stage])
-        if multicast_rhs is None:
-            rhs_copy()
-        else:
-            pl.when(multicast_rhs)(lambda: rhs_copy(collective_axes=_CLUSTER_AXIS))
-            pl.when(jnp.logical_not(multicast_rhs))(rhs_copy)
+        rhs_blocks = rhs_at(step_in_tile)
+        rhs_blocks = rhs_blocks if isinstance(rhs_blocks, tuple) else (rhs_blocks,)
+        rhs_smem = ring["rhs_smem"].at[stage]
+        for part, block in enumerate(rhs_blocks):
+            destination = rhs_smem if len(rhs_blocks) == 1 else rhs_smem.at[part]
+            rhs_copy = functools.partial(plgpu.copy_gmem_to_smem, block, destination, ring["loaded"].at[stage])
+            if multicast_rhs is None:
+                rhs_copy()
+            else:
+                pl.when(multicast_rhs)(lambda rhs_copy=rhs_copy: rhs_copy(collective_axes=_CLUSTER_AXIS))
+                pl.when(jnp.logical_not(multicast_rhs))(rhs_copy)
         if tail_at is not None:
             pl.when(has_tail)(lambda: plgpu.copy_gmem_to_smem(tail_at(step_in_tile), ring["tail_smem"].at[stage],
                                                                ring["loaded"].at[stage]))
@@ -361,23 +371,28 @@ def _store_buffers(warpgroup_rows: int, block_n: int, dtype, stages_bytes: int, 
                       transforms=_operand_transforms(piece_cols, dtype) if swizzled else ())
 
 
-def _store_in_pieces(values: jax.Array, buffers, store_piece) -> None:
-    """Stores a warpgroup's part of a tile, `values`, through its buffers (its part of a `_store_buffers`
-    allocation): piece i (64 rows x the buffers' columns, row-major order) is written to buffer
-    i % num_buffers, then store_piece(buffer, piece_row, piece_col) issues its copies to global memory
+def _store_in_pieces(values, buffers, store_piece) -> None:
+    """Stores a warpgroup's part of a tile, `values` (an array, or a tuple of arrays stored one after the other),
+    through its buffers (its part of a `_store_buffers` allocation): piece i (64 rows x the buffers' columns,
+    row-major order) is written to buffer i % num_buffers, then store_piece(buffer, piece_row, piece_col) (with a
+    tuple, store_piece(buffer, array_index, piece_row, piece_col)) issues its copies to global memory
     (commit_group=False), one bulk group per piece. A buffer was last read by the store num_buffers pieces
     before (in this tile or the previous one, as tiles have a multiple of num_buffers pieces; a pair tail's
     store in between is awaited by `ragged_rows_matmul` itself), so only that store's read is awaited."""
-    rows, cols = values.shape
+    arrays = values if isinstance(values, tuple) else (values,)
     num_buffers, _, piece_cols = buffers.shape
-    pieces = [(r, c) for r in range(0, rows, ROWS_PER_WARPGROUP) for c in range(0, cols, piece_cols)]
+    pieces = [(a, r, c) for a, array in enumerate(arrays) for r in range(0, array.shape[0], ROWS_PER_WARPGROUP)
+              for c in range(0, array.shape[1], piece_cols)]
     assert len(pieces) % num_buffers == 0, (len(pieces), num_buffers)
-    for i, (piece_row, piece_col) in enumerate(pieces):
+    for i, (a, piece_row, piece_col) in enumerate(pieces):
         buffer = buffers.at[i % num_buffers]
         plgpu.wait_smem_to_gmem(num_buffers - 1, wait_read_only=True)
-        buffer[...] = values[piece_row:piece_row + ROWS_PER_WARPGROUP, piece_col:piece_col + piece_cols]
+        buffer[...] = arrays[a][piece_row:piece_row + ROWS_PER_WARPGROUP, piece_col:piece_col + piece_cols]
         plgpu.commit_smem()
-        store_piece(buffer, piece_row, piece_col)
+        if isinstance(values, tuple):
+            store_piece(buffer, a, piece_row, piece_col)
+        else:
+            store_piece(buffer, piece_row, piece_col)
         plgpu.commit_smem_to_gmem_group()
 
 
@@ -400,7 +415,8 @@ def _store_rows(buffer, gmem_rows, begin, count) -> None:
 def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, tile_first_row: jax.Array,
                        tile_end_row: jax.Array, pair_tail_first: jax.Array | None = None,
                        pair_tail_end: jax.Array | None = None, *, transpose_rhs: bool, block_n: int, block_k: int,
-                       num_stages: int, grid_tile_width: int, num_sms: int, clustered: bool = False) -> jax.Array:
+                       num_stages: int, grid_tile_width: int, num_sms: int, clustered: bool = False,
+                       gate_up_activation=None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """out[r] = lhs[r] @ rhs[g] (or rhs[g]^T with transpose_rhs) for the rows r each tile of group g writes
     in the schedule from `row_tile_schedule`; zero tiles write zeros.
 
@@ -417,12 +433,24 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
     multiple of 256): pair p also writes its tail rows [pair_tail_first[p], pair_tail_end[p]) (at most
     ROWS_PER_WARPGROUP, of the pair's group), from the weight blocks already in its stages: each CTA loads the
     tail's lhs rows beside its own, and each of the cluster's four compute warpgroups multiplies them by its
-    quarter of the block's columns into a second, 64 x block_n / 4 accumulator."""
+    quarter of the block's columns into a second, 64 x block_n / 4 accumulator.
+
+    gate_up_activation (not transpose_rhs, no pair tails, block_n = 2 * GATE_UP_HALF_COLS): rhs [G, K, 2F] holds a
+    gate's F columns, then an up's, and the kernel also applies h = gate_up_activation(gate, up) (float32 in and
+    out, elementwise) to the tile in its epilogue. Column block j of the output is the gate's columns
+    [j * 128, j * 128 + 128) and the up's same columns (two rhs blocks in each stage, two wgmmas a step into two
+    accumulators), so each warpgroup holds a row's gate and up values together. gate and up are the bf16-rounded outputs (what a separate
+    pass over out would read). Returns (out [M, 2F], h [M, F]), both in lhs's dtype; h of a zero tile is
+    gate_up_activation(0, 0)."""
     _check_operands(lhs, rhs, block_n, block_k, num_stages)
     if clustered and (tile_group.shape[0] % CLUSTER_SIZE or num_sms % CLUSTER_SIZE):
         raise ValueError(f"clustered: the schedule needs an even number of tiles and num_sms must be even, got "
                          f"{tile_group.shape[0]} tiles and num_sms={num_sms}")
     tails = pair_tail_first is not None
+    activation = gate_up_activation is not None
+    if activation and (transpose_rhs or tails or block_n != 2 * GATE_UP_HALF_COLS):
+        raise ValueError(f"gate_up_activation needs transpose_rhs=False, no pair tails and block_n="
+                         f"{2 * GATE_UP_HALF_COLS}, got transpose_rhs={transpose_rhs}, tails={tails}, block_n={block_n}")
     tail_quarters = CLUSTER_SIZE * NUM_COMPUTE_WARPGROUPS  # the compute warpgroups of a cluster
     if tails and (not clustered or block_n % (64 * tail_quarters) or pair_tail_end is None):
         raise ValueError(f"pair tails need clustered=True, both pair_tail_first and pair_tail_end, and block_n a "
@@ -446,13 +474,17 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
                   if tails else None)
     if transpose_rhs:
         rhs_block = plgpu.SMEM((block_n, block_k), dtype, transforms=_operand_transforms(block_k, dtype))
+    elif activation:  # the gate's block, then the up's
+        rhs_block = plgpu.SMEM((2, block_k, GATE_UP_HALF_COLS), dtype,
+                               transforms=_operand_transforms(GATE_UP_HALF_COLS, dtype))
     else:
         rhs_block = plgpu.SMEM((block_k, block_n), dtype, transforms=_operand_transforms(block_n, dtype))
     stages_bytes = _stages_bytes(num_stages, lhs_block, rhs_block, *([tail_block] if tails else []))
+    half_cols = out_cols // 2  # F, with gate_up_activation
 
     def body(tile_group_gmem, tile_first_row_gmem, tile_end_row_gmem, *refs):
         tail_first_gmem, tail_end_gmem = refs[:2] if tails else (None, None)
-        lhs_gmem, rhs_gmem, out_gmem = refs[-3:]
+        lhs_gmem, rhs_gmem, out_gmem, *h_gmem = refs[2 if tails else 0:]
 
         def computes(tile):
             return (tile_end_row_gmem[tile] > tile_first_row_gmem[tile]) & (tile_group_gmem[tile] != _FILL_TILE)
@@ -487,11 +519,13 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
 
         @functools.partial(
             pl.run_scoped,
-            # With tails, a tile is stored in pieces of a tail's width, and a tail is one more piece.
-            out_smem=_store_buffers(ROWS_PER_WARPGROUP, block_n, dtype, stages_bytes, swizzled=False,
-                                    max_piece_cols=tail_cols if tails else STORE_COLS),
+            # With tails, a tile is stored in pieces of a tail's width, and a tail is one more piece. With the
+            # activation, h's half-width block follows the tile's: six pieces of 64 columns.
+            out_smem=_store_buffers(ROWS_PER_WARPGROUP, block_n + (GATE_UP_HALF_COLS if activation else 0), dtype,
+                                    stages_bytes, swizzled=False,
+                                    max_piece_cols=tail_cols if tails else 64 if activation else STORE_COLS),
             collective_axes=_WARPGROUP_AXIS,
-            **_stage_ring(num_stages, lhs_block, rhs_block, clustered, tail_block),
+            **_stage_ring(num_stages, lhs_block, rhs_block, clustered, tail_block, rhs_parts=2 if activation else 1),
         )
         def scope(out_smem, **ring):
             wg = lax.axis_index(_WARPGROUP_AXIS)
@@ -505,6 +539,10 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
                     contracted_block = pl.ds(i * block_k, block_k)
                     if transpose_rhs:
                         return rhs_gmem.at[group, cols, contracted_block]
+                    if activation:  # the gate's columns of block col_block, and the up's
+                        return tuple(rhs_gmem.at[group, contracted_block,
+                                                 pl.ds(first + col_block * GATE_UP_HALF_COLS, GATE_UP_HALF_COLS)]
+                                     for first in (0, half_cols))
                     return rhs_gmem.at[group, contracted_block, cols]
 
                 tail_loads = {}
@@ -535,9 +573,25 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
                     _store_rows(buffer, lambda offset, size: out_gmem.at[pl.ds(my_start + offset, size), store_block],
                                 my_begin, my_rows)
 
+                def store_gate_up_piece(buffer, array_index, piece_row, piece_col):
+                    """Pieces of the gate's columns (array 0), of the up's (1) and of h (2)."""
+                    del piece_row
+                    gmem, first_col = ((out_gmem, 0), (out_gmem, half_cols), (h_gmem[0], 0))[array_index]
+                    store_block = pl.ds(first_col + col_block * GATE_UP_HALF_COLS + piece_col, buffer.shape[-1])
+                    _store_rows(buffer, lambda offset, size: gmem.at[pl.ds(my_start + offset, size), store_block],
+                                my_begin, my_rows)
+
                 def mma(_, stage, accs):
                     acc_ref, tail_acc_ref = accs
                     rhs_smem = stage["rhs_smem"]
+
+                    if activation:  # the gate's columns into acc_ref, the up's into the second accumulator
+                        @pl.when((my_rows > 0) & computing)
+                        def _():
+                            lhs_slab = stage["lhs_smem"].at[pl.ds(wg * ROWS_PER_WARPGROUP, ROWS_PER_WARPGROUP)]
+                            plgpu.wgmma(acc_ref, lhs_slab, rhs_smem.at[0])
+                            plgpu.wgmma(tail_acc_ref, lhs_slab, rhs_smem.at[1])
+                        return
 
                     if tails:
                         # Issued before the tile's own wgmma, whose time then hides this one's latency (issued after
@@ -575,6 +629,9 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
                 accumulators = dict(acc_ref=plgpu.ACC((ROWS_PER_WARPGROUP, block_n), jnp.float32))
                 if tails:
                     accumulators["tail_acc_ref"] = plgpu.ACC((ROWS_PER_WARPGROUP, tail_cols), jnp.float32)
+                if activation:  # the gate's and the up's (the second in place of a tail's)
+                    accumulators = {name: plgpu.ACC((ROWS_PER_WARPGROUP, GATE_UP_HALF_COLS), jnp.float32)
+                                    for name in ("acc_ref", "tail_acc_ref")}
 
                 @functools.partial(pl.run_scoped, **accumulators)
                 def step_after_tile(acc_ref, tail_acc_ref=None):
@@ -582,7 +639,12 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
 
                     @pl.when(my_rows > 0)
                     def _():
-                        _store_in_pieces(acc_ref[...].astype(dtype), out_smem.at[wg], store_piece)
+                        if not activation:
+                            _store_in_pieces(acc_ref[...].astype(dtype), out_smem.at[wg], store_piece)
+                            return
+                        gate, up = acc_ref[...].astype(dtype), tail_acc_ref[...].astype(dtype)
+                        h = gate_up_activation(gate.astype(jnp.float32), up.astype(jnp.float32)).astype(dtype)
+                        _store_in_pieces((gate, up, h), out_smem.at[wg], store_gate_up_piece)
 
                     if tails:
                         pl.when(has_tail)(lambda: store_tail(tail_acc_ref))
@@ -594,8 +656,11 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
                           compute_tile, num_stages, ring)
 
     tail_schedule = (pair_tail_first, pair_tail_end) if tails else ()
-    return _kernel(body, jax.ShapeDtypeStruct((num_rows, out_cols), dtype), num_sms, clustered)(
-        tile_group, tile_first_row, tile_end_row, *tail_schedule, lhs, rhs)
+    out_type = jax.ShapeDtypeStruct((num_rows, out_cols), dtype)
+    if activation:
+        out_type = (out_type, jax.ShapeDtypeStruct((num_rows, half_cols), dtype))
+    return _kernel(body, out_type, num_sms, clustered)(tile_group, tile_first_row, tile_end_row, *tail_schedule,
+                                                        lhs, rhs)
 
 
 def ragged_contraction_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, block_n: int,

@@ -20,6 +20,15 @@ gradient):
   must be finite) and unspecified after them. Inside shard_map the kernels' results vary over the mesh axes
   their operands vary over (their out_shape says so, as shard_map's vma checks need).
 * any other: XLA's elementwise ops over all M rows, zero past the groups (forward and gradient).
+
+    h = grouped_gate_up_silu_mul(rows, w_gate_up, group_sizes, implementation)
+
+is silu_mul_in_groups(grouped_matmul(rows, w_gate_up, group_sizes, implementation=...), group_sizes, ...) (the
+first half of an expert SwiGLU). Where grouped_matmul's forward kernel can apply the activation in its epilogue
+(`fuses_gate_up_activation`: jax_ep's kernels on 256-column tiles without pair tails, and the activation kernels'
+blocks fit), one kernel writes gate_up (kept for the backward) and h, rounding the gate and the up to their dtype
+before the activation as a separate pass would read them; h past the groups is then zero. Its VJP is the two
+steps' VJPs on the same kernels.
 """
 from __future__ import annotations
 
@@ -30,7 +39,18 @@ import jax
 import jax.numpy as jnp
 
 from jax_ep._cotangents import typed_like
-from jax_ep.grouped_matmul import IMPLEMENTATIONS, groups_end, rows_read_past_groups
+from jax_ep.grouped_matmul import (
+    IMPLEMENTATIONS,
+    block_config,
+    clamp_group_sizes,
+    fuses_gate_up_activation,
+    grouped_matmul,
+    grouped_matmul_pullback,
+    groups_end,
+    pallas_grouped_op,
+    resolve_implementation,
+    rows_read_past_groups,
+)
 
 # Rows x columns (of the gate's F, and the same of the up's) of one program of the kernels: up to 16 x 256
 # bfloat16, 8 KB of each input per program, enough loads in flight for an elementwise pass at the copy's
@@ -107,6 +127,50 @@ def _silu_mul_bwd(kernels, residuals, dh):
 
 
 _silu_mul.defvjp(_silu_mul_fwd, _silu_mul_bwd)
+
+
+def grouped_gate_up_silu_mul(rows: jax.Array, w_gate_up: jax.Array, group_sizes: jax.Array,
+                             implementation: str = "auto") -> jax.Array:
+    """h [M, F] = silu_mul_in_groups(grouped_matmul(rows, w_gate_up, group_sizes, implementation=implementation))
+    (module docstring), in one kernel where that applies. rows [M, D], w_gate_up [G, D, 2F], group_sizes int32
+    [G]. Differentiable in rows and w_gate_up."""
+    implementation = resolve_implementation(rows, w_gate_up, implementation)
+    (num_rows, d), (groups, _, n) = rows.shape, w_gate_up.shape
+    if not (fuses_gate_up_activation(implementation, num_rows, d, n, groups)
+            and kernel_blocks(num_rows, n // 2) is not None):
+        gate_up = grouped_matmul(rows, w_gate_up, group_sizes, implementation=implementation)
+        return silu_mul_in_groups(gate_up, group_sizes, implementation)
+    group_sizes = clamp_group_sizes(group_sizes, num_rows)
+    return _fused_gate_up_silu_mul(rows, w_gate_up, group_sizes, groups_end(group_sizes, num_rows))
+
+
+def _fused_forward(rows, w_gate_up, group_sizes):
+    """(gate_up, h) of one fused kernel (grouped_matmul's forward, "pallas", the table's configuration)."""
+    (num_rows, d), (groups, _, n) = rows.shape, w_gate_up.shape
+    config = block_config("pallas", "fwd", num_rows, d, n, groups)
+    gate_up, h = pallas_grouped_op("fwd", "pallas", rows, w_gate_up, group_sizes, config,
+                                   gate_up_activation=_forward_math)
+    return typed_like(gate_up, rows, w_gate_up, group_sizes), typed_like(h, rows, w_gate_up, group_sizes)
+
+
+@jax.custom_vjp
+def _fused_gate_up_silu_mul(rows, w_gate_up, group_sizes, end):
+    return _fused_forward(rows, w_gate_up, group_sizes)[1]
+
+
+def _fused_gate_up_silu_mul_fwd(rows, w_gate_up, group_sizes, end):
+    gate_up, h = _fused_forward(rows, w_gate_up, group_sizes)
+    return h, (rows, w_gate_up, group_sizes, end, gate_up)
+
+
+def _fused_gate_up_silu_mul_bwd(residuals, dh):
+    rows, w_gate_up, group_sizes, end, gate_up = residuals
+    d_gate_up = typed_like(backward_kernel(gate_up, dh, end[None], rows_read_past_groups()), gate_up)
+    # group_sizes and end are integer-valued: no cotangents.
+    return (*grouped_matmul_pullback(rows, w_gate_up, group_sizes, d_gate_up, "pallas"), None, None)
+
+
+_fused_gate_up_silu_mul.defvjp(_fused_gate_up_silu_mul_fwd, _fused_gate_up_silu_mul_bwd)
 
 
 def _grid_and_specs(num_rows: int, cols: int):

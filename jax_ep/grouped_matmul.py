@@ -298,6 +298,17 @@ def pallas_unsupported_reason(x_shape, w_shape, dtype, kernels: str = "pallas") 
     return None
 
 
+def fuses_gate_up_activation(implementation: str, m: int, k: int, n: int, groups: int) -> bool:
+    """Whether the forward of x [m, k] @ w [groups, k, n] (n = 2F: a gate's F columns, then an up's) can also
+    apply an elementwise gate and up activation in its epilogue (`pallas_grouped_op(gate_up_activation=)`): on
+    jax_ep's kernels, where the table's tiles are 256 columns (a warpgroup then holds 128 of the gate's columns and
+    the up's same ones) without pair tails."""
+    if implementation != "pallas":
+        return False
+    config = block_config(implementation, "fwd", m, k, n, groups)  # (a config the table gives fits the shape)
+    return config.block_n == 2 * _pallas_modules().ours.GATE_UP_HALF_COLS and not config.fused_tails
+
+
 def _num_sms(budget: int | None = None) -> int:
     """CTAs of a persistent kernel: one per SM of the device, or `budget` of them where it is lower."""
     device_sms = jax.devices()[0].core_count
@@ -305,7 +316,7 @@ def _num_sms(budget: int | None = None) -> int:
 
 
 def pallas_grouped_op(op: str, kernels: str, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
-                      config: BlockConfig, num_sms: int | None = None) -> jax.Array:
+                      config: BlockConfig, num_sms: int | None = None, gate_up_activation=None):
     """One grouped product on the Pallas `kernels`, with `config`, for group_sizes already clamped
     (non-negative, summing to at most M):
 
@@ -314,7 +325,9 @@ def pallas_grouped_op(op: str, kernels: str, lhs: jax.Array, rhs: jax.Array, gro
     * "dw":  lhs x [M, K], rhs dy [M, N] -> [G, K, N] (x_g^T @ dy_g)
 
     Rows past sum(group_sizes) of the fwd and dx outputs are zero. `num_sms`: the SM budget of jax_ep's
-    kernels (grouped_matmul's). The benchmark's sweep calls this."""
+    kernels (grouped_matmul's). The benchmark's sweep calls this. gate_up_activation (fwd on "pallas" where
+    `fuses_gate_up_activation` says so): (out, gate_up_activation(gate, up)) from one kernel
+    (`ragged_rows_matmul`'s)."""
     modules = _pallas_modules()
     if kernels == "pallas":
         sms = _num_sms(num_sms)
@@ -328,7 +341,9 @@ def pallas_grouped_op(op: str, kernels: str, lhs: jax.Array, rhs: jax.Array, gro
         schedule = (modules.ours.paired_row_tile_schedule(group_sizes, lhs.shape[0], fuse_tails=config.fused_tails)
                     if clustered else modules.ours.row_tile_schedule(group_sizes, lhs.shape[0]))
         return modules.ours.ragged_rows_matmul(lhs, rhs, *schedule, transpose_rhs=op == "dx", clustered=clustered,
-                                               **kernel_args)
+                                               gate_up_activation=gate_up_activation, **kernel_args)
+    if gate_up_activation is not None:
+        raise ValueError(f"gate_up_activation: jax_ep's kernels only, not {kernels}'s")
     kernel_args = dict(group_sizes=group_sizes, block_m=config.block_m, block_n=config.block_n,
                        block_k=config.block_k, max_concurrent_steps=config.num_stages,
                        grid_block_n=config.grid_tile_width)
@@ -340,7 +355,7 @@ def pallas_grouped_op(op: str, kernels: str, lhs: jax.Array, rhs: jax.Array, gro
     return jnp.where(row_in_a_group[:, None], out, jnp.zeros((), out.dtype))
 
 
-def _clamp_group_sizes(group_sizes: jax.Array, num_rows: int) -> jax.Array:
+def clamp_group_sizes(group_sizes: jax.Array, num_rows: int) -> jax.Array:
     """Negative sizes to 0, and groups cut at row num_rows."""
     ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes, 0)), num_rows)
     return jnp.diff(ends, prepend=0).astype(jnp.int32)
@@ -396,12 +411,19 @@ def _grouped_matmul_fwd(x, w, group_sizes, implementation, num_sms):
     return _grouped_matmul(x, w, group_sizes, implementation, num_sms), (x, w, group_sizes)
 
 
-def _grouped_matmul_bwd(implementation, num_sms, residuals, dy):
-    x, w, group_sizes = residuals
+def grouped_matmul_pullback(x, w, group_sizes, dy, implementation: str, num_sms: int | None = None):
+    """(dx, dw): the VJP of grouped_matmul(x, w, group_sizes) at cotangent dy, on `implementation` (resolved),
+    for group_sizes already clamped (clamp_group_sizes); each typed like its primal inside shard_map."""
     shape = _problem_shape(x, w)
     dx = typed_like(grouped_op("dx", implementation, dy, w, group_sizes, shape, num_sms), x)
     dw = typed_like(grouped_op("dw", implementation, x, dy, group_sizes, shape, num_sms), w)
-    return dx, dw, None  # group_sizes is integer-valued: no cotangent
+    return dx, dw
+
+
+def _grouped_matmul_bwd(implementation, num_sms, residuals, dy):
+    x, w, group_sizes = residuals
+    return (*grouped_matmul_pullback(x, w, group_sizes, dy, implementation, num_sms),
+            None)  # group_sizes is integer-valued: no cotangent
 
 
 _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
@@ -471,5 +493,5 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     """
     _validate(x, w, group_sizes, implementation, num_sms)
     chosen = resolve_implementation(x, w, implementation)
-    return _grouped_matmul(x, w, _clamp_group_sizes(group_sizes, x.shape[0]), chosen,
+    return _grouped_matmul(x, w, clamp_group_sizes(group_sizes, x.shape[0]), chosen,
                            None if num_sms is None else int(num_sms))

@@ -8,6 +8,7 @@ import importlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+import oracle as O
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -215,7 +216,7 @@ def _schedule(group_sizes, num_rows):
 @settings(max_examples=30, deadline=None)
 @given(st.lists(st.integers(0, 300), min_size=5, max_size=5), st.sampled_from([700, 1024]))
 def test_row_tile_schedule_writes_every_row_once(sizes, num_rows):
-    sizes = np.asarray(gm_module._clamp_group_sizes(jnp.asarray(sizes, jnp.int32), num_rows))
+    sizes = np.asarray(gm_module.clamp_group_sizes(jnp.asarray(sizes, jnp.int32), num_rows))
     tile_group, first, end = (np.asarray(a) for a in _schedule(jnp.asarray(sizes), num_rows))
     ranges = oracle_group_ranges(sizes, num_rows)
     written = np.zeros(num_rows, int)
@@ -249,7 +250,7 @@ def test_paired_row_tile_schedule_pairs_each_groups_tiles(sizes, num_rows):
     """The clustered kernel's schedule: the same tiles as row_tile_schedule (so every row written once), in pairs
     (entries 2p, 2p + 1) of which all but at most one tile per group pair with another tile of its group, in row
     order; unused entries write nothing and never come first in a pair."""
-    sizes = np.asarray(gm_module._clamp_group_sizes(jnp.asarray(sizes, jnp.int32), num_rows))
+    sizes = np.asarray(gm_module.clamp_group_sizes(jnp.asarray(sizes, jnp.int32), num_rows))
     group, first, end = (np.asarray(a) for a in _paired_schedule(jnp.asarray(sizes), num_rows))
     assert len(group) % 2 == 0
     used = first < end
@@ -279,7 +280,7 @@ def test_paired_schedule_with_tails_fuses_each_short_last_tile(sizes, num_rows):
     are odd in number, at least 3, and whose last one holds at most 64 rows has that tile as the tail of its last
     pair (rows right after the pair's, starting at a multiple of 8) and no lone tile; other groups are as
     without it."""
-    sizes = np.asarray(gm_module._clamp_group_sizes(jnp.asarray(sizes, jnp.int32), num_rows))
+    sizes = np.asarray(gm_module.clamp_group_sizes(jnp.asarray(sizes, jnp.int32), num_rows))
     group, first, end, tail_first, tail_end = (np.asarray(a) for a in _paired_schedule(jnp.asarray(sizes), num_rows,
                                                                                        True))
     used = first < end
@@ -337,7 +338,8 @@ KERNEL_CONFIG = dict(block_n=128, block_k=64, num_stages=4, grid_tile_width=4, n
 
 @needs_pallas
 @pytest.mark.parametrize("op", ["fwd", "dx", "dw", "dw with 256-row tiles", "fwd clustered", "dx clustered",
-                                "fwd clustered with tails", "dx clustered with tails"])
+                                "fwd clustered with tails", "dx clustered with tails", "fwd with activation",
+                                "fwd clustered with activation"])
 def test_kernels_lower_to_mosaic_gpu(op):
     """Lowering runs Mosaic GPU's layout inference and shared-memory sizing: what a compile on the device
     would reject first. (The final PTX compile needs the device.)"""
@@ -350,18 +352,52 @@ def test_kernels_lower_to_mosaic_gpu(op):
         fn = functools.partial(kernels.ragged_contraction_matmul, **config)
     else:
         transpose_rhs, clustered, tails = op.startswith("dx"), "clustered" in op, op.endswith("tails")
-        n = 512 if tails else n  # 256-column tiles (a quarter of 64 per warpgroup of the pair's tails)
+        activation = _silu_mul if op.endswith("activation") else None
+        # 256-column tiles: a quarter of 64 per warpgroup of the pair's tails; 128 of the gate's columns and the
+        # up's with the activation.
+        wide = tails or activation is not None
+        n = 512 if wide else n
         rows_k = n if transpose_rhs else k
-        config = dict(KERNEL_CONFIG, block_n=256, num_stages=3) if tails else KERNEL_CONFIG
+        config = dict(KERNEL_CONFIG, block_n=256, num_stages=3) if wide else KERNEL_CONFIG
         args = (jax.ShapeDtypeStruct((m, rows_k), bf16), jax.ShapeDtypeStruct((groups, k, n), bf16), sizes)
 
         def fn(lhs, rhs, group_sizes):
             schedule = (kernels.paired_row_tile_schedule(group_sizes, lhs.shape[0], fuse_tails=tails) if clustered
                         else kernels.row_tile_schedule(group_sizes, lhs.shape[0]))
             return kernels.ragged_rows_matmul(lhs, rhs, *schedule, transpose_rhs=transpose_rhs, clustered=clustered,
-                                              **config)
+                                              gate_up_activation=activation, **config)
     lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
+
+
+def _silu_mul(gate, up):
+    return gate * jax.nn.sigmoid(gate) * up
+
+
+@cpu_only
+@needs_pallas
+def test_forward_kernel_with_the_activation_in_the_gpu_interpreter():
+    """The rows kernel with gate_up_activation, run by JAX's Pallas GPU interpreter: gate_up against the float64
+    oracle, and h = silu(gate) * up of the bf16-rounded gate_up (the oracle's activation), zero past the groups;
+    column block j holds the gate's columns j * 128... and the up's same ones."""
+    interpret = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.params",
+                                    reason="JAX's Pallas GPU interpreter moved")
+    rng = np.random.default_rng(11)
+    m, k, f, sizes = 256, 64, 256, [0, 37, 100, 80]
+    x, w, _ = random_operands(rng, m, k, 2 * f, len(sizes), jnp.bfloat16)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    params = interpret.InterpretGPUParams(out_of_bounds_reads="uninitialized")
+    with interpret.force_gpu_interpret_mode(params):
+        gate_up, h = kernels.ragged_rows_matmul(x, w, *kernels.row_tile_schedule(group_sizes, m),
+                                                transpose_rhs=False, block_n=256, block_k=64, num_stages=2,
+                                                grid_tile_width=1, num_sms=2, gate_up_activation=_silu_mul)
+    expected = oracle(np.asarray(x, np.float64), np.asarray(w, np.float64), np.zeros((m, 2 * f)), sizes)[0]
+    assert relative_error(gate_up, expected) <= 1e-2
+    end = sum(sizes)
+    want_h = O.silu_mul(np.asarray(gate_up, np.float32)[:end])
+    np.testing.assert_allclose(np.asarray(h[:end], np.float64), want_h, rtol=1e-2, atol=1e-2)
+    np.testing.assert_array_equal(np.asarray(gate_up[end:], np.float32), 0)
+    np.testing.assert_array_equal(np.asarray(h[end:], np.float32), 0)
 
 
 @cpu_only

@@ -293,3 +293,79 @@ def test_grouped_swiglu_ignores_rows_past_the_groups():
             a, b = a[:end], b[:end]
         assert np.isfinite(a).all(), f"{name}: not finite"
         assert relative_error(a, b) <= BF16_TOLERANCE, name
+
+
+def _silu_mul(gate, up):
+    return gate * jax.nn.sigmoid(gate) * up
+
+
+@needs_hopper
+@pytest.mark.parametrize("clustered", [False, True])
+def test_gate_up_activation_in_the_forward_kernel(clustered):
+    """The rows kernel with gate_up_activation: gate_up against the float64 oracle and bitwise the kernel's
+    without it (each output element takes the same steps over K); h against silu(gate) * up of those bf16 values
+    in float64, to bf16 rounding; both zero past the last group."""
+    import oracle as O
+
+    m, k, f = 3072, 512, 384
+    sizes = np.asarray(FUSED_TAIL_SIZES, np.int32)
+    rng = np.random.default_rng(9)
+    x, w = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for shape in ((m, k), (len(sizes), k, 2 * f)))
+    config = BlockConfig(block_n=256, num_stages=3, grid_tile_width=16, clustered=clustered)
+    fused = jax.jit(functools.partial(pallas_grouped_op, "fwd", "pallas", config=config, gate_up_activation=_silu_mul))
+    gate_up, h = fused(x, w, jnp.asarray(sizes))
+    plain = jax.jit(functools.partial(pallas_grouped_op, "fwd", "pallas", config=config))(x, w, jnp.asarray(sizes))
+    assert relative_error(gate_up, oracle(x, w, np.zeros((m, 2 * f)), sizes)[0]) <= BF16_TOLERANCE
+    np.testing.assert_array_equal(np.asarray(gate_up, np.float32), np.asarray(plain, np.float32))
+    end = int(sizes.sum())
+    want = O.silu_mul(np.asarray(gate_up[:end], np.float32))
+    got = np.asarray(h[:end], np.float64)
+    bad = ~(np.abs(got - want) <= 2.0**-8 * np.abs(want) + 1e-6)
+    assert not bad.any(), f"h: {bad.sum()} of {bad.size} off"
+    assert not np.asarray(gate_up[end:], np.float32).any() and not np.asarray(h[end:], np.float32).any()
+
+
+@needs_hopper
+def test_grouped_gate_up_silu_mul_fused_against_oracle_and_the_two_steps():
+    """grouped_gate_up_silu_mul where the fused kernel runs (the table's moe-a gate and up projection: 256-column
+    tiles, no pair tails): h, dx and dW against the float64 oracle on two groups' rows, and against the two steps
+    (grouped_matmul, then silu_mul_in_groups): h to bf16 rounding, dx and dW bitwise (the backward runs the same
+    kernels on the same gate_up)."""
+    import oracle as O
+    from jax_ep.grouped_activation import grouped_gate_up_silu_mul, silu_mul_in_groups
+    from jax_ep.grouped_matmul import fuses_gate_up_activation, grouped_matmul
+
+    m, d, f, groups = 16384, 2048, 1408, 64
+    assert fuses_gate_up_activation("pallas", m, d, 2 * f, groups)
+    rng = np.random.default_rng(13)
+    sizes = np.full(groups, 240, np.int32)
+    sizes[::3] += 16  # some groups with a partial last tile; 64 rows past the groups
+    x = jnp.asarray(rng.standard_normal((m, d)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((groups, d, 2 * f)) / np.sqrt(d), jnp.bfloat16)
+    dh = jnp.asarray(rng.standard_normal((m, f)), jnp.bfloat16)
+
+    def run(fn):
+        @jax.jit
+        def go(x, w, dh):
+            h, vjp = jax.vjp(lambda x, w: fn(x, w, jnp.asarray(sizes)), x, w)
+            return (h, *vjp(dh))
+        return go(x, w, dh)
+
+    fused = run(lambda x, w, s: grouped_gate_up_silu_mul(x, w, s, "pallas"))
+    steps = run(lambda x, w, s: silu_mul_in_groups(grouped_matmul(x, w, s, implementation="pallas"), s, "pallas"))
+    end = int(sizes.sum())
+    np.testing.assert_allclose(np.asarray(fused[0][:end], np.float32), np.asarray(steps[0][:end], np.float32),
+                               rtol=2.0**-7, atol=1e-6)
+    for name, a, b in zip(("dx", "dW"), fused[1:], steps[1:]):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+    rows = slice(int(sizes[0]), int(sizes[:3].sum()))  # groups 1 and 2
+    xs, dhs = np.asarray(x[rows], np.float64), np.asarray(dh[rows], np.float64)
+    group_of_row = np.repeat([1, 2], sizes[1:3])
+    gate_up = np.einsum("rd,rdn->rn", xs, np.asarray(w, np.float64)[group_of_row])
+    assert relative_error(fused[0][rows], O.silu_mul(gate_up)) <= BF16_TOLERANCE
+    d_gate_up = O.silu_mul_vjp(gate_up, dhs)
+    want_dx = np.einsum("rn,rdn->rd", d_gate_up, np.asarray(w, np.float64)[group_of_row])
+    assert relative_error(fused[1][rows], want_dx) <= BF16_TOLERANCE
+    for g in (1, 2):
+        mine = group_of_row == g
+        assert relative_error(fused[2][g], xs[mine].T @ d_gate_up[mine]) <= BF16_TOLERANCE, f"dW[{g}]"
