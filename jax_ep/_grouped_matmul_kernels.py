@@ -439,9 +439,9 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
     gate's F columns, then an up's, and the kernel also applies h = gate_up_activation(gate, up) (float32 in and
     out, elementwise) to the tile in its epilogue. Column block j of the output is the gate's columns
     [j * 128, j * 128 + 128) and the up's same columns (two rhs blocks in each stage, two wgmmas a step into two
-    accumulators), so each warpgroup holds a row's gate and up values together. gate and up are the bf16-rounded outputs (what a separate
-    pass over out would read). Returns (out [M, 2F], h [M, F]), both in lhs's dtype; h of a zero tile is
-    gate_up_activation(0, 0)."""
+    accumulators), so each warpgroup holds a row's gate and up values together. gate and up are the outputs rounded
+    to lhs's dtype (what a separate pass over out would read). Returns (out [M, 2F], h [M, F]), both in lhs's
+    dtype; h of a zero tile is gate_up_activation(0, 0)."""
     _check_operands(lhs, rhs, block_n, block_k, num_stages)
     if clustered and (tile_group.shape[0] % CLUSTER_SIZE or num_sms % CLUSTER_SIZE):
         raise ValueError(f"clustered: the schedule needs an even number of tiles and num_sms must be even, got "
@@ -450,7 +450,8 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
     activation = gate_up_activation is not None
     if activation and (transpose_rhs or tails or block_n != 2 * GATE_UP_HALF_COLS):
         raise ValueError(f"gate_up_activation needs transpose_rhs=False, no pair tails and block_n="
-                         f"{2 * GATE_UP_HALF_COLS}, got transpose_rhs={transpose_rhs}, tails={tails}, block_n={block_n}")
+                         f"{2 * GATE_UP_HALF_COLS}, got transpose_rhs={transpose_rhs}, tails={tails}, "
+                         f"block_n={block_n}")
     tail_quarters = CLUSTER_SIZE * NUM_COMPUTE_WARPGROUPS  # the compute warpgroups of a cluster
     if tails and (not clustered or block_n % (64 * tail_quarters) or pair_tail_end is None):
         raise ValueError(f"pair tails need clustered=True, both pair_tail_first and pair_tail_end, and block_n a "
@@ -520,10 +521,11 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
         @functools.partial(
             pl.run_scoped,
             # With tails, a tile is stored in pieces of a tail's width, and a tail is one more piece. With the
-            # activation, h's half-width block follows the tile's: six pieces of 64 columns.
+            # activation, the gate's, the up's and h's blocks in halves: six pieces, an even count for two buffers.
             out_smem=_store_buffers(ROWS_PER_WARPGROUP, block_n + (GATE_UP_HALF_COLS if activation else 0), dtype,
                                     stages_bytes, swizzled=False,
-                                    max_piece_cols=tail_cols if tails else 64 if activation else STORE_COLS),
+                                    max_piece_cols=(tail_cols if tails else GATE_UP_HALF_COLS // 2 if activation
+                                                    else STORE_COLS)),
             collective_axes=_WARPGROUP_AXIS,
             **_stage_ring(num_stages, lhs_block, rhs_block, clustered, tail_block, rhs_parts=2 if activation else 1),
         )
