@@ -73,7 +73,7 @@ def test_moe_bench_record(tmp_path, capsys):
     ratios = [line for line in out.splitlines() if "normal (xla backend) / xla" in line]
     assert len(ratios) == 1 and "dispatch" in ratios[0] and "combine" in ratios[0], out
     assert "GPU time" not in out, out
-    assert "[moe] HBM bandwidth" in out and out.count("[moe]   roofline") == 2, out
+    assert "[moe] HBM bandwidth" in out and out.count("x the dense proxy; roofline") == 2, out
     assert plot.read_bytes().startswith(b"\x89PNG")
 
 
