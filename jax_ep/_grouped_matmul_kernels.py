@@ -22,7 +22,10 @@ many experts the weights stream from HBM, and one SM's loads of them run at a bo
 H200: the weight traffic moved per second grew with the number of tiles reading distinct weight blocks at once,
 not with the pipeline's depth); sharing the loads of a block between two SMs is meant to double that rate. With
 pair tails (`paired_row_tile_schedule(fuse_tails=True)`) a group's short odd last tile is computed by its last
-pair from the weight blocks that pair loads anyway, instead of by a tile that streams them from HBM again.
+pair from the weight blocks that pair loads anyway, instead of by a tile that streams them from HBM again. With
+`gate_up_activation` the rows kernel also applies an elementwise activation to a gate's and an up's columns (an
+expert SwiGLU's first matmul) and stores its result beside them (in 64-column pieces: the gate's, the up's and the
+result's halves), saving the pass that would read them back.
 
 Shapes the kernels take: lhs/rhs in bfloat16 or float16 (one dtype), float32 accumulation; the contracted
 dimension a multiple of `block_k` (rows kernel), output columns a multiple of `block_n`, K a multiple of
@@ -271,7 +274,7 @@ def _load_steps(num_steps, step, num_stages: int, ring: dict, lhs_at, rhs_at, mu
     indexes the parts: a TMA copy needs a contiguous destination, and a column slice of a tiled block is not). Where
     multicast_rhs (a traced bool, the same in both CTAs of a cluster) holds, the two CTAs load the rhs block
     together, each half of it, into both CTAs' stages (TMA multicast). With a tail block in the ring, also the
-    block tail_at(i) where has_tail (a traced bool) holds; where it does not, the stage's third arrival comes
+    block tail_at(i) where has_tail (a traced bool) holds; where it does not, the stage's last arrival comes
     without a copy."""
     def load_step(step_in_tile, step):
         stage = lax.rem(step, num_stages)
@@ -371,15 +374,14 @@ def _store_buffers(warpgroup_rows: int, block_n: int, dtype, stages_bytes: int, 
                       transforms=_operand_transforms(piece_cols, dtype) if swizzled else ())
 
 
-def _store_in_pieces(values, buffers, store_piece) -> None:
-    """Stores a warpgroup's part of a tile, `values` (an array, or a tuple of arrays stored one after the other),
-    through its buffers (its part of a `_store_buffers` allocation): piece i (64 rows x the buffers' columns,
-    row-major order) is written to buffer i % num_buffers, then store_piece(buffer, piece_row, piece_col) (with a
-    tuple, store_piece(buffer, array_index, piece_row, piece_col)) issues its copies to global memory
+def _store_in_pieces(arrays: tuple, buffers, store_piece) -> None:
+    """Stores a warpgroup's part of a tile, `arrays` (one or more, stored one after the other), through its buffers
+    (its part of a `_store_buffers` allocation): piece i (64 rows x the buffers' columns, row-major order within
+    an array) is written to buffer i % num_buffers, then store_piece(buffer, array_index, piece_row, piece_col)
+    issues its copies to global memory
     (commit_group=False), one bulk group per piece. A buffer was last read by the store num_buffers pieces
     before (in this tile or the previous one, as tiles have a multiple of num_buffers pieces; a pair tail's
     store in between is awaited by `ragged_rows_matmul` itself), so only that store's read is awaited."""
-    arrays = values if isinstance(values, tuple) else (values,)
     num_buffers, _, piece_cols = buffers.shape
     pieces = [(a, r, c) for a, array in enumerate(arrays) for r in range(0, array.shape[0], ROWS_PER_WARPGROUP)
               for c in range(0, array.shape[1], piece_cols)]
@@ -389,10 +391,7 @@ def _store_in_pieces(values, buffers, store_piece) -> None:
         plgpu.wait_smem_to_gmem(num_buffers - 1, wait_read_only=True)
         buffer[...] = arrays[a][piece_row:piece_row + ROWS_PER_WARPGROUP, piece_col:piece_col + piece_cols]
         plgpu.commit_smem()
-        if isinstance(values, tuple):
-            store_piece(buffer, a, piece_row, piece_col)
-        else:
-            store_piece(buffer, piece_row, piece_col)
+        store_piece(buffer, a, piece_row, piece_col)
         plgpu.commit_smem_to_gmem_group()
 
 
@@ -569,7 +568,7 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
                     # This warpgroup's quarter of the tile's columns in the pair's tail.
                     quarter = lax.axis_index(_CLUSTER_AXIS) * NUM_COMPUTE_WARPGROUPS + wg
 
-                def store_piece(buffer, piece_row, piece_col):
+                def store_piece(buffer, _, piece_row, piece_col):
                     del piece_row  # a warpgroup's part of a tile is one piece high
                     store_block = pl.ds(col_block * block_n + piece_col, buffer.shape[-1])
                     _store_rows(buffer, lambda offset, size: out_gmem.at[pl.ds(my_start + offset, size), store_block],
@@ -584,7 +583,7 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
                                 my_begin, my_rows)
 
                 def mma(_, stage, accs):
-                    acc_ref, tail_acc_ref = accs
+                    acc_ref, second_acc_ref = accs
                     rhs_smem = stage["rhs_smem"]
 
                     if activation:  # the gate's columns into acc_ref, the up's into the second accumulator
@@ -592,7 +591,7 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
                         def _():
                             lhs_slab = stage["lhs_smem"].at[pl.ds(wg * ROWS_PER_WARPGROUP, ROWS_PER_WARPGROUP)]
                             plgpu.wgmma(acc_ref, lhs_slab, rhs_smem.at[0])
-                            plgpu.wgmma(tail_acc_ref, lhs_slab, rhs_smem.at[1])
+                            plgpu.wgmma(second_acc_ref, lhs_slab, rhs_smem.at[1])
                         return
 
                     if tails:
@@ -604,7 +603,7 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
                                 part = pl.ds(q * tail_cols, tail_cols)
                                 rhs_operand = (rhs_smem.at[part].transpose((1, 0)) if transpose_rhs else
                                                rhs_smem.at[:, part])
-                                plgpu.wgmma(tail_acc_ref, stage["tail_smem"], rhs_operand)
+                                plgpu.wgmma(second_acc_ref, stage["tail_smem"], rhs_operand)
 
                     # In a group's last tile, a warpgroup whose rows are all past the group's end skips; so does a
                     # zero tile or an unused entry stepping beside its cluster partner (its stages hold no weights).
@@ -614,12 +613,12 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
                         plgpu.wgmma(acc_ref, stage["lhs_smem"].at[pl.ds(wg * ROWS_PER_WARPGROUP, ROWS_PER_WARPGROUP)],
                                     rhs_operand)
 
-                def store_tail(tail_acc_ref):
+                def store_tail(second_acc_ref):
                     # Through the tile's first buffer, once the tile's stores have read it; and read by its own store
                     # before the next tile writes that buffer (_store_in_pieces awaits the buffer's last store only).
                     buffer = out_smem.at[wg, 0]
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    buffer[...] = tail_acc_ref[...].astype(dtype)
+                    buffer[...] = second_acc_ref[...].astype(dtype)
                     plgpu.commit_smem()
                     store_block = pl.ds(col_block * block_n + quarter * tail_cols, tail_cols)
                     _store_rows(buffer, lambda offset, size: out_gmem.at[pl.ds(tail_first + offset, size), store_block],
@@ -630,26 +629,27 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
                 # A zero tile computes nothing: it stores the accumulator's initial zeros.
                 accumulators = dict(acc_ref=plgpu.ACC((ROWS_PER_WARPGROUP, block_n), jnp.float32))
                 if tails:
-                    accumulators["tail_acc_ref"] = plgpu.ACC((ROWS_PER_WARPGROUP, tail_cols), jnp.float32)
-                if activation:  # the gate's and the up's (the second in place of a tail's)
+                    # The tail's; with the activation, the up's.
+                    accumulators["second_acc_ref"] = plgpu.ACC((ROWS_PER_WARPGROUP, tail_cols), jnp.float32)
+                if activation:  # the gate's and the up's
                     accumulators = {name: plgpu.ACC((ROWS_PER_WARPGROUP, GATE_UP_HALF_COLS), jnp.float32)
-                                    for name in ("acc_ref", "tail_acc_ref")}
+                                    for name in ("acc_ref", "second_acc_ref")}
 
                 @functools.partial(pl.run_scoped, **accumulators)
-                def step_after_tile(acc_ref, tail_acc_ref=None):
-                    step_after = _mma_steps(num_steps, step, (acc_ref, tail_acc_ref), num_stages, ring, mma)
+                def step_after_tile(acc_ref, second_acc_ref=None):
+                    step_after = _mma_steps(num_steps, step, (acc_ref, second_acc_ref), num_stages, ring, mma)
 
                     @pl.when(my_rows > 0)
                     def _():
                         if not activation:
-                            _store_in_pieces(acc_ref[...].astype(dtype), out_smem.at[wg], store_piece)
+                            _store_in_pieces((acc_ref[...].astype(dtype),), out_smem.at[wg], store_piece)
                             return
-                        gate, up = acc_ref[...].astype(dtype), tail_acc_ref[...].astype(dtype)
+                        gate, up = acc_ref[...].astype(dtype), second_acc_ref[...].astype(dtype)
                         h = gate_up_activation(gate.astype(jnp.float32), up.astype(jnp.float32)).astype(dtype)
                         _store_in_pieces((gate, up, h), out_smem.at[wg], store_gate_up_piece)
 
                     if tails:
-                        pl.when(has_tail)(lambda: store_tail(tail_acc_ref))
+                        pl.when(has_tail)(lambda: store_tail(second_acc_ref))
                     return step_after
 
                 return step_after_tile
@@ -752,7 +752,7 @@ def ragged_contraction_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.A
 
                     plgpu.wgmma(acc_ref, my_lhs.transpose((1, 0)), stage["rhs_smem"])
 
-                def store_piece(buffer, piece_row, piece_col):
+                def store_piece(buffer, _, piece_row, piece_col):
                     plgpu.copy_smem_to_gmem(buffer, out_gmem.at[
                         group, pl.ds(my_first_out_row + piece_row, ROWS_PER_WARPGROUP),
                         pl.ds(col_block * block_n + piece_col, buffer.shape[-1])], commit_group=False)
@@ -761,7 +761,7 @@ def ragged_contraction_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.A
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((rows_per_warpgroup, block_n), jnp.float32))
                 def step_after_tile(acc_ref):
                     step_after = _mma_steps(num_steps, step, acc_ref, num_stages, ring, mma)
-                    _store_in_pieces(acc_ref[...].astype(dtype), out_smem.at[wg], store_piece)
+                    _store_in_pieces((acc_ref[...].astype(dtype),), out_smem.at[wg], store_piece)
                     return step_after
 
                 return step_after_tile

@@ -42,6 +42,7 @@ from jax_ep._cotangents import typed_like
 from jax_ep.grouped_matmul import (
     IMPLEMENTATIONS,
     block_config,
+    check_grouped_matmul_args,
     clamp_group_sizes,
     fuses_gate_up_activation,
     grouped_matmul,
@@ -129,11 +130,12 @@ def _silu_mul_bwd(kernels, residuals, dh):
 _silu_mul.defvjp(_silu_mul_fwd, _silu_mul_bwd)
 
 
-def grouped_gate_up_silu_mul(rows: jax.Array, w_gate_up: jax.Array, group_sizes: jax.Array,
+def grouped_gate_up_silu_mul(rows: jax.Array, w_gate_up: jax.Array, group_sizes: jax.Array, *,
                              implementation: str = "auto") -> jax.Array:
     """h [M, F] = silu_mul_in_groups(grouped_matmul(rows, w_gate_up, group_sizes, implementation=implementation))
     (module docstring), in one kernel where that applies. rows [M, D], w_gate_up [G, D, 2F], group_sizes int32
-    [G]. Differentiable in rows and w_gate_up."""
+    [G], checked as grouped_matmul checks them. Differentiable in rows and w_gate_up."""
+    check_grouped_matmul_args(rows, w_gate_up, group_sizes, implementation)
     implementation = resolve_implementation(rows, w_gate_up, implementation)
     (num_rows, d), (groups, _, n) = rows.shape, w_gate_up.shape
     if not (fuses_gate_up_activation(implementation, num_rows, d, n, groups)

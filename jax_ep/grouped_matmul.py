@@ -303,7 +303,7 @@ def fuses_gate_up_activation(implementation: str, m: int, k: int, n: int, groups
     apply an elementwise gate and up activation in its epilogue (`pallas_grouped_op(gate_up_activation=)`): on
     jax_ep's kernels, where the table's tiles are 256 columns (a warpgroup then holds 128 of the gate's columns and
     the up's same ones) without pair tails."""
-    if implementation != "pallas":
+    if implementation != "pallas" or _pallas_modules().ours is None:
         return False
     config = block_config(implementation, "fwd", m, k, n, groups)  # (a config the table gives fits the shape)
     return config.block_n == 2 * _pallas_modules().ours.GATE_UP_HALF_COLS and not config.fused_tails
@@ -434,7 +434,8 @@ def _problem_shape(x, w) -> tuple[int, int, int, int]:
     return m, k, n, groups
 
 
-def _validate(x, w, group_sizes, implementation: str, num_sms):
+def check_grouped_matmul_args(x, w, group_sizes, implementation: str, num_sms=None):
+    """ValueError or TypeError, naming the argument, where grouped_matmul(x, w, group_sizes, ...) cannot take it."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"jax_ep.grouped_matmul: implementation must be one of {IMPLEMENTATIONS}, "
                          f"got {implementation!r}")
@@ -491,7 +492,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     Returns:
       [M, N] in x's dtype (float32 accumulation). Differentiable in x and w.
     """
-    _validate(x, w, group_sizes, implementation, num_sms)
+    check_grouped_matmul_args(x, w, group_sizes, implementation, num_sms)
     chosen = resolve_implementation(x, w, implementation)
     return _grouped_matmul(x, w, clamp_group_sizes(group_sizes, x.shape[0]), chosen,
                            None if num_sms is None else int(num_sms))

@@ -10,6 +10,11 @@ import numpy as np
 from jax_ep import grouped_matmul
 
 
+def silu_mul(gate, up):
+    """SwiGLU's activation in jnp (float32 in and out): the gate_up_activation the kernels' tests give."""
+    return gate * jax.nn.sigmoid(gate) * up
+
+
 def oracle_group_ranges(group_sizes, num_rows):
     """[start, end) of each group: rows handed out in order, a negative size counting as 0, cut at num_rows."""
     ranges, start = [], 0

@@ -835,3 +835,19 @@ def silu_mul_vjp(gate_up: np.ndarray, dh: np.ndarray) -> np.ndarray:
     dh = np.asarray(dh, np.float64)
     s = 1 / (1 + np.exp(-gate))
     return np.concatenate([dh * up * (s + gate * s * (1 - s)), dh * gate * s], axis=-1)
+
+
+def grouped_swiglu(x, w_gate_up, w_down, cotangent, group_of_row):
+    """float64: y, and the pullback of `cotangent` to x, W_gate_up [G, D, 2F] and W_down [G, F, D], row i taking
+    expert group_of_row[i]'s weights."""
+    x, cotangent = np.asarray(x, np.float64), np.asarray(cotangent, np.float64)
+    wg, wd = np.asarray(w_gate_up, np.float64)[group_of_row], np.asarray(w_down, np.float64)[group_of_row]
+    gate_up = np.einsum("md,mdf->mf", x, wg)
+    h = silu_mul(gate_up)
+    y = np.einsum("mf,mfd->md", h, wd)
+    dh = np.einsum("md,mfd->mf", cotangent, wd)
+    d_gate_up = silu_mul_vjp(gate_up, dh)
+    groups = w_gate_up.shape[0]
+    dwg = np.stack([x[group_of_row == g].T @ d_gate_up[group_of_row == g] for g in range(groups)])
+    dwd = np.stack([h[group_of_row == g].T @ cotangent[group_of_row == g] for g in range(groups)])
+    return y, (np.einsum("mf,mdf->md", d_gate_up, wg), dwg, dwd)

@@ -73,23 +73,23 @@ def test_memory_per_input_set_and_call():
     # v3 at 256 experts: x and cotangent 2·32768·7168 = 469,762,048 elements; W_gate_up 256·7168·4096 =
     # 7,516,192,768; W_down 256·2048·7168 = 3,758,096,384; 2 bytes each.
     assert grouped_matmul.input_set_bytes(*V3, 256) == 23_488_102_400
-    # Outputs dx 234,881,024 elements and the two dW as large as the weights, 2 bytes each: 23,018,340,352 bytes;
-    # row temporaries 4 bytes x 32768 x (3·4096 + 2·7168): 3,489,660,928 bytes.
-    assert grouped_matmul.call_bytes(*V3, 256) == 26_508_001_280
-    # At 128 experts: 12,213,813,248 bytes a set; 11,744,051,200 + 3,489,660,928 bytes a call.
+    # Outputs y and dx 2·234,881,024 elements and the two dW as large as the weights, 2 bytes each: 23,488,102,400
+    # bytes; row temporaries 4 bytes x 32768 x (3·4096 + 2·7168): 3,489,660,928 bytes.
+    assert grouped_matmul.call_bytes(*V3, 256) == 26_977_763_328
+    # At 128 experts: 12,213,813,248 bytes a set; 12,213,813,248 + 3,489,660,928 bytes a call.
     assert grouped_matmul.input_set_bytes(*V3, 128) == 12_213_813_248
-    assert grouped_matmul.call_bytes(*V3, 128) == 15_233_712_128
+    assert grouped_matmul.call_bytes(*V3, 128) == 15_703_474_176
 
 
 @pytest.mark.parametrize("budget_gib, groups, sets", [
-    # 107,374,182,400 bytes - two calls (53,016,002,560) leaves room for 2.31 sets of 23,488,102,400: 2 (the 3
-    # sets asked for would take 123.5 GB with the two calls).
+    # 107,374,182,400 bytes - two calls (53,955,526,656) leaves room for 2.27 sets of 23,488,102,400: 2 (the 3
+    # sets asked for would take 124.4 GB with the two calls).
     (100, 256, 2),
-    # 107,374,182,400 - 30,467,424,256 = 76,906,758,144 bytes: 6.3 sets of 12,213,813,248; 3 asked for.
+    # 107,374,182,400 - 31,406,948,352 = 75,967,234,048 bytes: 6.2 sets of 12,213,813,248; 3 asked for.
     (100, 128, 3),
-    # 64,424,509,440 - 53,016,002,560 bytes: less than one set; one anyway.
+    # 64,424,509,440 - 53,955,526,656 bytes: less than one set; one anyway.
     (60, 256, 1),
-    # 64,424,509,440 - 30,467,424,256 = 33,957,085,184 bytes: 2.78 sets.
+    # 64,424,509,440 - 31,406,948,352 = 33,017,561,088 bytes: 2.70 sets.
     (60, 128, 2)])
 def test_tensor_sets_within_budget(budget_gib, groups, sets):
     assert grouped_matmul.tensor_sets_within(budget_gib * 2 ** 30, 3, *V3, groups) == sets
@@ -114,9 +114,10 @@ def test_memory_budget():
 # (options, (shape, M, D, F), {group count: input sets whose tensors are made}); the tiny shape: D=128 F=64 K=2.
 RUNS = [(("--m", "256", "--d", "128", "--f", "128", "--groups", "4", "--input-sets", "1"), (None, 256, 128, 128),
          {4: 1}),
-        # A budget of 0.0015 GiB, 1,610,612 bytes. G=4: a set 2·(2·64·128 + 4·128·128 + 4·64·128) = 229,376 bytes, a
-        # call 2·(64·128 + 98,304) + 4·64·(3·128 + 2·128) = 376,832 bytes: (1,610,612 - 2·376,832) / 229,376 = 3.7
-        # sets, 2 asked for. G=8: a set 425,984 bytes, a call 573,440: (1,610,612 - 1,146,880) / 425,984 = 1.09.
+        # A budget of 0.0015 GiB, 1,610,612 bytes. G=4: a set 2·(2·64·128 + 4·128·128 + 4·64·128) = 229,376
+        # bytes, a call 2·(2·64·128 + 98,304) + 4·64·(3·128 + 2·128) = 393,216 bytes: (1,610,612 - 2·393,216) /
+        # 229,376 = 3.6 sets, 2 asked for. G=8: a set 425,984 bytes, a call 589,824: (1,610,612 - 1,179,648) /
+        # 425,984 = 1.01.
         (("--shapes", "tiny", "--tokens", "32", "--experts", "4", "8", "--input-sets", "2", "--memory-budget-gib",
           "0.0015"), ("tiny", 64, 128, 64), {4: 2, 8: 1})]
 
@@ -194,22 +195,6 @@ def test_ops_bench_record(tmp_path):
         bench.main([*argv[:1], "--sweep", *argv[1:]])
 
 
-def _swiglu_oracle(x, w_gate_up, w_down, cotangent, group_of_row):
-    """float64: y, and the pullback of `cotangent` to x, W_gate_up [G, D, 2F] and W_down [G, F, D], row i taking
-    expert group_of_row[i]'s weights."""
-    x, cotangent = np.asarray(x, np.float64), np.asarray(cotangent, np.float64)
-    wg, wd = np.asarray(w_gate_up, np.float64)[group_of_row], np.asarray(w_down, np.float64)[group_of_row]
-    gate_up = np.einsum("md,mdf->mf", x, wg)
-    h = O.silu_mul(gate_up)
-    y = np.einsum("mf,mfd->md", h, wd)
-    dh = np.einsum("md,mfd->mf", cotangent, wd)
-    d_gate_up = O.silu_mul_vjp(gate_up, dh)
-    groups = w_gate_up.shape[0]
-    dwg = np.stack([x[group_of_row == g].T @ d_gate_up[group_of_row == g] for g in range(groups)])
-    dwd = np.stack([h[group_of_row == g].T @ cotangent[group_of_row == g] for g in range(groups)])
-    return y, (np.einsum("mf,mdf->md", d_gate_up, wg), dwg, dwd)
-
-
 @pytest.mark.parametrize("step", ["dense", "grouped"])
 def test_timed_steps_return_the_forward_output(step):
     """A timed step returns y beside the gradients, so the FLOPs that swiglu_flops counts are all done (with the
@@ -230,7 +215,7 @@ def test_timed_steps_return_the_forward_output(step):
         out = grouped_matmul.grouped_swiglu_forward_backward(x, w_gate_up, w_down, cotangent, jax.numpy.asarray(sizes),
                                                             implementation="ragged_dot")
     y, grads = jax.tree.map(lambda a: np.asarray(a, np.float64), out)
-    want_y, want_grads = _swiglu_oracle(x, *weights, cotangent, group_of_row)
+    want_y, want_grads = O.grouped_swiglu(x, *weights, cotangent, group_of_row)
     if step == "dense":
         want_grads = (want_grads[0], want_grads[1][0], want_grads[2][0])
     for name, got, want in zip(("y", "dx", "dW_gate_up", "dW_down"), (y, *grads), (want_y, *want_grads)):

@@ -144,3 +144,53 @@ def test_kernels_lower_for_cuda_inside_shard_map():
     step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
     text = step.trace(rows, sizes).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 2, "the forward and the gradient kernel"
+
+
+def _grouped_matmul_module():
+    import sys
+
+    return sys.modules["jax_ep.grouped_matmul"]  # (jax_ep.grouped_matmul, the attribute, is the function)
+
+
+def _mosaic_kernels_missing() -> bool:
+    return _grouped_matmul_module()._pallas_modules().ours is None
+
+
+# (rows, D, 2F, groups) per rank: moe-a's gate and up projection, whose table rule takes 256-column tiles without
+# pair tails; V3's slice at EP2, whose rule has pair tails.
+MOE_A_GATE_UP = (16384, 2048, 2816, 64)
+V3_EP2_GATE_UP = (32768, 7168, 4096, 128)
+
+
+@pytest.mark.skipif(_mosaic_kernels_missing(), reason="this JAX has no Pallas Mosaic GPU")
+def test_which_forward_kernels_take_the_activation():
+    fuses = _grouped_matmul_module().fuses_gate_up_activation
+    assert fuses("pallas", *MOE_A_GATE_UP)
+    assert not fuses("pallas", *V3_EP2_GATE_UP)  # pair tails
+    assert not fuses("pallas", 1024, 256, 768, 5)  # the default tiles: 128 columns
+    assert not fuses("ragged_dot", *MOE_A_GATE_UP) and not fuses("jax_pallas", *MOE_A_GATE_UP)
+
+
+@pytest.mark.skipif(_mosaic_kernels_missing(), reason="this JAX has no Pallas Mosaic GPU")
+def test_fused_gate_up_activation_lowers_for_cuda_inside_shard_map(monkeypatch):
+    """grouped_gate_up_silu_mul's fused path under shard_map's vma checks, as the MoE block runs it: forward and
+    gradient lower for CUDA as three Mosaic GPU kernels (the fused forward, dx, dW) and one Triton kernel (the
+    activation's gradient; no forward activation kernel), every result typed as the rank's rows vary."""
+    gm = _grouped_matmul_module()
+    monkeypatch.setattr(ga, "resolve_implementation", lambda x, w, implementation="auto": "pallas")
+    monkeypatch.setattr(gm, "_num_sms", lambda budget=None: 132)  # an H200's (no GPU here to ask)
+    rows, d, n, groups = MOE_A_GATE_UP
+    mesh = mesh_of(2)
+    ranks = NamedSharding(mesh, P("ep"))
+    x = jax.ShapeDtypeStruct((2 * rows, d), jnp.bfloat16, sharding=ranks)
+    w = jax.ShapeDtypeStruct((2 * groups, d, n), jnp.bfloat16, sharding=ranks)
+    sizes = jax.ShapeDtypeStruct((2 * groups,), jnp.int32, sharding=ranks)
+
+    def body(x, w, s):
+        h, vjp = jax.vjp(lambda x, w: ga.grouped_gate_up_silu_mul(x, w, s, implementation="pallas"), x, w)
+        return h, vjp(h)
+
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    text = step.trace(x, w, sizes).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1, "only the activation's gradient runs apart"
+    assert text.count("custom_call @mosaic_gpu") == 3, "the fused forward, dx and dW"

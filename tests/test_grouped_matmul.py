@@ -12,7 +12,7 @@ import oracle as O
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from grouped_matmul_harness import forward_and_grads, oracle, oracle_group_ranges, relative_error
+from grouped_matmul_harness import forward_and_grads, oracle, oracle_group_ranges, relative_error, silu_mul
 from jax.test_util import check_grads
 
 from jax_ep import grouped_matmul
@@ -352,7 +352,7 @@ def test_kernels_lower_to_mosaic_gpu(op):
         fn = functools.partial(kernels.ragged_contraction_matmul, **config)
     else:
         transpose_rhs, clustered, tails = op.startswith("dx"), "clustered" in op, op.endswith("tails")
-        activation = _silu_mul if op.endswith("activation") else None
+        activation = silu_mul if op.endswith("activation") else None
         # 256-column tiles: a quarter of 64 per warpgroup of the pair's tails; 128 of the gate's columns and the
         # up's with the activation.
         wide = tails or activation is not None
@@ -368,10 +368,6 @@ def test_kernels_lower_to_mosaic_gpu(op):
                                               gate_up_activation=activation, **config)
     lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
-
-
-def _silu_mul(gate, up):
-    return gate * jax.nn.sigmoid(gate) * up
 
 
 @cpu_only
@@ -390,7 +386,7 @@ def test_forward_kernel_with_the_activation_in_the_gpu_interpreter():
     with interpret.force_gpu_interpret_mode(params):
         gate_up, h = kernels.ragged_rows_matmul(x, w, *kernels.row_tile_schedule(group_sizes, m),
                                                 transpose_rhs=False, block_n=256, block_k=64, num_stages=2,
-                                                grid_tile_width=1, num_sms=2, gate_up_activation=_silu_mul)
+                                                grid_tile_width=1, num_sms=2, gate_up_activation=silu_mul)
     expected = oracle(np.asarray(x, np.float64), np.asarray(w, np.float64), np.zeros((m, 2 * f)), sizes)[0]
     assert relative_error(gate_up, expected) <= 1e-2
     end = sum(sizes)

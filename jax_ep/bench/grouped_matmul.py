@@ -158,10 +158,10 @@ def input_set_bytes(m: int, d: int, f: int, groups: int) -> int:
 
 
 def call_bytes(m: int, d: int, f: int, groups: int) -> int:
-    """What one call allocates beside its inputs: its outputs, bf16 (dx [M, D], dW_gate_up [G, D, 2F], dW_down
-    [G, F, D]), and its row temporaries, at most float32 [M, 2F] three times (the gate and up activations, their
-    gradient, and the product h [M, F] with its gradient) and [M, D] twice (y and its cotangent's product)."""
-    return 2 * (m * d + groups * d * 2 * f + groups * f * d) + 4 * m * (3 * 2 * f + 2 * d)
+    """What one call allocates beside its inputs: its outputs, bf16 (y and dx [M, D], dW_gate_up [G, D, 2F],
+    dW_down [G, F, D]), and its row temporaries, at most float32 [M, 2F] three times (the gate and up activations,
+    their gradient, and the product h [M, F] with its gradient) and [M, D] twice (y and its cotangent's product)."""
+    return 2 * (2 * m * d + groups * d * 2 * f + groups * f * d) + 4 * m * (3 * 2 * f + 2 * d)
 
 
 def tensor_sets_within(budget: int, requested: int, m: int, d: int, f: int, groups: int) -> int:

@@ -21,8 +21,9 @@ Per shape and dispatcher:
   dense proxy's rate (the proxy's time) and the bytes of one rank's E/R experts' weights that forward + backward
   moves, 3 x (G·D·2F + G·F·D) x 2 with G = E/R (read by the forward and by dx, written by dW), at the HBM bandwidth
   of a copy timed at the start of the run (each process its own GPU's; process 0's printed). With many experts per
-  rank the weights bind (v3 at R=1: 67.6 GB, some 16 ms at 4 TB/s, beside the proxy's 11.7 ms on an H200), where
-  the dense proxy, which reads one D×F set of weights, is no bound.
+  rank the weights bind (v3 at R=1: 67.6 GB, some 16 ms at 4 TB/s, beside the proxy's 13 ms on an H200), where
+  the dense proxy, which reads one D×F set of weights, is no bound. The expert FFN stage is also printed over the
+  dense proxy (the same FLOPs, forward + backward, y returned by both).
 - breakdown: router (jax_ep.flax.routing.route), dispatch (jax_ep.dispatch, expert-major), expert FFN
   (jax_ep.flax.experts.grouped_swiglu) and combine (jax_ep.combine, weighted), each forward + backward alone in a jitted
   shard_map of its own, on the inputs the stages before it produce from the block's x and weights, with random
@@ -172,9 +173,10 @@ REMAT_LAYERS = 4  # --remat's stack: remat keeps one layer's activations alive i
 
 
 def block_step(moe: MoE, remat: bool = False, layers: int = 1):
-    """The whole block, forward + backward, as one jitted step(state, x, cotangent), applied `layers` times in
-    a row (same weights); with `remat`, each application under jax.checkpoint with nothing saveable (the
-    backward pass recomputes its forward: router, dispatch, experts, combine)."""
+    """The whole block, forward + backward, as one jitted step(state, x, cotangent) -> (y, (state's gradient,
+    x's gradient)), applied `layers` times in a row (same weights); with `remat`, each application under
+    jax.checkpoint with nothing saveable (the backward pass recomputes its forward: router, dispatch, experts,
+    combine)."""
     graphdef, _ = nnx.split(moe)
 
     def block(state, x):

@@ -14,6 +14,8 @@ result on the side stream is checked against XLA's stream, bit for bit.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 import jax_ep
 from jax_ep.backends.cuda import normal
 from jax_ep.bench import harness
+from jax_ep.bench.swiglu import swiglu_forward_backward
 from jax_ep.expert_major import default_capacity
 from jax_ep.grouped_matmul import grouped_matmul
 
@@ -76,12 +79,8 @@ def run(args) -> list[dict]:
     def compute(x, cotangent, w_gate_up, w_down, num_sms):
         sizes = jnp.full((local,), rows // local, jnp.int32)
 
-        def ffn(x, w_gate_up, w_down):
-            gate, up = jnp.split(grouped_matmul(x, w_gate_up, sizes, num_sms=num_sms), 2, axis=-1)
-            return grouped_matmul(jax.nn.silu(gate) * up, w_down, sizes, num_sms=num_sms)
-
-        _, pullback = jax.vjp(ffn, x, w_gate_up, w_down)
-        return pullback(cotangent)
+        matmul = functools.partial(grouped_matmul, group_sizes=sizes, num_sms=num_sms)
+        return swiglu_forward_backward(x, w_gate_up, w_down, cotangent, matmul)
 
     def communicate(tokens, topk_idx, topk_weights):
         recv, weights, *_, handle, _ = backend.expert_major_dispatch(

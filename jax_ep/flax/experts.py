@@ -26,8 +26,8 @@ def grouped_swiglu(rows, group_sizes, w_gate_up, w_down):
     the activation stops at the end of the block holding the last group's end (its gradient
     rows_read_past_groups() rows later). w_gate_up [L, D, 2F], w_down [L, F, D]."""
     implementation = resolve_implementation(rows, w_gate_up)
-    return grouped_matmul(grouped_gate_up_silu_mul(rows, w_gate_up, group_sizes, implementation), w_down,
-                          group_sizes)
+    return grouped_matmul(grouped_gate_up_silu_mul(rows, w_gate_up, group_sizes, implementation=implementation),
+                          w_down, group_sizes)
 
 
 def dense_gates(topk_idx, topk_weights, num_experts):

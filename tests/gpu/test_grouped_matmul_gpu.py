@@ -12,7 +12,7 @@ if jax.devices()[0].platform != "gpu":
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from grouped_matmul_harness import forward_and_grads, oracle, relative_error  # noqa: E402
+from grouped_matmul_harness import forward_and_grads, oracle, relative_error, silu_mul  # noqa: E402
 from jax import lax  # noqa: E402
 
 from jax_ep.grouped_matmul import (  # noqa: E402
@@ -295,10 +295,6 @@ def test_grouped_swiglu_ignores_rows_past_the_groups():
         assert relative_error(a, b) <= BF16_TOLERANCE, name
 
 
-def _silu_mul(gate, up):
-    return gate * jax.nn.sigmoid(gate) * up
-
-
 @needs_hopper
 @pytest.mark.parametrize("clustered", [False, True])
 def test_gate_up_activation_in_the_forward_kernel(clustered):
@@ -312,7 +308,7 @@ def test_gate_up_activation_in_the_forward_kernel(clustered):
     rng = np.random.default_rng(9)
     x, w = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for shape in ((m, k), (len(sizes), k, 2 * f)))
     config = BlockConfig(block_n=256, num_stages=3, grid_tile_width=16, clustered=clustered)
-    fused = jax.jit(functools.partial(pallas_grouped_op, "fwd", "pallas", config=config, gate_up_activation=_silu_mul))
+    fused = jax.jit(functools.partial(pallas_grouped_op, "fwd", "pallas", config=config, gate_up_activation=silu_mul))
     gate_up, h = fused(x, w, jnp.asarray(sizes))
     plain = jax.jit(functools.partial(pallas_grouped_op, "fwd", "pallas", config=config))(x, w, jnp.asarray(sizes))
     assert relative_error(gate_up, oracle(x, w, np.zeros((m, 2 * f)), sizes)[0]) <= BF16_TOLERANCE
@@ -339,7 +335,7 @@ def test_grouped_gate_up_silu_mul_fused_against_oracle_and_the_two_steps():
     assert fuses_gate_up_activation("pallas", m, d, 2 * f, groups)
     rng = np.random.default_rng(13)
     sizes = np.full(groups, 240, np.int32)
-    sizes[::3] += 16  # some groups with a partial last tile; 64 rows past the groups
+    sizes[::3] += 16  # 240 rows: a partial second tile; 256: two full ones; 672 rows past the groups
     x = jnp.asarray(rng.standard_normal((m, d)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((groups, d, 2 * f)) / np.sqrt(d), jnp.bfloat16)
     dh = jnp.asarray(rng.standard_normal((m, f)), jnp.bfloat16)
@@ -351,7 +347,7 @@ def test_grouped_gate_up_silu_mul_fused_against_oracle_and_the_two_steps():
             return (h, *vjp(dh))
         return go(x, w, dh)
 
-    fused = run(lambda x, w, s: grouped_gate_up_silu_mul(x, w, s, "pallas"))
+    fused = run(lambda x, w, s: grouped_gate_up_silu_mul(x, w, s, implementation="pallas"))
     steps = run(lambda x, w, s: silu_mul_in_groups(grouped_matmul(x, w, s, implementation="pallas"), s, "pallas"))
     end = int(sizes.sum())
     np.testing.assert_allclose(np.asarray(fused[0][:end], np.float32), np.asarray(steps[0][:end], np.float32),
