@@ -167,7 +167,7 @@ def _fused_gate_up_silu_mul_fwd(rows, w_gate_up, group_sizes, end):
 
 def _fused_gate_up_silu_mul_bwd(residuals, dh):
     rows, w_gate_up, group_sizes, end, gate_up = residuals
-    d_gate_up = typed_like(backward_kernel(gate_up, dh, end[None], rows_read_past_groups()), gate_up)
+    d_gate_up, _ = _silu_mul_bwd(True, (gate_up, end), dh)  # the two steps' activation gradient, on its kernel
     # group_sizes and end are integer-valued: no cotangents.
     return (*grouped_matmul_pullback(rows, w_gate_up, group_sizes, d_gate_up, "pallas"), None, None)
 

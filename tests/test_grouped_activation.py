@@ -4,6 +4,7 @@ promise, through the custom VJP too."""
 from __future__ import annotations
 
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -146,14 +147,8 @@ def test_kernels_lower_for_cuda_inside_shard_map():
     assert text.count("__gpu$xla.gpu.triton") == 2, "the forward and the gradient kernel"
 
 
-def _grouped_matmul_module():
-    import sys
-
-    return sys.modules["jax_ep.grouped_matmul"]  # (jax_ep.grouped_matmul, the attribute, is the function)
-
-
-def _mosaic_kernels_missing() -> bool:
-    return _grouped_matmul_module()._pallas_modules().ours is None
+gm_module = importlib.import_module("jax_ep.grouped_matmul")  # the name jax_ep.grouped_matmul is the function
+needs_pallas = pytest.mark.skipif(gm_module._pallas_modules().ours is None, reason="this JAX has no Pallas Mosaic GPU")
 
 
 # (rows, D, 2F, groups) per rank: moe-a's gate and up projection, whose table rule takes 256-column tiles without
@@ -162,23 +157,22 @@ MOE_A_GATE_UP = (16384, 2048, 2816, 64)
 V3_EP2_GATE_UP = (32768, 7168, 4096, 128)
 
 
-@pytest.mark.skipif(_mosaic_kernels_missing(), reason="this JAX has no Pallas Mosaic GPU")
+@needs_pallas
 def test_which_forward_kernels_take_the_activation():
-    fuses = _grouped_matmul_module().fuses_gate_up_activation
+    fuses = gm_module.fuses_gate_up_activation
     assert fuses("pallas", *MOE_A_GATE_UP)
     assert not fuses("pallas", *V3_EP2_GATE_UP)  # pair tails
     assert not fuses("pallas", 1024, 256, 768, 5)  # the default tiles: 128 columns
     assert not fuses("ragged_dot", *MOE_A_GATE_UP) and not fuses("jax_pallas", *MOE_A_GATE_UP)
 
 
-@pytest.mark.skipif(_mosaic_kernels_missing(), reason="this JAX has no Pallas Mosaic GPU")
+@needs_pallas
 def test_fused_gate_up_activation_lowers_for_cuda_inside_shard_map(monkeypatch):
     """grouped_gate_up_silu_mul's fused path under shard_map's vma checks, as the MoE block runs it: forward and
     gradient lower for CUDA as three Mosaic GPU kernels (the fused forward, dx, dW) and one Triton kernel (the
     activation's gradient; no forward activation kernel), every result typed as the rank's rows vary."""
-    gm = _grouped_matmul_module()
     monkeypatch.setattr(ga, "resolve_implementation", lambda x, w, implementation="auto": "pallas")
-    monkeypatch.setattr(gm, "_num_sms", lambda budget=None: 132)  # an H200's (no GPU here to ask)
+    monkeypatch.setattr(gm_module, "_num_sms", lambda budget=None: 132)  # an H200's (no GPU here to ask)
     rows, d, n, groups = MOE_A_GATE_UP
     mesh = mesh_of(2)
     ranks = NamedSharding(mesh, P("ep"))
