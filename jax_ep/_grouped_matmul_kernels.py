@@ -25,7 +25,9 @@ pair tails (`paired_row_tile_schedule(fuse_tails=True)`) a group's short odd las
 pair from the weight blocks that pair loads anyway, instead of by a tile that streams them from HBM again. With
 `gate_up_activation` the rows kernel also applies an elementwise activation to a gate's and an up's columns (an
 expert SwiGLU's first matmul) and stores its result beside them (in 64-column pieces: the gate's, the up's and the
-result's halves), saving the pass that would read them back.
+result's halves), saving the pass that would read them back. With `gate_up_activation_grad` (dx of the down
+projection that consumes that activation) it applies the activation's gradient to its dh and the tile's gate and up
+blocks (loaded by TMA at the tile's start) and stores the cotangent of gate_up instead of dh.
 
 Shapes the kernels take: lhs/rhs in bfloat16 or float16 (one dtype), float32 accumulation; the contracted
 dimension a multiple of `block_k` (rows kernel), output columns a multiple of `block_n`, K a multiple of
@@ -411,11 +413,31 @@ def _store_rows(buffer, gmem_rows, begin, count) -> None:
         size //= 2
 
 
+def _activation_grad_smem(block_n: int, dtype):
+    """With gate_up_activation_grad: each compute warpgroup's rows of a tile's gate block and up block, loaded at
+    the tile's start and overwritten by its d_gate and d_up, which are stored from there."""
+    return plgpu.SMEM((NUM_COMPUTE_WARPGROUPS, 2, ROWS_PER_WARPGROUP, block_n), dtype)
+
+
+def activation_grad_unsupported_reason(block_n: int, block_k: int, num_stages: int, dtype, tails: bool) -> str | None:
+    """Why `ragged_rows_matmul` cannot take gate_up_activation_grad with these tiles, or None: it needs
+    block_n = GATE_UP_HALF_COLS, no pair tails, and its stages beside the gate and up blocks in shared memory."""
+    if block_n != GATE_UP_HALF_COLS or tails:
+        return f"needs block_n={GATE_UP_HALF_COLS} and no pair tails, got block_n={block_n}, tails={tails}"
+    itemsize = jnp.dtype(dtype).itemsize
+    smem = num_stages * (BLOCK_ROWS + block_n) * block_k * itemsize + _stages_bytes(1, _activation_grad_smem(block_n,
+                                                                                                            dtype))
+    if smem > SMEM_BYTES:
+        return f"{num_stages} stages and the gate and up blocks need {smem} bytes of shared memory, over {SMEM_BYTES}"
+    return None
+
+
 def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, tile_first_row: jax.Array,
                        tile_end_row: jax.Array, pair_tail_first: jax.Array | None = None,
                        pair_tail_end: jax.Array | None = None, *, transpose_rhs: bool, block_n: int, block_k: int,
                        num_stages: int, grid_tile_width: int, num_sms: int, clustered: bool = False,
-                       gate_up_activation=None) -> jax.Array | tuple[jax.Array, jax.Array]:
+                       gate_up_activation=None, gate_up: jax.Array | None = None,
+                       gate_up_activation_grad=None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """out[r] = lhs[r] @ rhs[g] (or rhs[g]^T with transpose_rhs) for the rows r each tile of group g writes
     in the schedule from `row_tile_schedule`; zero tiles write zeros.
 
@@ -440,13 +462,28 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
     [j * 128, j * 128 + 128) and the up's same columns (two rhs blocks in each stage, two wgmmas a step into two
     accumulators), so each warpgroup holds a row's gate and up values together. gate and up are the outputs rounded
     to lhs's dtype (what a separate pass over out would read). Returns (out [M, 2F], h [M, F]), both in lhs's
-    dtype; h of a zero tile is gate_up_activation(0, 0)."""
+    dtype; h of a zero tile is gate_up_activation(0, 0).
+
+    gate_up_activation_grad with gate_up [M, 2N] (no pair tails, block_n = GATE_UP_HALF_COLS): the product is dh,
+    the cotangent of an activation h = act(gate, up) of gate_up's halves, and the kernel returns d_gate_up [M, 2N]
+    instead: (d_gate, d_up) = gate_up_activation_grad(gate, up, dh) (float32 in and out, elementwise) of each
+    tile's dh rounded to lhs's dtype (what a separate pass would read) and the same rows and columns of the gate
+    and of the up, zeros for a zero tile. Each compute warpgroup loads its 64 rows of both at the tile's start
+    (TMA, beside the tile's steps) into the shared memory its results are then stored from."""
     _check_operands(lhs, rhs, block_n, block_k, num_stages)
     if clustered and (tile_group.shape[0] % CLUSTER_SIZE or num_sms % CLUSTER_SIZE):
         raise ValueError(f"clustered: the schedule needs an even number of tiles and num_sms must be even, got "
                          f"{tile_group.shape[0]} tiles and num_sms={num_sms}")
     tails = pair_tail_first is not None
     activation = gate_up_activation is not None
+    activation_grad = gate_up_activation_grad is not None
+    if activation_grad != (gate_up is not None) or (activation_grad and activation):
+        raise ValueError(f"gate_up_activation_grad needs gate_up (and gate_up needs it), and not gate_up_activation, "
+                         f"got gate_up={None if gate_up is None else gate_up.shape}, "
+                         f"gate_up_activation={activation}")
+    if activation_grad and (reason := activation_grad_unsupported_reason(block_n, block_k, num_stages, lhs.dtype,
+                                                                         tails)):
+        raise ValueError(f"gate_up_activation_grad: {reason}")
     if activation and (transpose_rhs or tails or block_n != 2 * GATE_UP_HALF_COLS):
         raise ValueError(f"gate_up_activation needs transpose_rhs=False, no pair tails and block_n="
                          f"{2 * GATE_UP_HALF_COLS}, got transpose_rhs={transpose_rhs}, tails={tails}, "
@@ -481,10 +518,15 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
         rhs_block = plgpu.SMEM((block_k, block_n), dtype, transforms=_operand_transforms(block_n, dtype))
     stages_bytes = _stages_bytes(num_stages, lhs_block, rhs_block, *([tail_block] if tails else []))
     half_cols = out_cols // 2  # F, with gate_up_activation
+    if activation_grad and (gate_up.shape != (num_rows, 2 * out_cols) or gate_up.dtype != dtype):
+        raise ValueError(f"gate_up must be [M, 2N] = [{num_rows}, {2 * out_cols}] in {dtype}, got {gate_up.shape} "
+                         f"in {gate_up.dtype}")
 
     def body(tile_group_gmem, tile_first_row_gmem, tile_end_row_gmem, *refs):
         tail_first_gmem, tail_end_gmem = refs[:2] if tails else (None, None)
-        lhs_gmem, rhs_gmem, out_gmem, *h_gmem = refs[2 if tails else 0:]
+        refs = refs[2 if tails else 0:]
+        gate_up_gmem, refs = (refs[0], refs[1:]) if activation_grad else (None, refs)
+        lhs_gmem, rhs_gmem, out_gmem, *h_gmem = refs
 
         def computes(tile):
             return (tile_end_row_gmem[tile] > tile_first_row_gmem[tile]) & (tile_group_gmem[tile] != _FILL_TILE)
@@ -517,18 +559,21 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
             tail = (pl.multiple_of(tail_first_gmem[pair], ROW_ALIGNMENT), tail_end_gmem[pair]) if tails else None
             return load_group, first_row, end_row, tile_start, num_steps, col_block, mine, multicast, tail
 
+        grad_scratch = dict(operands_loaded=plgpu.Barrier(num_arrivals=2, num_barriers=NUM_COMPUTE_WARPGROUPS))
+
         @functools.partial(
             pl.run_scoped,
             # With tails, a tile is stored in pieces of a tail's width, and a tail is one more piece. With the
             # activation, the gate's, the up's and h's blocks in halves: six pieces, an even count for two buffers.
-            out_smem=_store_buffers(ROWS_PER_WARPGROUP, block_n + (GATE_UP_HALF_COLS if activation else 0), dtype,
-                                    stages_bytes, swizzled=False,
-                                    max_piece_cols=(tail_cols if tails else GATE_UP_HALF_COLS // 2 if activation
-                                                    else STORE_COLS)),
+            out_smem=_activation_grad_smem(block_n, dtype) if activation_grad else _store_buffers(
+                ROWS_PER_WARPGROUP, block_n + (GATE_UP_HALF_COLS if activation else 0), dtype, stages_bytes,
+                swizzled=False, max_piece_cols=(tail_cols if tails else GATE_UP_HALF_COLS // 2 if activation
+                                                else STORE_COLS)),
             collective_axes=_WARPGROUP_AXIS,
+            **(grad_scratch if activation_grad else {}),
             **_stage_ring(num_stages, lhs_block, rhs_block, clustered, tail_block, rhs_parts=2 if activation else 1),
         )
-        def scope(out_smem, **ring):
+        def scope(out_smem, operands_loaded=None, **ring):
             wg = lax.axis_index(_WARPGROUP_AXIS)
 
             def load_tile(index, step):
@@ -635,12 +680,52 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
                     accumulators = {name: plgpu.ACC((ROWS_PER_WARPGROUP, GATE_UP_HALF_COLS), jnp.float32)
                                     for name in ("acc_ref", "second_acc_ref")}
 
+                def gate_up_cols(part):
+                    """The tile's columns of the gate (part 0) or the up (1) in gate_up, and in d_gate_up."""
+                    return pl.ds((0, out_cols)[part] + col_block * block_n, block_n)
+
+                def load_gate_and_up():
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores read these buffers
+                    for part in (0, 1):
+                        my_block = gate_up_gmem.at[pl.ds(my_start, ROWS_PER_WARPGROUP), gate_up_cols(part)]
+                        plgpu.copy_gmem_to_smem(my_block, out_smem.at[wg, part], operands_loaded.at[wg])
+
+                def store_activation_grad(acc_ref):
+                    dh = acc_ref[...].astype(dtype).astype(jnp.float32)
+                    plgpu.barrier_wait(operands_loaded.at[wg])
+                    gate, up = (out_smem.at[wg, part][...].astype(jnp.float32) for part in (0, 1))
+                    grads = gate_up_activation_grad(gate, up, dh)
+                    plgpu.commit_smem()  # (with a warpgroup barrier) every thread has read its gate and up
+
+                    @pl.when(computing)
+                    def _():
+                        for part, grad in enumerate(grads):
+                            out_smem.at[wg, part][...] = grad.astype(dtype)
+
+                    @pl.when(jnp.logical_not(computing))
+                    def _():
+                        for part in (0, 1):
+                            out_smem.at[wg, part][...] = jnp.zeros(out_smem.shape[-2:], dtype)
+
+                    plgpu.commit_smem()
+                    for part in (0, 1):
+                        _store_rows(out_smem.at[wg, part],
+                                    lambda offset, size, part=part: out_gmem.at[pl.ds(my_start + offset, size),
+                                                                                 gate_up_cols(part)],
+                                    my_begin, my_rows)
+                    plgpu.commit_smem_to_gmem_group()
+
                 @functools.partial(pl.run_scoped, **accumulators)
                 def step_after_tile(acc_ref, second_acc_ref=None):
+                    if activation_grad:
+                        pl.when(my_rows > 0)(load_gate_and_up)
                     step_after = _mma_steps(num_steps, step, (acc_ref, second_acc_ref), num_stages, ring, mma)
 
                     @pl.when(my_rows > 0)
                     def _():
+                        if activation_grad:
+                            store_activation_grad(acc_ref)
+                            return
                         if not activation:
                             _store_in_pieces((acc_ref[...].astype(dtype),), out_smem.at[wg], store_piece)
                             return
@@ -658,11 +743,11 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
                           compute_tile, num_stages, ring)
 
     tail_schedule = (pair_tail_first, pair_tail_end) if tails else ()
-    out_type = jax.ShapeDtypeStruct((num_rows, out_cols), dtype)
+    out_type = jax.ShapeDtypeStruct((num_rows, 2 * out_cols if activation_grad else out_cols), dtype)
     if activation:
         out_type = (out_type, jax.ShapeDtypeStruct((num_rows, half_cols), dtype))
     return _kernel(body, out_type, num_sms, clustered)(tile_group, tile_first_row, tile_end_row, *tail_schedule,
-                                                        lhs, rhs)
+                                                        *([gate_up] if activation_grad else []), lhs, rhs)
 
 
 def ragged_contraction_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, block_n: int,

@@ -29,6 +29,15 @@ first half of an expert SwiGLU). Where grouped_matmul's forward kernel can apply
 blocks fit), one kernel writes gate_up (kept for the backward) and h, rounding the gate and the up to their dtype
 before the activation as a separate pass would read them; h past the groups is then zero. Its VJP is the two
 steps' VJPs on the same kernels.
+
+    y = expert_swiglu(rows, w_gate_up, w_down, group_sizes, implementation=...)
+
+is grouped_matmul(grouped_gate_up_silu_mul(rows, w_gate_up, ...), w_down, ...) (an expert SwiGLU, as
+jax_ep.flax.experts.grouped_swiglu runs it). Where the forward fuses and the down projection's dx can also apply
+the activation's gradient (`fuses_gate_up_activation_grad`: its tiles 128 columns without pair tails), one custom
+VJP spans both matmuls, and that dx kernel writes the cotangent of gate_up from the dh it computes (rounded to its
+dtype first, as the separate pass would read it), zero past the groups: no dh in memory and no gradient pass. The
+gradient's arithmetic is the separate pass's, compiled by Mosaic GPU instead of Triton (the last bit may differ).
 """
 from __future__ import annotations
 
@@ -45,8 +54,10 @@ from jax_ep.grouped_matmul import (
     check_grouped_matmul_args,
     clamp_group_sizes,
     fuses_gate_up_activation,
+    fuses_gate_up_activation_grad,
     grouped_matmul,
     grouped_matmul_pullback,
+    grouped_op,
     groups_end,
     pallas_grouped_op,
     resolve_implementation,
@@ -173,6 +184,57 @@ def _fused_gate_up_silu_mul_bwd(residuals, dh):
 
 
 _fused_gate_up_silu_mul.defvjp(_fused_gate_up_silu_mul_fwd, _fused_gate_up_silu_mul_bwd)
+
+
+def expert_swiglu(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group_sizes: jax.Array, *,
+                  implementation: str = "auto") -> jax.Array:
+    """grouped_matmul(grouped_gate_up_silu_mul(rows, w_gate_up, group_sizes), w_down, group_sizes) (module
+    docstring), each on `implementation`. Where the forward fuses the activation and the down projection's dx can
+    apply its gradient (`fuses_gate_up_activation_grad`), the VJP's dx of the down projection writes the cotangent
+    of gate_up itself, from the dh it computes (rounded to its dtype first, as the separate pass would read it),
+    instead of dh for a separate pass. rows [M, D], w_gate_up [G, D, 2F], w_down [G, F, D], group_sizes int32 [G].
+    Differentiable in rows and both weights."""
+    check_grouped_matmul_args(rows, w_gate_up, group_sizes, implementation)
+    implementation = resolve_implementation(rows, w_gate_up, implementation)
+    (num_rows, d), (groups, _, n) = rows.shape, w_gate_up.shape
+    if not (fuses_gate_up_activation(implementation, num_rows, d, n, groups)
+            and fuses_gate_up_activation_grad(implementation, num_rows, n // 2, w_down.shape[-1], groups)):
+        h = grouped_gate_up_silu_mul(rows, w_gate_up, group_sizes, implementation=implementation)
+        return grouped_matmul(h, w_down, group_sizes, implementation=implementation)
+    check_grouped_matmul_args(jax.ShapeDtypeStruct((num_rows, n // 2), rows.dtype), w_down, group_sizes,
+                              implementation)
+    return _fused_swiglu(rows, w_gate_up, w_down, clamp_group_sizes(group_sizes, num_rows))
+
+
+@jax.custom_vjp
+def _fused_swiglu(rows, w_gate_up, w_down, group_sizes):
+    return _fused_swiglu_fwd(rows, w_gate_up, w_down, group_sizes)[0]
+
+
+def _down_problem(rows, w_down):
+    """(M, F, D, G): the down projection's grouped_matmul problem."""
+    groups, f, d = w_down.shape
+    return rows.shape[0], f, d, groups
+
+
+def _fused_swiglu_fwd(rows, w_gate_up, w_down, group_sizes):
+    gate_up, h = _fused_forward(rows, w_gate_up, group_sizes)
+    y = grouped_op("fwd", "pallas", h, w_down, group_sizes, _down_problem(rows, w_down))
+    return typed_like(y, rows, w_gate_up, w_down, group_sizes), (rows, w_gate_up, w_down, group_sizes, gate_up, h)
+
+
+def _fused_swiglu_bwd(residuals, dy):
+    rows, w_gate_up, w_down, group_sizes, gate_up, h = residuals
+    problem = _down_problem(rows, w_down)
+    d_w_down = typed_like(grouped_op("dw", "pallas", h, dy, group_sizes, problem), w_down)
+    d_gate_up = pallas_grouped_op("dx", "pallas", dy, w_down, group_sizes, block_config("pallas", "dx", *problem),
+                                  gate_up=gate_up, gate_up_activation_grad=_backward_math)
+    d_rows, d_w_gate_up = grouped_matmul_pullback(rows, w_gate_up, group_sizes, typed_like(d_gate_up, gate_up),
+                                                  "pallas")
+    return d_rows, d_w_gate_up, d_w_down, None  # group_sizes is integer-valued: no cotangent
+
+
+_fused_swiglu.defvjp(_fused_swiglu_fwd, _fused_swiglu_bwd)
 
 
 def _grid_and_specs(num_rows: int, cols: int):

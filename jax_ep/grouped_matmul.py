@@ -309,6 +309,18 @@ def fuses_gate_up_activation(implementation: str, m: int, k: int, n: int, groups
     return config.block_n == 2 * _pallas_modules().ours.GATE_UP_HALF_COLS and not config.fused_tails
 
 
+def fuses_gate_up_activation_grad(implementation: str, m: int, k: int, n: int, groups: int) -> bool:
+    """Whether dx of x [m, k] @ w [groups, k, n], where x = h is an activation of gate_up [m, 2k]'s halves (an
+    expert SwiGLU's down projection), can also apply the activation's gradient in its epilogue and return the
+    cotangent of gate_up (`pallas_grouped_op(gate_up_activation_grad=)`): on jax_ep's kernels, where the table's dx
+    tiles are 128 columns without pair tails and fit beside the gate and up blocks in shared memory."""
+    if implementation != "pallas" or _pallas_modules().ours is None:
+        return False
+    config = block_config(implementation, "dx", m, k, n, groups)
+    return _pallas_modules().ours.activation_grad_unsupported_reason(
+        config.block_n, config.block_k, config.num_stages, jnp.bfloat16, config.fused_tails) is None
+
+
 def _num_sms(budget: int | None = None) -> int:
     """CTAs of a persistent kernel: one per SM of the device, or `budget` of them where it is lower."""
     device_sms = jax.devices()[0].core_count
@@ -316,7 +328,8 @@ def _num_sms(budget: int | None = None) -> int:
 
 
 def pallas_grouped_op(op: str, kernels: str, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
-                      config: BlockConfig, num_sms: int | None = None, gate_up_activation=None):
+                      config: BlockConfig, num_sms: int | None = None, gate_up_activation=None, gate_up=None,
+                      gate_up_activation_grad=None):
     """One grouped product on the Pallas `kernels`, with `config`, for group_sizes already clamped
     (non-negative, summing to at most M):
 
@@ -327,7 +340,8 @@ def pallas_grouped_op(op: str, kernels: str, lhs: jax.Array, rhs: jax.Array, gro
     Rows past sum(group_sizes) of the fwd and dx outputs are zero. `num_sms`: the SM budget of jax_ep's
     kernels (grouped_matmul's). The benchmark's sweep calls this. gate_up_activation (fwd on "pallas" where
     `fuses_gate_up_activation` says so): (out, gate_up_activation(gate, up)) from one kernel
-    (`ragged_rows_matmul`'s)."""
+    (`ragged_rows_matmul`'s). gate_up_activation_grad with gate_up [M, 2K] (dx on "pallas" where
+    `fuses_gate_up_activation_grad` says so): the cotangent of gate_up [M, 2K] for dx's result dh, from one kernel."""
     modules = _pallas_modules()
     if kernels == "pallas":
         sms = _num_sms(num_sms)
@@ -341,9 +355,10 @@ def pallas_grouped_op(op: str, kernels: str, lhs: jax.Array, rhs: jax.Array, gro
         schedule = (modules.ours.paired_row_tile_schedule(group_sizes, lhs.shape[0], fuse_tails=config.fused_tails)
                     if clustered else modules.ours.row_tile_schedule(group_sizes, lhs.shape[0]))
         return modules.ours.ragged_rows_matmul(lhs, rhs, *schedule, transpose_rhs=op == "dx", clustered=clustered,
-                                               gate_up_activation=gate_up_activation, **kernel_args)
-    if gate_up_activation is not None:
-        raise ValueError(f"gate_up_activation: jax_ep's kernels only, not {kernels}'s")
+                                               gate_up_activation=gate_up_activation, gate_up=gate_up,
+                                               gate_up_activation_grad=gate_up_activation_grad, **kernel_args)
+    if gate_up_activation is not None or gate_up_activation_grad is not None:
+        raise ValueError(f"gate_up_activation and gate_up_activation_grad: jax_ep's kernels only, not {kernels}'s")
     kernel_args = dict(group_sizes=group_sizes, block_m=config.block_m, block_n=config.block_n,
                        block_k=config.block_k, max_concurrent_steps=config.num_stages,
                        grid_block_n=config.grid_tile_width)

@@ -166,25 +166,59 @@ def test_which_forward_kernels_take_the_activation():
     assert not fuses("ragged_dot", *MOE_A_GATE_UP) and not fuses("jax_pallas", *MOE_A_GATE_UP)
 
 
+def lowered_for_cuda_in_shard_map(monkeypatch, body, *shapes) -> str:
+    """body jitted in shard_map over two ranks, jax_ep's kernels chosen, and lowered for CUDA: its text. Argument i
+    is [2 * a, ...] for shapes[i] = (a, ...), split over the ranks; bfloat16, the last (the group sizes) int32."""
+    monkeypatch.setattr(ga, "resolve_implementation", lambda x, w, implementation="auto": "pallas")
+    monkeypatch.setattr(gm_module, "_num_sms", lambda budget=None: 132)  # an H200's (no GPU here to ask)
+    mesh = mesh_of(2)
+    ranks = NamedSharding(mesh, P("ep"))
+    args = [jax.ShapeDtypeStruct((2 * shape[0], *shape[1:]), jnp.int32 if i == len(shapes) - 1 else jnp.bfloat16,
+                                 sharding=ranks) for i, shape in enumerate(shapes)]
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    return step.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
 @needs_pallas
 def test_fused_gate_up_activation_lowers_for_cuda_inside_shard_map(monkeypatch):
     """grouped_gate_up_silu_mul's fused path under shard_map's vma checks, as the MoE block runs it: forward and
     gradient lower for CUDA as three Mosaic GPU kernels (the fused forward, dx, dW) and one Triton kernel (the
     activation's gradient; no forward activation kernel), every result typed as the rank's rows vary."""
-    monkeypatch.setattr(ga, "resolve_implementation", lambda x, w, implementation="auto": "pallas")
-    monkeypatch.setattr(gm_module, "_num_sms", lambda budget=None: 132)  # an H200's (no GPU here to ask)
     rows, d, n, groups = MOE_A_GATE_UP
-    mesh = mesh_of(2)
-    ranks = NamedSharding(mesh, P("ep"))
-    x = jax.ShapeDtypeStruct((2 * rows, d), jnp.bfloat16, sharding=ranks)
-    w = jax.ShapeDtypeStruct((2 * groups, d, n), jnp.bfloat16, sharding=ranks)
-    sizes = jax.ShapeDtypeStruct((2 * groups,), jnp.int32, sharding=ranks)
 
     def body(x, w, s):
         h, vjp = jax.vjp(lambda x, w: ga.grouped_gate_up_silu_mul(x, w, s, implementation="pallas"), x, w)
         return h, vjp(h)
 
-    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
-    text = step.trace(x, w, sizes).lower(lowering_platforms=("cuda",)).as_text()
+    text = lowered_for_cuda_in_shard_map(monkeypatch, body, (rows, d), (groups, d, n), (groups,))
     assert text.count("__gpu$xla.gpu.triton") == 1, "only the activation's gradient runs apart"
     assert text.count("custom_call @mosaic_gpu") == 3, "the fused forward, dx and dW"
+
+# (rows, F, D, groups) per rank: moe-a's down projection, whose dx rule takes 128-column tiles and 5 stages.
+MOE_A_DOWN = (16384, 1408, 2048, 64)
+
+
+@needs_pallas
+def test_which_dx_kernels_take_the_activation_gradient():
+    fuses = gm_module.fuses_gate_up_activation_grad
+    assert fuses("pallas", *MOE_A_DOWN)
+    assert not fuses("pallas", 32768, 2048, 7168, 128)  # V3's slice at EP2: 256 columns, pair tails
+    assert not fuses("pallas", 32768, 2048, 7168, 256)  # V3 at EP1: 256 columns
+    assert not fuses("ragged_dot", *MOE_A_DOWN) and not fuses("jax_pallas", *MOE_A_DOWN)
+
+
+@needs_pallas
+def test_expert_swiglu_fused_both_ways_lowers_for_cuda_inside_shard_map(monkeypatch):
+    """expert_swiglu where both the forward activation and its gradient fuse (moe-a), under shard_map's vma checks
+    as the MoE block runs it: forward and gradient lower for CUDA as six Mosaic GPU kernels (the fused forward,
+    the down projection, its dW, its dx writing the cotangent of gate_up, dx and dW of the gate and up) and no
+    Triton kernel."""
+    rows, f, d, groups = MOE_A_DOWN
+
+    def body(x, w_gate_up, w_down, s):
+        y, vjp = jax.vjp(lambda *a: ga.expert_swiglu(*a, s, implementation="pallas"), x, w_gate_up, w_down)
+        return y, vjp(y)
+
+    text = lowered_for_cuda_in_shard_map(monkeypatch, body, (rows, d), (groups, d, 2 * f), (groups, f, d), (groups,))
+    assert text.count("__gpu$xla.gpu.triton") == 0
+    assert text.count("custom_call @mosaic_gpu") == 6

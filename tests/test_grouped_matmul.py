@@ -339,7 +339,7 @@ KERNEL_CONFIG = dict(block_n=128, block_k=64, num_stages=4, grid_tile_width=4, n
 @needs_pallas
 @pytest.mark.parametrize("op", ["fwd", "dx", "dw", "dw with 256-row tiles", "fwd clustered", "dx clustered",
                                 "fwd clustered with tails", "dx clustered with tails", "fwd with activation",
-                                "fwd clustered with activation"])
+                                "fwd clustered with activation", "dx with the activation's gradient"])
 def test_kernels_lower_to_mosaic_gpu(op):
     """Lowering runs Mosaic GPU's layout inference and shared-memory sizing: what a compile on the device
     would reject first. (The final PTX compile needs the device.)"""
@@ -361,11 +361,18 @@ def test_kernels_lower_to_mosaic_gpu(op):
         config = dict(KERNEL_CONFIG, block_n=256, num_stages=3) if wide else KERNEL_CONFIG
         args = (jax.ShapeDtypeStruct((m, rows_k), bf16), jax.ShapeDtypeStruct((groups, k, n), bf16), sizes)
 
+        grad = {}
+        if op.endswith("gradient"):  # moe-a's down projection's dx: 128 columns, 5 stages, beside gate_up [M, 2K]
+            from jax_ep.grouped_activation import _backward_math
+            config = dict(KERNEL_CONFIG, block_n=128, num_stages=5)
+            args = (jax.ShapeDtypeStruct((m, n), bf16), jax.ShapeDtypeStruct((groups, k, n), bf16), sizes)
+            grad = dict(gate_up=jnp.zeros((m, 2 * k), bf16), gate_up_activation_grad=_backward_math)
+
         def fn(lhs, rhs, group_sizes):
             schedule = (kernels.paired_row_tile_schedule(group_sizes, lhs.shape[0], fuse_tails=tails) if clustered
                         else kernels.row_tile_schedule(group_sizes, lhs.shape[0]))
             return kernels.ragged_rows_matmul(lhs, rhs, *schedule, transpose_rhs=transpose_rhs, clustered=clustered,
-                                              gate_up_activation=activation, **config)
+                                              gate_up_activation=activation, **grad, **config)
     lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
 
@@ -394,6 +401,36 @@ def test_forward_kernel_with_the_activation_in_the_gpu_interpreter():
     np.testing.assert_allclose(np.asarray(h[:end], np.float64), want_h, rtol=1e-2, atol=1e-2)
     np.testing.assert_array_equal(np.asarray(gate_up[end:], np.float32), 0)
     np.testing.assert_array_equal(np.asarray(h[end:], np.float32), 0)
+
+
+@cpu_only
+@needs_pallas
+def test_rows_kernel_with_the_activation_gradient_in_the_gpu_interpreter():
+    """The rows kernel with gate_up_activation_grad, run by JAX's Pallas GPU interpreter (with transpose_rhs=False:
+    the interpreter cannot run dx's transposed operands, the device test does): d_gate_up against the float64
+    oracle's SwiGLU gradient of dh = x @ w[g] rounded to bfloat16, zero past the groups; gate_up's rows past the
+    groups are inf and nan, and must not reach the zeros."""
+    interpret = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.params",
+                                    reason="JAX's Pallas GPU interpreter moved")
+    from jax_ep.grouped_activation import _backward_math
+    rng = np.random.default_rng(13)
+    m, k, n, sizes = 256, 64, 128, [0, 37, 100, 80]
+    x, w, _ = random_operands(rng, m, k, n, len(sizes), jnp.bfloat16)
+    end = sum(sizes)
+    gate_up = rng.standard_normal((m, 2 * n)).astype(np.float32)
+    gate_up[end:, ::2], gate_up[end:, 1::2] = np.inf, np.nan
+    gate_up = jnp.asarray(gate_up, jnp.bfloat16)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    params = interpret.InterpretGPUParams(out_of_bounds_reads="uninitialized")
+    with interpret.force_gpu_interpret_mode(params):
+        d_gate_up = kernels.ragged_rows_matmul(x, w, *kernels.row_tile_schedule(group_sizes, m), transpose_rhs=False,
+                                               block_n=128, block_k=64, num_stages=2, grid_tile_width=1, num_sms=2,
+                                               gate_up=gate_up, gate_up_activation_grad=_backward_math)
+    dh = oracle(np.asarray(x, np.float64), np.asarray(w, np.float64), np.zeros((m, n)), sizes)[0]
+    dh = np.asarray(jnp.asarray(dh, jnp.bfloat16), np.float64)  # the kernel rounds dh as a separate pass would read it
+    expected = O.silu_mul_vjp(np.asarray(gate_up, np.float64)[:end], dh[:end])
+    assert relative_error(d_gate_up[:end], expected) <= 1e-2
+    np.testing.assert_array_equal(np.asarray(d_gate_up[end:], np.float32), 0)
 
 
 @cpu_only

@@ -4,8 +4,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_ep.grouped_activation import grouped_gate_up_silu_mul
-from jax_ep.grouped_matmul import grouped_matmul, resolve_implementation
+from jax_ep.grouped_activation import expert_swiglu
 
 
 def swiglu(x, w_gate_up, w_down, matmul=jnp.matmul):
@@ -20,14 +19,13 @@ def swiglu(x, w_gate_up, w_down, matmul=jnp.matmul):
 def grouped_swiglu(rows, group_sizes, w_gate_up, w_down):
     """The local experts on rows sorted by expert (an expert-major dispatch's recv_x [C, D]): rows
     group_sizes[0] rows of expert 0, then expert 1's, ...; two jax_ep.grouped_matmul calls (gate and up together,
-    then down) with silu(gate) * up between them (`grouped_gate_up_silu_mul`: rounded once, in the first matmul's
-    kernel where it fits); rows past the groups give zeros. On grouped_matmul's own kernels (and the activation's,
+    then down) with silu(gate) * up between them (`grouped_activation.expert_swiglu`: rounded once, in the first
+    matmul's kernel where it fits, and its gradient in the down projection's dx kernel where that fits); rows past
+    the groups give zeros. On grouped_matmul's own kernels (and the activation's,
     where their blocks tile the shape) the three steps' work ends near the last group: the matmuls skip those rows,
     the activation stops at the end of the block holding the last group's end (its gradient
     rows_read_past_groups() rows later). w_gate_up [L, D, 2F], w_down [L, F, D]."""
-    implementation = resolve_implementation(rows, w_gate_up)
-    return grouped_matmul(grouped_gate_up_silu_mul(rows, w_gate_up, group_sizes, implementation=implementation),
-                          w_down, group_sizes)
+    return expert_swiglu(rows, w_gate_up, w_down, group_sizes)
 
 
 def dense_gates(topk_idx, topk_weights, num_experts):

@@ -365,3 +365,51 @@ def test_grouped_gate_up_silu_mul_fused_against_oracle_and_the_two_steps():
     for g in (1, 2):
         mine = group_of_row == g
         assert relative_error(fused[2][g], xs[mine].T @ d_gate_up[mine]) <= BF16_TOLERANCE, f"dW[{g}]"
+
+
+@needs_hopper
+def test_expert_swiglu_with_the_activation_gradient_in_dx_against_oracle_and_the_two_steps():
+    """expert_swiglu where the down projection's dx also applies the activation's gradient (moe-a: 128-column dx
+    tiles): y, dx and both dW against the float64 oracle on two groups' rows, and against the fused forward with
+    the separate gradient pass (grouped_gate_up_silu_mul, then grouped_matmul): y and the down projection's dW
+    bitwise (the same kernels), dx and the gate and up's dW to bf16 rounding (the activation's gradient compiled
+    by Mosaic GPU instead of Triton); dx zero past the groups."""
+    import oracle as O
+    from jax_ep.grouped_activation import expert_swiglu, grouped_gate_up_silu_mul
+    from jax_ep.grouped_matmul import fuses_gate_up_activation_grad, grouped_matmul
+
+    m, d, f, groups = 16384, 2048, 1408, 64
+    assert fuses_gate_up_activation_grad("pallas", m, f, d, groups)
+    rng = np.random.default_rng(17)
+    sizes = np.full(groups, 240, np.int32)
+    sizes[::3] += 16  # 240 rows: a partial second tile; 256: two full ones; 672 rows past the groups
+    x = jnp.asarray(rng.standard_normal((m, d)), jnp.bfloat16)
+    w_gate_up = jnp.asarray(rng.standard_normal((groups, d, 2 * f)) / np.sqrt(d), jnp.bfloat16)
+    w_down = jnp.asarray(rng.standard_normal((groups, f, d)) / np.sqrt(f), jnp.bfloat16)
+    dy = jnp.asarray(rng.standard_normal((m, d)), jnp.bfloat16)
+
+    def run(fn):
+        @jax.jit
+        def go(*args):
+            y, vjp = jax.vjp(lambda *a: fn(*a, jnp.asarray(sizes)), *args)
+            return (y, *vjp(dy))
+        return go(x, w_gate_up, w_down)
+
+    fused = run(lambda x, wg, wd, s: expert_swiglu(x, wg, wd, s, implementation="pallas"))
+    steps = run(lambda x, wg, wd, s: grouped_matmul(grouped_gate_up_silu_mul(x, wg, s, implementation="pallas"), wd, s,
+                                                   implementation="pallas"))
+    for name, a, b in (("y", fused[0], steps[0]), ("dW down", fused[3], steps[3])):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+    for name, a, b in (("dx", fused[1], steps[1]), ("dW gate/up", fused[2], steps[2])):
+        assert relative_error(a, np.asarray(b, np.float64)) <= BF16_TOLERANCE, name
+    end = int(sizes.sum())
+    assert not np.asarray(fused[1][end:], np.float32).any()
+    rows = slice(int(sizes[0]), int(sizes[:3].sum()))  # groups 1 and 2
+    group_of_row = np.repeat([0, 1], sizes[1:3])  # of groups 1 and 2's weights
+    want_y, (want_dx, want_dwg, want_dwd) = O.grouped_swiglu(x[rows], w_gate_up[1:3], w_down[1:3], dy[rows],
+                                                             group_of_row)
+    assert relative_error(fused[0][rows], want_y) <= BF16_TOLERANCE
+    assert relative_error(fused[1][rows], want_dx) <= BF16_TOLERANCE
+    for g in (1, 2):
+        assert relative_error(fused[2][g], want_dwg[g - 1]) <= BF16_TOLERANCE, f"dW gate/up[{g}]"
+        assert relative_error(fused[3][g], want_dwd[g - 1]) <= BF16_TOLERANCE, f"dW down[{g}]"
