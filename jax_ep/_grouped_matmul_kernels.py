@@ -424,9 +424,8 @@ def activation_grad_unsupported_reason(block_n: int, block_k: int, num_stages: i
     block_n = GATE_UP_HALF_COLS, no pair tails, and its stages beside the gate and up blocks in shared memory."""
     if block_n != GATE_UP_HALF_COLS or tails:
         return f"needs block_n={GATE_UP_HALF_COLS} and no pair tails, got block_n={block_n}, tails={tails}"
-    itemsize = jnp.dtype(dtype).itemsize
-    smem = num_stages * (BLOCK_ROWS + block_n) * block_k * itemsize + _stages_bytes(1, _activation_grad_smem(block_n,
-                                                                                                            dtype))
+    smem = _stages_bytes(num_stages, plgpu.SMEM((BLOCK_ROWS, block_k), dtype), plgpu.SMEM((block_n, block_k), dtype),
+                         ) + _stages_bytes(1, _activation_grad_smem(block_n, dtype))
     if smem > SMEM_BYTES:
         return f"{num_stages} stages and the gate and up blocks need {smem} bytes of shared memory, over {SMEM_BYTES}"
     return None
@@ -436,8 +435,8 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
                        tile_end_row: jax.Array, pair_tail_first: jax.Array | None = None,
                        pair_tail_end: jax.Array | None = None, *, transpose_rhs: bool, block_n: int, block_k: int,
                        num_stages: int, grid_tile_width: int, num_sms: int, clustered: bool = False,
-                       gate_up_activation=None, gate_up: jax.Array | None = None,
-                       gate_up_activation_grad=None) -> jax.Array | tuple[jax.Array, jax.Array]:
+                       gate_up_activation=None, gate_up: jax.Array | None = None, gate_up_activation_grad=None,
+                       zero_rows_end: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """out[r] = lhs[r] @ rhs[g] (or rhs[g]^T with transpose_rhs) for the rows r each tile of group g writes
     in the schedule from `row_tile_schedule`; zero tiles write zeros.
 
@@ -468,8 +467,10 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
     the cotangent of an activation h = act(gate, up) of gate_up's halves, and the kernel returns d_gate_up [M, 2N]
     instead: (d_gate, d_up) = gate_up_activation_grad(gate, up, dh) (float32 in and out, elementwise) of each
     tile's dh rounded to lhs's dtype (what a separate pass would read) and the same rows and columns of the gate
-    and of the up, zeros for a zero tile. Each compute warpgroup loads its 64 rows of both at the tile's start
-    (TMA, beside the tile's steps) into the shared memory its results are then stored from."""
+    and of the up. Each compute warpgroup loads its 64 rows of both at the tile's start (TMA, beside the tile's
+    steps) into the shared memory its results are then stored from. Zero tiles load nothing and store zeros, only on
+    the rows before zero_rows_end[0] (int32 [1]; all rows where it is None): rows past the groups need no reads,
+    and no writes beyond those a reader of the gradient needs."""
     _check_operands(lhs, rhs, block_n, block_k, num_stages)
     if clustered and (tile_group.shape[0] % CLUSTER_SIZE or num_sms % CLUSTER_SIZE):
         raise ValueError(f"clustered: the schedule needs an even number of tiles and num_sms must be even, got "
@@ -521,11 +522,13 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
     if activation_grad and (gate_up.shape != (num_rows, 2 * out_cols) or gate_up.dtype != dtype):
         raise ValueError(f"gate_up must be [M, 2N] = [{num_rows}, {2 * out_cols}] in {dtype}, got {gate_up.shape} "
                          f"in {gate_up.dtype}")
+    if zero_rows_end is None:
+        zero_rows_end = jnp.full((1,), num_rows, jnp.int32)
 
     def body(tile_group_gmem, tile_first_row_gmem, tile_end_row_gmem, *refs):
         tail_first_gmem, tail_end_gmem = refs[:2] if tails else (None, None)
         refs = refs[2 if tails else 0:]
-        gate_up_gmem, refs = (refs[0], refs[1:]) if activation_grad else (None, refs)
+        gate_up_gmem, zero_rows_end_gmem, refs = (refs[0], refs[1], refs[2:]) if activation_grad else (None, None, refs)
         lhs_gmem, rhs_gmem, out_gmem, *h_gmem = refs
 
         def computes(tile):
@@ -559,8 +562,6 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
             tail = (pl.multiple_of(tail_first_gmem[pair], ROW_ALIGNMENT), tail_end_gmem[pair]) if tails else None
             return load_group, first_row, end_row, tile_start, num_steps, col_block, mine, multicast, tail
 
-        grad_scratch = dict(operands_loaded=plgpu.Barrier(num_arrivals=2, num_barriers=NUM_COMPUTE_WARPGROUPS))
-
         @functools.partial(
             pl.run_scoped,
             # With tails, a tile is stored in pieces of a tail's width, and a tail is one more piece. With the
@@ -570,7 +571,8 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
                 swizzled=False, max_piece_cols=(tail_cols if tails else GATE_UP_HALF_COLS // 2 if activation
                                                 else STORE_COLS)),
             collective_axes=_WARPGROUP_AXIS,
-            **(grad_scratch if activation_grad else {}),
+            **(dict(operands_loaded=plgpu.Barrier(num_arrivals=2, num_barriers=NUM_COMPUTE_WARPGROUPS))
+               if activation_grad else {}),
             **_stage_ring(num_stages, lhs_block, rhs_block, clustered, tail_block, rhs_parts=2 if activation else 1),
         )
         def scope(out_smem, operands_loaded=None, **ring):
@@ -691,34 +693,41 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
                         plgpu.copy_gmem_to_smem(my_block, out_smem.at[wg, part], operands_loaded.at[wg])
 
                 def store_activation_grad(acc_ref):
-                    dh = acc_ref[...].astype(dtype).astype(jnp.float32)
-                    plgpu.barrier_wait(operands_loaded.at[wg])
-                    gate, up = (out_smem.at[wg, part][...].astype(jnp.float32) for part in (0, 1))
-                    grads = gate_up_activation_grad(gate, up, dh)
-                    plgpu.commit_smem()  # (with a warpgroup barrier) every thread has read its gate and up
+                    # This warpgroup's rows [my_begin, my_stored_end) of the tile are stored: all it writes, but
+                    # for a zero tile only those before zero_rows_end.
+                    my_stored_end = jnp.where(computing, my_end,
+                                              jnp.clip(zero_rows_end_gmem[0] - my_start, my_begin, my_end))
 
                     @pl.when(computing)
                     def _():
+                        dh = acc_ref[...].astype(dtype).astype(jnp.float32)
+                        plgpu.barrier_wait(operands_loaded.at[wg])
+                        gate, up = (out_smem.at[wg, part][...].astype(jnp.float32) for part in (0, 1))
+                        grads = gate_up_activation_grad(gate, up, dh)
+                        plgpu.commit_smem()  # (with a warpgroup barrier) every thread has read its gate and up
                         for part, grad in enumerate(grads):
                             out_smem.at[wg, part][...] = grad.astype(dtype)
 
-                    @pl.when(jnp.logical_not(computing))
+                    @pl.when(jnp.logical_not(computing) & (my_stored_end > my_begin))
                     def _():
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # (no load awaited it)
                         for part in (0, 1):
                             out_smem.at[wg, part][...] = jnp.zeros(out_smem.shape[-2:], dtype)
 
-                    plgpu.commit_smem()
-                    for part in (0, 1):
-                        _store_rows(out_smem.at[wg, part],
-                                    lambda offset, size, part=part: out_gmem.at[pl.ds(my_start + offset, size),
-                                                                                 gate_up_cols(part)],
-                                    my_begin, my_rows)
-                    plgpu.commit_smem_to_gmem_group()
+                    @pl.when(my_stored_end > my_begin)
+                    def _():
+                        plgpu.commit_smem()
+                        for part in (0, 1):
+                            _store_rows(out_smem.at[wg, part],
+                                        lambda offset, size, part=part: out_gmem.at[pl.ds(my_start + offset, size),
+                                                                                     gate_up_cols(part)],
+                                        my_begin, my_stored_end - my_begin)
+                        plgpu.commit_smem_to_gmem_group()
 
                 @functools.partial(pl.run_scoped, **accumulators)
                 def step_after_tile(acc_ref, second_acc_ref=None):
                     if activation_grad:
-                        pl.when(my_rows > 0)(load_gate_and_up)
+                        pl.when((my_rows > 0) & computing)(load_gate_and_up)
                     step_after = _mma_steps(num_steps, step, (acc_ref, second_acc_ref), num_stages, ring, mma)
 
                     @pl.when(my_rows > 0)
@@ -747,7 +756,8 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
     if activation:
         out_type = (out_type, jax.ShapeDtypeStruct((num_rows, half_cols), dtype))
     return _kernel(body, out_type, num_sms, clustered)(tile_group, tile_first_row, tile_end_row, *tail_schedule,
-                                                        *([gate_up] if activation_grad else []), lhs, rhs)
+                                                        *([gate_up, zero_rows_end] if activation_grad else []), lhs,
+                                                        rhs)
 
 
 def ragged_contraction_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, block_n: int,

@@ -36,8 +36,9 @@ is grouped_matmul(grouped_gate_up_silu_mul(rows, w_gate_up, ...), w_down, ...) (
 jax_ep.flax.experts.grouped_swiglu runs it). Where the forward fuses and the down projection's dx can also apply
 the activation's gradient (`fuses_gate_up_activation_grad`: its tiles 128 columns without pair tails), one custom
 VJP spans both matmuls, and that dx kernel writes the cotangent of gate_up from the dh it computes (rounded to its
-dtype first, as the separate pass would read it), zero past the groups: no dh in memory and no gradient pass. The
-gradient's arithmetic is the separate pass's, compiled by Mosaic GPU instead of Triton (the last bit may differ).
+dtype first, as the separate pass would read it): no dh in memory and no gradient pass. Past the groups it is what
+the "pallas" gradient above is (zero on `rows_read_past_groups()` rows, unspecified after). The gradient's
+arithmetic is the separate pass's, compiled by Mosaic GPU instead of Triton (the last bit may differ).
 """
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ from jax_ep.grouped_matmul import (
     grouped_op,
     groups_end,
     pallas_grouped_op,
+    problem_shape,
     resolve_implementation,
     rows_read_past_groups,
 )
@@ -195,12 +197,14 @@ def expert_swiglu(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, grou
     instead of dh for a separate pass. rows [M, D], w_gate_up [G, D, 2F], w_down [G, F, D], group_sizes int32 [G].
     Differentiable in rows and both weights."""
     check_grouped_matmul_args(rows, w_gate_up, group_sizes, implementation)
-    implementation = resolve_implementation(rows, w_gate_up, implementation)
+    resolved = resolve_implementation(rows, w_gate_up, implementation)
     (num_rows, d), (groups, _, n) = rows.shape, w_gate_up.shape
-    if not (fuses_gate_up_activation(implementation, num_rows, d, n, groups)
-            and fuses_gate_up_activation_grad(implementation, num_rows, n // 2, w_down.shape[-1], groups)):
+    if not (fuses_gate_up_activation(resolved, num_rows, d, n, groups)
+            and fuses_gate_up_activation_grad(resolved, num_rows, n // 2, w_down.shape[-1], groups)):
+        # Each projection resolves `implementation` for its own shapes ("auto" may take different ones).
         h = grouped_gate_up_silu_mul(rows, w_gate_up, group_sizes, implementation=implementation)
         return grouped_matmul(h, w_down, group_sizes, implementation=implementation)
+    # w_down is checked as grouped_matmul(h, w_down, ...) would check it, h being [M, F] in rows' dtype.
     check_grouped_matmul_args(jax.ShapeDtypeStruct((num_rows, n // 2), rows.dtype), w_down, group_sizes,
                               implementation)
     return _fused_swiglu(rows, w_gate_up, w_down, clamp_group_sizes(group_sizes, num_rows))
@@ -211,24 +215,21 @@ def _fused_swiglu(rows, w_gate_up, w_down, group_sizes):
     return _fused_swiglu_fwd(rows, w_gate_up, w_down, group_sizes)[0]
 
 
-def _down_problem(rows, w_down):
-    """(M, F, D, G): the down projection's grouped_matmul problem."""
-    groups, f, d = w_down.shape
-    return rows.shape[0], f, d, groups
-
-
 def _fused_swiglu_fwd(rows, w_gate_up, w_down, group_sizes):
     gate_up, h = _fused_forward(rows, w_gate_up, group_sizes)
-    y = grouped_op("fwd", "pallas", h, w_down, group_sizes, _down_problem(rows, w_down))
+    y = grouped_op("fwd", "pallas", h, w_down, group_sizes, problem_shape(h, w_down))
     return typed_like(y, rows, w_gate_up, w_down, group_sizes), (rows, w_gate_up, w_down, group_sizes, gate_up, h)
 
 
 def _fused_swiglu_bwd(residuals, dy):
     rows, w_gate_up, w_down, group_sizes, gate_up, h = residuals
-    problem = _down_problem(rows, w_down)
+    problem = problem_shape(h, w_down)
     d_w_down = typed_like(grouped_op("dw", "pallas", h, dy, group_sizes, problem), w_down)
+    # Zero on the rows past the groups that grouped_matmul's dw reads; unwritten after them.
+    zero_rows_end = groups_end(group_sizes, rows.shape[0]) + rows_read_past_groups()
     d_gate_up = pallas_grouped_op("dx", "pallas", dy, w_down, group_sizes, block_config("pallas", "dx", *problem),
-                                  gate_up=gate_up, gate_up_activation_grad=_backward_math)
+                                  gate_up=gate_up, gate_up_activation_grad=_backward_math,
+                                  zero_rows_end=zero_rows_end[None])
     d_rows, d_w_gate_up = grouped_matmul_pullback(rows, w_gate_up, group_sizes, typed_like(d_gate_up, gate_up),
                                                   "pallas")
     return d_rows, d_w_gate_up, d_w_down, None  # group_sizes is integer-valued: no cotangent

@@ -317,8 +317,9 @@ def fuses_gate_up_activation_grad(implementation: str, m: int, k: int, n: int, g
     if implementation != "pallas" or _pallas_modules().ours is None:
         return False
     config = block_config(implementation, "dx", m, k, n, groups)
-    return _pallas_modules().ours.activation_grad_unsupported_reason(
-        config.block_n, config.block_k, config.num_stages, jnp.bfloat16, config.fused_tails) is None
+    return (config_unsupported_reason(implementation, "dx", config, m, k, n) is None
+            and _pallas_modules().ours.activation_grad_unsupported_reason(
+                config.block_n, config.block_k, config.num_stages, jnp.bfloat16, config.fused_tails) is None)
 
 
 def _num_sms(budget: int | None = None) -> int:
@@ -328,8 +329,7 @@ def _num_sms(budget: int | None = None) -> int:
 
 
 def pallas_grouped_op(op: str, kernels: str, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
-                      config: BlockConfig, num_sms: int | None = None, gate_up_activation=None, gate_up=None,
-                      gate_up_activation_grad=None):
+                      config: BlockConfig, num_sms: int | None = None, **epilogue):
     """One grouped product on the Pallas `kernels`, with `config`, for group_sizes already clamped
     (non-negative, summing to at most M):
 
@@ -338,10 +338,14 @@ def pallas_grouped_op(op: str, kernels: str, lhs: jax.Array, rhs: jax.Array, gro
     * "dw":  lhs x [M, K], rhs dy [M, N] -> [G, K, N] (x_g^T @ dy_g)
 
     Rows past sum(group_sizes) of the fwd and dx outputs are zero. `num_sms`: the SM budget of jax_ep's
-    kernels (grouped_matmul's). The benchmark's sweep calls this. gate_up_activation (fwd on "pallas" where
-    `fuses_gate_up_activation` says so): (out, gate_up_activation(gate, up)) from one kernel
-    (`ragged_rows_matmul`'s). gate_up_activation_grad with gate_up [M, 2K] (dx on "pallas" where
-    `fuses_gate_up_activation_grad` says so): the cotangent of gate_up [M, 2K] for dx's result dh, from one kernel."""
+    kernels (grouped_matmul's). The benchmark's sweep calls this. `epilogue`: keywords of jax_ep's rows kernel
+    (`ragged_rows_matmul`) for fwd and dx on "pallas": gate_up_activation (fwd, where `fuses_gate_up_activation`
+    says so) gives (out, gate_up_activation(gate, up)) from one kernel; gate_up_activation_grad with gate_up [M, 2K]
+    and zero_rows_end (dx, where `fuses_gate_up_activation_grad` says so) gives the cotangent of gate_up for dx's
+    result dh."""
+    if epilogue and (kernels != "pallas" or op == "dw"):
+        raise ValueError(f"{sorted(epilogue)}: jax_ep's rows kernel only (fwd and dx on \"pallas\"), not {kernels}'s "
+                         f"{op}")
     modules = _pallas_modules()
     if kernels == "pallas":
         sms = _num_sms(num_sms)
@@ -355,10 +359,7 @@ def pallas_grouped_op(op: str, kernels: str, lhs: jax.Array, rhs: jax.Array, gro
         schedule = (modules.ours.paired_row_tile_schedule(group_sizes, lhs.shape[0], fuse_tails=config.fused_tails)
                     if clustered else modules.ours.row_tile_schedule(group_sizes, lhs.shape[0]))
         return modules.ours.ragged_rows_matmul(lhs, rhs, *schedule, transpose_rhs=op == "dx", clustered=clustered,
-                                               gate_up_activation=gate_up_activation, gate_up=gate_up,
-                                               gate_up_activation_grad=gate_up_activation_grad, **kernel_args)
-    if gate_up_activation is not None or gate_up_activation_grad is not None:
-        raise ValueError(f"gate_up_activation and gate_up_activation_grad: jax_ep's kernels only, not {kernels}'s")
+                                               **epilogue, **kernel_args)
     kernel_args = dict(group_sizes=group_sizes, block_m=config.block_m, block_n=config.block_n,
                        block_k=config.block_k, max_concurrent_steps=config.num_stages,
                        grid_block_n=config.grid_tile_width)
@@ -418,7 +419,7 @@ def grouped_op(op: str, implementation: str, lhs, rhs, group_sizes, problem_shap
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _grouped_matmul(x, w, group_sizes, implementation, num_sms):
-    y = grouped_op("fwd", implementation, x, w, group_sizes, _problem_shape(x, w), num_sms)
+    y = grouped_op("fwd", implementation, x, w, group_sizes, problem_shape(x, w), num_sms)
     return typed_like(y, x, w, group_sizes)
 
 
@@ -429,7 +430,7 @@ def _grouped_matmul_fwd(x, w, group_sizes, implementation, num_sms):
 def grouped_matmul_pullback(x, w, group_sizes, dy, implementation: str, num_sms: int | None = None):
     """(dx, dw): the VJP of grouped_matmul(x, w, group_sizes) at cotangent dy, on `implementation` (resolved),
     for group_sizes already clamped (clamp_group_sizes); each typed like its primal inside shard_map."""
-    shape = _problem_shape(x, w)
+    shape = problem_shape(x, w)
     dx = typed_like(grouped_op("dx", implementation, dy, w, group_sizes, shape, num_sms), x)
     dw = typed_like(grouped_op("dw", implementation, x, dy, group_sizes, shape, num_sms), w)
     return dx, dw
@@ -444,7 +445,8 @@ def _grouped_matmul_bwd(implementation, num_sms, residuals, dy):
 _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 
-def _problem_shape(x, w) -> tuple[int, int, int, int]:
+def problem_shape(x, w) -> tuple[int, int, int, int]:
+    """(M, K, N, G) of the grouped_matmul problem x [M, K], w [G, K, N]: what `block_config` is keyed by."""
     (m, k), (groups, _, n) = x.shape, w.shape
     return m, k, n, groups
 

@@ -205,6 +205,7 @@ def test_which_dx_kernels_take_the_activation_gradient():
     assert not fuses("pallas", 32768, 2048, 7168, 128)  # V3's slice at EP2: 256 columns, pair tails
     assert not fuses("pallas", 32768, 2048, 7168, 256)  # V3 at EP1: 256 columns
     assert not fuses("ragged_dot", *MOE_A_DOWN) and not fuses("jax_pallas", *MOE_A_DOWN)
+    assert not fuses("pallas", 256, 192, 128, 2)  # the default 128-column tiles do not divide dx's 192 columns
 
 
 @needs_pallas
@@ -222,3 +223,46 @@ def test_expert_swiglu_fused_both_ways_lowers_for_cuda_inside_shard_map(monkeypa
     text = lowered_for_cuda_in_shard_map(monkeypatch, body, (rows, d), (groups, d, 2 * f), (groups, f, d), (groups,))
     assert text.count("__gpu$xla.gpu.triton") == 0
     assert text.count("custom_call @mosaic_gpu") == 6
+
+
+def test_expert_swiglu_on_xla_against_the_oracle():
+    """expert_swiglu where nothing fuses (XLA's ragged_dot): y and its pullback to the rows and both weights
+    against the float64 oracle; zeros past the groups."""
+    rng = np.random.default_rng(5)
+    m, d, f, sizes = 64, 32, 48, np.asarray([10, 0, 23, 15], np.int32)
+    x = jnp.asarray(rng.standard_normal((m, d)), jnp.bfloat16)
+    w_gate_up = jnp.asarray(rng.standard_normal((len(sizes), d, 2 * f)) / np.sqrt(d), jnp.bfloat16)
+    w_down = jnp.asarray(rng.standard_normal((len(sizes), f, d)) / np.sqrt(f), jnp.bfloat16)
+    dy = jnp.asarray(rng.standard_normal((m, d)), jnp.bfloat16)
+
+    @jax.jit
+    def step(x, w_gate_up, w_down, dy):
+        y, vjp = jax.vjp(lambda *a: ga.expert_swiglu(*a, jnp.asarray(sizes), implementation="ragged_dot"),
+                         x, w_gate_up, w_down)
+        return y, vjp(dy)
+
+    y, (dx, dwg, dwd) = step(x, w_gate_up, w_down, dy)
+    end = int(sizes.sum())
+    group_of_row = np.repeat(np.arange(len(sizes)), sizes)
+    want_y, (want_dx, want_dwg, want_dwd) = O.grouped_swiglu(x[:end], w_gate_up, w_down, dy[:end], group_of_row)
+    for name, got, want in (("y", y[:end], want_y), ("dx", dx[:end], want_dx), ("dW gate/up", dwg, want_dwg),
+                            ("dW down", dwd, want_dwd)):
+        got = np.asarray(got, np.float64)
+        assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want), name
+    assert not np.asarray(y[end:], np.float32).any() and not np.asarray(dx[end:], np.float32).any()
+
+
+@needs_pallas
+def test_expert_swiglu_resolves_each_projection_for_its_own_shapes(monkeypatch):
+    """"auto" on a Hopper GPU (faked): at F=192 the gate and up projection can run on jax_ep's kernels but the down
+    projection cannot (its dx's 192 columns are no multiple of the 128-column tiles), which then takes XLA's
+    ragged_dot as grouped_matmul(h, w_down) alone would, instead of failing."""
+    monkeypatch.setattr(gm_module, "_hopper_unsupported_reason", lambda: None)
+    monkeypatch.setattr(gm_module, "_num_sms", lambda budget=None: 132)
+    m, d, f, groups = 256, 128, 192, 2
+    assert gm_module.resolve_implementation(jax.ShapeDtypeStruct((m, d), jnp.bfloat16),
+                                            jax.ShapeDtypeStruct((groups, d, 2 * f), jnp.bfloat16)) == "pallas"
+    args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in ((m, d), (groups, d, 2 * f), (groups, f, d))]
+    sizes = jax.ShapeDtypeStruct((groups,), jnp.int32)
+    y = jax.eval_shape(lambda *a: ga.expert_swiglu(*a), *args, sizes)
+    assert y.shape == (m, d)

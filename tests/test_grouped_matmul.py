@@ -405,32 +405,78 @@ def test_forward_kernel_with_the_activation_in_the_gpu_interpreter():
 
 @cpu_only
 @needs_pallas
-def test_rows_kernel_with_the_activation_gradient_in_the_gpu_interpreter():
+@pytest.mark.parametrize("zeroed_past_groups", [None, 20])
+def test_rows_kernel_with_the_activation_gradient_in_the_gpu_interpreter(zeroed_past_groups):
     """The rows kernel with gate_up_activation_grad, run by JAX's Pallas GPU interpreter (with transpose_rhs=False:
-    the interpreter cannot run dx's transposed operands, the device test does): d_gate_up against the float64
-    oracle's SwiGLU gradient of dh = x @ w[g] rounded to bfloat16, zero past the groups; gate_up's rows past the
-    groups are inf and nan, and must not reach the zeros."""
+    the interpreter cannot run dx's transposed operands, the device test does), two column blocks: d_gate_up
+    against the float64 oracle's SwiGLU gradient of dh = x @ w[g] rounded to bfloat16; zero past the groups (on
+    zeroed_past_groups rows there with zero_rows_end, on all without). gate_up's rows past the groups are inf and
+    nan, which zero tiles must not read."""
     interpret = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.params",
                                     reason="JAX's Pallas GPU interpreter moved")
     from jax_ep.grouped_activation import _backward_math
     rng = np.random.default_rng(13)
-    m, k, n, sizes = 256, 64, 128, [0, 37, 100, 80]
+    m, k, n, sizes = 256, 64, 256, [0, 37, 100, 80]
     x, w, _ = random_operands(rng, m, k, n, len(sizes), jnp.bfloat16)
     end = sum(sizes)
     gate_up = rng.standard_normal((m, 2 * n)).astype(np.float32)
     gate_up[end:, ::2], gate_up[end:, 1::2] = np.inf, np.nan
     gate_up = jnp.asarray(gate_up, jnp.bfloat16)
     group_sizes = jnp.asarray(sizes, jnp.int32)
+    zero_rows_end = None if zeroed_past_groups is None else jnp.asarray([end + zeroed_past_groups], jnp.int32)
     params = interpret.InterpretGPUParams(out_of_bounds_reads="uninitialized")
     with interpret.force_gpu_interpret_mode(params):
         d_gate_up = kernels.ragged_rows_matmul(x, w, *kernels.row_tile_schedule(group_sizes, m), transpose_rhs=False,
                                                block_n=128, block_k=64, num_stages=2, grid_tile_width=1, num_sms=2,
-                                               gate_up=gate_up, gate_up_activation_grad=_backward_math)
+                                               gate_up=gate_up, gate_up_activation_grad=_backward_math,
+                                               zero_rows_end=zero_rows_end)
     dh = oracle(np.asarray(x, np.float64), np.asarray(w, np.float64), np.zeros((m, n)), sizes)[0]
     dh = np.asarray(jnp.asarray(dh, jnp.bfloat16), np.float64)  # the kernel rounds dh as a separate pass would read it
     expected = O.silu_mul_vjp(np.asarray(gate_up, np.float64)[:end], dh[:end])
     assert relative_error(d_gate_up[:end], expected) <= 1e-2
-    np.testing.assert_array_equal(np.asarray(d_gate_up[end:], np.float32), 0)
+    zeroed = m if zeroed_past_groups is None else end + zeroed_past_groups
+    np.testing.assert_array_equal(np.asarray(d_gate_up[end:zeroed], np.float32), 0)
+
+
+@needs_pallas
+@pytest.mark.parametrize("bad", ["gate_up alone", "the gradient alone", "with the forward activation",
+                                 "gate_up's shape", "256 columns", "pair tails"])
+def test_rows_kernel_refuses_a_bad_activation_gradient(bad):
+    from jax_ep.grouped_activation import _backward_math
+    m, k, n, groups = 1024, 256, 128, 5
+    lhs, rhs = jnp.zeros((m, n), jnp.bfloat16), jnp.zeros((groups, k, n), jnp.bfloat16)
+    sizes = jnp.full((groups,), 100, jnp.int32)
+    grad = dict(gate_up=jnp.zeros((m, 2 * k), jnp.bfloat16), gate_up_activation_grad=_backward_math)
+    config = dict(KERNEL_CONFIG, num_stages=5)
+    schedule = kernels.row_tile_schedule(sizes, m)
+    if bad == "gate_up alone":
+        del grad["gate_up_activation_grad"]
+    elif bad == "the gradient alone":
+        del grad["gate_up"]
+    elif bad == "with the forward activation":
+        grad["gate_up_activation"] = silu_mul
+    elif bad == "gate_up's shape":
+        grad["gate_up"] = jnp.zeros((m, k), jnp.bfloat16)
+    elif bad == "256 columns":
+        config["block_n"], rhs, grad["gate_up"] = 256, jnp.zeros((groups, 512, n), jnp.bfloat16), jnp.zeros(
+            (m, 1024), jnp.bfloat16)
+    else:
+        schedule = kernels.paired_row_tile_schedule(sizes, m, fuse_tails=True)
+        config["block_n"] = 256
+    with pytest.raises(ValueError, match="gate_up"):
+        kernels.ragged_rows_matmul(lhs, rhs, *schedule, transpose_rhs=True, clustered=bad == "pair tails", **grad,
+                                   **config)
+
+
+@needs_pallas
+def test_the_activation_gradient_fits_five_stages_of_128_columns():
+    """Shared memory: 5 stages of a 128-row lhs block and a 128-column rhs block (160 KB) beside the two
+    warpgroups' gate and up blocks (64 KB) fit; 6 stages do not."""
+    reason = kernels.activation_grad_unsupported_reason
+    assert reason(128, 64, 5, jnp.bfloat16, False) is None
+    assert "shared memory" in reason(128, 64, 6, jnp.bfloat16, False)
+    assert reason(256, 64, 3, jnp.bfloat16, False) is not None
+    assert reason(128, 64, 3, jnp.bfloat16, True) is not None
 
 
 @cpu_only

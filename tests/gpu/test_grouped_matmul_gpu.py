@@ -376,9 +376,10 @@ def test_expert_swiglu_with_the_activation_gradient_in_dx_against_oracle_and_the
     by Mosaic GPU instead of Triton); dx zero past the groups."""
     import oracle as O
     from jax_ep.grouped_activation import expert_swiglu, grouped_gate_up_silu_mul
-    from jax_ep.grouped_matmul import fuses_gate_up_activation_grad, grouped_matmul
+    from jax_ep.grouped_matmul import fuses_gate_up_activation, fuses_gate_up_activation_grad, grouped_matmul
 
     m, d, f, groups = 16384, 2048, 1408, 64
+    assert fuses_gate_up_activation("pallas", m, d, 2 * f, groups)
     assert fuses_gate_up_activation_grad("pallas", m, f, d, groups)
     rng = np.random.default_rng(17)
     sizes = np.full(groups, 240, np.int32)
