@@ -3,7 +3,7 @@
 Create a `Buffer` outside `jit` from a mesh and its EP axis, then call the ops inside `jax.shard_map`
 over that axis. See README.md and docs/design.md ("Semantics") for the exact semantics.
 """
-from jax_ep import _native
+from jax_ep import _native  # noqa: F401  (registers the FFI targets at import)
 from jax_ep.backends.cuda.internode import internode_buffer_bytes
 from jax_ep.backends.cuda.intranode import normal_buffer_bytes
 from jax_ep.buffer import Buffer
