@@ -577,6 +577,8 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
         )
         def scope(out_smem, operands_loaded=None, **ring):
             wg = lax.axis_index(_WARPGROUP_AXIS)
+            # Read once, not in every tile's epilogue.
+            zeroed_end_row = zero_rows_end_gmem[0] if activation_grad else None
 
             def load_tile(index, step):
                 group, _, _, tile_start, num_steps, col_block, _, multicast, tail = tile_at(index)
@@ -696,7 +698,7 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
                     # This warpgroup's rows [my_begin, my_stored_end) of the tile are stored: all it writes, but
                     # for a zero tile only those before zero_rows_end.
                     my_stored_end = jnp.where(computing, my_end,
-                                              jnp.clip(zero_rows_end_gmem[0] - my_start, my_begin, my_end))
+                                              jnp.clip(zeroed_end_row - my_start, my_begin, my_end))
 
                     @pl.when(computing)
                     def _():
