@@ -23,7 +23,10 @@ Per shape and dispatcher:
   of a copy timed at the start of the run (each process its own GPU's; process 0's printed). With many experts per
   rank the weights bind (v3 at R=1: 67.6 GB, some 16 ms at 4 TB/s, beside the proxy's 13 ms on an H200), where
   the dense proxy, which reads one D×F set of weights, is no bound. The expert FFN stage is also printed over the
-  dense proxy (the same FLOPs, forward + backward, y returned by both).
+  dense proxy (the same FLOPs, forward + backward, y returned by both) and over its roofline, with a proxy timed in
+  turns with the stage over as many calls a run (--stage-calls), not the block's (--calls): under the GPU's power
+  cap a kernel's clock depends on how long the GPU has run without a pause, so a ratio compares two figures taken
+  the same way.
 - breakdown: router (jax_ep.flax.routing.route), dispatch (jax_ep.dispatch, expert-major), expert FFN
   (jax_ep.flax.experts.grouped_swiglu) and combine (jax_ep.combine, weighted), each forward + backward alone in a jitted
   shard_map of its own, on the inputs the stages before it produce from the block's x and weights, with random
@@ -218,11 +221,12 @@ def remat_temp_bytes(moe: MoE, x, cotangent) -> dict[str, int]:
             .compile().memory_analysis().temp_size_in_bytes for remat in (False, True)}
 
 
-def _stage_ms(mesh, key, fn, diff, diff_specs, const, args):
+def _stage_ms(mesh, key, fn, diff, diff_specs, const, args, beside=None):
     """One stage alone: `fn(*diff, *const) -> (out, aux)` (per rank; aux holds its outputs without a gradient),
     forward + backward with respect to `diff` (partitioned as `diff_specs`; `const` and the outputs per rank),
     jitted in a shard_map of its own. Returns (ms, out, aux): ms {"wall": by the clock, "gpu": _gpu_ms or None off a
-    GPU}; out and aux of the forward, the next stages' inputs."""
+    GPU}; out and aux of the forward, the next stages' inputs. `beside` ({name: (fn, input sets)}): steps whose runs
+    take turns with the stage's (harness.alternating_median_ms), their ms in ms[name]."""
     ep = P("ep")
     forward = jax.jit(jax.shard_map(lambda d, c: fn(*d, *c), mesh=mesh, in_specs=(diff_specs, ep), out_specs=ep))
     out, aux = forward(diff, const)
@@ -239,9 +243,9 @@ def _stage_ms(mesh, key, fn, diff, diff_specs, const, args):
     step = jax.jit(jax.shard_map(forward_backward, mesh=mesh, in_specs=(diff_specs, ep, ep),
                                  out_specs=(ep, ep, diff_specs)))
     inputs = (diff, const, cotangent)
-    ms = dict(wall=harness.median_ms(step, [inputs], args.runs, args.stage_calls,
-                                     before_run=harness.rank_barrier(mesh)),
-              gpu=_gpu_ms(mesh, step, inputs) if harness.on_gpu(mesh) else None)
+    ms = harness.alternating_median_ms({"wall": (step, [inputs]), **(beside or {})}, args.runs, args.stage_calls,
+                                       before_run=harness.rank_barrier(mesh))
+    ms["gpu"] = _gpu_ms(mesh, step, inputs) if harness.on_gpu(mesh) else None
     return ms, out, aux
 
 
@@ -260,10 +264,11 @@ def _gpu_ms(mesh, step, inputs) -> float:
     return max(busy.values()) / GPU_TIME_CALLS / 1e3
 
 
-def _breakdown_ms(mesh, moe: MoE, x, args) -> tuple[dict[str, float], dict[str, float] | None]:
+def _breakdown_ms(mesh, moe: MoE, x, shape: MoEShape, args) -> tuple[dict[str, float], dict[str, float] | None, float]:
     """ms of each of STAGES alone, forward + backward, chained as the block chains them (MoE._forward, the
     normal and xla dispatchers, no capacity limit), on this block's weights and x: by the wall clock, and on the
-    GPU (_gpu_ms; None off a GPU)."""
+    GPU (_gpu_ms; None off a GPU); and ms of the dense proxy timed in turns with the expert FFN stage, over as many
+    calls a run (the stage's ratio to the proxy is then taken at one GPU clock, as the block's is)."""
     buffer, config, num_experts, alignment = moe.buffer, moe.router_config, moe.num_experts, moe.expert_alignment
     keys = iter(jax.random.split(jax.random.key(3), len(STAGES)))
     ep, replicated = P("ep"), P()
@@ -289,11 +294,13 @@ def _breakdown_ms(mesh, moe: MoE, x, args) -> tuple[dict[str, float], dict[str, 
     ms["dispatch"], (recv_x, recv_weights), (group_sizes, handle) = _stage_ms(
         mesh, next(keys), dispatch, (x, topk_weights), (ep, ep), (topk_idx,), args)
     experts = (moe.w_gate_up[...], moe.w_down[...])  # [E, ...], sharded over the EP axis
+    proxy = dense_swiglu_step(args.tokens * shape.topk, shape.d_model, shape.d_ff)
     ms["expert FFN"], expert_out, _ = _stage_ms(
-        mesh, next(keys), expert_ffn, (recv_x, *experts), (ep,) * 3, (group_sizes,), args)
+        mesh, next(keys), expert_ffn, (recv_x, *experts), (ep,) * 3, (group_sizes,), args, beside={"proxy": proxy})
     ms["combine"], _, _ = _stage_ms(mesh, next(keys), combine, (expert_out, recv_weights), (ep, ep), (handle,), args)
     gpu = {stage: figures["gpu"] for stage, figures in ms.items()}
-    return {stage: figures["wall"] for stage, figures in ms.items()}, (None if None in gpu.values() else gpu)
+    return ({stage: figures["wall"] for stage, figures in ms.items()}, (None if None in gpu.values() else gpu),
+            ms["expert FFN"]["proxy"])
 
 
 def timeline_path(path: str, shape: str, dispatcher: str) -> str:
@@ -331,7 +338,8 @@ def _measure(mesh, shape: MoEShape, dispatcher: str, args, name: str) -> dict:
             figures["backend"], figures["num_sms"] = moe.buffer.backend, moe.buffer.config.num_sms
             figures["blocks"][num_chunks] = _block_and_proxy_ms(mesh, moe, x, cotangent, shape, args)
             if index == 0:
-                figures["breakdown_ms"], figures["breakdown_gpu_ms"] = _breakdown_ms(mesh, moe, x, args)
+                (figures["breakdown_ms"], figures["breakdown_gpu_ms"],
+                 figures["expert_ffn_proxy_ms"]) = _breakdown_ms(mesh, moe, x, shape, args)
                 if args.remat:
                     figures["temp_bytes"] = remat_temp_bytes(moe, x, cotangent)
                 if args.timeline:
@@ -384,6 +392,8 @@ def run(args) -> dict:
             for num_chunks, block in figures["blocks"].items():
                 block_ms, proxy_ms = block["block"], block["proxy"]
                 bound = roofline(flops, flops / proxy_ms / 1e9, weight_bytes, gbps)
+                ffn_proxy_ms = figures["expert_ffn_proxy_ms"]
+                ffn_bound = roofline(flops, flops / ffn_proxy_ms / 1e9, weight_bytes, gbps)
                 record = dict(shape=name, **shape._asdict(), experts_per_rank=shape.experts // num_ranks,
                               rows_per_rank=rows, flops_per_rank=flops, dispatcher=dispatcher, num_chunks=num_chunks,
                               backend=figures["backend"], num_sms=figures["num_sms"], block_ms=block_ms,
@@ -395,8 +405,9 @@ def run(args) -> dict:
                               compute_stages_ms=compute_ms, block_over_compute_stages=block_ms / compute_ms,
                               hidden=(sum(breakdown.values()) - block_ms) / communication_ms,
                               **roofline_fields(block_ms, bound, weight_bytes, gbps),
-                              expert_ffn_ratio_to_proxy=breakdown["expert FFN"] / proxy_ms,
-                              expert_ffn_ratio_to_roofline=breakdown["expert FFN"] / bound.ms)
+                              expert_ffn_proxy_ms=ffn_proxy_ms,
+                              expert_ffn_ratio_to_proxy=breakdown["expert FFN"] / ffn_proxy_ms,
+                              expert_ffn_ratio_to_roofline=breakdown["expert FFN"] / ffn_bound.ms)
                 if "temp_bytes" in figures:
                     record["temp_bytes"] = figures["temp_bytes"]
                 results.append(record)
@@ -408,10 +419,11 @@ def run(args) -> dict:
                       f"{record['block_over_compute_stages']:.2f}x its compute stages (router + expert FFN); "
                       f"communication hidden {100 * record['hidden']:.0f} %", flush=True)
                 print(f"[moe]   expert FFN stage {breakdown['expert FFN']:.3f} ms = "
-                      f"{record['expert_ffn_ratio_to_proxy']:.2f}x the dense proxy; {roofline_text(bound)}: block "
-                      f"{record['ratio_to_roofline']:.2f}x, expert FFN stage "
-                      f"{record['expert_ffn_ratio_to_roofline']:.2f}x; {weight_bytes / 1e9:.3g} GB of expert weights "
-                      f"moved per rank", flush=True)
+                      f"{record['expert_ffn_ratio_to_proxy']:.2f}x the dense proxy timed in turns with it "
+                      f"({ffn_proxy_ms:.3f} ms), {record['expert_ffn_ratio_to_roofline']:.2f}x its "
+                      f"{roofline_text(ffn_bound)}; block {record['ratio_to_roofline']:.2f}x its "
+                      f"{roofline_text(bound)}; {weight_bytes / 1e9:.3g} GB of expert weights moved per rank",
+                      flush=True)
             if "temp_bytes" in figures:
                 print(f"[moe]   temporary memory of {REMAT_LAYERS} blocks in a row, forward + backward: "
                       f"{figures['temp_bytes']['plain'] / 2**20:.1f} MiB; each under jax.checkpoint (nothing "
