@@ -2,8 +2,8 @@
 # One device call: build jax_ep, then every GPU test (accept) or the benchmarks (bench); each step's log under
 # $OUT, then the FAILED lines and a summary table.
 #   bash tests/gpu/run.sh accept [STEP...]           STEPs (default all, in this order): kernels (the one-process
-#       communication tests), matmul_moe (grouped matmul and Flax MoE, slow Pallas compiles), processes (the
-#       multi-process suites, in parallel), bounded_waits (one after another), many_ranks (32 to 64 processes), demo
+#       communication tests), grouped_matmul and flax_moe (slow Pallas compiles), processes (the multi-process
+#       suites, in parallel), bounded_waits (one after another), many_ranks (32 to 64 processes), demo
 #   bash tests/gpu/run.sh bench [MODE...] [-- ARGS]  MODEs (default all): intranode low_latency internode moe
 #       grouped_matmul, each in one process and with --processes $PROCESSES (default 4) where the mode takes it
 #       (internode: that only, --ranks-per-node PROCESSES/2); ARGS go to every `python3 -m jax_ep.bench MODE`.
@@ -61,7 +61,7 @@ fi
 python3 -c "import jax_ep._native as n; print('cuda:', n.with_cuda(), 'nvshmem:', n.with_nvshmem())"
 
 if [ "$mode" = accept ]; then
-  steps=" ${*:-kernels matmul_moe processes bounded_waits many_ranks demo} "
+  steps=" ${*:-kernels grouped_matmul flax_moe processes bounded_waits many_ranks demo} "
   want() { [[ "$steps" == *" $1 "* ]]; }
   xdist=(); python3 -c "import xdist" 2>/dev/null && xdist=(-n "${MP_WORKERS:-4}")
   tests=(python3 -m pytest -q -rs tests/gpu)
@@ -69,9 +69,11 @@ if [ "$mode" = accept ]; then
   one_process="not processes and not bounded_wait"
   # 2026-11-28 on four H200s this step took 145-151 s (the four-GPU cases run there).
   want kernels && step kernels 240 "${tests[@]}" -m "$one_process" -k "not grouped_matmul and not flax_moe"
-  # 2026-11-28 on an H200 this step ran past 230 s with no failure (each tile configuration of the table compiles
-  # its own kernels); --durations says which tests to trim.
-  want matmul_moe && step matmul_moe 420 "${tests[@]}" --durations=12 -m "$one_process" -k "grouped_matmul or flax_moe"
+  # Slow Pallas compiles (each tile configuration of the table compiles its own kernels): 2026-11-29 on an H200 the
+  # grouped matmul file took about 280 s and the Flax MoE file about 140 s, together past one step's 420 s;
+  # --durations says which tests to trim.
+  want grouped_matmul && step grouped_matmul 380 "${tests[@]}" --durations=8 -m "$one_process" -k grouped_matmul
+  want flax_moe && step flax_moe 240 "${tests[@]}" --durations=8 -m "$one_process" -k flax_moe
   want processes && step processes 300 "${tests[@]}" "${xdist[@]}" --basetemp="$OUT/mp_tmp/processes" \
     -m "processes and not bounded_wait and not many_ranks"
   # One after another: each ends in traps, which should not land beside other tests' kernels, or (masked ranks)
@@ -80,7 +82,7 @@ if [ "$mode" = accept ]; then
   want many_ranks && step many_ranks 300 "${tests[@]}" --basetemp="$OUT/mp_tmp/many_ranks" -m many_ranks
   want demo && step demo 60 python3 -m jax_ep.demo
   tar czf "$OUT/mp_logs.tgz" -C "$OUT" --exclude=gather mp_tmp && rm -rf "$OUT/mp_tmp"
-  printf '\n== skipped in one process\n'; cat "$OUT"/kernels.log "$OUT"/matmul_moe.log 2>/dev/null |
+  printf '\n== skipped in one process\n'; cat "$OUT"/kernels.log "$OUT"/grouped_matmul.log "$OUT"/flax_moe.log 2>/dev/null |
     grep -hE "^SKIPPED" | sed -E 's/^SKIPPED \[([0-9]+)\] /\1x /'
   [ -s "$OUT/suites.txt" ] && { printf '\n== multi-process suites (process 0)\n'; cat "$OUT/suites.txt"; }
 else
