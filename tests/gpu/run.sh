@@ -64,7 +64,8 @@ if [ "$mode" = accept ]; then
   steps=" ${*:-kernels grouped_matmul flax_moe processes bounded_waits many_ranks demo} "
   want() { [[ "$steps" == *" $1 "* ]]; }
   xdist=(); python3 -c "import xdist" 2>/dev/null && xdist=(-n "${MP_WORKERS:-4}")
-  tests=(python3 -m pytest -q -rs tests/gpu)
+  # -v: a step that its time limit cuts still says which tests passed (pytest prints its summary last).
+  tests=(python3 -m pytest -v -rsfE tests/gpu)
   rm -rf "$OUT/suites.txt" "$OUT/mp_tmp"; mkdir "$OUT/mp_tmp"; export JAX_EP_TEST_SUITE_LOG="$OUT/suites.txt"
   one_process="not processes and not bounded_wait"
   # 2026-11-28 on four H200s this step took 145-151 s (the four-GPU cases run there).
