@@ -133,8 +133,9 @@ _MANY_EXPERTS = dict(m=_BLOCK_ROWS_RANGE, groups=(129, 512), k=(1024, 8192), n=(
 # moe-a's slices at EP4 and EP8 (16 and 8 experts per rank, 1536 and 3072 rows each; M=24576, routed group sizes;
 # one H200, each kernel alone; docs/perf-log.md, 2026-11-28, fourth session), where the default tiles ran: fwd and
 # dx in 2-CTA clusters on 256-column tiles (the gate and up projection's fwd in stripes of 16, the rest of 8), dx
-# with 128-column output tiles in stripes of 16 where 256 do not divide, dw on 256 columns with 4 stages in stripes
-# of 2: 1-19 % faster than the default tiles per kernel, 10-13 % over the six kernels of the SwiGLU.
+# with 128-column output tiles in stripes of 16 where 256 do not divide (5 stages: _DX_128_WHOLE_ROWS), dw on 256
+# columns with 4 stages in stripes of 2: 1-19 % faster than the default tiles per kernel, 10-13 % over the six
+# kernels of the SwiGLU.
 _FEW_GROUPS = dict(m=_BLOCK_ROWS_RANGE, groups=(8, 31), k=(1024, 4096), n=(1024, 4096))
 _WIDE_MODEL = (4097, 8192)  # D of V3-like models: the down projection's N, the gate and up projections' K
 _PROJECTION = (1024, 4096)  # F and 2F of those models: the other dimension
@@ -143,6 +144,11 @@ _PROJECTION = (1024, 4096)  # F and 2F of those models: the other dimension
 _WIDE_STRIPES_8 = BlockConfig(block_n=256, num_stages=3, grid_tile_width=8)
 _WIDE_ROWS = BlockConfig(block_n=256, num_stages=3, grid_tile_width=16)  # fwd and dx
 _CLUSTERED_ROWS = dataclasses.replace(_WIDE_ROWS, clustered=True)
+# dx on 128-column tiles where 256 do not divide (moe-a's down projection, F=1408: 11 column blocks), 5 stages in
+# stripes of 16, i.e. a row tile's every column block in turn. With the SwiGLU's gradient fused (as the block runs
+# it): 2-7 % faster than the earlier 5 stages in stripes of 8 (64 and 32 groups) and 4 in stripes of 16 (16 groups);
+# plain dx 1 % slower to 5 % faster (one H200, routed sizes, each kernel alone; docs/perf-log.md, 2026-11-29).
+_DX_128_WHOLE_ROWS = BlockConfig(num_stages=5, grid_tile_width=16)
 _CLUSTERED_STRIPES_8 = dataclasses.replace(_WIDE_STRIPES_8, clustered=True)
 # V3's slice at EP2 (128 experts of ~256 rows, about half with a last tile of 8-48 rows): fwd and dx with fused pair
 # tails, 4-8 % faster per kernel (at 64 experts, 512 rows each, 3-6 % slower: docs/perf-log.md, 2026-11-29).
@@ -177,11 +183,11 @@ BLOCK_CONFIG_TABLE: tuple[BlockConfigRule, ...] = (
     BlockConfigRule("pallas", "fwd", **_EXPERT_PROJECTIONS, config=_WIDE_STRIPES_8),
     BlockConfigRule("pallas", "fwd", **_EXPERT_PROJECTIONS, config=BlockConfig(grid_tile_width=8)),
     BlockConfigRule("pallas", "dx", **_EXPERT_PROJECTIONS, config=_WIDE_ROWS),
-    BlockConfigRule("pallas", "dx", **_EXPERT_PROJECTIONS, config=BlockConfig(num_stages=5, grid_tile_width=8)),
+    BlockConfigRule("pallas", "dx", **_EXPERT_PROJECTIONS, config=_DX_128_WHOLE_ROWS),
     BlockConfigRule("pallas", "fwd", **{**_FEW_GROUPS, "k": (2048, 4096)}, config=_CLUSTERED_ROWS),
     BlockConfigRule("pallas", "fwd", **_FEW_GROUPS, config=_CLUSTERED_STRIPES_8),
     BlockConfigRule("pallas", "dx", **_FEW_GROUPS, config=_CLUSTERED_STRIPES_8),
-    BlockConfigRule("pallas", "dx", **_FEW_GROUPS, config=BlockConfig(num_stages=4, grid_tile_width=16)),
+    BlockConfigRule("pallas", "dx", **_FEW_GROUPS, config=_DX_128_WHOLE_ROWS),
     BlockConfigRule("pallas", "dw", **_FEW_GROUPS, config=BlockConfig(block_n=256, num_stages=4, grid_tile_width=2)),
 )
 
