@@ -389,11 +389,11 @@ def run(args) -> dict:
             breakdown = figures["breakdown_ms"]
             compute_ms = breakdown["router"] + breakdown["expert FFN"]
             communication_ms = breakdown["dispatch"] + breakdown["combine"]
+            ffn_proxy_ms = figures["expert_ffn_proxy_ms"]  # (the breakdown's: one per dispatcher)
+            ffn_bound = roofline(flops, flops / ffn_proxy_ms / 1e9, weight_bytes, gbps)
             for num_chunks, block in figures["blocks"].items():
                 block_ms, proxy_ms = block["block"], block["proxy"]
                 bound = roofline(flops, flops / proxy_ms / 1e9, weight_bytes, gbps)
-                ffn_proxy_ms = figures["expert_ffn_proxy_ms"]
-                ffn_bound = roofline(flops, flops / ffn_proxy_ms / 1e9, weight_bytes, gbps)
                 record = dict(shape=name, **shape._asdict(), experts_per_rank=shape.experts // num_ranks,
                               rows_per_rank=rows, flops_per_rank=flops, dispatcher=dispatcher, num_chunks=num_chunks,
                               backend=figures["backend"], num_sms=figures["num_sms"], block_ms=block_ms,
