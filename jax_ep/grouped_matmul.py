@@ -353,6 +353,19 @@ def pallas_grouped_op(op: str, kernels: str, lhs: jax.Array, rhs: jax.Array, gro
         raise ValueError(f"{sorted(epilogue)}: jax_ep's rows kernel only (fwd and dx on \"pallas\"), not {kernels}'s "
                          f"{op}")
     modules = _pallas_modules()
+    num_rows = lhs.shape[0]
+    if kernels == "pallas" and num_rows % GROUP_ROW_ALIGNMENT:
+        # Mosaic GPU describes a TMA copy's global array in its 8-row tiles, so it refuses a row count that is not a
+        # multiple of 8: the rows go in zero-padded to one (past the groups, so nothing reads them into a result) and
+        # the row outputs come back cut to M, at the cost of a copy of the row operands.
+        def padded(a):
+            return jnp.pad(a, [(0, -num_rows % GROUP_ROW_ALIGNMENT)] + [(0, 0)] * (a.ndim - 1))
+
+        epilogue = {name: padded(value) if isinstance(value, jax.Array) and value.ndim and value.shape[0] == num_rows
+                    else value for name, value in epilogue.items()}
+        out = pallas_grouped_op(op, kernels, padded(lhs), padded(rhs) if op == "dw" else rhs, group_sizes, config,
+                                num_sms, **epilogue)
+        return out if op == "dw" else jax.tree.map(lambda a: a[:num_rows], out)
     if kernels == "pallas":
         sms = _num_sms(num_sms)
         # 2-CTA clusters take an even number of SMs within the budget; a budget of one SM runs unclustered.

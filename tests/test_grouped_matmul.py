@@ -377,6 +377,56 @@ def test_kernels_lower_to_mosaic_gpu(op):
     assert "mosaic_gpu" in lowered.as_text()
 
 
+@needs_pallas
+@pytest.mark.parametrize("m,k,f,groups", [(1052, 256, 256, 4), (24580, 2048, 1408, 32)],
+                         ids=["plain", "moe-a, activation fused"])
+def test_rows_not_a_multiple_of_8_lower(monkeypatch, m, k, f, groups):
+    """Mosaic GPU refuses TMA copies of an array whose row count is not a multiple of its 8-row tiles (the Flax
+    block at two ranks of 256 tokens, K=2 and 4 local experts has 1052 rows): grouped_matmul and the expert SwiGLU
+    (at moe-a's widths, where the forward fuses the activation and the down projection's dx its gradient) lower
+    forward and backward on the Pallas kernels for such M. Their results: test_rows_not_a_multiple_of_8_in_the_gpu_
+    interpreter here and the GPU tests."""
+    from jax_ep.grouped_activation import expert_swiglu
+    monkeypatch.setattr(gm_module, "_hopper_unsupported_reason", lambda: None)
+    monkeypatch.setattr(gm_module, "_num_sms", lambda budget=None: 132)
+    assert m % 8
+    bf16, sizes = jnp.bfloat16, jax.ShapeDtypeStruct((groups,), jnp.int32)
+    rows, w_gate_up = jax.ShapeDtypeStruct((m, k), bf16), jax.ShapeDtypeStruct((groups, k, 2 * f), bf16)
+    w_down = jax.ShapeDtypeStruct((groups, f, k), bf16)
+
+    def loss(rows, w_gate_up, w_down, sizes):
+        gate_up = grouped_matmul(rows, w_gate_up, sizes, implementation="pallas")
+        swiglu = expert_swiglu(rows, w_gate_up, w_down, sizes, implementation="pallas")
+        return jnp.sum(gate_up.astype(jnp.float32)) + jnp.sum(swiglu.astype(jnp.float32))
+
+    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    assert "mosaic_gpu" in step.trace(rows, w_gate_up, w_down, sizes).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@cpu_only
+@needs_pallas
+def test_rows_not_a_multiple_of_8_in_the_gpu_interpreter(monkeypatch):
+    """pallas_grouped_op's forward with M = 260 (the kernels take it padded to 264 rows of zeros): the [260, N]
+    result against the float64 oracle, with the last group ending at row 260 and zero rows past the groups when
+    they end earlier."""
+    interpret = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.params",
+                                    reason="JAX's Pallas GPU interpreter moved")
+    monkeypatch.setattr(gm_module, "_num_sms", lambda budget=None: 2)
+    rng = np.random.default_rng(17)
+    m, k, n = 260, 64, 128
+    config = BlockConfig(block_m=128, block_n=128, block_k=64, num_stages=2, grid_tile_width=1)
+    for sizes in ([60, 0, 200], [60, 0, 100]):
+        x, w, _ = random_operands(rng, m, k, n, len(sizes), jnp.bfloat16)
+        group_sizes = jnp.asarray(sizes, jnp.int32)
+        params = interpret.InterpretGPUParams(out_of_bounds_reads="uninitialized")
+        with interpret.force_gpu_interpret_mode(params):
+            y = gm_module.pallas_grouped_op("fwd", "pallas", x, w, group_sizes, config)
+        assert y.shape == (m, n)
+        expected = oracle(np.asarray(x, np.float64), np.asarray(w, np.float64), np.zeros((m, n)), sizes)[0]
+        assert relative_error(y, expected) <= 1e-2
+        np.testing.assert_array_equal(np.asarray(y[sum(sizes):], np.float32), 0)
+
+
 @cpu_only
 @needs_pallas
 def test_forward_kernel_with_the_activation_in_the_gpu_interpreter():

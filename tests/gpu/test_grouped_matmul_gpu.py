@@ -84,6 +84,25 @@ def test_pallas_matches_oracle_and_lax(implementation, m, k, n, groups, capsys):
 
 
 @needs_hopper
+@pytest.mark.parametrize("sizes", [[300, 0, 500, 252], [300, 0, 500, 100]], ids=["to the last row", "short"])
+def test_rows_not_a_multiple_of_8_match_oracle(sizes):
+    """M = 1052 (the Flax block's capacity at two ranks of 256 tokens, K=2, 4 local experts): Mosaic GPU's TMA
+    copies take 8-row tiles, so the kernels run on rows padded to 1056; y, dx and dw against the float64 oracle,
+    the groups ending at row M or before it (zero rows after them)."""
+    m, k, n = 1052, 256, 384
+    rng = np.random.default_rng(8)
+    x, w, dy = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for shape in ((m, k), (4, k, n), (m, n)))
+    sizes = np.asarray(sizes, np.int32)
+    y, dx, dw = forward_and_grads(x, w, dy, jnp.asarray(sizes), "pallas")
+    assert y.shape == (m, n) and dx.shape == (m, k)
+    for name, actual, expected in zip(("y", "dx", "dw"), (y, dx, dw), oracle(x, w, dy, sizes)):
+        assert relative_error(actual, expected) <= BF16_TOLERANCE, name
+    total = int(sizes.sum())
+    assert not np.any(np.asarray(y[total:], np.float32)) and not np.any(np.asarray(dx[total:], np.float32))
+    assert not np.any(np.asarray(dw[sizes == 0], np.float32))
+
+
+@needs_hopper
 @pytest.mark.parametrize("num_sms", [1, 7, 10_000])
 def test_sm_budget_matches_oracle(num_sms):
     """jax_ep's kernels on a budget of SMs (one, an odd few, more than the device has) compute the same
