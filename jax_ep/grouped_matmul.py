@@ -354,10 +354,11 @@ def pallas_grouped_op(op: str, kernels: str, lhs: jax.Array, rhs: jax.Array, gro
                          f"{op}")
     modules = _pallas_modules()
     num_rows = lhs.shape[0]
-    if kernels == "pallas" and num_rows % GROUP_ROW_ALIGNMENT:
-        # Mosaic GPU describes a TMA copy's global array in its 8-row tiles, so it refuses a row count that is not a
-        # multiple of 8: the rows go in zero-padded to one (past the groups, so nothing reads them into a result) and
-        # the row outputs come back cut to M, at the cost of a copy of the row operands.
+    if num_rows % GROUP_ROW_ALIGNMENT:
+        # Mosaic GPU (under jax_ep's kernels and JAX's) describes a TMA copy's global array in its 8-row tiles, so it
+        # refuses a row count that is not a multiple of 8: the rows go in zero-padded to one (past the groups, so
+        # nothing reads them into a result) and the row outputs come back cut to M, at the cost of a copy of the row
+        # operands.
         def padded(a):
             return jnp.pad(a, [(0, -num_rows % GROUP_ROW_ALIGNMENT)] + [(0, 0)] * (a.ndim - 1))
 

@@ -403,6 +403,25 @@ def test_rows_not_a_multiple_of_8_lower(monkeypatch, m, k, f, groups):
     assert "mosaic_gpu" in step.trace(rows, w_gate_up, w_down, sizes).lower(lowering_platforms=("cuda",)).as_text()
 
 
+@needs_pallas
+@pytest.mark.parametrize("op", ["fwd", "dx"])
+def test_rows_not_a_multiple_of_8_lower_on_jax_kernels(monkeypatch, op):
+    """The same for JAX's own Pallas kernels (`implementation="jax_pallas"`, kept for comparison), whose TMA copies
+    take the same 8-row tiles: fwd and dx lower at M = 1052 and give M rows."""
+    monkeypatch.setattr(gm_module, "_num_sms", lambda budget=None: 132)
+    m, k, n, groups = 1052, 256, 512, 4
+    bf16 = jnp.bfloat16
+    lhs = jax.ShapeDtypeStruct((m, n if op == "dx" else k), bf16)
+    args = (lhs, jax.ShapeDtypeStruct((groups, k, n), bf16), jax.ShapeDtypeStruct((groups,), jnp.int32))
+
+    def fn(lhs, rhs, sizes):
+        return gm_module.grouped_op(op, "jax_pallas", lhs, rhs, sizes, (m, k, n, groups))
+
+    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+    assert jax.eval_shape(fn, *args).shape == (m, k if op == "dx" else n)
+
+
 @cpu_only
 @needs_pallas
 def test_rows_not_a_multiple_of_8_in_the_gpu_interpreter(monkeypatch):
