@@ -289,3 +289,33 @@ def test_global_view_on_a_mesh_with_explicit_axes():
         results[name] = [np.asarray(a) for a in (y, y_jit, grads.w_gate_up[...], grads.router_kernel[...])]
     for auto, explicit in zip(results["auto"], results["explicit"]):
         np.testing.assert_allclose(explicit, auto, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("num_chunks", [1, 2])
+def test_block_lowers_for_cuda_with_the_grouped_kernels_at_two_ranks(monkeypatch, num_chunks):
+    """The GPU tests' repeated block step (tests/gpu/test_flax_moe_gpu.py: D=F=256, 8 experts, K=2, 512 tokens) at
+    two ranks, with jax_ep's grouped kernels chosen as on a Hopper GPU, lowers for CUDA forward + backward. Its
+    capacity, 2 x 256 x 2 + 4 x 7 = 1052 rows a rank (540 in two chunks), is no multiple of Mosaic GPU's 8-row
+    TMA tiles: before grouped_matmul padded such rows, this lowering failed, as the step did on two H200s."""
+    import importlib
+
+    gm_module = importlib.import_module("jax_ep.grouped_matmul")
+    ga_module = importlib.import_module("jax_ep.grouped_activation")
+    if gm_module._pallas_modules().ours is None:
+        pytest.skip("this JAX has no Pallas Mosaic GPU")
+    monkeypatch.setattr(gm_module, "_hopper_unsupported_reason", lambda: None)
+    monkeypatch.setattr(ga_module, "resolve_implementation", lambda x, w, implementation="auto": "pallas")
+    monkeypatch.setattr(gm_module, "_num_sms", lambda budget=None: 132)  # an H200's (no GPU here to ask)
+    moe = MoE(256, 256, 8, 2, mesh=mesh_of(2), dispatcher="xla", dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+              num_chunks=num_chunks, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(moe)
+    x = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16)
+
+    def step(state, x):
+        def loss(state, x):
+            y, aux = nnx.merge(graphdef, state)(x)
+            return jnp.sum(y.astype(jnp.float32)) + aux.load_balancing_loss
+        return jax.value_and_grad(loss, argnums=(0, 1))(state, x)
+
+    text = jax.jit(step).trace(state, x).lower(lowering_platforms=("cuda",)).as_text()
+    assert "custom_call @mosaic_gpu" in text
