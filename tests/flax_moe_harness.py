@@ -101,9 +101,9 @@ def assert_matches_reference(result, expected, rtol: float):
 def check_capacity_drops(dispatcher: str, expert_alignment: int, num_chunks: int = 1, **options):
     """capacity_factor below the need: num_dropped counts the (token, expert) pairs that did not fit (each rank's
     rows hold its experts' pairs expert by expert, each expert's in (source rank, token) order and its group
-    padded to a multiple of expert_alignment; the rows are ceil(c T K) plus (E/R) (expert_alignment - 1), and the
-    pairs in the first that many rows are kept; with num_chunks, per chunk of T / num_chunks tokens of every
-    rank), and tokens whose pairs were all kept still get the reference output."""
+    padded to a multiple of expert_alignment; the rows are ceil(c T K) plus (E/R) (expert_alignment - 1), rounded
+    up to a multiple of 8, and the pairs in the first that many rows are kept; with num_chunks, per chunk of
+    T / num_chunks tokens of every rank), and tokens whose pairs were all kept still get the reference output."""
     capacity_factor = 0.75  # drops on some rank, and tokens left whole, on 1 to 4 ranks
     moe = make_moe(dispatcher, capacity_factor=capacity_factor, expert_alignment=expert_alignment,
                    num_chunks=num_chunks, **options)
@@ -113,6 +113,7 @@ def check_capacity_drops(dispatcher: str, expert_alignment: int, num_chunks: int
     topk_idx = np.asarray(route(x, moe.router_kernel[...], None, moe.router_config).topk_idx)
     local, chunk = EXPERTS // RANKS, TOKENS // num_chunks
     capacity = int(np.ceil(capacity_factor * chunk * TOPK)) + local * (expert_alignment - 1)
+    capacity = -(-capacity // 8) * 8
     pairs = np.zeros((len(topk_idx), EXPERTS), bool)  # [RT, E]: token t chose expert e (once however often)
     pairs[np.arange(len(topk_idx))[:, None], topk_idx] = True
     chunk_of = np.arange(len(topk_idx)) % TOKENS // chunk  # each token's chunk (rows are rank-major: r * T + t)

@@ -294,9 +294,10 @@ def test_global_view_on_a_mesh_with_explicit_axes():
 @pytest.mark.parametrize("num_chunks", [1, 2])
 def test_block_lowers_for_cuda_with_the_grouped_kernels_at_two_ranks(monkeypatch, num_chunks):
     """The GPU tests' repeated block step (tests/gpu/test_flax_moe_gpu.py: D=F=256, 8 experts, K=2, 512 tokens) at
-    two ranks, with jax_ep's grouped kernels chosen as on a Hopper GPU, lowers for CUDA forward + backward. Its
-    capacity, 2 x 256 x 2 + 4 x 7 = 1052 rows a rank (540 in two chunks), is no multiple of Mosaic GPU's 8-row
-    TMA tiles: before grouped_matmul padded such rows, this lowering failed, as the step did on two H200s."""
+    two ranks, with jax_ep's grouped kernels chosen as on a Hopper GPU, lowers for CUDA forward + backward, and its
+    grouped kernels take rows in whole 8-row tiles: its default capacity, 2 x 256 x 2 + 4 x 7 = 1052 rows a rank
+    (540 in two chunks), is rounded up to 1056 (544), so no grouped matmul pads its rows. (With 1052 rows and no
+    padding this lowering failed, as the step did on two H200s.)"""
     import importlib
 
     gm_module = importlib.import_module("jax_ep.grouped_matmul")
@@ -317,5 +318,15 @@ def test_block_lowers_for_cuda_with_the_grouped_kernels_at_two_ranks(monkeypatch
             return jnp.sum(y.astype(jnp.float32)) + aux.load_balancing_loss
         return jax.value_and_grad(loss, argnums=(0, 1))(state, x)
 
+    rows = []
+    original = gm_module.pallas_grouped_op
+
+    def recording(op, kernels, lhs, *args, **kwargs):
+        rows.append(lhs.shape[0])
+        return original(op, kernels, lhs, *args, **kwargs)
+
+    monkeypatch.setattr(gm_module, "pallas_grouped_op", recording)
+    monkeypatch.setattr(ga_module, "pallas_grouped_op", recording)
     text = jax.jit(step).trace(state, x).lower(lowering_platforms=("cuda",)).as_text()
     assert "custom_call @mosaic_gpu" in text
+    assert set(rows) == {1056 if num_chunks == 1 else 544}, rows

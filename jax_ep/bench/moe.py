@@ -266,7 +266,7 @@ def _gpu_ms(mesh, step, inputs) -> float:
 
 def _breakdown_ms(mesh, moe: MoE, x, shape: MoEShape, args) -> tuple[dict[str, float], dict[str, float] | None, float]:
     """ms of each of STAGES alone, forward + backward, chained as the block chains them (MoE._forward, the
-    normal and xla dispatchers, no capacity limit), on this block's weights and x: by the wall clock, and on the
+    normal and xla dispatchers, the block's rows per rank), on this block's weights and x: by the wall clock, and on the
     GPU (_gpu_ms; None off a GPU); and ms of the dense proxy timed in turns with the expert FFN stage, over as many
     calls a run (the stage's ratio to the proxy is then taken at one GPU clock, as the block's is)."""
     buffer, config, num_experts, alignment = moe.buffer, moe.router_config, moe.num_experts, moe.expert_alignment
@@ -279,7 +279,7 @@ def _breakdown_ms(mesh, moe: MoE, x, shape: MoEShape, args) -> tuple[dict[str, f
 
     def dispatch(x, topk_weights, topk_idx):
         d = jax_ep.dispatch(buffer, x, topk_idx, topk_weights, num_experts=num_experts, expert_alignment=alignment,
-                            layout="expert_major")
+                            max_recv_tokens=moe._capacity(x.shape[0], mesh.devices.size), layout="expert_major")
         return (d.recv_x, d.recv_weights), (d.num_recv_tokens_per_expert, d.handle)
 
     def expert_ffn(recv_x, w_gate_up, w_down, group_sizes):

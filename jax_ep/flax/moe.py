@@ -118,6 +118,7 @@ class MoE(nnx.Module):
     number a rank receives under uniform routing is T * K) plus the padding its experts' groups may need,
     (E/R) * (expert_alignment - 1) rows, so that the alignment drops no pair; the pairs past the last row are
     dropped and counted in MoEAux.num_dropped. None: R * T * min(K, E/R) pairs and the padding, which never drops.
+    Either way the rows are rounded up to a multiple of 8, the grouped kernels' row tiles.
     buffer: an existing jax_ep.Buffer to use (share one among layers; pass one to the Linen wrapper, which
     builds the module again at every apply); by default the block makes its own from mesh and axis_name, whose
     kernels take the GPU's SMs but 32 left to XLA's collectives (`block_config`): the block runs its stages one
@@ -297,16 +298,18 @@ class MoE(nnx.Module):
         statistics = router_statistics(routing, self.router_config, axis_name)
         return y.astype(dtype), MoEAux(*statistics, num_dropped)
 
-    def _capacity(self, num_tokens: int, num_ranks: int) -> int | None:
-        """Rows per rank (expert-major dispatch's max_recv_tokens): None, the default that never drops, or
-        capacity_factor times the mean number of pairs plus the experts' padding, at most that default."""
-        if self.capacity_factor is None:
-            return None
+    def _capacity(self, num_tokens: int, num_ranks: int) -> int:
+        """Rows per rank (the expert-major dispatch's max_recv_tokens): the default that never drops, or
+        capacity_factor times the mean number of pairs plus the experts' padding, at most that default; rounded up
+        to a multiple of GROUP_ROW_ALIGNMENT, the row tiles the grouped matmuls' and the SwiGLU's kernels take
+        whole (other counts cost the grouped matmuls a padded copy of their row operands)."""
         num_topk = self.router_config.num_experts_per_tok
         num_local_experts = self.num_experts // num_ranks
-        never_drops = default_capacity(num_ranks, num_tokens, num_topk, num_local_experts, self.expert_alignment)
-        pairs = math.ceil(self.capacity_factor * num_tokens * num_topk)
-        return max(1, min(never_drops, pairs + padding_rows(num_local_experts, self.expert_alignment)))
+        rows = default_capacity(num_ranks, num_tokens, num_topk, num_local_experts, self.expert_alignment)
+        if self.capacity_factor is not None:
+            pairs = math.ceil(self.capacity_factor * num_tokens * num_topk)
+            rows = max(1, min(rows, pairs + padding_rows(num_local_experts, self.expert_alignment)))
+        return -(-rows // GROUP_ROW_ALIGNMENT) * GROUP_ROW_ALIGNMENT
 
     def update_expert_bias(self, tokens_per_expert, rate: float) -> None:
         """DeepSeek-V3's auxiliary-loss-free balancing step: raise the bias of experts that got fewer than

@@ -87,9 +87,9 @@ def test_pallas_matches_oracle_and_lax(implementation, m, k, n, groups, capsys):
 @pytest.mark.parametrize("implementation", ["pallas", "jax_pallas"])
 @pytest.mark.parametrize("sizes", [[300, 0, 500, 252], [300, 0, 500, 100]], ids=["to the last row", "short"])
 def test_rows_not_a_multiple_of_8_match_oracle(sizes, implementation):
-    """M = 1052 (the Flax block's capacity at two ranks of 256 tokens, K=2, 4 local experts): Mosaic GPU's TMA
-    copies take 8-row tiles, so the kernels run on rows padded to 1056; y, dx and dw against the float64 oracle,
-    the groups ending at row M or before it (zero rows after them)."""
+    """M = 1052 (2 x 256 x 2 + 4 x 7: the expert-major capacity of two ranks of 256 tokens, K=2, 4 local experts):
+    Mosaic GPU's TMA copies take 8-row tiles, so the kernels run on rows padded to 1056; y, dx and dw against the
+    float64 oracle, the groups ending at row M or before it (zero rows after them)."""
     m, k, n = 1052, 256, 384
     rng = np.random.default_rng(8)
     x, w, dy = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for shape in ((m, k), (4, k, n), (m, n)))
