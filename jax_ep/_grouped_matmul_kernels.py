@@ -86,7 +86,16 @@ _FILL_TILE = -1  # tile_group value of a tile that writes zero rows
 GATE_UP_HALF_COLS = 128
 
 
-def row_tile_schedule(group_sizes: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _zero_rows_range_end(group_ends, num_rows: int, zero_rows_end):
+    """Where the zero tiles' rows end: zero_rows_end (int32 [] or [1]) clamped to [the groups' end, num_rows], or
+    num_rows where it is None."""
+    if zero_rows_end is None:
+        return jnp.asarray(num_rows, group_ends.dtype)
+    return jnp.clip(jnp.reshape(zero_rows_end, ()).astype(group_ends.dtype), group_ends[-1], num_rows)
+
+
+def row_tile_schedule(group_sizes: jax.Array, num_rows: int,
+                      zero_rows_end: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The tiles of `ragged_rows_matmul` for `group_sizes` (non-negative, summing to at most num_rows).
 
     Returns three int32 vectors of one static length (an upper bound on the number of tiles for any sizes
@@ -95,13 +104,15 @@ def row_tile_schedule(group_sizes: jax.Array, num_rows: int) -> tuple[jax.Array,
     first == end for unused entries at the end). Group tiles come first, in group order. A tile covers the
     BLOCK_ROWS rows from its first row rounded down to a multiple of 8 (TMA loads into the tiled shared
     memory layout start at multiples of 8 rows), so a group's first tile may read up to 7 rows of the
-    previous group, which it does not write. Zero tiles cover [sum(group_sizes), num_rows)."""
+    previous group, which it does not write. Zero tiles cover [sum(group_sizes), zero_rows_end) (num_rows where
+    it is None): the rows after it are left unwritten, so that a kernel's stores past the groups need not follow
+    num_rows (the expert-major capacity, which is by default about R times the rows the groups fill)."""
     num_groups = group_sizes.shape[0]
     # Each group adds at most one partial tile, plus 7 rows of alignment; so does the zero-row range.
     max_tiles = (num_rows + (num_groups + 1) * (BLOCK_ROWS - 1 + ROW_ALIGNMENT - 1)) // BLOCK_ROWS
     group_ends = jnp.cumsum(group_sizes)
     # The zero rows past the last group are one more "group" here, whose tiles get group -1.
-    range_ends = jnp.append(group_ends, num_rows)
+    range_ends = jnp.append(group_ends, _zero_rows_range_end(group_ends, num_rows, zero_rows_end))
     range_starts = jnp.append(group_ends - group_sizes, group_ends[-1])
     aligned_starts = range_starts - range_starts % ROW_ALIGNMENT
     tiles_per_range = jnp.where(range_ends > range_starts,
@@ -120,14 +131,15 @@ def row_tile_schedule(group_sizes: jax.Array, num_rows: int) -> tuple[jax.Array,
     return tile_group.astype(jnp.int32), first_row.astype(jnp.int32), end_row.astype(jnp.int32)
 
 
-def paired_row_tile_schedule(group_sizes: jax.Array, num_rows: int, fuse_tails: bool = False) -> tuple[jax.Array, ...]:
+def paired_row_tile_schedule(group_sizes: jax.Array, num_rows: int, fuse_tails: bool = False,
+                             zero_rows_end: jax.Array | None = None) -> tuple[jax.Array, ...]:
     """`row_tile_schedule`'s tiles, in pairs for `ragged_rows_matmul(clustered=True)` (tiles 2p and 2p + 1 run
     in one 2-CTA cluster): each group's tiles two at a time in order (one weight block per pair, multicast), then,
     where a group has an odd number of tiles, its last tile beside the next such group's last tile (each loading
     its own weights; that pair comes right after the first group's pairs, so both tiles run near the other tiles
-    of their groups, whose weight blocks are then in L2). The zero-row tiles past the groups pair up the same
-    way. Same three int32 vectors, of an even static length; unused entries (first == end, group -1) fill the
-    end and the place of a last lone tile's missing partner.
+    of their groups, whose weight blocks are then in L2). The zero-row tiles past the groups (up to
+    zero_rows_end, as there) pair up the same way. Same three int32 vectors, of an even static length; unused
+    entries (first == end, group -1) fill the end and the place of a last lone tile's missing partner.
 
     fuse_tails: a group whose tiles are odd in number (3 or more) and whose last tile holds at most
     ROWS_PER_WARPGROUP rows has no lone tile: its last pair computes those rows too, in the same pass over the
@@ -140,7 +152,7 @@ def paired_row_tile_schedule(group_sizes: jax.Array, num_rows: int, fuse_tails: 
     max_pairs = (max_tiles + 1) // 2 + 1
     group_ends = jnp.cumsum(group_sizes)
     # As in row_tile_schedule, the zero rows past the last group are one more range, whose tiles get group -1.
-    range_ends = jnp.append(group_ends, num_rows)
+    range_ends = jnp.append(group_ends, _zero_rows_range_end(group_ends, num_rows, zero_rows_end))
     range_starts = jnp.append(group_ends - group_sizes, group_ends[-1])
     aligned_starts = range_starts - range_starts % ROW_ALIGNMENT
     all_tiles = jnp.where(range_ends > range_starts, (range_ends - aligned_starts + BLOCK_ROWS - 1) // BLOCK_ROWS, 0)
@@ -435,13 +447,14 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
                        tile_end_row: jax.Array, pair_tail_first: jax.Array | None = None,
                        pair_tail_end: jax.Array | None = None, *, transpose_rhs: bool, block_n: int, block_k: int,
                        num_stages: int, grid_tile_width: int, num_sms: int, clustered: bool = False,
-                       gate_up_activation=None, gate_up: jax.Array | None = None, gate_up_activation_grad=None,
-                       zero_rows_end: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+                       gate_up_activation=None, gate_up: jax.Array | None = None,
+                       gate_up_activation_grad=None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """out[r] = lhs[r] @ rhs[g] (or rhs[g]^T with transpose_rhs) for the rows r each tile of group g writes
     in the schedule from `row_tile_schedule`; zero tiles write zeros.
 
     lhs [M, K]; rhs [G, K, N] ([G, N, K] with transpose_rhs); returns [M, N] in lhs's dtype. The schedule
-    writes every one of the M rows exactly once.
+    writes each row at most once: every one of the M rows, or those before its zero_rows_end (the rows after it
+    are left as the allocation held them).
 
     clustered: the schedule is `paired_row_tile_schedule`'s, and tiles 2p and 2p + 1 run together in a 2-CTA
     cluster (num_sms even): where both are tiles of one group, each CTA loads half of every weight block and
@@ -468,9 +481,7 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
     instead: (d_gate, d_up) = gate_up_activation_grad(gate, up, dh) (float32 in and out, elementwise) of each
     tile's dh rounded to lhs's dtype (what a separate pass would read) and the same rows and columns of the gate
     and of the up. Each compute warpgroup loads its 64 rows of both at the tile's start (TMA, beside the tile's
-    steps) into the shared memory its results are then stored from. Zero tiles load nothing and store zeros, only on
-    the rows before zero_rows_end[0] (int32 [1]; all rows where it is None): rows past the groups need no reads,
-    and no writes beyond those a reader of the gradient needs."""
+    steps) into the shared memory its results are then stored from. Zero tiles load nothing and store zeros."""
     _check_operands(lhs, rhs, block_n, block_k, num_stages)
     if clustered and (tile_group.shape[0] % CLUSTER_SIZE or num_sms % CLUSTER_SIZE):
         raise ValueError(f"clustered: the schedule needs an even number of tiles and num_sms must be even, got "
@@ -522,13 +533,11 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
     if activation_grad and (gate_up.shape != (num_rows, 2 * out_cols) or gate_up.dtype != dtype):
         raise ValueError(f"gate_up must be [M, 2N] = [{num_rows}, {2 * out_cols}] in {dtype}, got {gate_up.shape} "
                          f"in {gate_up.dtype}")
-    if zero_rows_end is None:
-        zero_rows_end = jnp.full((1,), num_rows, jnp.int32)
 
     def body(tile_group_gmem, tile_first_row_gmem, tile_end_row_gmem, *refs):
         tail_first_gmem, tail_end_gmem = refs[:2] if tails else (None, None)
         refs = refs[2 if tails else 0:]
-        gate_up_gmem, zero_rows_end_gmem, refs = (refs[0], refs[1], refs[2:]) if activation_grad else (None, None, refs)
+        gate_up_gmem, refs = (refs[0], refs[1:]) if activation_grad else (None, refs)
         lhs_gmem, rhs_gmem, out_gmem, *h_gmem = refs
 
         def computes(tile):
@@ -577,8 +586,6 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
         )
         def scope(out_smem, operands_loaded=None, **ring):
             wg = lax.axis_index(_WARPGROUP_AXIS)
-            # Read once, not in every tile's epilogue.
-            zeroed_end_row = zero_rows_end_gmem[0] if activation_grad else None
 
             def load_tile(index, step):
                 group, _, _, tile_start, num_steps, col_block, _, multicast, tail = tile_at(index)
@@ -695,11 +702,6 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
                         plgpu.copy_gmem_to_smem(my_block, out_smem.at[wg, part], operands_loaded.at[wg])
 
                 def store_activation_grad(acc_ref):
-                    # This warpgroup's rows [my_begin, my_stored_end) of the tile are stored: all it writes, but
-                    # for a zero tile only those before zero_rows_end.
-                    my_stored_end = jnp.where(computing, my_end,
-                                              jnp.clip(zeroed_end_row - my_start, my_begin, my_end))
-
                     @pl.when(computing)
                     def _():
                         dh = acc_ref[...].astype(dtype).astype(jnp.float32)
@@ -710,21 +712,19 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
                         for part, grad in enumerate(grads):
                             out_smem.at[wg, part][...] = grad.astype(dtype)
 
-                    @pl.when(jnp.logical_not(computing) & (my_stored_end > my_begin))
+                    @pl.when(jnp.logical_not(computing))
                     def _():
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # (no load awaited it)
                         for part in (0, 1):
                             out_smem.at[wg, part][...] = jnp.zeros(out_smem.shape[-2:], dtype)
 
-                    @pl.when(my_stored_end > my_begin)
-                    def _():
-                        plgpu.commit_smem()
-                        for part in (0, 1):
-                            _store_rows(out_smem.at[wg, part],
-                                        lambda offset, size, part=part: out_gmem.at[pl.ds(my_start + offset, size),
-                                                                                     gate_up_cols(part)],
-                                        my_begin, my_stored_end - my_begin)
-                        plgpu.commit_smem_to_gmem_group()
+                    plgpu.commit_smem()
+                    for part in (0, 1):
+                        _store_rows(out_smem.at[wg, part],
+                                    lambda offset, size, part=part: out_gmem.at[pl.ds(my_start + offset, size),
+                                                                                 gate_up_cols(part)],
+                                    my_begin, my_rows)
+                    plgpu.commit_smem_to_gmem_group()
 
                 @functools.partial(pl.run_scoped, **accumulators)
                 def step_after_tile(acc_ref, second_acc_ref=None):
@@ -758,7 +758,7 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
     if activation:
         out_type = (out_type, jax.ShapeDtypeStruct((num_rows, half_cols), dtype))
     return _kernel(body, out_type, num_sms, clustered)(tile_group, tile_first_row, tile_end_row, *tail_schedule,
-                                                        *([gate_up, zero_rows_end] if activation_grad else []), lhs,
+                                                        *([gate_up] if activation_grad else []), lhs,
                                                         rhs)
 
 

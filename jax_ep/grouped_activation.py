@@ -27,8 +27,9 @@ is silu_mul_in_groups(grouped_matmul(rows, w_gate_up, group_sizes, implementatio
 first half of an expert SwiGLU). Where grouped_matmul's forward kernel can apply the activation in its epilogue
 (`fuses_gate_up_activation`: jax_ep's kernels on 256-column tiles without pair tails, and the activation kernels'
 blocks fit), one kernel writes gate_up (kept for the backward) and h, rounding the gate and the up to their dtype
-before the activation as a separate pass would read them; h past the groups is then zero. Its VJP is the two
-steps' VJPs on the same kernels.
+before the activation as a separate pass would read them; h past the groups is then zero (with
+`zero_past_groups=False`, as grouped_matmul's: on `rows_read_past_groups()` rows, the kernel writing no more). Its
+VJP is the two steps' VJPs on the same kernels.
 
     y = expert_swiglu(rows, w_gate_up, w_down, group_sizes, implementation=...)
 
@@ -64,6 +65,7 @@ from jax_ep.grouped_matmul import (
     problem_shape,
     resolve_implementation,
     rows_read_past_groups,
+    zeroed_rows_end,
 )
 
 # Rows x columns (of the gate's F, and the same of the up's) of one program of the kernels: up to 16 x 256
@@ -144,57 +146,64 @@ _silu_mul.defvjp(_silu_mul_fwd, _silu_mul_bwd)
 
 
 def grouped_gate_up_silu_mul(rows: jax.Array, w_gate_up: jax.Array, group_sizes: jax.Array, *,
-                             implementation: str = "auto") -> jax.Array:
-    """h [M, F] = silu_mul_in_groups(grouped_matmul(rows, w_gate_up, group_sizes, implementation=implementation))
-    (module docstring), in one kernel where that applies. rows [M, D], w_gate_up [G, D, 2F], group_sizes int32
-    [G], checked as grouped_matmul checks them. Differentiable in rows and w_gate_up."""
+                             implementation: str = "auto", zero_past_groups: bool = True) -> jax.Array:
+    """h [M, F] = silu_mul_in_groups(grouped_matmul(rows, w_gate_up, group_sizes, implementation=implementation,
+    zero_past_groups=zero_past_groups)) (module docstring), in one kernel where that applies. rows [M, D],
+    w_gate_up [G, D, 2F], group_sizes int32 [G], checked as grouped_matmul checks them. Differentiable in rows and
+    w_gate_up."""
     check_grouped_matmul_args(rows, w_gate_up, group_sizes, implementation)
     implementation = resolve_implementation(rows, w_gate_up, implementation)
     (num_rows, d), (groups, _, n) = rows.shape, w_gate_up.shape
     if not (fuses_gate_up_activation(implementation, num_rows, d, n, groups)
             and kernel_blocks(num_rows, n // 2) is not None):
-        gate_up = grouped_matmul(rows, w_gate_up, group_sizes, implementation=implementation)
+        gate_up = grouped_matmul(rows, w_gate_up, group_sizes, implementation=implementation,
+                                 zero_past_groups=zero_past_groups)
         return silu_mul_in_groups(gate_up, group_sizes, implementation)
     group_sizes = clamp_group_sizes(group_sizes, num_rows)
-    return _fused_gate_up_silu_mul(rows, w_gate_up, group_sizes, groups_end(group_sizes, num_rows))
+    return _fused_gate_up_silu_mul(rows, w_gate_up, group_sizes, groups_end(group_sizes, num_rows),
+                                   bool(zero_past_groups))
 
 
-def _fused_forward(rows, w_gate_up, group_sizes):
+def _fused_forward(rows, w_gate_up, group_sizes, zero_past_groups):
     """(gate_up, h) of one fused kernel (grouped_matmul's forward, "pallas", the table's configuration)."""
     (num_rows, d), (groups, _, n) = rows.shape, w_gate_up.shape
     config = block_config("pallas", "fwd", num_rows, d, n, groups)
     gate_up, h = pallas_grouped_op("fwd", "pallas", rows, w_gate_up, group_sizes, config,
+                                   zero_rows_end=zeroed_rows_end(group_sizes, num_rows, zero_past_groups),
                                    gate_up_activation=_forward_math)
     return typed_like(gate_up, rows, w_gate_up, group_sizes), typed_like(h, rows, w_gate_up, group_sizes)
 
 
-@jax.custom_vjp
-def _fused_gate_up_silu_mul(rows, w_gate_up, group_sizes, end):
-    return _fused_forward(rows, w_gate_up, group_sizes)[1]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fused_gate_up_silu_mul(rows, w_gate_up, group_sizes, end, zero_past_groups):
+    return _fused_forward(rows, w_gate_up, group_sizes, zero_past_groups)[1]
 
 
-def _fused_gate_up_silu_mul_fwd(rows, w_gate_up, group_sizes, end):
-    gate_up, h = _fused_forward(rows, w_gate_up, group_sizes)
+def _fused_gate_up_silu_mul_fwd(rows, w_gate_up, group_sizes, end, zero_past_groups):
+    gate_up, h = _fused_forward(rows, w_gate_up, group_sizes, zero_past_groups)
     return h, (rows, w_gate_up, group_sizes, end, gate_up)
 
 
-def _fused_gate_up_silu_mul_bwd(residuals, dh):
+def _fused_gate_up_silu_mul_bwd(zero_past_groups, residuals, dh):
     rows, w_gate_up, group_sizes, end, gate_up = residuals
     d_gate_up, _ = _silu_mul_bwd(True, (gate_up, end), dh)  # the two steps' activation gradient, on its kernel
     # group_sizes and end are integer-valued: no cotangents.
-    return (*grouped_matmul_pullback(rows, w_gate_up, group_sizes, d_gate_up, "pallas"), None, None)
+    return (*grouped_matmul_pullback(rows, w_gate_up, group_sizes, d_gate_up, "pallas",
+                                     zero_past_groups=zero_past_groups), None, None)
 
 
 _fused_gate_up_silu_mul.defvjp(_fused_gate_up_silu_mul_fwd, _fused_gate_up_silu_mul_bwd)
 
 
 def expert_swiglu(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group_sizes: jax.Array, *,
-                  implementation: str = "auto") -> jax.Array:
+                  implementation: str = "auto", zero_past_groups: bool = True) -> jax.Array:
     """grouped_matmul(grouped_gate_up_silu_mul(rows, w_gate_up, group_sizes), w_down, group_sizes) (module
-    docstring), each on `implementation`. Where the forward fuses the activation and the down projection's dx can
-    apply its gradient (`fuses_gate_up_activation_grad`), the VJP's dx of the down projection writes the cotangent
-    of gate_up itself, from the dh it computes (rounded to its dtype first, as the separate pass would read it),
-    instead of dh for a separate pass. rows [M, D], w_gate_up [G, D, 2F], w_down [G, F, D], group_sizes int32 [G].
+    docstring), each on `implementation` and with `zero_past_groups` (grouped_matmul's: False leaves the rows of y
+    and of the gradient of rows past the groups unspecified but for the first rows_read_past_groups(), and jax_ep's
+    kernels do not write them). Where the forward fuses the activation and the down projection's dx can apply its
+    gradient (`fuses_gate_up_activation_grad`), the VJP's dx of the down projection writes the cotangent of gate_up
+    itself, from the dh it computes (rounded to its dtype first, as the separate pass would read it), instead of dh
+    for a separate pass. rows [M, D], w_gate_up [G, D, 2F], w_down [G, F, D], group_sizes int32 [G].
     Differentiable in rows and both weights."""
     check_grouped_matmul_args(rows, w_gate_up, group_sizes, implementation)
     resolved = resolve_implementation(rows, w_gate_up, implementation)
@@ -202,36 +211,38 @@ def expert_swiglu(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, grou
     if not (fuses_gate_up_activation(resolved, num_rows, d, n, groups)
             and fuses_gate_up_activation_grad(resolved, num_rows, n // 2, w_down.shape[-1], groups)):
         # Each projection resolves `implementation` for its own shapes ("auto" may take different ones).
-        h = grouped_gate_up_silu_mul(rows, w_gate_up, group_sizes, implementation=implementation)
-        return grouped_matmul(h, w_down, group_sizes, implementation=implementation)
+        h = grouped_gate_up_silu_mul(rows, w_gate_up, group_sizes, implementation=implementation,
+                                     zero_past_groups=zero_past_groups)
+        return grouped_matmul(h, w_down, group_sizes, implementation=implementation,
+                              zero_past_groups=zero_past_groups)
     # w_down is checked as grouped_matmul(h, w_down, ...) would check it, h being [M, F] in rows' dtype.
     check_grouped_matmul_args(jax.ShapeDtypeStruct((num_rows, n // 2), rows.dtype), w_down, group_sizes,
                               implementation)
-    return _fused_swiglu(rows, w_gate_up, w_down, clamp_group_sizes(group_sizes, num_rows))
+    return _fused_swiglu(rows, w_gate_up, w_down, clamp_group_sizes(group_sizes, num_rows), bool(zero_past_groups))
 
 
-@jax.custom_vjp
-def _fused_swiglu(rows, w_gate_up, w_down, group_sizes):
-    return _fused_swiglu_fwd(rows, w_gate_up, w_down, group_sizes)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fused_swiglu(rows, w_gate_up, w_down, group_sizes, zero_past_groups):
+    return _fused_swiglu_fwd(rows, w_gate_up, w_down, group_sizes, zero_past_groups)[0]
 
 
-def _fused_swiglu_fwd(rows, w_gate_up, w_down, group_sizes):
-    gate_up, h = _fused_forward(rows, w_gate_up, group_sizes)
-    y = grouped_op("fwd", "pallas", h, w_down, group_sizes, problem_shape(h, w_down))
+def _fused_swiglu_fwd(rows, w_gate_up, w_down, group_sizes, zero_past_groups):
+    gate_up, h = _fused_forward(rows, w_gate_up, group_sizes, zero_past_groups)
+    y = grouped_op("fwd", "pallas", h, w_down, group_sizes, problem_shape(h, w_down),
+                   zero_rows_end=zeroed_rows_end(group_sizes, rows.shape[0], zero_past_groups))
     return typed_like(y, rows, w_gate_up, w_down, group_sizes), (rows, w_gate_up, w_down, group_sizes, gate_up, h)
 
 
-def _fused_swiglu_bwd(residuals, dy):
+def _fused_swiglu_bwd(zero_past_groups, residuals, dy):
     rows, w_gate_up, w_down, group_sizes, gate_up, h = residuals
     problem = problem_shape(h, w_down)
     d_w_down = typed_like(grouped_op("dw", "pallas", h, dy, group_sizes, problem), w_down)
     # Zero on the rows past the groups that grouped_matmul's dw reads; unwritten after them.
-    zero_rows_end = groups_end(group_sizes, rows.shape[0]) + rows_read_past_groups()
     d_gate_up = pallas_grouped_op("dx", "pallas", dy, w_down, group_sizes, block_config("pallas", "dx", *problem),
-                                  gate_up=gate_up, gate_up_activation_grad=_backward_math,
-                                  zero_rows_end=zero_rows_end[None])
+                                  zero_rows_end=zeroed_rows_end(group_sizes, rows.shape[0], False),
+                                  gate_up=gate_up, gate_up_activation_grad=_backward_math)
     d_rows, d_w_gate_up = grouped_matmul_pullback(rows, w_gate_up, group_sizes, typed_like(d_gate_up, gate_up),
-                                                  "pallas")
+                                                  "pallas", zero_past_groups=zero_past_groups)
     return d_rows, d_w_gate_up, d_w_down, None  # group_sizes is integer-valued: no cotangent
 
 

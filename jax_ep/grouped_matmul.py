@@ -4,7 +4,9 @@
 
 Rows 0 .. group_sizes[0]-1 of x belong to group 0, the next group_sizes[1] rows to group 1, and so on;
 y[r] = x[r] @ w[g] for a row r of group g, accumulated in float32 and returned in x's dtype. Rows past
-sum(group_sizes) get zeros (and a zero dx), and jax_ep's Pallas kernels spend no matmul work on them.
+sum(group_sizes) get zeros (and a zero dx), and jax_ep's Pallas kernels spend no matmul work on them; with
+`zero_past_groups=False` only the first `rows_read_past_groups()` of them, the rest unspecified, which jax_ep's
+kernels leave unwritten.
 Group sizes are clamped like `jax.lax.ragged_dot` treats them: a negative size counts as 0, and groups
 are cut at row M (a group reaching past row M keeps only its rows before M; later groups are empty and
 get a zero dw). The VJP: dx = grouped_matmul of dy with each w[g] transposed; dw[g] = x_g^T dy_g (zeros
@@ -335,7 +337,8 @@ def _num_sms(budget: int | None = None) -> int:
 
 
 def pallas_grouped_op(op: str, kernels: str, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
-                      config: BlockConfig, num_sms: int | None = None, **epilogue):
+                      config: BlockConfig, num_sms: int | None = None, zero_rows_end: jax.Array | None = None,
+                      **epilogue):
     """One grouped product on the Pallas `kernels`, with `config`, for group_sizes already clamped
     (non-negative, summing to at most M):
 
@@ -343,15 +346,18 @@ def pallas_grouped_op(op: str, kernels: str, lhs: jax.Array, rhs: jax.Array, gro
     * "dx":  lhs dy [M, N], rhs w [G, K, N] -> [M, K] (dy_g @ w[g]^T)
     * "dw":  lhs x [M, K], rhs dy [M, N] -> [G, K, N] (x_g^T @ dy_g)
 
-    Rows past sum(group_sizes) of the fwd and dx outputs are zero. `num_sms`: the SM budget of jax_ep's
-    kernels (grouped_matmul's). The benchmark's sweep calls this. `epilogue`: keywords of jax_ep's rows kernel
-    (`ragged_rows_matmul`) for fwd and dx on "pallas": gate_up_activation (fwd, where `fuses_gate_up_activation`
-    says so) gives (out, gate_up_activation(gate, up)) from one kernel; gate_up_activation_grad with gate_up [M, 2K]
-    and zero_rows_end (dx, where `fuses_gate_up_activation_grad` says so) gives the cotangent of gate_up for dx's
-    result dh."""
+    Rows past sum(group_sizes) of the fwd and dx outputs are zero: all of them, or where `zero_rows_end` (int32 [],
+    from `zeroed_rows_end`) is given, those before it, the rows after it unspecified (jax_ep's kernels leave them
+    unwritten; JAX's zero them all). `num_sms`: the SM budget of jax_ep's kernels (grouped_matmul's). The
+    benchmark's sweep calls this. `epilogue`: keywords of jax_ep's rows kernel (`ragged_rows_matmul`) for fwd and
+    dx on "pallas": gate_up_activation (fwd, where `fuses_gate_up_activation` says so) gives (out,
+    gate_up_activation(gate, up)) from one kernel; gate_up_activation_grad with gate_up [M, 2K] (dx, where
+    `fuses_gate_up_activation_grad` says so) gives the cotangent of gate_up for dx's result dh."""
     if epilogue and (kernels != "pallas" or op == "dw"):
         raise ValueError(f"{sorted(epilogue)}: jax_ep's rows kernel only (fwd and dx on \"pallas\"), not {kernels}'s "
                          f"{op}")
+    if zero_rows_end is not None and op == "dw":
+        raise ValueError("zero_rows_end: fwd and dx only (dw has no rows past the groups)")
     modules = _pallas_modules()
     num_rows = lhs.shape[0]
     if num_rows % GROUP_ROW_ALIGNMENT:
@@ -365,7 +371,7 @@ def pallas_grouped_op(op: str, kernels: str, lhs: jax.Array, rhs: jax.Array, gro
         epilogue = {name: padded(value) if isinstance(value, jax.Array) and value.ndim and value.shape[0] == num_rows
                     else value for name, value in epilogue.items()}
         out = pallas_grouped_op(op, kernels, padded(lhs), padded(rhs) if op == "dw" else rhs, group_sizes, config,
-                                num_sms, **epilogue)
+                                num_sms, zero_rows_end, **epilogue)
         return out if op == "dw" else jax.tree.map(lambda a: a[:num_rows], out)
     if kernels == "pallas":
         sms = _num_sms(num_sms)
@@ -376,8 +382,9 @@ def pallas_grouped_op(op: str, kernels: str, lhs: jax.Array, rhs: jax.Array, gro
         if op == "dw":
             return modules.ours.ragged_contraction_matmul(lhs, rhs, group_sizes, block_rows=config.block_m,
                                                           **kernel_args)
-        schedule = (modules.ours.paired_row_tile_schedule(group_sizes, lhs.shape[0], fuse_tails=config.fused_tails)
-                    if clustered else modules.ours.row_tile_schedule(group_sizes, lhs.shape[0]))
+        schedule = (modules.ours.paired_row_tile_schedule(group_sizes, lhs.shape[0], fuse_tails=config.fused_tails,
+                                                          zero_rows_end=zero_rows_end) if clustered else
+                    modules.ours.row_tile_schedule(group_sizes, lhs.shape[0], zero_rows_end=zero_rows_end))
         return modules.ours.ragged_rows_matmul(lhs, rhs, *schedule, transpose_rhs=op == "dx", clustered=clustered,
                                                **epilogue, **kernel_args)
     kernel_args = dict(group_sizes=group_sizes, block_m=config.block_m, block_n=config.block_n,
@@ -389,6 +396,14 @@ def pallas_grouped_op(op: str, kernels: str, lhs: jax.Array, rhs: jax.Array, gro
     # JAX's kernel leaves the rows past the last group unwritten.
     row_in_a_group = jnp.arange(lhs.shape[0]) < jnp.sum(group_sizes)
     return jnp.where(row_in_a_group[:, None], out, jnp.zeros((), out.dtype))
+
+
+def zeroed_rows_end(group_sizes: jax.Array, num_rows: int, zero_past_groups: bool) -> jax.Array | None:
+    """Where a grouped product's rows past the groups stop being zeroed (`pallas_grouped_op`'s zero_rows_end): None
+    (all of them) with zero_past_groups, else rows_read_past_groups() rows past the groups' end (groups_end), the
+    rows that the dw kernels read of a cotangent and multiply by zero, so that an output that becomes one
+    stays finite there. group_sizes as grouped_matmul clamps them."""
+    return None if zero_past_groups else groups_end(group_sizes, num_rows) + rows_read_past_groups()
 
 
 def clamp_group_sizes(group_sizes: jax.Array, num_rows: int) -> jax.Array:
@@ -416,11 +431,11 @@ _DW_DIMENSIONS = lax.RaggedDotDimensionNumbers(
 
 
 def grouped_op(op: str, implementation: str, lhs, rhs, group_sizes, problem_shape,
-               num_sms: int | None = None) -> jax.Array:
-    """`op` of `pallas_grouped_op` ("fwd", "dx" or "dw"; its operands) on `implementation` ("pallas",
-    "jax_pallas" or "ragged_dot"), with the table's configuration for the forward problem_shape (M, K, N, G);
-    group_sizes already clamped. The pieces of grouped_matmul's forward and VJP; `bench grouped_matmul --ops`
-    times each alone."""
+               num_sms: int | None = None, zero_rows_end: jax.Array | None = None) -> jax.Array:
+    """`op` of `pallas_grouped_op` ("fwd", "dx" or "dw"; its operands and zero_rows_end) on `implementation`
+    ("pallas", "jax_pallas" or "ragged_dot", which zeroes every row past the groups), with the table's
+    configuration for the forward problem_shape (M, K, N, G); group_sizes already clamped. The pieces of
+    grouped_matmul's forward and VJP; `bench grouped_matmul --ops` times each alone."""
     if implementation == "ragged_dot":
         # XLA may expand ragged_dot into masked dense products, where a non-finite row past the groups (the cuda
         # expert-major dispatch leaves those rows unwritten) would reach the result as 0 * inf: zeroed first.
@@ -434,31 +449,35 @@ def grouped_op(op: str, implementation: str, lhs, rhs, group_sizes, problem_shap
             out = lax.ragged_dot_general(lhs, rhs, group_sizes, dimensions, preferred_element_type=jnp.float32)
         return out.astype(lhs.dtype)
     return pallas_grouped_op(op, implementation, lhs, rhs, group_sizes,
-                             block_config(implementation, op, *problem_shape), num_sms)
+                             block_config(implementation, op, *problem_shape), num_sms, zero_rows_end)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _grouped_matmul(x, w, group_sizes, implementation, num_sms):
-    y = grouped_op("fwd", implementation, x, w, group_sizes, problem_shape(x, w), num_sms)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _grouped_matmul(x, w, group_sizes, implementation, num_sms, zero_past_groups):
+    y = grouped_op("fwd", implementation, x, w, group_sizes, problem_shape(x, w), num_sms,
+                   zeroed_rows_end(group_sizes, x.shape[0], zero_past_groups))
     return typed_like(y, x, w, group_sizes)
 
 
-def _grouped_matmul_fwd(x, w, group_sizes, implementation, num_sms):
-    return _grouped_matmul(x, w, group_sizes, implementation, num_sms), (x, w, group_sizes)
+def _grouped_matmul_fwd(x, w, group_sizes, implementation, num_sms, zero_past_groups):
+    return _grouped_matmul(x, w, group_sizes, implementation, num_sms, zero_past_groups), (x, w, group_sizes)
 
 
-def grouped_matmul_pullback(x, w, group_sizes, dy, implementation: str, num_sms: int | None = None):
-    """(dx, dw): the VJP of grouped_matmul(x, w, group_sizes) at cotangent dy, on `implementation` (resolved),
-    for group_sizes already clamped (clamp_group_sizes); each typed like its primal inside shard_map."""
+def grouped_matmul_pullback(x, w, group_sizes, dy, implementation: str, num_sms: int | None = None,
+                            zero_past_groups: bool = True):
+    """(dx, dw): the VJP of grouped_matmul(x, w, group_sizes, zero_past_groups=...) at cotangent dy, on
+    `implementation` (resolved), for group_sizes already clamped (clamp_group_sizes); each typed like its primal
+    inside shard_map."""
     shape = problem_shape(x, w)
-    dx = typed_like(grouped_op("dx", implementation, dy, w, group_sizes, shape, num_sms), x)
-    dw = typed_like(grouped_op("dw", implementation, x, dy, group_sizes, shape, num_sms), w)
-    return dx, dw
+    dx = grouped_op("dx", implementation, dy, w, group_sizes, shape, num_sms,
+                    zeroed_rows_end(group_sizes, x.shape[0], zero_past_groups))
+    dw = grouped_op("dw", implementation, x, dy, group_sizes, shape, num_sms)
+    return typed_like(dx, x), typed_like(dw, w)
 
 
-def _grouped_matmul_bwd(implementation, num_sms, residuals, dy):
+def _grouped_matmul_bwd(implementation, num_sms, zero_past_groups, residuals, dy):
     x, w, group_sizes = residuals
-    return (*grouped_matmul_pullback(x, w, group_sizes, dy, implementation, num_sms),
+    return (*grouped_matmul_pullback(x, w, group_sizes, dy, implementation, num_sms, zero_past_groups),
             None)  # group_sizes is integer-valued: no cotangent
 
 
@@ -512,8 +531,8 @@ def resolve_implementation(x, w, implementation: str = "auto") -> str:
     raise ValueError(f"jax_ep.grouped_matmul: implementation={implementation!r} cannot run here: {reason}")
 
 
-def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
-                   implementation: str = "auto", num_sms: int | None = None) -> jax.Array:
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, implementation: str = "auto",
+                   num_sms: int | None = None, zero_past_groups: bool = True) -> jax.Array:
     """y[r] = x[r] @ w[g] for each row r of group g; zeros past sum(group_sizes). See the module docstring.
 
     Args:
@@ -525,6 +544,11 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
         of the device; more than the device has: every SM). Fewer leave SMs to a kernel running at the same
         time on another stream, such as a dispatch or combine. The other implementations have no SM budget
         and run as they would without it.
+      zero_past_groups: False: the rows of y and of the gradient of x past sum(group_sizes) are zero on the first
+        `rows_read_past_groups()` of them (so that either can be a cotangent of another grouped_matmul) and
+        unspecified after them, where jax_ep's kernels leave them unwritten: their stores then follow the rows
+        the groups hold, not M. For a caller that reads only its groups' rows (the MoE block, whose
+        expert-major capacity is by default about R times the rows its groups fill).
 
     Returns:
       [M, N] in x's dtype (float32 accumulation). Differentiable in x and w.
@@ -532,4 +556,4 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     check_grouped_matmul_args(x, w, group_sizes, implementation, num_sms)
     chosen = resolve_implementation(x, w, implementation)
     return _grouped_matmul(x, w, clamp_group_sizes(group_sizes, x.shape[0]), chosen,
-                           None if num_sms is None else int(num_sms))
+                           None if num_sms is None else int(num_sms), bool(zero_past_groups))

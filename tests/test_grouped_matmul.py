@@ -208,17 +208,29 @@ needs_pallas = pytest.mark.skipif(kernels is None, reason="this JAX has no Palla
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def _schedule(group_sizes, num_rows):
-    return kernels.row_tile_schedule(group_sizes, num_rows)
+def _schedule(group_sizes, num_rows, zero_rows_end=None):
+    return kernels.row_tile_schedule(group_sizes, num_rows, zero_rows_end)
+
+
+def _rows_written(sizes, num_rows, zero_rows_end):
+    """Where the schedule's rows end: every row, or past the groups only those before zero_rows_end (at least the
+    groups' rows, at most num_rows)."""
+    return num_rows if zero_rows_end is None else min(max(zero_rows_end, int(np.sum(sizes))), num_rows)
+
+
+_ZERO_ROWS_ENDS = st.one_of(st.none(), st.integers(-5, 1100))
 
 
 @needs_pallas
 @settings(max_examples=30, deadline=None)
-@given(st.lists(st.integers(0, 300), min_size=5, max_size=5), st.sampled_from([700, 1024]))
-def test_row_tile_schedule_writes_every_row_once(sizes, num_rows):
+@given(st.lists(st.integers(0, 300), min_size=5, max_size=5), st.sampled_from([700, 1024]), _ZERO_ROWS_ENDS)
+def test_row_tile_schedule_writes_every_row_once(sizes, num_rows, zero_rows_end):
+    """Every row once, up to zero_rows_end past the groups (all rows without it), none after it."""
     sizes = np.asarray(gm_module.clamp_group_sizes(jnp.asarray(sizes, jnp.int32), num_rows))
-    tile_group, first, end = (np.asarray(a) for a in _schedule(jnp.asarray(sizes), num_rows))
+    zero_end = None if zero_rows_end is None else jnp.asarray(zero_rows_end, jnp.int32)
+    tile_group, first, end = (np.asarray(a) for a in _schedule(jnp.asarray(sizes), num_rows, zero_end))
     ranges = oracle_group_ranges(sizes, num_rows)
+    rows_end = _rows_written(sizes, num_rows, zero_rows_end)
     written = np.zeros(num_rows, int)
     for group, lo, hi in zip(tile_group, first, end):
         if lo == hi:
@@ -226,9 +238,10 @@ def test_row_tile_schedule_writes_every_row_once(sizes, num_rows):
         written[lo:hi] += 1
         tile_start = lo - lo % kernels.ROW_ALIGNMENT
         assert hi - tile_start <= kernels.BLOCK_ROWS  # within one tile's rows
-        group_start, group_end = ranges[group] if group >= 0 else (ranges[-1][1], num_rows)
+        group_start, group_end = ranges[group] if group >= 0 else (ranges[-1][1], rows_end)
         assert group_start <= lo and hi <= group_end
-    np.testing.assert_array_equal(written, 1)
+    np.testing.assert_array_equal(written[:rows_end], 1)
+    np.testing.assert_array_equal(written[rows_end:], 0)
     # Unused entries are at the end, and each group has as few tiles as its aligned rows need.
     used = first < end
     assert used[:used.sum()].all()
@@ -239,23 +252,25 @@ def test_row_tile_schedule_writes_every_row_once(sizes, num_rows):
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
-def _paired_schedule(group_sizes, num_rows, fuse_tails=False):
-    return kernels.paired_row_tile_schedule(group_sizes, num_rows, fuse_tails)
+def _paired_schedule(group_sizes, num_rows, fuse_tails=False, zero_rows_end=None):
+    return kernels.paired_row_tile_schedule(group_sizes, num_rows, fuse_tails, zero_rows_end)
 
 
 @needs_pallas
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.integers(0, 400), min_size=1, max_size=9), st.sampled_from([700, 1024, 3000]))
-def test_paired_row_tile_schedule_pairs_each_groups_tiles(sizes, num_rows):
-    """The clustered kernel's schedule: the same tiles as row_tile_schedule (so every row written once), in pairs
-    (entries 2p, 2p + 1) of which all but at most one tile per group pair with another tile of its group, in row
-    order; unused entries write nothing and never come first in a pair."""
+@given(st.lists(st.integers(0, 400), min_size=1, max_size=9), st.sampled_from([700, 1024, 3000]), _ZERO_ROWS_ENDS)
+def test_paired_row_tile_schedule_pairs_each_groups_tiles(sizes, num_rows, zero_rows_end):
+    """The clustered kernel's schedule: the same tiles as row_tile_schedule (so every row written once, up to
+    zero_rows_end where it is given), in pairs (entries 2p, 2p + 1) of which all but at most one tile per group
+    pair with another tile of its group, in row order; unused entries write nothing and never come first in a
+    pair."""
     sizes = np.asarray(gm_module.clamp_group_sizes(jnp.asarray(sizes, jnp.int32), num_rows))
-    group, first, end = (np.asarray(a) for a in _paired_schedule(jnp.asarray(sizes), num_rows))
+    zero_end = None if zero_rows_end is None else jnp.asarray(zero_rows_end, jnp.int32)
+    group, first, end = (np.asarray(a) for a in _paired_schedule(jnp.asarray(sizes), num_rows, False, zero_end))
     assert len(group) % 2 == 0
     used = first < end
-    expected = sorted((g, lo, hi) for g, lo, hi in zip(*(np.asarray(a) for a in _schedule(jnp.asarray(sizes),
-                                                                                           num_rows))) if lo < hi)
+    expected = sorted((g, lo, hi) for g, lo, hi in zip(*(np.asarray(a) for a in _schedule(
+        jnp.asarray(sizes), num_rows, zero_end))) if lo < hi)
     assert sorted(zip(group[used].tolist(), first[used].tolist(), end[used].tolist())) == expected
     _check_pairs(sizes, group, first, used)
 
@@ -479,8 +494,9 @@ def test_rows_kernel_with_the_activation_gradient_in_the_gpu_interpreter(zeroed_
     """The rows kernel with gate_up_activation_grad, run by JAX's Pallas GPU interpreter (with transpose_rhs=False:
     the interpreter cannot run dx's transposed operands, the device test does), two column blocks: d_gate_up
     against the float64 oracle's SwiGLU gradient of dh = x @ w[g] rounded to bfloat16; zero past the groups (on
-    zeroed_past_groups rows there with zero_rows_end, on all without). gate_up's rows past the groups are inf and
-    nan, which zero tiles must not read."""
+    zeroed_past_groups rows there with the schedule's zero_rows_end, the rows after them unwritten (the
+    interpreter's uninitialised nan), on all without). gate_up's rows past the groups are inf and nan, which zero
+    tiles must not read."""
     interpret = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.params",
                                     reason="JAX's Pallas GPU interpreter moved")
     from jax_ep.grouped_activation import _backward_math
@@ -492,19 +508,20 @@ def test_rows_kernel_with_the_activation_gradient_in_the_gpu_interpreter(zeroed_
     gate_up[end:, ::2], gate_up[end:, 1::2] = np.inf, np.nan
     gate_up = jnp.asarray(gate_up, jnp.bfloat16)
     group_sizes = jnp.asarray(sizes, jnp.int32)
-    zero_rows_end = None if zeroed_past_groups is None else jnp.asarray([end + zeroed_past_groups], jnp.int32)
-    params = interpret.InterpretGPUParams(out_of_bounds_reads="uninitialized")
+    zero_rows_end = None if zeroed_past_groups is None else jnp.asarray(end + zeroed_past_groups, jnp.int32)
+    params = interpret.InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="nan")
     with interpret.force_gpu_interpret_mode(params):
-        d_gate_up = kernels.ragged_rows_matmul(x, w, *kernels.row_tile_schedule(group_sizes, m), transpose_rhs=False,
-                                               block_n=128, block_k=64, num_stages=2, grid_tile_width=1, num_sms=2,
-                                               gate_up=gate_up, gate_up_activation_grad=_backward_math,
-                                               zero_rows_end=zero_rows_end)
+        d_gate_up = kernels.ragged_rows_matmul(x, w, *kernels.row_tile_schedule(group_sizes, m, zero_rows_end),
+                                               transpose_rhs=False, block_n=128, block_k=64, num_stages=2,
+                                               grid_tile_width=1, num_sms=2, gate_up=gate_up,
+                                               gate_up_activation_grad=_backward_math)
     dh = oracle(np.asarray(x, np.float64), np.asarray(w, np.float64), np.zeros((m, n)), sizes)[0]
     dh = np.asarray(jnp.asarray(dh, jnp.bfloat16), np.float64)  # the kernel rounds dh as a separate pass would read it
     expected = O.silu_mul_vjp(np.asarray(gate_up, np.float64)[:end], dh[:end])
     assert relative_error(d_gate_up[:end], expected) <= 1e-2
     zeroed = m if zeroed_past_groups is None else end + zeroed_past_groups
     np.testing.assert_array_equal(np.asarray(d_gate_up[end:zeroed], np.float32), 0)
+    assert np.isnan(np.asarray(d_gate_up[zeroed:], np.float32)).all()
 
 
 @needs_pallas
@@ -550,11 +567,12 @@ def test_the_activation_gradient_fits_five_stages_of_128_columns():
 
 @cpu_only
 @needs_pallas
-@pytest.mark.parametrize("block_n", [64, 192, 256])  # one, three and two pieces of the tiles' stores
-def test_forward_kernel_in_the_gpu_interpreter(block_n):
+@pytest.mark.parametrize("block_n,zeroed_past_groups", [(64, None), (192, None), (256, None), (192, 11)])
+def test_forward_kernel_in_the_gpu_interpreter(block_n, zeroed_past_groups):
     """The rows kernel run by JAX's Pallas GPU interpreter: warp specialization, the tile schedule with
-    unaligned group starts and an empty group, partial stores (stored in column pieces), zero rows past the
-    last group. (The
+    unaligned group starts and an empty group, partial stores (stored in column pieces; block_n 64, 192 and
+    256 give one, three and two pieces), zero rows past the last group: all of them, or zeroed_past_groups of
+    them with the schedule's zero_rows_end and the rest unwritten (the interpreter's uninitialised nan). (The
     interpreter cannot run transposed wgmma operands, which dx and dw use.)"""
     interpret = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.params",
                                     reason="JAX's Pallas GPU interpreter moved")
@@ -562,14 +580,19 @@ def test_forward_kernel_in_the_gpu_interpreter(block_n):
     m, k, n, sizes = 256, 64, 768, [0, 37, 100, 80]
     x, w, _ = random_operands(rng, m, k, n, len(sizes), jnp.bfloat16)
     group_sizes = jnp.asarray(sizes, jnp.int32)
+    end = sum(sizes)
+    zeroed = m if zeroed_past_groups is None else end + zeroed_past_groups
+    zero_rows_end = None if zeroed_past_groups is None else jnp.asarray(zeroed, jnp.int32)
     # Reads past the array (a tile's rows from an aligned group start) are TMA zero fills on the device.
-    params = interpret.InterpretGPUParams(out_of_bounds_reads="uninitialized")
+    params = interpret.InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="nan")
     with interpret.force_gpu_interpret_mode(params):
-        y = kernels.ragged_rows_matmul(x, w, *kernels.row_tile_schedule(group_sizes, m), transpose_rhs=False,
-                                       block_n=block_n, block_k=64, num_stages=2, grid_tile_width=1, num_sms=2)
+        y = kernels.ragged_rows_matmul(x, w, *kernels.row_tile_schedule(group_sizes, m, zero_rows_end),
+                                       transpose_rhs=False, block_n=block_n, block_k=64, num_stages=2,
+                                       grid_tile_width=1, num_sms=2)
     expected = oracle(np.asarray(x, np.float64), np.asarray(w, np.float64), np.zeros((m, n)), sizes)[0]
-    assert relative_error(y, expected) <= 1e-2
-    np.testing.assert_array_equal(np.asarray(y[sum(sizes):], np.float32), 0)  # unwritten rows would be nan
+    assert relative_error(y[:end], expected[:end]) <= 1e-2
+    np.testing.assert_array_equal(np.asarray(y[end:zeroed], np.float32), 0)
+    assert np.isnan(np.asarray(y[zeroed:], np.float32)).all()  # unwritten
 
 
 @pytest.mark.parametrize("varying", [("ep",), ()])

@@ -283,7 +283,7 @@ def _breakdown_ms(mesh, moe: MoE, x, shape: MoEShape, args) -> tuple[dict[str, f
         return (d.recv_x, d.recv_weights), (d.num_recv_tokens_per_expert, d.handle)
 
     def expert_ffn(recv_x, w_gate_up, w_down, group_sizes):
-        return grouped_swiglu(recv_x, group_sizes, w_gate_up, w_down).astype(DTYPE), ()
+        return grouped_swiglu(recv_x, group_sizes, w_gate_up, w_down, zero_past_groups=False).astype(DTYPE), ()
 
     def combine(y, recv_weights, handle):
         return jax_ep.combine(buffer, y, handle, weights=recv_weights).x, ()

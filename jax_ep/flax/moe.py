@@ -287,7 +287,9 @@ class MoE(nnx.Module):
                 d = jax_ep.dispatch(self.buffer, x[part], routing.topk_idx[part], routing.topk_weights[part],
                                     num_experts=self.num_experts, max_recv_tokens=self._capacity(chunk, num_ranks),
                                     expert_alignment=self.expert_alignment, layout="expert_major")
-                expert_out = grouped_swiglu(d.recv_x, d.num_recv_tokens_per_expert, *experts)
+                # The combine reads only the pairs' rows: the rows past the groups (the capacity's spare, by
+                # default about R times the rows the groups fill) cost the expert FFN no stores.
+                expert_out = grouped_swiglu(d.recv_x, d.num_recv_tokens_per_expert, *experts, zero_past_groups=False)
                 outputs.append(jax_ep.combine(self.buffer, expert_out.astype(dtype), d.handle,
                                               weights=d.recv_weights).x)
                 num_dropped = num_dropped + d.num_dropped

@@ -434,3 +434,58 @@ def test_expert_swiglu_with_the_activation_gradient_in_dx_against_oracle_and_the
     for g in (1, 2):
         assert relative_error(fused[2][g], want_dwg[g - 1]) <= BF16_TOLERANCE, f"dW gate/up[{g}]"
         assert relative_error(fused[3][g], want_dwd[g - 1]) <= BF16_TOLERANCE, f"dW down[{g}]"
+
+
+@needs_hopper
+@pytest.mark.parametrize("m, d, f, groups", [(16384, 2048, 1408, 16), (8192, 2048, 512, 16)],
+                         ids=["fused (moe-a)", "two steps"])
+def test_expert_swiglu_without_zeros_past_the_groups(m, d, f, groups):
+    """expert_swiglu(zero_past_groups=False), as the Flax block runs it, on rows of which the groups fill about a
+    quarter (the default expert-major capacity at four ranks) and the rest NaN (as the cuda dispatch leaves them),
+    with a cotangent zero on 256 rows past the groups (as the combine's gradient leaves it), through the fused
+    kernels (moe-a's widths) and the two steps (grouped_matmul, the activation's kernels, grouped_matmul: F=512
+    does not fuse the forward, as v3's widths do not at two ranks): y and the gradient of the rows on the groups'
+    rows, and both weights' gradients, bitwise those of zero_past_groups=True; y and dx zero on
+    rows_read_past_groups() rows past the groups; y of two groups and both their weight gradients against a
+    float64 NumPy oracle."""
+    import oracle as O
+    from jax_ep.grouped_activation import expert_swiglu
+    from jax_ep.grouped_matmul import fuses_gate_up_activation, rows_read_past_groups
+
+    assert fuses_gate_up_activation("pallas", m, d, 2 * f, groups) == (f == 1408)
+
+    rng = np.random.default_rng(23)
+    sizes = rng.multinomial(m // 4, np.full(groups, 1 / groups)).astype(np.int32)
+    end = int(sizes.sum())
+    x = rng.standard_normal((m, d)).astype(np.float32)
+    x[end:] = np.nan
+    dy = rng.standard_normal((m, d)).astype(np.float32)
+    dy[end:end + 256] = 0
+    x, dy = jnp.asarray(x, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16)
+    w_gate_up = jnp.asarray(rng.standard_normal((groups, d, 2 * f)) / np.sqrt(d), jnp.bfloat16)
+    w_down = jnp.asarray(rng.standard_normal((groups, f, d)) / np.sqrt(f), jnp.bfloat16)
+
+    def run(zero_past_groups):
+        @jax.jit
+        def go(x, wg, wd):
+            y, vjp = jax.vjp(lambda *a: expert_swiglu(*a, jnp.asarray(sizes), implementation="pallas",
+                                                      zero_past_groups=zero_past_groups), x, wg, wd)
+            return (y, *vjp(dy))
+        return [np.asarray(a, np.float32) for a in go(x, w_gate_up, w_down)]
+
+    unzeroed, zeroed = run(False), run(True)
+    for name, a, b in zip(("y", "dx"), unzeroed[:2], zeroed[:2]):
+        np.testing.assert_array_equal(a[:end], b[:end], err_msg=name)
+        assert not a[end:end + rows_read_past_groups()].any(), f"{name}: not zero past the groups"
+    for name, a, b in zip(("dW gate/up", "dW down"), unzeroed[2:], zeroed[2:]):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    bf = [np.asarray(a, np.float64) for a in (x, w_gate_up, w_down, dy)]
+    for g in (1, groups - 1):
+        rows = slice(int(starts[g]), int(starts[g] + sizes[g]))
+        gate_up = bf[0][rows] @ bf[1][g]
+        h = O.silu_mul(gate_up)
+        assert relative_error(unzeroed[0][rows], h @ bf[2][g]) <= BF16_TOLERANCE, f"y of group {g}"
+        d_gate_up = O.silu_mul_vjp(gate_up, bf[3][rows] @ bf[2][g].T)
+        assert relative_error(unzeroed[2][g], bf[0][rows].T @ d_gate_up) <= BF16_TOLERANCE, f"dW gate/up[{g}]"
+        assert relative_error(unzeroed[3][g], h.T @ bf[3][rows]) <= BF16_TOLERANCE, f"dW down[{g}]"
