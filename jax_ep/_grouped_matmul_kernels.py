@@ -8,8 +8,9 @@ loads), one per kind of grouped product:
   tiles they start at their group's first row (rounded down to a multiple of 8, see ROW_ALIGNMENT), so no
   tile holds rows of two groups beyond those 7 and none is computed twice. The two compute warpgroups own
   64 rows each; in a group's last tile a warpgroup whose 64 rows are all past the group's end skips its
-  matmuls, so a tail of at most 64 rows costs half a tile. Tiles past the last group write the zero rows,
-  and the tile count follows the group sizes: rows past sum(group_sizes) cost no matmul work. The tile
+  matmuls, so a tail of at most 64 rows costs half a tile. Tiles past the last group write the zero rows
+  (up to the schedule's zero_rows_end), and the tile count follows the group sizes: rows past sum(group_sizes)
+  cost no matmul work. The tile
   schedule is a small int32 table computed on the device from group_sizes (`row_tile_schedule`).
 * `ragged_contraction_matmul`: out[g] = lhs[rows of g]^T @ rhs[rows of g] (dw). Output tiles are
   (group, 128 or 256 rows of K, `block_n` columns); each sums over its group's rows in steps of `block_k` rows,

@@ -209,15 +209,17 @@ def test_which_dx_kernels_take_the_activation_gradient():
 
 
 @needs_pallas
-def test_expert_swiglu_fused_both_ways_lowers_for_cuda_inside_shard_map(monkeypatch):
+@pytest.mark.parametrize("zero_past_groups", [True, False])
+def test_expert_swiglu_fused_both_ways_lowers_for_cuda_inside_shard_map(monkeypatch, zero_past_groups):
     """expert_swiglu where both the forward activation and its gradient fuse (moe-a), under shard_map's vma checks
-    as the MoE block runs it: forward and gradient lower for CUDA as six Mosaic GPU kernels (the fused forward,
-    the down projection, its dW, its dx writing the cotangent of gate_up, dx and dW of the gate and up) and no
-    Triton kernel."""
+    as the MoE block runs it (zero_past_groups=False) and by default: forward and gradient lower for CUDA as six
+    Mosaic GPU kernels (the fused forward, the down projection, its dW, its dx writing the cotangent of gate_up, dx
+    and dW of the gate and up) and no Triton kernel."""
     rows, f, d, groups = MOE_A_DOWN
 
     def body(x, w_gate_up, w_down, s):
-        y, vjp = jax.vjp(lambda *a: ga.expert_swiglu(*a, s, implementation="pallas"), x, w_gate_up, w_down)
+        y, vjp = jax.vjp(lambda *a: ga.expert_swiglu(*a, s, implementation="pallas",
+                                                     zero_past_groups=zero_past_groups), x, w_gate_up, w_down)
         return y, vjp(y)
 
     text = lowered_for_cuda_in_shard_map(monkeypatch, body, (rows, d), (groups, d, 2 * f), (groups, f, d), (groups,))
@@ -225,9 +227,11 @@ def test_expert_swiglu_fused_both_ways_lowers_for_cuda_inside_shard_map(monkeypa
     assert text.count("custom_call @mosaic_gpu") == 6
 
 
-def test_expert_swiglu_on_xla_against_the_oracle():
+@pytest.mark.parametrize("zero_past_groups", [True, False])
+def test_expert_swiglu_on_xla_against_the_oracle(zero_past_groups):
     """expert_swiglu where nothing fuses (XLA's ragged_dot): y and its pullback to the rows and both weights
-    against the float64 oracle; zeros past the groups."""
+    against the float64 oracle; zeros past the groups (with zero_past_groups=False at least on the
+    rows_read_past_groups() rows after them)."""
     rng = np.random.default_rng(5)
     m, d, f, sizes = 64, 32, 48, np.asarray([10, 0, 23, 15], np.int32)
     x = jnp.asarray(rng.standard_normal((m, d)), jnp.bfloat16)
@@ -237,8 +241,8 @@ def test_expert_swiglu_on_xla_against_the_oracle():
 
     @jax.jit
     def step(x, w_gate_up, w_down, dy):
-        y, vjp = jax.vjp(lambda *a: ga.expert_swiglu(*a, jnp.asarray(sizes), implementation="ragged_dot"),
-                         x, w_gate_up, w_down)
+        y, vjp = jax.vjp(lambda *a: ga.expert_swiglu(*a, jnp.asarray(sizes), implementation="ragged_dot",
+                                                     zero_past_groups=zero_past_groups), x, w_gate_up, w_down)
         return y, vjp(dy)
 
     y, (dx, dwg, dwd) = step(x, w_gate_up, w_down, dy)
@@ -249,7 +253,8 @@ def test_expert_swiglu_on_xla_against_the_oracle():
                             ("dW down", dwd, want_dwd)):
         got = np.asarray(got, np.float64)
         assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want), name
-    assert not np.asarray(y[end:], np.float32).any() and not np.asarray(dx[end:], np.float32).any()
+    zeroed = m if zero_past_groups else end + rows_read_past_groups()
+    assert not np.asarray(y[end:zeroed], np.float32).any() and not np.asarray(dx[end:zeroed], np.float32).any()
 
 
 @needs_pallas

@@ -442,7 +442,8 @@ def test_expert_swiglu_with_the_activation_gradient_in_dx_against_oracle_and_the
 def test_expert_swiglu_without_zeros_past_the_groups(m, d, f, groups):
     """expert_swiglu(zero_past_groups=False), as the Flax block runs it, on rows of which the groups fill about a
     quarter (the default expert-major capacity at four ranks) and the rest NaN (as the cuda dispatch leaves them),
-    with a cotangent zero on 256 rows past the groups (as the combine's gradient leaves it), through the fused
+    with a cotangent zero on 256 rows past the groups and NaN after them (as the combine's gradient leaves it:
+    unwritten), through the fused
     kernels (moe-a's widths) and the two steps (grouped_matmul, the activation's kernels, grouped_matmul: F=512
     does not fuse the forward, as v3's widths do not at two ranks): y and the gradient of the rows on the groups'
     rows, and both weights' gradients, bitwise those of zero_past_groups=True; y and dx zero on
@@ -450,9 +451,11 @@ def test_expert_swiglu_without_zeros_past_the_groups(m, d, f, groups):
     float64 NumPy oracle."""
     import oracle as O
     from jax_ep.grouped_activation import expert_swiglu
-    from jax_ep.grouped_matmul import fuses_gate_up_activation, rows_read_past_groups
+    from jax_ep.grouped_matmul import fuses_gate_up_activation, fuses_gate_up_activation_grad, rows_read_past_groups
 
-    assert fuses_gate_up_activation("pallas", m, d, 2 * f, groups) == (f == 1408)
+    fused = f == 1408
+    assert fuses_gate_up_activation("pallas", m, d, 2 * f, groups) == fused
+    assert fuses_gate_up_activation_grad("pallas", m, f, d, groups) or not fused
 
     rng = np.random.default_rng(23)
     sizes = rng.multinomial(m // 4, np.full(groups, 1 / groups)).astype(np.int32)
@@ -461,6 +464,7 @@ def test_expert_swiglu_without_zeros_past_the_groups(m, d, f, groups):
     x[end:] = np.nan
     dy = rng.standard_normal((m, d)).astype(np.float32)
     dy[end:end + 256] = 0
+    dy[end + 256:] = np.nan  # unwritten there
     x, dy = jnp.asarray(x, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16)
     w_gate_up = jnp.asarray(rng.standard_normal((groups, d, 2 * f)) / np.sqrt(d), jnp.bfloat16)
     w_down = jnp.asarray(rng.standard_normal((groups, f, d)) / np.sqrt(f), jnp.bfloat16)
