@@ -88,11 +88,11 @@ GATE_UP_HALF_COLS = 128
 
 
 def _zero_rows_range_end(group_ends, num_rows: int, zero_rows_end):
-    """Where the zero tiles' rows end: zero_rows_end (int32 [] or [1]) clamped to [the groups' end, num_rows], or
-    num_rows where it is None."""
+    """Where the zero tiles' rows end: zero_rows_end (int32 []) clamped to [the groups' end, num_rows], or num_rows
+    where it is None."""
     if zero_rows_end is None:
         return jnp.asarray(num_rows, group_ends.dtype)
-    return jnp.clip(jnp.reshape(zero_rows_end, ()).astype(group_ends.dtype), group_ends[-1], num_rows)
+    return jnp.clip(jnp.asarray(zero_rows_end, group_ends.dtype), group_ends[-1], num_rows)
 
 
 def row_tile_schedule(group_sizes: jax.Array, num_rows: int,
