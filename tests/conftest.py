@@ -21,6 +21,20 @@ import jax_ep  # noqa: E402
 LL_RANKS_PER_NODE = int(os.environ.get("JAX_EP_TEST_RANKS_PER_NODE", "0")) or None
 
 
+@pytest.fixture
+def triton_lowers_for_an_h200(monkeypatch):
+    """Lowering for CUDA on a host without a GPU (CI): from jax 0.12 a Pallas Triton kernel asks for the GPU's
+    compute capability while it lowers, and without a GPU refuses unless the mesh carries an abstract GPU device
+    (which the tests' meshes of CPU devices cannot); it gets an H200's. Earlier JAX lowers without asking."""
+    try:
+        from jax._src.pallas.triton import gpu_info
+    except ImportError:
+        return
+    if hasattr(gpu_info, "get_gpu_info") and hasattr(gpu_info, "get_gpu_info_from_version"):
+        monkeypatch.setattr(gpu_info, "get_gpu_info",
+                            lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+
+
 @functools.cache
 def mesh_of(num_ranks: int, axis_name: str = "ep") -> Mesh:
     """A 1-D mesh of the first `num_ranks` devices (with one process per GPU: every process's GPUs); skips the

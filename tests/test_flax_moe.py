@@ -292,6 +292,7 @@ def test_global_view_on_a_mesh_with_explicit_axes():
 
 
 @pytest.mark.parametrize("num_chunks", [1, 2])
+@pytest.mark.usefixtures("triton_lowers_for_an_h200")
 def test_block_lowers_for_cuda_with_the_grouped_kernels_at_two_ranks(monkeypatch, num_chunks):
     """The GPU tests' repeated block step (tests/gpu/test_flax_moe_gpu.py: D=F=256, 8 experts, K=2, 512 tokens) at
     two ranks, with jax_ep's grouped kernels chosen as on a Hopper GPU, lowers for CUDA forward + backward, and its

@@ -131,6 +131,7 @@ def test_inside_shard_map(monkeypatch, kernels):
         assert_close(d[rows], O.silu_mul_vjp(gate_up[rows], dh[rows]), f"rank {r}: d gate_up")
 
 
+@pytest.mark.usefixtures("triton_lowers_for_an_h200")
 def test_kernels_lower_for_cuda_inside_shard_map():
     """The kernels' path under shard_map's vma checks, as the MoE block runs it: forward and gradient lower for
     CUDA (two Triton kernels), their results typed as the rank's rows vary."""
@@ -180,6 +181,7 @@ def lowered_for_cuda_in_shard_map(monkeypatch, body, *shapes) -> str:
 
 
 @needs_pallas
+@pytest.mark.usefixtures("triton_lowers_for_an_h200")
 def test_fused_gate_up_activation_lowers_for_cuda_inside_shard_map(monkeypatch):
     """grouped_gate_up_silu_mul's fused path under shard_map's vma checks, as the MoE block runs it: forward and
     gradient lower for CUDA as three Mosaic GPU kernels (the fused forward, dx, dW) and one Triton kernel (the
