@@ -130,15 +130,19 @@ def test_moe_bench_remat_memory(tmp_path):
 
 
 def test_moe_bench_timeline(tmp_path, capsys):
-    """--timeline PATH: one profiled step per dispatcher, drawn to PATH with the shape and dispatcher in its name."""
+    """--timeline PATH: one profiled step per block timed (dispatcher, num_chunks), drawn to PATH with the shape,
+    the dispatcher and the chunks in its name."""
     path = tmp_path / "step.png"
-    moe_record(tmp_path, "--shapes", "tiny", "--dispatchers", "xla", "--ranks", "2", "--timeline", str(path))
-    drawn = tmp_path / "step-tiny-xla.png"
-    assert drawn.read_bytes().startswith(b"\x89PNG")
-    spans = json.loads((tmp_path / "step-tiny-xla.json").read_text())
-    assert spans and all(duration >= 0 and isinstance(name, str) for lane in spans.values()
-                         for _, duration, name, _ in lane), spans
-    assert f"timeline of one step: {drawn}" in capsys.readouterr().out
+    moe_record(tmp_path, "--shapes", "tiny", "--dispatchers", "xla", "--ranks", "2", "--num-chunks", "1", "2",
+               "--timeline", str(path))
+    out = capsys.readouterr().out
+    for variant in ("xla", "xla-2-chunks"):
+        drawn = tmp_path / f"step-tiny-{variant}.png"
+        assert drawn.read_bytes().startswith(b"\x89PNG")
+        spans = json.loads((tmp_path / f"step-tiny-{variant}.json").read_text())
+        assert spans and all(duration >= 0 and isinstance(name, str) for lane in spans.values()
+                             for _, duration, name, _ in lane), spans
+        assert f"timeline of one step: {drawn}" in out
 
 
 def test_moe_bench_communication_ratios(capsys):

@@ -295,8 +295,9 @@ def test_calls_inside_side_stream_take_the_twins_and_join_holds_every_operand():
           for name in (_native.side_stream_twin(intranode.EXPERT_MAJOR_COMBINE_TARGET), "dot_general",
                        normal.JOIN_TARGET)}
     assert list(at.values()) == sorted(at.values()), at  # start, matmul, join
-    # Before the compute, after it, and after the join (the compute's results with the join's).
-    assert text.count("optimization_barrier") == 3, text
+    # Before the calls (their arguments together), before the compute, after it, and after the join (the compute's
+    # results with the join's).
+    assert text.count("optimization_barrier") == 4, text
     assert "has_side_effect = true" in join, join  # kept even where nothing reads the started results
     # Operands: the started results (the combine's result and the handle's 5 arrays, aliased), then the dispatch's
     # other 9 results, the combine's slots, x, topk_idx and topk_weights (the combine's operands are among those).

@@ -45,8 +45,8 @@ Per shape and dispatcher:
   the block hides: 1.0 would be all of it (each stage timed alone also pays its own launch, ~0.1 ms).
 - hidden: the share of the communication stages (dispatch + combine) that the block did not add to its time,
   (sum of the stages - block) / (dispatch + combine); 0 when the block costs what its stages cost one after another.
-- --timeline PATH: one step of each dispatcher's block (the first --num-chunks value) profiled, its kernels per GPU
-  stream drawn to PATH with "-SHAPE-DISPATCHER" before its suffix (jax_ep.bench.timeline), and listed (start,
+- --timeline PATH: one step of each block timed (each dispatcher and --num-chunks value) profiled, its kernels per
+  GPU stream drawn to PATH with "-SHAPE-DISPATCHER" (and "-N-chunks" for N > 1) before its suffix (jax_ep.bench.timeline), and listed (start,
   duration, name, kind) in the same name with the suffix .json.
 - --num-chunks N [M ...]: the block with each num_chunks (its tokens through dispatch, experts and combine in
   chunks, so that XLA may overlap one chunk's communication with another's matmuls), timed in the same run; the
@@ -342,11 +342,12 @@ def _measure(mesh, shape: MoEShape, dispatcher: str, args, name: str) -> dict:
                  figures["expert_ffn_proxy_ms"]) = _breakdown_ms(mesh, moe, x, shape, args)
                 if args.remat:
                     figures["temp_bytes"] = remat_temp_bytes(moe, x, cotangent)
-                if args.timeline:
-                    _draw_timeline(moe, x, cotangent, timeline_path(args.timeline, name, dispatcher),
-                                   f"jax_ep.flax.MoE {name}, {dispatcher} dispatcher ({figures['backend']} backend), "
-                                   f"{num_chunks} chunk(s), {mesh.devices.size} ranks: one step, forward + backward"
-                                   + ("" if jax.process_count() == 1 else ", process 0's GPUs"))
+            if args.timeline:
+                variant = dispatcher + (f"-{num_chunks}-chunks" if num_chunks > 1 else "")
+                _draw_timeline(moe, x, cotangent, timeline_path(args.timeline, name, variant),
+                               f"jax_ep.flax.MoE {name}, {dispatcher} dispatcher ({figures['backend']} backend), "
+                               f"{num_chunks} chunk(s), {mesh.devices.size} ranks: one step, forward + backward"
+                               + ("" if jax.process_count() == 1 else ", process 0's GPUs"))
     return figures
 
 
