@@ -46,8 +46,8 @@ Per shape and dispatcher:
 - hidden: the share of the communication stages (dispatch + combine) that the block did not add to its time,
   (sum of the stages - block) / (dispatch + combine); 0 when the block costs what its stages cost one after another.
 - --timeline PATH: one step of each block timed (each dispatcher and --num-chunks value) profiled, its kernels per
-  GPU stream drawn to PATH with "-SHAPE-DISPATCHER" (and "-N-chunks" for N > 1) before its suffix (jax_ep.bench.timeline), and listed (start,
-  duration, name, kind) in the same name with the suffix .json.
+  GPU stream drawn to PATH with "-SHAPE-DISPATCHER" (and "-N-chunks" for N > 1) before its suffix
+  (jax_ep.bench.timeline), and listed (start, duration, name, kind) in the same name with the suffix .json.
 - --num-chunks N [M ...]: the block with each num_chunks (its tokens through dispatch, experts and combine in
   chunks, so that XLA may overlap one chunk's communication with another's matmuls), timed in the same run; the
   breakdown is taken once, unchunked.
