@@ -303,9 +303,10 @@ def _breakdown_ms(mesh, moe: MoE, x, shape: MoEShape, args) -> tuple[dict[str, f
             ms["expert FFN"]["proxy"])
 
 
-def timeline_path(path: str, shape: str, dispatcher: str) -> str:
+def timeline_path(path: str, shape: str, dispatcher: str, num_chunks: int = 1) -> str:
     root, suffix = os.path.splitext(path)
-    return f"{root}-{shape.replace(', ', '-').replace(' ', '-')}-{dispatcher}{suffix or '.png'}"
+    chunks = f"-{num_chunks}-chunks" if num_chunks > 1 else ""
+    return f"{root}-{shape.replace(', ', '-').replace(' ', '-')}-{dispatcher}{chunks}{suffix or '.png'}"
 
 
 def _draw_timeline(moe: MoE, x, cotangent, path: str, title: str) -> None:
@@ -343,8 +344,7 @@ def _measure(mesh, shape: MoEShape, dispatcher: str, args, name: str) -> dict:
                 if args.remat:
                     figures["temp_bytes"] = remat_temp_bytes(moe, x, cotangent)
             if args.timeline:
-                variant = dispatcher + (f"-{num_chunks}-chunks" if num_chunks > 1 else "")
-                _draw_timeline(moe, x, cotangent, timeline_path(args.timeline, name, variant),
+                _draw_timeline(moe, x, cotangent, timeline_path(args.timeline, name, dispatcher, num_chunks),
                                f"jax_ep.flax.MoE {name}, {dispatcher} dispatcher ({figures['backend']} backend), "
                                f"{num_chunks} chunk(s), {mesh.devices.size} ranks: one step, forward + backward"
                                + ("" if jax.process_count() == 1 else ", process 0's GPUs"))
