@@ -173,6 +173,18 @@ __device__ __forceinline__ JobShape shape_of(const CombineJob& j, const ExpertMa
 // kPartialsAtOnce partials (pass 2) in flight per lane (more spill at the 128 registers a thread that one block of
 // kThreads per SM leaves: ~400 bytes at 4 partials).
 constexpr int kPartialsAtOnce = 2;
+// Pieces of a row asked of L2 ahead of the one a warp loads (prefetch_ahead); 2 measured best (docs/perf-log.md).
+constexpr int kPrefetchChunks = 2;
+
+// A lane's row: its pieces kPrefetchChunks ahead of the one at `first` into L2 (at the first piece, every piece up
+// to there), while the warp waits for this piece's loads, which hold every register it can spare.
+template <typename Pack>
+__device__ __forceinline__ void prefetch_ahead(const Pack* row, int first, int vecs) {
+  constexpr int kChunkVecs = 32 * kSourceUnroll;  // a row's vectors a warp reads at once
+  for (int ahead = first == 0 ? kChunkVecs : first + kPrefetchChunks * kChunkVecs;
+       ahead <= first + kPrefetchChunks * kChunkVecs && ahead < vecs; ahead += kChunkVecs)
+    prefetch_to_l2(row + ahead, static_cast<uint32_t>(min(kChunkVecs, vecs - ahead) * sizeof(Pack)));
+}
 
 // One pass over rows of whole 16-byte vectors (kVec elements of In each).
 template <bool kOwnTokens, typename In, typename Bias, typename Out, int kVec>
@@ -199,6 +211,7 @@ __device__ void combine_pass(const IntranodeRank& g, const CallContext& ctx, con
                                       (slot_region(me, job.home) * a.num_tokens + job.token) * a.row_elements;
       for (int first = 0; first < vecs; first += 32 * kSourceUnroll) {
         const int v0 = first + lane;
+        if (lane < shape.pairs) prefetch_ahead(pairs.lane_row, first, vecs);
         float partial[kSourceUnroll][kVec] = {};
         add_source_vectors<kPairsAtOnce, In, kVec, kSourceUnroll, LoadNonCoherent>(
             partial, pairs.lane_row, pairs.lane_weight, weighted, 0, shape.pairs, vecs, v0);
@@ -222,6 +235,9 @@ __device__ void combine_pass(const IntranodeRank& g, const CallContext& ctx, con
       const int mine_at = shape.me_holds && !kMineIsSource ? __popc(holders & lanes_below(me)) : count;
       for (int first = 0; first < vecs; first += 32 * kSourceUnroll) {
         const int v0 = first + lane;
+        if (lane < count) prefetch_ahead(lane_row, first, vecs);
+        if constexpr (!kMineIsSource)
+          if (mine_at < count && lane == 31) prefetch_ahead(mine, first, vecs);  // lane 31: no partial's lane
         float acc[kSourceUnroll][kVec] = {};
         add_source_vectors<kPartialsAtOnce, In, kVec, kSourceUnroll, LoadL2>(acc, lane_row, 1.f, false, 0, mine_at,
                                                                              vecs, v0);

@@ -631,6 +631,15 @@ __device__ __forceinline__ void add_source_vectors(float (&sum)[kUnroll][kVec], 
   }
 }
 
+// `bytes` (a multiple of 16) at `address` (16-byte aligned) into L2, with no registers or shared memory held:
+// a warp reading scattered rows in register-sized pieces asks for the next pieces while it waits for these
+// (sm_90's bulk prefetch; nothing on older GPUs).
+__device__ __forceinline__ void prefetch_to_l2(const void* address, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(address), "r"(bytes) : "memory");
+#endif
+}
+
 template <typename In>
 __device__ __forceinline__ float rounded_to(float v) {
   return to_float(from_float<In>(v));
