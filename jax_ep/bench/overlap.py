@@ -81,7 +81,6 @@ def run(args) -> list[dict]:
     block_buf = jax_ep.Buffer(mesh, "ep", backend="cuda", config=block_config)
     block_comm = f"communication, the block's {block_config.num_sms} SMs"
     block_serial = f"both, one stream, the block's {block_config.num_sms} SMs"
-    backend = buf.backend_impl
 
     def compute(x, cotangent, w_gate_up, w_down, num_sms):
         sizes = jnp.full((local,), rows // local, jnp.int32)
@@ -89,24 +88,20 @@ def run(args) -> list[dict]:
         matmul = functools.partial(grouped_matmul, group_sizes=sizes, num_sms=num_sms)
         return swiglu_forward_backward(x, w_gate_up, w_down, cotangent, matmul)
 
-    def communicate(tokens, topk_idx, topk_weights, backend=backend):
+    def communicate(tokens, topk_idx, topk_weights, backend=buf.backend_impl):
         recv, weights, *_, handle, _ = backend.expert_major_dispatch(
             (tokens,), topk_idx, topk_weights, num_experts=E, capacity=capacity, expert_alignment=ALIGNMENT)
         return backend._expert_major_combine_call(recv[0], weights, handle.pair_row, handle, None, tokens.dtype)
 
-    def program(kind: str, num_sms: int | None = None):
+    def program(kind: str, num_sms: int | None, comm_buf: jax_ep.Buffer):
         def body(x, cotangent, w_gate_up, w_down, tokens, topk_idx, topk_weights):
             if kind == "compute":
                 return compute(x, cotangent, w_gate_up, w_down, num_sms)
             if kind == "communication":
-                return communicate(tokens, topk_idx, topk_weights)
-            if kind == "communication, block's SMs":
-                return communicate(tokens, topk_idx, topk_weights, block_buf.backend_impl)
+                return communicate(tokens, topk_idx, topk_weights, comm_buf.backend_impl)
             if kind == "one stream":
-                return compute(x, cotangent, w_gate_up, w_down, num_sms), communicate(tokens, topk_idx, topk_weights)
-            if kind == "one stream, block's SMs":
                 return (compute(x, cotangent, w_gate_up, w_down, num_sms),
-                        communicate(tokens, topk_idx, topk_weights, block_buf.backend_impl))
+                        communicate(tokens, topk_idx, topk_weights, comm_buf.backend_impl))
             combined, grads = normal.overlap(communicate, (tokens, topk_idx, topk_weights),
                                              lambda *a: compute(*a, num_sms), (x, cotangent, w_gate_up, w_down))
             return grads, combined
@@ -114,23 +109,24 @@ def run(args) -> list[dict]:
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 7, out_specs=P("ep")))
 
     budget = sms - args.sms
-    variants = [("compute, all SMs", "compute", None), (f"compute, {budget} SMs", "compute", budget),
-                ("communication", "communication", None),
-                (block_comm, "communication, block's SMs", None),
-                ("both, one stream, all SMs", "one stream", None),
-                (block_serial, "one stream, block's SMs", None),
-                ("both, side stream, all SMs", "side stream", None),
-                (f"both, side stream, compute on {budget} SMs", "side stream", budget)]
-    programs = {name: program(kind, num_sms) for name, kind, num_sms in variants}
+    # (name, what runs, the compute's SMs, the Buffer that communicates; the side stream's is always --sms's)
+    variants = [("compute, all SMs", "compute", None, buf), (f"compute, {budget} SMs", "compute", budget, buf),
+                ("communication", "communication", None, buf),
+                (block_comm, "communication", None, block_buf),
+                ("both, one stream, all SMs", "one stream", None, buf),
+                (block_serial, "one stream", None, block_buf),
+                ("both, side stream, all SMs", "side stream", None, buf),
+                (f"both, side stream, compute on {budget} SMs", "side stream", budget, buf)]
+    programs = {name: program(kind, num_sms, comm_buf) for name, kind, num_sms, comm_buf in variants}
     ms = harness.alternating_median_ms({name: (fn, [inputs]) for name, fn in programs.items()}, args.runs, args.calls)
     records = []
-    for name, kind, num_sms in variants:
+    for name, kind, num_sms, comm_buf in variants:
         record = dict(variant=name, ms=ms[name], num_ranks=num_ranks, comm_sms=args.sms, tokens=T,
                       device=device.device_kind)
         line = f"[overlap] {name:45s} {ms[name]:8.3f} ms"
-        if kind in ("side stream", "one stream", "one stream, block's SMs"):
+        if kind in ("side stream", "one stream"):
             alone = ms["compute, all SMs" if num_sms is None else f"compute, {budget} SMs"]
-            comm = ms[block_comm if kind == "one stream, block's SMs" else "communication"]
+            comm = ms[block_comm if comm_buf is block_buf else "communication"]
             record["hidden"] = (alone + comm - ms[name]) / min(alone, comm)
             line += (f"  (compute alone {alone:.3f} + communication alone {comm:.3f} = {alone + comm:.3f}; hidden "
                      f"{100 * record['hidden']:.0f} % of the shorter)")
