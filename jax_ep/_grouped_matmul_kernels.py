@@ -28,7 +28,8 @@ pair from the weight blocks that pair loads anyway, instead of by a tile that st
 expert SwiGLU's first matmul) and stores its result beside them (in 64-column pieces: the gate's, the up's and the
 result's halves), saving the pass that would read them back. With `gate_up_activation_grad` (dx of the down
 projection that consumes that activation) it applies the activation's gradient to its dh and the tile's gate and up
-blocks (loaded by TMA at the tile's start) and stores the cotangent of gate_up instead of dh.
+blocks (loaded by TMA at the tile's start) and stores the cotangent of gate_up instead of dh. A kernel with either
+is compiled with Mosaic GPU's approximate transcendentals (`approx_math`), which only the activation uses.
 
 Shapes the kernels take: lhs/rhs in bfloat16 or float16 (one dtype), float32 accumulation; the contracted
 dimension a multiple of `block_k` (rows kernel), output columns a multiple of `block_n`, K a multiple of
@@ -242,8 +243,9 @@ def _striped_order(index, num_row_blocks: int, num_col_blocks: int, stripe_width
     return row_block, col_block
 
 
-def _kernel(body, out_type, num_sms: int, clustered: bool = False):
-    """A persistent kernel of num_sms CTAs (clustered: num_sms // 2 clusters of two)."""
+def _kernel(body, out_type, num_sms: int, clustered: bool = False, approx_math: bool = False):
+    """A persistent kernel of num_sms CTAs (clustered: num_sms // 2 clusters of two); approx_math: Mosaic GPU's
+    approximate exp, rsqrt and the like (the only transcendentals are an epilogue's activation)."""
     cluster = dict(cluster=(CLUSTER_SIZE,), cluster_names=(_CLUSTER_AXIS,)) if clustered else {}
     return plgpu.kernel(
         body,
@@ -253,7 +255,8 @@ def _kernel(body, out_type, num_sms: int, clustered: bool = False):
         **cluster,
         num_threads=NUM_COMPUTE_WARPGROUPS + 1,
         thread_name=_WARPGROUP_AXIS,
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        compiler_params=plgpu.CompilerParams(approx_math=approx_math,
+                                             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
 
 
@@ -758,9 +761,9 @@ def ragged_rows_matmul(lhs: jax.Array, rhs: jax.Array, tile_group: jax.Array, ti
     out_type = jax.ShapeDtypeStruct((num_rows, 2 * out_cols if activation_grad else out_cols), dtype)
     if activation:
         out_type = (out_type, jax.ShapeDtypeStruct((num_rows, half_cols), dtype))
-    return _kernel(body, out_type, num_sms, clustered)(tile_group, tile_first_row, tile_end_row, *tail_schedule,
-                                                        *([gate_up] if activation_grad else []), lhs,
-                                                        rhs)
+    kernel = _kernel(body, out_type, num_sms, clustered, approx_math=activation or activation_grad)
+    return kernel(tile_group, tile_first_row, tile_end_row, *tail_schedule, *([gate_up] if activation_grad else []),
+                  lhs, rhs)
 
 
 def ragged_contraction_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, block_n: int,

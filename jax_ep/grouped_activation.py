@@ -38,8 +38,10 @@ jax_ep.flax.experts.grouped_swiglu runs it). Where the forward fuses and the dow
 the activation's gradient (`fuses_gate_up_activation_grad`: its tiles 128 columns without pair tails), one custom
 VJP spans both matmuls, and that dx kernel writes the cotangent of gate_up from the dh it computes (rounded to its
 dtype first, as the separate pass would read it): no dh in memory and no gradient pass. Past the groups it is what
-the "pallas" gradient above is (zero on `rows_read_past_groups()` rows, unspecified after). The gradient's
-arithmetic is the separate pass's, compiled by Mosaic GPU instead of Triton (the last bit may differ).
+the "pallas" gradient above is (zero on `rows_read_past_groups()` rows, unspecified after). The gradient's formula
+is the separate pass's, compiled by Mosaic GPU instead of Triton. Both fused kernels take the sigmoid as
+`_epilogue_sigmoid` on approximate transcendentals (within a few float32 ulps): h and the gradient may differ from
+the separate passes' in the last bit of their dtype.
 """
 from __future__ import annotations
 
@@ -108,13 +110,28 @@ def _gate_and_up_f32(gate_up):
     return gate, up
 
 
-def _forward_math(gate, up):
-    return gate * jax.nn.sigmoid(gate) * up
+def _forward_math(gate, up, sigmoid=jax.nn.sigmoid):
+    return gate * sigmoid(gate) * up
 
 
-def _backward_math(gate, up, dh):
-    s = jax.nn.sigmoid(gate)
+def _backward_math(gate, up, dh, sigmoid=jax.nn.sigmoid):
+    s = sigmoid(gate)
     return dh * up * s * (1 + gate * (1 - s)), dh * gate * s
+
+
+def _epilogue_sigmoid(x):
+    """sigmoid(x) = 1 / (1 + exp(-x)) as rsqrt(1 + exp(-x))^2, for the rows kernel's epilogues, which compile their
+    activation with approximate transcendentals (ex2.approx, rsqrt.approx: about 2^-22 relative error each, far
+    below bf16's 2^-8): a few instructions a value where an IEEE exp and division take about twenty, while the
+    tensor cores wait for the epilogue. Limits as sigmoid's: 0 at -inf (rsqrt(inf) = 0), 1 at +inf."""
+    r = jax.lax.rsqrt(1 + jnp.exp(-x))
+    return r * r
+
+
+# The fused kernels' activation and its gradient (`ragged_rows_matmul`'s gate_up_activation and
+# gate_up_activation_grad).
+_epilogue_forward_math = functools.partial(_forward_math, sigmoid=_epilogue_sigmoid)
+_epilogue_backward_math = functools.partial(_backward_math, sigmoid=_epilogue_sigmoid)
 
 
 def _rows_before(end, num_rows):
@@ -170,7 +187,7 @@ def _fused_forward(rows, w_gate_up, group_sizes, zero_past_groups):
     config = block_config("pallas", "fwd", num_rows, d, n, groups)
     gate_up, h = pallas_grouped_op("fwd", "pallas", rows, w_gate_up, group_sizes, config,
                                    zero_rows_end=zeroed_rows_end(group_sizes, num_rows, zero_past_groups),
-                                   gate_up_activation=_forward_math)
+                                   gate_up_activation=_epilogue_forward_math)
     return typed_like(gate_up, rows, w_gate_up, group_sizes), typed_like(h, rows, w_gate_up, group_sizes)
 
 
@@ -240,7 +257,7 @@ def _fused_swiglu_bwd(zero_past_groups, residuals, dy):
     # Zero on the rows past the groups that grouped_matmul's dw reads; unwritten after them.
     d_gate_up = pallas_grouped_op("dx", "pallas", dy, w_down, group_sizes, block_config("pallas", "dx", *problem),
                                   zero_rows_end=zeroed_rows_end(group_sizes, rows.shape[0], False),
-                                  gate_up=gate_up, gate_up_activation_grad=_backward_math)
+                                  gate_up=gate_up, gate_up_activation_grad=_epilogue_backward_math)
     d_rows, d_w_gate_up = grouped_matmul_pullback(rows, w_gate_up, group_sizes, typed_like(d_gate_up, gate_up),
                                                   "pallas", zero_past_groups=zero_past_groups)
     return d_rows, d_w_gate_up, d_w_down, None  # group_sizes is integer-valued: no cotangent

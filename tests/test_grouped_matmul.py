@@ -366,8 +366,10 @@ def test_kernels_lower_to_mosaic_gpu(op):
         config = dict(KERNEL_CONFIG, num_stages=3, block_rows=256) if "256" in op else KERNEL_CONFIG
         fn = functools.partial(kernels.ragged_contraction_matmul, **config)
     else:
+        from jax_ep.grouped_activation import _epilogue_backward_math, _epilogue_forward_math
         transpose_rhs, clustered, tails = op.startswith("dx"), "clustered" in op, op.endswith("tails")
-        activation = silu_mul if op.endswith("activation") else None
+        # The epilogue's activation as the block runs it (approximate transcendentals, no division).
+        activation = _epilogue_forward_math if op.endswith("activation") else None
         # 256-column tiles: a quarter of 64 per warpgroup of the pair's tails; 128 of the gate's columns and the
         # up's with the activation.
         wide = tails or activation is not None
@@ -378,10 +380,9 @@ def test_kernels_lower_to_mosaic_gpu(op):
 
         grad = {}
         if op.endswith("gradient"):  # moe-a's down projection's dx: 128 columns, 5 stages, beside gate_up [M, 2K]
-            from jax_ep.grouped_activation import _backward_math
             config = dict(KERNEL_CONFIG, block_n=128, num_stages=5)
             args = (jax.ShapeDtypeStruct((m, n), bf16), jax.ShapeDtypeStruct((groups, k, n), bf16), sizes)
-            grad = dict(gate_up=jnp.zeros((m, 2 * k), bf16), gate_up_activation_grad=_backward_math)
+            grad = dict(gate_up=jnp.zeros((m, 2 * k), bf16), gate_up_activation_grad=_epilogue_backward_math)
 
         def fn(lhs, rhs, group_sizes):
             schedule = (kernels.paired_row_tile_schedule(group_sizes, lhs.shape[0], fuse_tails=tails) if clustered
@@ -464,9 +465,10 @@ def test_rows_not_a_multiple_of_8_in_the_gpu_interpreter(monkeypatch):
 @cpu_only
 @needs_pallas
 def test_forward_kernel_with_the_activation_in_the_gpu_interpreter():
-    """The rows kernel with gate_up_activation, run by JAX's Pallas GPU interpreter: gate_up against the float64
-    oracle, and h = silu(gate) * up of the bf16-rounded gate_up (the oracle's activation), zero past the groups;
-    column block j holds the gate's columns j * 128... and the up's same ones."""
+    """The rows kernel with gate_up_activation (the block's epilogue math), run by JAX's Pallas GPU interpreter:
+    gate_up against the float64 oracle, and h = silu(gate) * up of the bf16-rounded gate_up (the oracle's
+    activation), zero past the groups; column block j holds the gate's columns j * 128... and the up's same ones."""
+    from jax_ep.grouped_activation import _epilogue_forward_math
     interpret = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.params",
                                     reason="JAX's Pallas GPU interpreter moved")
     rng = np.random.default_rng(11)
@@ -477,12 +479,13 @@ def test_forward_kernel_with_the_activation_in_the_gpu_interpreter():
     with interpret.force_gpu_interpret_mode(params):
         gate_up, h = kernels.ragged_rows_matmul(x, w, *kernels.row_tile_schedule(group_sizes, m),
                                                 transpose_rhs=False, block_n=256, block_k=64, num_stages=2,
-                                                grid_tile_width=1, num_sms=2, gate_up_activation=silu_mul)
+                                                grid_tile_width=1, num_sms=2,
+                                                gate_up_activation=_epilogue_forward_math)
     expected = oracle(np.asarray(x, np.float64), np.asarray(w, np.float64), np.zeros((m, 2 * f)), sizes)[0]
     assert relative_error(gate_up, expected) <= 1e-2
     end = sum(sizes)
     want_h = O.silu_mul(np.asarray(gate_up, np.float32)[:end])
-    np.testing.assert_allclose(np.asarray(h[:end], np.float64), want_h, rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(np.asarray(h[:end], np.float64), want_h, rtol=2.0**-7, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(gate_up[end:], np.float32), 0)
     np.testing.assert_array_equal(np.asarray(h[end:], np.float32), 0)
 
@@ -499,7 +502,7 @@ def test_rows_kernel_with_the_activation_gradient_in_the_gpu_interpreter(zeroed_
     tiles must not read."""
     interpret = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.params",
                                     reason="JAX's Pallas GPU interpreter moved")
-    from jax_ep.grouped_activation import _backward_math
+    from jax_ep.grouped_activation import _epilogue_backward_math
     rng = np.random.default_rng(13)
     m, k, n, sizes = 256, 64, 256, [0, 37, 100, 80]
     x, w, _ = random_operands(rng, m, k, n, len(sizes), jnp.bfloat16)
@@ -514,7 +517,7 @@ def test_rows_kernel_with_the_activation_gradient_in_the_gpu_interpreter(zeroed_
         d_gate_up = kernels.ragged_rows_matmul(x, w, *kernels.row_tile_schedule(group_sizes, m, zero_rows_end),
                                                transpose_rhs=False, block_n=128, block_k=64, num_stages=2,
                                                grid_tile_width=1, num_sms=2, gate_up=gate_up,
-                                               gate_up_activation_grad=_backward_math)
+                                               gate_up_activation_grad=_epilogue_backward_math)
     dh = oracle(np.asarray(x, np.float64), np.asarray(w, np.float64), np.zeros((m, n)), sizes)[0]
     dh = np.asarray(jnp.asarray(dh, jnp.bfloat16), np.float64)  # the kernel rounds dh as a separate pass would read it
     expected = O.silu_mul_vjp(np.asarray(gate_up, np.float64)[:end], dh[:end])

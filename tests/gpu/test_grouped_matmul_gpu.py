@@ -12,7 +12,7 @@ if jax.devices()[0].platform != "gpu":
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from grouped_matmul_harness import forward_and_grads, oracle, relative_error, silu_mul  # noqa: E402
+from grouped_matmul_harness import forward_and_grads, oracle, relative_error  # noqa: E402
 from jax import lax  # noqa: E402
 
 from jax_ep.grouped_matmul import (  # noqa: E402
@@ -318,17 +318,21 @@ def test_grouped_swiglu_ignores_rows_past_the_groups():
 @needs_hopper
 @pytest.mark.parametrize("clustered", [False, True])
 def test_gate_up_activation_in_the_forward_kernel(clustered):
-    """The rows kernel with gate_up_activation: gate_up against the float64 oracle and bitwise the kernel's
-    without it (each output element takes the same steps over K); h against silu(gate) * up of those bf16 values
-    in float64, to bf16 rounding; both zero past the last group."""
+    """The rows kernel with gate_up_activation (the block's: approximate transcendentals): gate_up against the
+    float64 oracle and bitwise the kernel's without it (each output element takes the same steps over K); h against
+    silu(gate) * up of those bf16 values in float64, to bf16 rounding; both zero past the last group."""
     import oracle as O
 
+    from jax_ep.grouped_activation import _epilogue_forward_math
     m, k, f = 3072, 512, 384
     sizes = np.asarray(FUSED_TAIL_SIZES, np.int32)
     rng = np.random.default_rng(9)
-    x, w = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for shape in ((m, k), (len(sizes), k, 2 * f)))
+    # Gates from about -40 to 40: sigmoid's tails as well as its middle.
+    x, w = (jnp.asarray(rng.standard_normal(shape) * scale, jnp.bfloat16)
+            for shape, scale in (((m, k), 1.0), ((len(sizes), k, 2 * f), 0.5)))
     config = BlockConfig(block_n=256, num_stages=3, grid_tile_width=16, clustered=clustered)
-    fused = jax.jit(functools.partial(pallas_grouped_op, "fwd", "pallas", config=config, gate_up_activation=silu_mul))
+    fused = jax.jit(functools.partial(pallas_grouped_op, "fwd", "pallas", config=config,
+                                      gate_up_activation=_epilogue_forward_math))
     gate_up, h = fused(x, w, jnp.asarray(sizes))
     plain = jax.jit(functools.partial(pallas_grouped_op, "fwd", "pallas", config=config))(x, w, jnp.asarray(sizes))
     assert relative_error(gate_up, oracle(x, w, np.zeros((m, 2 * f)), sizes)[0]) <= BF16_TOLERANCE
@@ -339,6 +343,32 @@ def test_gate_up_activation_in_the_forward_kernel(clustered):
     bad = ~(np.abs(got - want) <= 2.0**-8 * np.abs(want) + 1e-6)
     assert not bad.any(), f"h: {bad.sum()} of {bad.size} off"
     assert not np.asarray(gate_up[end:], np.float32).any() and not np.asarray(h[end:], np.float32).any()
+
+
+@needs_hopper
+def test_activation_gradient_in_dx_against_oracle():
+    """dx with gate_up_activation_grad (the block's: approximate transcendentals) on 128-column tiles, gates from
+    about -30 to 30 (sigmoid's tails as well as its middle): d_gate_up against the float64 oracle's SwiGLU gradient
+    of dh = dy @ w[g]^T rounded to bf16; zero past the groups."""
+    import oracle as O
+
+    from jax_ep.grouped_activation import _epilogue_backward_math
+    m, k, n = 3072, 384, 512  # dh [M, 384] from dy [M, 512]; gate_up [M, 768]
+    sizes = np.asarray(FUSED_TAIL_SIZES, np.int32)
+    rng = np.random.default_rng(23)
+    dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((len(sizes), k, n)) / np.sqrt(n), jnp.bfloat16)
+    gate_up = jnp.asarray(rng.standard_normal((m, 2 * k)) * 8, jnp.bfloat16)
+    config = BlockConfig(num_stages=5, grid_tile_width=16)
+    d_gate_up = jax.jit(functools.partial(pallas_grouped_op, "dx", "pallas", config=config,
+                                          gate_up_activation_grad=_epilogue_backward_math))(
+        dy, w, jnp.asarray(sizes), gate_up=gate_up)
+    end = int(sizes.sum())
+    dh = oracle(np.zeros((m, k)), w, dy, sizes)[1]
+    dh = np.asarray(jnp.asarray(dh, jnp.bfloat16), np.float64)  # rounded as the kernel rounds it
+    want = O.silu_mul_vjp(np.asarray(gate_up, np.float64)[:end], dh[:end])
+    assert relative_error(d_gate_up[:end], want) <= BF16_TOLERANCE
+    assert not np.any(np.asarray(d_gate_up[end:], np.float32)), "rows past the last group must be zero"
 
 
 @needs_hopper
