@@ -174,16 +174,15 @@ __device__ __forceinline__ JobShape shape_of(const CombineJob& j, const ExpertMa
 // kThreads per SM leaves: ~400 bytes at 4 partials).
 constexpr int kPartialsAtOnce = 2;
 // Pieces of a row asked of L2 ahead of the one a warp loads (prefetch_ahead); 2 measured best (docs/perf-log.md).
-constexpr int kPrefetchChunks = 2;
+constexpr int kPrefetchPieces = 2;
 
-// A lane's row: its pieces kPrefetchChunks ahead of the one at `first` into L2 (at the first piece, every piece up
+// A lane's row: its pieces kPrefetchPieces ahead of the one at `first` into L2 (at the first piece, every piece up
 // to there), while the warp waits for this piece's loads, which hold every register it can spare.
 template <typename Pack>
 __device__ __forceinline__ void prefetch_ahead(const Pack* row, int first, int vecs) {
-  constexpr int kChunkVecs = 32 * kSourceUnroll;  // a row's vectors a warp reads at once
-  for (int ahead = first == 0 ? kChunkVecs : first + kPrefetchChunks * kChunkVecs;
-       ahead <= first + kPrefetchChunks * kChunkVecs && ahead < vecs; ahead += kChunkVecs)
-    prefetch_to_l2(row + ahead, static_cast<uint32_t>(min(kChunkVecs, vecs - ahead) * sizeof(Pack)));
+  for (int ahead = first == 0 ? kWarpPieceVecs : first + kPrefetchPieces * kWarpPieceVecs;
+       ahead <= first + kPrefetchPieces * kWarpPieceVecs && ahead < vecs; ahead += kWarpPieceVecs)
+    prefetch_to_l2(row + ahead, static_cast<uint32_t>(min(kWarpPieceVecs, vecs - ahead) * sizeof(Pack)));
 }
 
 // One pass over rows of whole 16-byte vectors (kVec elements of In each).
@@ -209,7 +208,7 @@ __device__ void combine_pass(const IntranodeRank& g, const CallContext& ctx, con
       In* slot = job.home == me ? nullptr
                                 : static_cast<In*>(const_cast<void*>(ctx.views[job.home].pointers[0])) +
                                       (slot_region(me, job.home) * a.num_tokens + job.token) * a.row_elements;
-      for (int first = 0; first < vecs; first += 32 * kSourceUnroll) {
+      for (int first = 0; first < vecs; first += kWarpPieceVecs) {
         const int v0 = first + lane;
         if (lane < shape.pairs) prefetch_ahead(pairs.lane_row, first, vecs);
         float partial[kSourceUnroll][kVec] = {};
@@ -233,7 +232,7 @@ __device__ void combine_pass(const IntranodeRank& g, const CallContext& ctx, con
       // Where Out is In, this rank's partial is one more source; else (float32 out) it is added between the others.
       constexpr bool kMineIsSource = std::is_same_v<In, Out>;
       const int mine_at = shape.me_holds && !kMineIsSource ? __popc(holders & lanes_below(me)) : count;
-      for (int first = 0; first < vecs; first += 32 * kSourceUnroll) {
+      for (int first = 0; first < vecs; first += kWarpPieceVecs) {
         const int v0 = first + lane;
         if (lane < count) prefetch_ahead(lane_row, first, vecs);
         if constexpr (!kMineIsSource)

@@ -590,6 +590,8 @@ constexpr int kSourceUnroll = 2;
 constexpr int kSourceUnroll = 4;
 #endif
 constexpr int kPairsAtOnce = 4;
+// The piece of a row one warp reads at once: kSourceUnroll vectors for each of its 32 lanes.
+constexpr int kWarpPieceVecs = 32 * kSourceUnroll;
 
 // sum[u] += rows_i[v0 + 32 u] (times weight_i where weighted, as add_pair) for the sources i in [first, first +
 // kSources), in that order, u < kUnroll: lane i holds source i's row (`lane_row`, vectors of kVec elements of In)

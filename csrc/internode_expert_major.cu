@@ -155,7 +155,7 @@ __device__ void stage_partials(const InternodeRank& g, const ExpertMajorCombineA
     const uint32_t kept_lanes = __ballot_sync(kFullMask, lane_pair >= 0 && lane_pair < capacity);
     const PairSources<InPack> pairs = pair_sources(kept_lanes, lane_pair, y, vecs, a.weights, lane);
     In* out = reinterpret_cast<In*>(staged + item * layout.staged_row_bytes);
-    for (int first = 0; first < vecs; first += 32 * kSourceUnroll) {
+    for (int first = 0; first < vecs; first += kWarpPieceVecs) {
       const int v0 = first + lane;
       float sum[kSourceUnroll][kVec] = {};
       add_source_vectors<kPairsAtOnce, In, kVec, kSourceUnroll, LoadNonCoherent>(
